@@ -1,0 +1,81 @@
+# The Makefile is the project's interface: `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_VERSION ?= 3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# uv finds torch's CPU wheel through pip's find-links when the machine has them; never the CUDA build.
+export UV_FIND_LINKS := $(PIP_FIND_LINKS)
+UV := $(shell command -v uv 2>/dev/null || echo "python3 -m uv")
+# The stamp is rebuilt whenever a lock or a package definition changes.
+STAMP := $(VENV)/.installed
+LOCK_DEPS := requirements-dev.lock images/cache/pyproject.toml images/initializer/pyproject.toml
+
+.PHONY: help
+help: ## List the targets
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+.PHONY: uv
+uv:
+	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+
+$(STAMP): $(LOCK_DEPS) | uv
+	$(UV) venv --allow-existing --python $(PYTHON_VERSION) $(VENV)
+	$(UV) pip sync --python $(PY) requirements-dev.lock
+	$(UV) pip install --python $(PY) --no-deps -e images/cache -e images/initializer
+	touch $(STAMP)
+
+.PHONY: setup
+setup: $(STAMP) ## Build .venv: both packages (editable), their console scripts and the dev tools
+
+.PHONY: lock
+lock: | uv ## Recompile the requirement locks (versions only; torch stays a plain version)
+	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
+	  images/cache/pyproject.toml images/initializer/pyproject.toml requirements-dev.in \
+	  --extra torch -o requirements-dev.lock
+	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
+	  images/cache/pyproject.toml -o images/cache/requirements.lock
+	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
+	  images/initializer/pyproject.toml -o images/initializer/requirements.lock
+	# A `+cpu` local label would only install where that wheel sits; keep the plain version.
+	sed -i -E 's/^(torch==[0-9.]+)\+[a-z0-9]+/\1/' requirements-dev.lock
+
+.PHONY: test
+test: $(STAMP) ## Run every test (the kind suite skips, with its reason, without Docker)
+	$(PY) -m pytest tests
+
+.PHONY: test-fast
+test-fast: $(STAMP) ## Run the tests without the slow torchrun and property cases
+	$(PY) -m pytest tests -m "not slow"
+
+.PHONY: demo
+demo: $(STAMP) ## Stream a sample Iceberg table from a local cache to a 2-rank torchrun job
+	$(PY) hack/demo.py
+
+.PHONY: bench
+bench: $(STAMP) ## Quick benchmark run (bench/results/, plot, README table); FULL=1 for the full grid
+	$(PY) -m bench $(if $(FULL),--full,)
+
+.PHONY: lint
+lint: $(STAMP) ## ruff (lint + format check) and helm lint
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) hack/helm.py lint charts/kubeflow-trainer
+
+.PHONY: fmt
+fmt: $(STAMP) ## Format and fix what ruff can
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+.PHONY: sync-crds
+sync-crds: $(STAMP) ## Fill the chart's crds/ and charts/ (network, checked by sha256; offline from ../shared)
+	bash hack/sync-crds.sh
+
+.PHONY: test-e2e
+test-e2e: $(STAMP) ## Kind end-to-end suite (needs Docker, kind, kubectl, helm); KEEP_CLUSTER=1 keeps it
+	$(PY) -m pytest tests/e2e -m e2e -p no:cacheprovider
+
+.PHONY: clean
+clean: ## Remove the venv and build outputs
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist
