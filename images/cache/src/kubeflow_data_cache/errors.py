@@ -1,0 +1,43 @@
+"""Every error the cache raises on purpose, one named class each.
+
+Messages give the bad value and what would fix it; the servers turn these into Flight error
+statuses (clients) or a /ready reason plus a non-zero exit (nodes).
+"""
+
+from __future__ import annotations
+
+
+class DataCacheError(Exception):
+    """Base class of the cache's own errors."""
+
+
+class ConfigError(DataCacheError):
+    """A setting (env variable or flag) is missing or malformed."""
+
+
+class TableLoadError(DataCacheError):
+    """The Iceberg table could not be opened, planned or read."""
+
+
+class UnsupportedTableError(TableLoadError):
+    """The table uses a feature the cache cannot serve exactly (for example equality deletes)."""
+
+
+class MemoryBudgetError(DataCacheError):
+    """The table does not fit the data nodes' memory budget."""
+
+
+class BadRequestError(DataCacheError):
+    """A client's descriptor, ticket or action body is malformed or out of range."""
+
+
+class NotReadyError(DataCacheError):
+    """The cache has not finished loading (or its load failed)."""
+
+
+class StaleTicketError(DataCacheError):
+    """A ticket was issued for another load of this data node; ask the head again."""
+
+
+class ClusterFormationError(DataCacheError):
+    """The head and the data nodes did not find each other before the deadline."""

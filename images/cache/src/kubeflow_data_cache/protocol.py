@@ -1,0 +1,185 @@
+"""The wire contract between cache clients, the head and the data nodes.
+
+Kept in one module so the server and the training-side client cannot drift. See
+docs/protocol.md for the prose version.
+
+* ``GetFlightInfo`` on a PATH descriptor ``[str(index), str(total)]`` (upstream-compatible) or on
+  a CMD descriptor holding a JSON :class:`ShardRequest`.
+* Each endpoint's ticket is a JSON :class:`Ticket`: self-contained, so a data node serves it
+  without asking the head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from kubeflow_data_cache.errors import BadRequestError
+
+PROTOCOL_VERSION = 1
+EVEN_MODES = ("drop", "pad")
+DEFAULT_BLOCK_SIZE = 1024
+DEFAULT_BATCH_SIZE = 65536
+MAX_BATCH_SIZE = 1 << 22
+
+# Actions served by the head and the data nodes (DoAction types).
+ACTION_STATUS = "status"
+ACTION_REGISTER = "register"  # data node -> head
+ACTION_LOAD = "load"  # head -> data node
+ACTION_COUNT = "count"  # head -> data node: rows matching a filter
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise BadRequestError(message)
+
+
+def _as_int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequestError(f"'{name}' should be an integer, got {value!r}")
+    _require(value >= minimum, f"'{name}' should be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """What a client asks for: shard ``shard`` of ``num_shards`` of one epoch.
+
+    ``even``: None keeps near-equal contiguous shards (sizes differ by at most one row);
+    ``"drop"`` gives every shard ``rows // num_shards`` rows, ``"pad"`` gives every shard
+    ``ceil(rows / num_shards)`` rows by wrapping around to the start of the (permuted) order.
+    """
+
+    shard: int = 0
+    num_shards: int = 1
+    epoch: int = 0
+    seed: int = 0
+    shuffle: bool = False
+    columns: tuple[str, ...] | None = None
+    filter: str | None = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    even: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        _as_int("num_shards", self.num_shards, 1)
+        _as_int("shard", self.shard, 0)
+        _require(
+            self.shard < self.num_shards,
+            f"shard index {self.shard} is out of range: it must be in [0, {self.num_shards})",
+        )
+        _as_int("epoch", self.epoch, 0)
+        _as_int("seed", self.seed, 0)
+        _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {self.shuffle!r}")
+        _as_int("batch_size", self.batch_size, 1)
+        _require(self.batch_size <= MAX_BATCH_SIZE, f"'batch_size' should be <= {MAX_BATCH_SIZE}")
+        _as_int("block_size", self.block_size, 1)
+        _require(
+            self.even is None or self.even in EVEN_MODES,
+            f"'even' should be one of {EVEN_MODES} or null, got {self.even!r}",
+        )
+        if self.columns is not None:
+            _require(
+                isinstance(self.columns, (list, tuple)) and all(isinstance(c, str) for c in self.columns),
+                f"'columns' should be a list of column names, got {self.columns!r}",
+            )
+            object.__setattr__(self, "columns", tuple(self.columns))
+        _require(
+            self.filter is None or (isinstance(self.filter, str) and self.filter.strip() != ""),
+            f"'filter' should be a non-empty SQL predicate string, got {self.filter!r}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["columns"] = list(self.columns) if self.columns is not None else None
+        return out
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ShardRequest:
+        _require(isinstance(data, dict), f"a shard request should be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, f"unknown shard request field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ShardRequest:
+        return cls.from_dict(_loads(raw, "shard request"))
+
+    @classmethod
+    def from_path(cls, path: list[bytes] | list[str]) -> ShardRequest:
+        """The upstream form: a PATH descriptor ``[index, total]``."""
+        parts = [p.decode() if isinstance(p, bytes) else p for p in path]
+        _require(
+            len(parts) == 2,
+            f"a path descriptor should be [shard_index, shard_count], got {len(parts)} element(s) {parts}",
+        )
+        try:
+            index, total = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise BadRequestError(
+                f"a path descriptor should hold two integers [shard_index, shard_count], got {parts}"
+            ) from None
+        return cls(shard=index, num_shards=total)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A data node's part of one shard.
+
+    ``offset`` and ``total`` place this node's rows in the (possibly filtered) virtual row space
+    of ``total`` rows; ``node_rows`` is how many of them this node holds, checked on arrival so a
+    stale ticket (node reloaded, other filter result) fails instead of serving wrong rows.
+    """
+
+    generation: str
+    node: int
+    offset: int
+    node_rows: int
+    total: int
+    request: ShardRequest
+    version: int = PROTOCOL_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        body = {
+            "v": self.version,
+            "generation": self.generation,
+            "node": self.node,
+            "offset": self.offset,
+            "node_rows": self.node_rows,
+            "total": self.total,
+            "request": self.request.to_dict(),
+        }
+        return json.dumps(body, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Ticket:
+        data = _loads(raw, "ticket")
+        _require(isinstance(data, dict), "a ticket should be a JSON object")
+        _require(
+            data.get("v") == PROTOCOL_VERSION,
+            f"ticket protocol version {data.get('v')!r} is not supported (this node speaks {PROTOCOL_VERSION})",
+        )
+        try:
+            return cls(
+                generation=str(data["generation"]),
+                node=_as_int("node", data["node"]),
+                offset=_as_int("offset", data["offset"]),
+                node_rows=_as_int("node_rows", data["node_rows"]),
+                total=_as_int("total", data["total"]),
+                request=ShardRequest.from_dict(data["request"]),
+            )
+        except KeyError as missing:
+            raise BadRequestError(f"malformed ticket: missing field {missing}") from None
+
+
+def _loads(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequestError(f"malformed {what}: not valid JSON ({err})") from None
