@@ -1,0 +1,300 @@
+"""The low-level cache client: ask the head for a shard, stream it from the data nodes.
+
+One :class:`CacheClient` per process (Flight clients are not picklable, so a DataLoader worker
+builds its own). Every call carries the bearer token; transient failures (a node still loading,
+restarting, or briefly unreachable) are retried with exponential backoff under one deadline, and
+everything else fails at once with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from kubeflow_data_cache.errors import BadRequestError, DataCacheError, NotReadyError
+from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket
+
+__all__ = [
+    "DEFAULT_DEADLINE_SECONDS",
+    "CacheAuthError",
+    "CacheClient",
+    "CacheUnavailableError",
+    "round_robin",
+]
+
+log = logging.getLogger(__name__)
+
+# Long enough to ride out a data node restart or a cache that is still loading when training
+# starts; short enough that a wrong endpoint fails within a couple of minutes.
+DEFAULT_DEADLINE_SECONDS = 120.0
+# Unary calls (GetFlightInfo, DoAction) each get at most this long; DoGet streams have no
+# per-call timeout because a large shard legitimately takes long to stream.
+UNARY_TIMEOUT_SECONDS = 30.0
+BACKOFF_INITIAL_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 2.0
+# A restarted data node rejects old tickets; ask the head again at most this often per stream.
+MAX_REPLANS = 3
+
+ENDPOINT_HINT = "set DATA_CACHE_ENDPOINT (or the dataset's endpoint argument) to the cache's grpc:// address"
+TOKEN_HINT = "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or the token argument) to the cache's token"
+
+# The same errors gRPC reports for a refused connection, a failed DNS lookup, a server that
+# went away mid-stream and a cache still loading: all worth another try until the deadline.
+_TRANSIENT = (flight.FlightUnavailableError, flight.FlightTimedOutError)
+_AUTH = (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError)
+
+T = TypeVar("T")
+
+
+class CacheUnavailableError(DataCacheError):
+    """The cache (head or a data node) could not be reached before the deadline."""
+
+
+class CacheAuthError(DataCacheError):
+    """The cache refused the bearer token (missing or wrong)."""
+
+
+def _reason(err: BaseException) -> str:
+    """The server's message without pyarrow's appended traceback and gRPC debug context."""
+    return str(err).split(". Detail:", 1)[0].strip()
+
+
+class CacheClient:
+    """A Flight client for the cache's head, with one connection per data node location."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        tls_root_certs: bytes | None = None,
+        deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+    ) -> None:
+        if "://" not in endpoint:
+            raise ValueError(f"the cache endpoint should be a grpc:// or grpc+tls:// URI, got {endpoint!r}")
+        if deadline_seconds <= 0:
+            raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")
+        self.endpoint = endpoint
+        self.deadline_seconds = float(deadline_seconds)
+        self._token = token
+        self._tls_root_certs = tls_root_certs
+        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._clients: dict[str, flight.FlightClient] = {}
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _client(self, location: str) -> flight.FlightClient:
+        client = self._clients.get(location)
+        if client is None:
+            kwargs: dict[str, Any] = {}
+            if self._tls_root_certs is not None:
+                kwargs["tls_root_certs"] = self._tls_root_certs
+            client = flight.FlightClient(location, **kwargs)
+            self._clients[location] = client
+        return client
+
+    def _options(self, timeout: float | None) -> flight.FlightCallOptions:
+        return flight.FlightCallOptions(timeout=timeout, headers=self._headers)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- errors and retries ------------------------------------------------------------------
+
+    def _translate(self, err: Exception, location: str, what: str) -> Exception:
+        """Turn a non-transient Flight error into one of the cache's errors, naming the fix."""
+        reason = _reason(err)
+        if isinstance(err, _AUTH):
+            sent = "no token was sent" if self._token is None else "the token was rejected"
+            return CacheAuthError(
+                f"the cache at {location} refused the token on {what} ({sent}: {reason}); {TOKEN_HINT}"
+            )
+        if isinstance(err, flight.FlightInternalError):
+            return NotReadyError(f"{what} failed at {location}: {reason}")
+        if isinstance(err, pa.ArrowInvalid):
+            return BadRequestError(f"{what} rejected by {location}: {reason}")
+        return err
+
+    def _unavailable(self, err: BaseException, location: str, what: str, waited: float) -> CacheUnavailableError:
+        reason = _reason(err)
+        if location == self.endpoint:
+            hint = f"; {ENDPOINT_HINT}" if "loading" not in reason else ""
+            return CacheUnavailableError(
+                f"could not reach the data cache at {location} for {what} within {waited:.0f}s: {reason}{hint}"
+            )
+        return CacheUnavailableError(
+            f"data node {location} stayed unavailable for {waited:.0f}s during {what}: {reason}"
+        )
+
+    def _retry(self, location: str, what: str, call: Callable[[float], T]) -> T:
+        """Run ``call(timeout)`` until it succeeds, retrying transient errors until the deadline."""
+        start = time.monotonic()
+        deadline = start + self.deadline_seconds
+        delay = BACKOFF_INITIAL_SECONDS
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return call(remaining)
+            except _TRANSIENT as err:
+                if time.monotonic() + delay >= deadline:
+                    raise self._unavailable(err, location, what, time.monotonic() - start) from err
+                log.info("%s at %s: %s; retrying in %.2fs", what, location, _reason(err), delay)
+            except flight.FlightError as err:
+                raise self._translate(err, location, what) from err
+            except pa.ArrowInvalid as err:
+                raise self._translate(err, location, what) from err
+            # Jitter keeps many workers that failed together from retrying in lockstep.
+            time.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, BACKOFF_MAX_SECONDS)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def get_flight_info(self, request: ShardRequest) -> flight.FlightInfo:
+        """Ask the head where shard ``request.shard`` of ``request.num_shards`` lives."""
+        descriptor = flight.FlightDescriptor.for_command(request.to_json())
+        head = self._client(self.endpoint)
+        return self._retry(
+            self.endpoint,
+            "GetFlightInfo",
+            lambda remaining: head.get_flight_info(descriptor, self._options(min(remaining, UNARY_TIMEOUT_SECONDS))),
+        )
+
+    def status(self, location: str | None = None) -> dict[str, Any]:
+        """The ``status`` action of the head (or of the node at ``location``) as a dict."""
+        location = location or self.endpoint
+        client = self._client(location)
+
+        def call(remaining: float) -> dict[str, Any]:
+            results = client.do_action(
+                flight.Action(ACTION_STATUS, b""), self._options(min(remaining, UNARY_TIMEOUT_SECONDS))
+            )
+            body = b"".join(r.body.to_pybytes() for r in results)
+            return json.loads(body) if body else {}
+
+        return self._retry(location, "status", call)
+
+    def read_shard(self, request: ShardRequest, interleave: bool = True) -> Iterator[pa.RecordBatch]:
+        """Every record batch of one shard, from all of its data nodes.
+
+        With ``interleave`` the endpoints' streams are round-robined in chunks of exactly
+        ``request.batch_size`` rows (a unit that does not depend on how a node cuts its batches,
+        so the order is the same on every read); without, they are read one after the other.
+        """
+        info = self.get_flight_info(request)
+        streams = [self._endpoint_batches(request, endpoint) for endpoint in info.endpoints]
+        try:
+            if interleave:
+                yield from round_robin(streams, request.batch_size)
+            else:
+                for stream in streams:
+                    yield from stream
+        finally:
+            for stream in streams:
+                stream.close()
+
+    def _endpoint_batches(self, request: ShardRequest, endpoint: flight.FlightEndpoint) -> Iterator[pa.RecordBatch]:
+        """One endpoint's batches; a broken stream is reopened and the rows already seen skipped.
+
+        The same ticket yields the same rows in the same order, so skipping ``received`` rows of
+        the new stream neither repeats nor loses a row. A data node that restarted (and reloaded
+        the same table) rejects the old ticket as stale: the head is asked for a fresh one.
+        """
+        node = Ticket.from_json(endpoint.ticket.ticket).node
+        received = 0
+        failing_since: float | None = None
+        delay = BACKOFF_INITIAL_SECONDS
+        replans = 0
+        while True:
+            location = endpoint.locations[0].uri.decode() if endpoint.locations else self.endpoint
+            skip = received
+            try:
+                reader = self._client(location).do_get(endpoint.ticket, self._options(None))
+                for chunk in reader:
+                    batch = chunk.data
+                    if skip:
+                        cut = min(skip, batch.num_rows)
+                        skip -= cut
+                        batch = batch.slice(cut)
+                    if batch.num_rows == 0:
+                        continue
+                    received += batch.num_rows
+                    failing_since, delay = None, BACKOFF_INITIAL_SECONDS
+                    yield batch
+                return
+            except _TRANSIENT as err:
+                now = time.monotonic()
+                failing_since = failing_since if failing_since is not None else now
+                if now + delay - failing_since >= self.deadline_seconds:
+                    raise self._unavailable(err, location, f"DoGet after {received} rows", now - failing_since) from err
+                log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, _reason(err))
+            except pa.ArrowInvalid as err:
+                if not _is_stale(err) or replans >= MAX_REPLANS:
+                    raise self._translate(err, location, "DoGet") from err
+                replans += 1
+                endpoint = self._fresh_endpoint(request, node, location)
+                continue
+            except flight.FlightError as err:
+                raise self._translate(err, location, "DoGet") from err
+            time.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, BACKOFF_MAX_SECONDS)
+
+    def _fresh_endpoint(self, request: ShardRequest, node: int, location: str) -> flight.FlightEndpoint:
+        for endpoint in self.get_flight_info(request).endpoints:
+            if Ticket.from_json(endpoint.ticket.ticket).node == node:
+                return endpoint
+        raise BadRequestError(
+            f"data node {node} ({location}) reloaded and no longer serves this shard; restart the epoch"
+        )
+
+
+def _is_stale(err: BaseException) -> bool:
+    reason = _reason(err).lower()
+    return "stale ticket" in reason or "new flightinfo" in reason or "ticket expects" in reason
+
+
+def round_robin(streams: Iterable[Iterator[pa.RecordBatch]], unit: int) -> Iterator[pa.RecordBatch]:
+    """Take ``unit`` rows from each stream in turn (zero-copy slices) until all are exhausted."""
+    cursors = [_Cursor(stream) for stream in streams]
+    while cursors:
+        for cursor in list(cursors):
+            need = unit
+            while need:
+                piece = cursor.take(need)
+                if piece is None:
+                    cursors.remove(cursor)
+                    break
+                need -= piece.num_rows
+                yield piece
+
+
+class _Cursor:
+    """A stream of record batches read in pieces of at most ``n`` rows."""
+
+    def __init__(self, stream: Iterator[pa.RecordBatch]) -> None:
+        self._stream = stream
+        self._batch: pa.RecordBatch | None = None
+        self._offset = 0
+
+    def take(self, n: int) -> pa.RecordBatch | None:
+        while self._batch is None or self._offset >= self._batch.num_rows:
+            self._batch = next(self._stream, None)
+            self._offset = 0
+            if self._batch is None:
+                return None
+        piece = self._batch.slice(self._offset, n)
+        self._offset += piece.num_rows
+        return piece

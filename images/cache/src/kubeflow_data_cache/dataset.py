@@ -1,0 +1,360 @@
+"""``DataCacheDataset``: a torch IterableDataset that streams one shard of the cache per reader.
+
+Readers are ranks x DataLoader workers; reader ``rank * num_workers + worker_id`` asks the head
+for that shard of the epoch's order and yields ready-made batches. Conversion runs once per
+large Arrow record batch (vectorized), then the tensors are sliced into ``batch_size`` pieces,
+so no Python code runs per row (except for string columns, which become lists of ``str``).
+See docs/dataset.md. torch is the package's optional ``torch`` extra: only this module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient
+from kubeflow_data_cache.errors import ConfigError
+from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
+
+__all__ = ["DataCacheDataset", "World", "default_endpoint"]
+
+CACHE_PORT = 50051
+STATE_VERSION = 1
+# Rows converted per call of from_arrow_rb_to_tensor: large enough that per-call overhead
+# vanishes, small enough to bound the memory held between batches.
+CONVERT_ROWS = DEFAULT_BATCH_SIZE
+
+
+def default_endpoint(env: dict[str, str] | None = None) -> str:
+    """``DATA_CACHE_ENDPOINT``, else the TrainJob's cache service, else a ConfigError."""
+    env = os.environ if env is None else env
+    if env.get("DATA_CACHE_ENDPOINT"):
+        return env["DATA_CACHE_ENDPOINT"]
+    if env.get("TRAIN_JOB_NAME"):
+        return f"grpc://{env['TRAIN_JOB_NAME']}-cache-service:{CACHE_PORT}"
+    raise ConfigError(
+        "no cache endpoint: pass endpoint='grpc://host:port', set DATA_CACHE_ENDPOINT, "
+        "or run inside a TrainJob (which sets TRAIN_JOB_NAME)"
+    )
+
+
+def default_token(env: dict[str, str] | None = None) -> str | None:
+    """``DATA_CACHE_TOKEN``, else the contents of ``DATA_CACHE_TOKEN_FILE``, else None."""
+    env = os.environ if env is None else env
+    if env.get("DATA_CACHE_TOKEN"):
+        return env["DATA_CACHE_TOKEN"]
+    path = env.get("DATA_CACHE_TOKEN_FILE")
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip()
+    except OSError as err:
+        raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} could not be read: {err.strerror}") from None
+
+
+def _env_int(env: dict[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"`{name}` should be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class World:
+    """Who is reading: this process's rank and DataLoader worker, hence its shard."""
+
+    rank: int = 0
+    world_size: int = 1
+    worker_id: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size):
+            raise ConfigError(f"rank {self.rank} is out of range for world size {self.world_size}")
+        if not (0 <= self.worker_id < self.num_workers):
+            raise ConfigError(f"worker {self.worker_id} is out of range for {self.num_workers} DataLoader workers")
+
+    @property
+    def shard(self) -> int:
+        return self.rank * self.num_workers + self.worker_id
+
+    @property
+    def num_shards(self) -> int:
+        return self.world_size * self.num_workers
+
+    @classmethod
+    def detect(cls, env: dict[str, str] | None = None) -> World:
+        """torch.distributed when initialized, else ``RANK``/``WORLD_SIZE``; the DataLoader worker."""
+        env = os.environ if env is None else env
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
+        info = get_worker_info()
+        if info is None:
+            return cls(rank, world_size)
+        return cls(rank, world_size, info.id, info.num_workers)
+
+
+@dataclass
+class _Progress:
+    """Rows this reader has handed out in the current epoch: what state_dict saves."""
+
+    epoch: int
+    shard: int
+    num_shards: int
+    rows: int = 0
+
+
+class DataCacheDataset(IterableDataset):
+    """Stream the cached table as batches: a dict of column name to tensor (or list of str).
+
+    ``even`` makes every shard the same size so every rank yields the same number of batches
+    (DDP needs that): ``"drop"`` leaves out up to ``num_shards - 1`` rows per epoch, ``"pad"``
+    repeats as many. ``drop_last=True`` also drops each shard's final partial batch, so every
+    batch has exactly ``batch_size`` rows; it implies ``even="drop"`` unless ``even`` is given.
+    With neither, every row is yielded exactly once per epoch over all ranks and workers.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        batch_size: int = 1024,
+        columns: Sequence[str] | None = None,
+        filter: str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        token: str | None = None,
+        even: str | None = None,
+        tls_root_certs: bytes | None = None,
+        deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size should be a positive integer, got {batch_size!r}")
+        if even is not None and even not in EVEN_MODES:
+            raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
+        self.endpoint = endpoint or default_endpoint()
+        self.token = token if token is not None else default_token()
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.even = even if even is not None else ("drop" if drop_last else None)
+        self.tls_root_certs = tls_root_certs
+        self.deadline_seconds = deadline_seconds
+        # Validated now (bad seed, columns, filter type) rather than in a DataLoader worker.
+        self._request = ShardRequest(
+            seed=seed,
+            shuffle=shuffle,
+            columns=tuple(columns) if columns is not None else None,
+            filter=filter,
+            batch_size=DEFAULT_BATCH_SIZE,
+            even=self.even,
+            block_size=block_size,
+        )
+        self._epoch = 0
+        self._progress: _Progress | None = None
+        self._resume: dict[str, Any] | None = None
+
+    @property
+    def shuffle(self) -> bool:
+        return self._request.shuffle
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its shuffle order), like DistributedSampler.set_epoch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch should be a non-negative integer, got {epoch!r}")
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None  # a saved position belongs to its own epoch only
+        self._epoch = epoch
+
+    def shard_request(self, world: World) -> ShardRequest:
+        """The request this reader sends for the current epoch."""
+        return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=self._epoch)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iter_world(World.detect())
+
+    def _iter_world(self, world: World) -> Iterator[Any]:
+        """Set up this reader's epoch now (so state_dict is right at once), then stream."""
+        request = self.shard_request(world)
+        skip = self._take_resume(world)
+        self._progress = _Progress(self._epoch, world.shard, world.num_shards, rows=skip)
+        return self._stream(request, skip, self._progress)
+
+    def _stream(self, request: ShardRequest, skip: int, progress: _Progress) -> Iterator[Any]:
+        client = CacheClient(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds)
+        try:
+            record_batches = _skip_rows(client.read_shard(request, interleave=request.shuffle), skip)
+            for batch, rows in self._rebatch(record_batches):
+                # Counted before the yield: state_dict taken after receiving a batch includes it.
+                progress.rows += rows
+                yield batch
+        finally:
+            client.close()
+
+    def _rebatch(self, record_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[Any, int]]:
+        """Group record batches into runs of ~CONVERT_ROWS, convert each run once, slice it.
+
+        A run is cut at a multiple of ``batch_size``; the remainder starts the next run, so
+        every batch but the shard's last has exactly ``batch_size`` rows.
+        """
+        size = self.batch_size
+        target = max(size, CONVERT_ROWS // size * size)
+        pending: list[pa.RecordBatch] = []
+        pending_rows = 0
+        for rb in record_batches:
+            pending.append(rb)
+            pending_rows += rb.num_rows
+            if pending_rows < target:
+                continue
+            run = _concat(pending)
+            full = pending_rows // size * size
+            yield from self._slices(run.slice(0, full), size)
+            pending = [run.slice(full)] if pending_rows > full else []
+            pending_rows -= full
+        if pending_rows:
+            run = _concat(pending)
+            full = pending_rows // size * size
+            keep = pending_rows if not self.drop_last else full
+            if keep:
+                yield from self._slices(run.slice(0, keep), size)
+
+    def _slices(self, run: pa.RecordBatch, size: int) -> Iterator[tuple[Any, int]]:
+        converted = self.from_arrow_rb_to_tensor(run)
+        for start in range(0, run.num_rows, size):
+            stop = min(start + size, run.num_rows)
+            yield _slice(converted, start, stop), stop - start
+
+    def from_arrow_rb_to_tensor(self, batch: pa.RecordBatch) -> Any:
+        """Convert a record batch (many training batches long) to a row-aligned structure.
+
+        Override to tokenize or reshape. Return a dict or tuple of tensors, numpy arrays or
+        lists whose first dimension is the row: the result is sliced into ``batch_size`` rows.
+        """
+        return {name: column_to_tensor(name, col) for name, col in zip(batch.schema.names, batch.columns, strict=True)}
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What must not change between save and resume for row counts to mean the same rows."""
+        req = self._request
+        return {
+            "seed": req.seed,
+            "shuffle": req.shuffle,
+            "columns": list(req.columns) if req.columns is not None else None,
+            "filter": req.filter,
+            "even": req.even,
+            "block_size": req.block_size,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader is: epoch, shard and rows handed out (DataLoader workers: per worker)."""
+        if self._resume is not None:
+            return dict(self._resume)
+        progress = self._progress or _Progress(self._epoch, -1, -1)
+        if progress.epoch != self._epoch:
+            progress = _Progress(self._epoch, -1, -1)
+        return {
+            "version": STATE_VERSION,
+            "epoch": progress.epoch,
+            "shard": progress.shard,
+            "num_shards": progress.num_shards,
+            "rows": progress.rows,
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration of ``state["epoch"]`` skips the rows already handed out."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a DataCacheDataset state (version {STATE_VERSION}): {state!r}")
+        changed = {k: (v, state.get(k)) for k, v in self._fingerprint().items() if state.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (now, saved) in changed.items())
+            raise ValueError(f"the saved state was taken with other dataset settings ({detail})")
+        self._epoch = int(state["epoch"])
+        self._resume = dict(state) if state["rows"] > 0 else None
+
+    def _take_resume(self, world: World) -> int:
+        state, self._resume = self._resume, None
+        if state is None or state["epoch"] != self._epoch:
+            return 0
+        if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
+            raise ValueError(
+                f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
+                f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
+            )
+        return int(state["rows"])
+
+
+def _skip_rows(record_batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
+    for rb in record_batches:
+        if skip >= rb.num_rows:
+            skip -= rb.num_rows
+            continue
+        if skip:
+            rb, skip = rb.slice(skip), 0
+        yield rb
+
+
+def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+
+
+def _slice(obj: Any, start: int, stop: int) -> Any:
+    if isinstance(obj, (torch.Tensor, np.ndarray, list)):
+        return obj[start:stop]
+    if isinstance(obj, dict):
+        return {k: _slice(v, start, stop) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_slice(v, start, stop) for v in obj)
+    raise TypeError(
+        f"from_arrow_rb_to_tensor should return tensors, numpy arrays or lists (in a dict or tuple), "
+        f"got {type(obj).__name__}"
+    )
+
+
+def column_to_tensor(name: str, col: pa.Array) -> torch.Tensor | list[str]:
+    """One column as a tensor (fixed-size lists as 2-D, one copy) or, for strings, a list of str."""
+    t = col.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return col.to_pylist()
+    if pa.types.is_fixed_size_list(t):
+        if col.null_count:
+            raise ValueError(f"column {name!r} has null lists; fill them in from_arrow_rb_to_tensor")
+        inner = column_to_tensor(name, col.flatten())
+        assert isinstance(inner, torch.Tensor)
+        return inner.reshape(len(col), t.list_size, *inner.shape[1:])
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        if col.null_count and not pa.types.is_floating(t):
+            raise ValueError(
+                f"column {name!r} ({t}) has {col.null_count} null value(s); filter them out or override "
+                "from_arrow_rb_to_tensor to fill them"
+            )
+        # writable=True copies once: tensors must not alias Arrow's immutable buffers.
+        return torch.from_numpy(col.to_numpy(zero_copy_only=False, writable=True))
+    raise TypeError(
+        f"column {name!r} has type {t}, which has no default tensor conversion; leave it out with "
+        "columns=[...] or override from_arrow_rb_to_tensor"
+    )
