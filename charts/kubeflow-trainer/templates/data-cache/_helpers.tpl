@@ -1,0 +1,25 @@
+{{- define "trainer.dataCache.labels" -}}
+{{ include "trainer.labels" . }}
+app.kubernetes.io/component: data-cache
+{{- end }}
+
+{{/* The ClusterRole the per-namespace RoleBindings grant to the initializer's ServiceAccount. */}}
+{{- define "trainer.dataCache.clusterRole.name" -}}
+{{ include "trainer.fullname" . }}-cache-initializer
+{{- end }}
+
+{{- define "trainer.dataCache.initializerImage" -}}
+{{ .Values.dataCache.initializer.image.repository }}:{{ .Values.dataCache.initializer.image.tag }}
+{{- end }}
+
+{{- define "trainer.dataCache.cacheImage" -}}
+{{ .Values.dataCache.cache.image.repository }}:{{ .Values.dataCache.cache.image.tag }}
+{{- end }}
+
+{{/* Rules between values that the schema cannot express; each message names the values. */}}
+{{- define "trainer.dataCache.checks" -}}
+{{- $lwsInstall := .Values.dataCache.lws.install }}
+{{- if and (kindIs "bool" $lwsInstall) $lwsInstall (not .Values.dataCache.enabled) }}
+{{- fail "dataCache.lws.install=true requires dataCache.enabled=true: LeaderWorkerSet is only installed for the data cache (leave dataCache.lws.install unset, or set dataCache.enabled=true)" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,32 @@
+{{/* The controller looks these two configurations up by name: they cannot follow the release name. */}}
+{{- define "trainer.webhook.validating.name" -}}validator.trainer.kubeflow.org{{- end }}
+{{- define "trainer.webhook.mutating.name" -}}defaulter.trainer.kubeflow.org{{- end }}
+
+{{- define "trainer.webhook.secret.name" -}}
+{{ include "trainer.fullname" . }}-webhook-cert
+{{- end }}
+
+{{- define "trainer.webhook.labels" -}}
+{{ include "trainer.labels" . }}
+app.kubernetes.io/component: webhook
+{{- end }}
+
+{{/* One webhook entry: (list $ "name" "path" "resource"). */}}
+{{- define "trainer.webhook.entry" -}}
+{{- $root := index . 0 -}}
+- name: {{ index . 1 }}
+  admissionReviewVersions: [v1]
+  sideEffects: None
+  failurePolicy: {{ $root.Values.webhook.failurePolicy }}
+  clientConfig:
+    service:
+      name: {{ include "trainer.manager.name" $root }}
+      namespace: {{ $root.Release.Namespace }}
+      path: {{ index . 2 }}
+      port: 443
+  rules:
+    - apiGroups: [trainer.kubeflow.org]
+      apiVersions: [v1alpha1]
+      operations: [CREATE, UPDATE]
+      resources: [{{ index . 3 }}]
+{{- end }}
