@@ -1,0 +1,3 @@
+from kubeflow_data_cache.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""`data-cache`: head, worker (data node), local cluster and sample-table commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kubeflow_data_cache.errors import DataCacheError
+
+log = logging.getLogger("kubeflow_data_cache")
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metadata-loc", help="Iceberg metadata.json location (env METADATA_LOC)")
+    p.add_argument("--schema-name", help="schema (namespace) name reported by the cache (env SCHEMA_NAME)")
+    p.add_argument("--table-name", help="table name reported by the cache (env TABLE_NAME)")
+    p.add_argument("--host", help="address to bind (env BIND_HOST, default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="Flight port (env FLIGHT_PORT, default 50051; 0 picks a free one)")
+    p.add_argument("--health-port", type=int, help="HTTP /ready /live /metrics port (env HEALTH_PORT, default 8080)")
+    p.add_argument("--advertise-host", help="address others reach this node at (env POD_IP, default hostname)")
+    p.add_argument("--memory-limit", help="memory budget, e.g. 4Gi (env MEMORY_LIMIT, default the cgroup limit)")
+    p.add_argument("--token", help="bearer token every call must carry (env DATA_CACHE_TOKEN)")
+    p.add_argument("--token-file", help="file holding the token (env DATA_CACHE_TOKEN_FILE)")
+    p.add_argument("--tls-cert", help="TLS certificate file (env DATA_CACHE_TLS_CERT)")
+    p.add_argument("--tls-key", help="TLS private key file (env DATA_CACHE_TLS_KEY)")
+    p.add_argument("--startup-timeout", type=float, help="seconds to form the cluster and load (default 600)")
+    p.add_argument("--failure-grace", type=float, help="seconds to keep reporting a failed load before exiting")
+    p.add_argument("--load-threads", type=int, help="parallel file reads (default: CPU count)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="data-cache", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    head = sub.add_parser("head", help="run the head (LeaderWorkerSet leader)")
+    _node_flags(head)
+    head.add_argument("--data-nodes", type=int, help="data nodes to expect (default LWS_GROUP_SIZE - 1)")
+
+    worker = sub.add_parser("worker", help="run a data node (LeaderWorkerSet worker)")
+    _node_flags(worker)
+    worker.add_argument("--index", type=int, help="0-based data node index (default LWS_WORKER_INDEX - 1)")
+    worker.add_argument("--head", help="head location, e.g. grpc://10.0.0.5:50051 (default from LWS_LEADER_ADDRESS)")
+
+    local = sub.add_parser("local", help="run a head and N data nodes on this machine")
+    local.add_argument(
+        "--metadata-loc", default=os.environ.get("METADATA_LOC"), required="METADATA_LOC" not in os.environ
+    )
+    local.add_argument("--data-nodes", type=int, default=2)
+    local.add_argument("--port", type=int, default=50051)
+    local.add_argument("--host", default="127.0.0.1")
+    local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi")
+    local.add_argument("--startup-timeout", type=float, default=300.0)
+
+    sample = sub.add_parser("sample-table", help="write a sample Iceberg table and print its metadata location")
+    sample.add_argument("--warehouse", required=True, help="warehouse folder (or s3://bucket/prefix)")
+    sample.add_argument("--rows", type=int, default=100_000)
+    sample.add_argument("--files", type=int, default=4)
+    sample.add_argument("--schema-name", default="demo")
+    sample.add_argument("--table-name", default="events")
+    return parser
+
+
+def _setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+    )
+    # Library chatter (botocore retries, pyiceberg warnings) would drown the progress lines.
+    for noisy in ("botocore", "urllib3", "s3fs", "aiobotocore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
+    _setup_logging(args.log_level, role)
+    try:
+        if args.command in ("head", "worker"):
+            from kubeflow_data_cache.config import build_config
+            from kubeflow_data_cache.runner import run_node
+
+            return run_node(build_config(args.command, vars(args)))
+        if args.command == "local":
+            from kubeflow_data_cache.local import LocalCluster, run_local
+
+            if args.data_nodes < 1:
+                raise DataCacheError(f"--data-nodes should be >= 1, got {args.data_nodes}")
+            return run_local(
+                LocalCluster(
+                    args.metadata_loc, args.data_nodes, args.port, args.host, args.memory_limit, args.startup_timeout
+                )
+            )
+        from kubeflow_data_cache.sample import create_sample_table
+
+        table = create_sample_table(args.warehouse, args.rows, args.files, args.schema_name, args.table_name)
+        print(table.metadata_location)
+        return 0
+    except DataCacheError as err:
+        log.error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,153 @@
+"""Node settings: parsed once at start-up from env, with command-line flags taking precedence."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from kubeflow_data_cache import constants
+from kubeflow_data_cache.errors import ConfigError
+from kubeflow_data_cache.memory import container_memory_limit, parse_bytes
+from kubeflow_data_cache.security import load_token, tls_certificates
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: str  # "head" or "worker"
+    metadata_loc: str
+    schema_name: str
+    table_name: str
+    bind_host: str
+    flight_port: int
+    health_port: int
+    advertise_host: str
+    data_nodes: int  # head: how many data nodes to expect
+    node_index: int  # worker: 0-based data node index
+    head_location: str  # worker: where the head's Flight server is
+    memory_limit: int | None
+    token: str | None
+    tls: list[tuple[bytes, bytes]]
+    startup_timeout: float
+    failure_grace: float
+    load_threads: int
+    termination_log: str
+
+    @property
+    def scheme(self) -> str:
+        return "grpc+tls" if self.tls else "grpc"
+
+    @property
+    def tls_root_certs(self) -> bytes | None:
+        """Peers verify each other against our own certificate (one cluster, one certificate)."""
+        return self.tls[0][0] if self.tls else None
+
+    def location(self, port: int) -> str:
+        return f"{self.scheme}://{self.advertise_host}:{port}"
+
+
+def _int(name: str, raw: str | int | None, default: int, minimum: int = 0) -> int:
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"`{name}` should be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"`{name}` should be >= {minimum}, got {value}")
+    return value
+
+
+def _float(name: str, raw: str | float | None, default: float) -> float:
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"`{name}` should be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"`{name}` should be > 0, got {value}")
+    return value
+
+
+def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> NodeConfig:
+    """``flags`` holds the command-line values (None when not given); env fills the rest."""
+    env = dict(os.environ if env is None else env)
+
+    def pick(flag: str, var: str) -> str | None:
+        value = flags.get(flag)
+        return str(value) if value is not None else env.get(var)
+
+    metadata_loc = pick("metadata_loc", "METADATA_LOC")
+    if role == "head" and not metadata_loc:
+        raise ConfigError(
+            "`METADATA_LOC` is required: the table's metadata.json (s3://, s3a://, file:// or a path), "
+            "set by the env METADATA_LOC or --metadata-loc"
+        )
+    flight_port = _int("FLIGHT_PORT", pick("port", "FLIGHT_PORT"), constants.FLIGHT_PORT)
+    health_port = _int("HEALTH_PORT", pick("health_port", "HEALTH_PORT"), constants.HEALTH_PORT)
+    tls = tls_certificates(pick("tls_cert", "DATA_CACHE_TLS_CERT"), pick("tls_key", "DATA_CACHE_TLS_KEY"))
+    scheme = "grpc+tls" if tls else "grpc"
+
+    data_nodes = 0
+    node_index = 0
+    head_location = ""
+    if role == "head":
+        explicit = pick("data_nodes", "DATA_NODES")
+        if explicit is not None:
+            data_nodes = _int("--data-nodes", explicit, 1, minimum=1)
+        elif env.get("LWS_GROUP_SIZE"):
+            data_nodes = _int("LWS_GROUP_SIZE", env["LWS_GROUP_SIZE"], 2, minimum=2) - 1
+        else:
+            raise ConfigError(
+                "the head needs the number of data nodes: run it in a LeaderWorkerSet (LWS_GROUP_SIZE) "
+                "or pass --data-nodes N"
+            )
+    else:
+        explicit = flags.get("index")
+        if explicit is not None:
+            node_index = _int("--index", explicit, 0)
+        elif env.get("LWS_WORKER_INDEX"):
+            node_index = _int("LWS_WORKER_INDEX", env["LWS_WORKER_INDEX"], 1, minimum=1) - 1
+        else:
+            raise ConfigError("a data node needs its index: LWS_WORKER_INDEX (set by LWS) or --index N")
+        head_location = flags.get("head") or ""
+        if not head_location:
+            leader = env.get("LWS_LEADER_ADDRESS")
+            if not leader:
+                raise ConfigError("a data node needs the head's address: LWS_LEADER_ADDRESS (set by LWS) or --head URI")
+            head_location = f"{scheme}://{leader}:{flight_port}"
+
+    raw_limit = pick("memory_limit", "MEMORY_LIMIT")
+    memory_limit = parse_bytes(raw_limit) if raw_limit else container_memory_limit()
+    if memory_limit == 0:  # resourceFieldRef gives 0 when no limit is set on the container
+        memory_limit = container_memory_limit()
+
+    return NodeConfig(
+        role=role,
+        metadata_loc=metadata_loc or "",
+        schema_name=pick("schema_name", "SCHEMA_NAME") or "default",
+        table_name=pick("table_name", "TABLE_NAME") or "table",
+        bind_host=pick("host", "BIND_HOST") or "0.0.0.0",
+        flight_port=flight_port,
+        health_port=health_port,
+        advertise_host=pick("advertise_host", "POD_IP") or socket.gethostname(),
+        data_nodes=data_nodes,
+        node_index=node_index,
+        head_location=head_location,
+        memory_limit=memory_limit,
+        token=load_token(pick("token", "DATA_CACHE_TOKEN"), pick("token_file", "DATA_CACHE_TOKEN_FILE")),
+        tls=tls,
+        startup_timeout=_float(
+            "DATA_CACHE_STARTUP_TIMEOUT_SECONDS",
+            pick("startup_timeout", "DATA_CACHE_STARTUP_TIMEOUT_SECONDS"),
+            constants.STARTUP_TIMEOUT_SECONDS,
+        ),
+        failure_grace=_float(
+            "DATA_CACHE_FAILURE_GRACE_SECONDS",
+            pick("failure_grace", "DATA_CACHE_FAILURE_GRACE_SECONDS"),
+            constants.FAILURE_GRACE_SECONDS,
+        ),
+        load_threads=_int("LOAD_THREADS", pick("load_threads", "LOAD_THREADS"), os.cpu_count() or 2, minimum=1),
+        termination_log=env.get("TERMINATION_LOG", constants.TERMINATION_LOG),
+    )

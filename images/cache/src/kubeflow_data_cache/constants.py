@@ -1,0 +1,26 @@
+"""Ports, timeouts and reserved names, in one place."""
+
+FLIGHT_PORT = 50051
+HEALTH_PORT = 8080
+
+# Columns the cache adds while filtering; table columns may not start with this.
+INTERNAL_COLUMN_PREFIX = "__dc_"
+
+# How long nodes wait for each other and for the load before giving up.
+STARTUP_TIMEOUT_SECONDS = 600.0
+# Data nodes re-register this often, so a restarted head finds them again.
+REGISTER_INTERVAL_SECONDS = 5.0
+# How often the head polls data nodes while they load, and afterwards.
+LOAD_POLL_SECONDS = 0.2
+SUPERVISE_POLL_SECONDS = 5.0
+# Timeout of one internal Flight call between head and data nodes.
+RPC_TIMEOUT_SECONDS = 10.0
+# After a failed load a node keeps answering /ready and /status with the reason this long
+# (so the initializer and `kubectl logs` can read it), then exits non-zero.
+FAILURE_GRACE_SECONDS = 30.0
+TERMINATION_LOG = "/dev/termination-log"
+
+# What the interpreter, pyarrow and pyiceberg take before any data is loaded.
+BASELINE_MEMORY_BYTES = 400 << 20
+# Rows per stored batch: big enough for fast serving, small enough to slice cheaply.
+STORE_BATCH_ROWS = 65536

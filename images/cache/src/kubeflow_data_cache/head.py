@@ -1,0 +1,313 @@
+"""The head: waits for its data nodes, plans the table, assigns rows, answers GetFlightInfo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from kubeflow_data_cache import protocol
+from kubeflow_data_cache.config import NodeConfig
+from kubeflow_data_cache.constants import LOAD_POLL_SECONDS, RPC_TIMEOUT_SECONDS, SUPERVISE_POLL_SECONDS
+from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, DataCacheError, NotReadyError
+from kubeflow_data_cache.memory import check_fits
+from kubeflow_data_cache.node import server_kwargs
+from kubeflow_data_cache.plan import (
+    TablePlan,
+    assign_rows,
+    estimated_node_bytes,
+    open_table,
+    plan_table,
+    s3_properties_from_env,
+)
+from kubeflow_data_cache.security import call_options, client_for
+from kubeflow_data_cache.service import FAILED, LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
+from kubeflow_data_cache.sharding import nodes_for_shard, shard_size
+
+log = logging.getLogger(__name__)
+
+
+class Head(flight.FlightServerBase):
+    def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
+        super().__init__(**server_kwargs(cfg))
+        self.cfg = cfg
+        self.metrics = metrics or Metrics("head")
+        self.lifecycle = Lifecycle()
+        self.location = cfg.location(self.port)
+        self.registered: dict[int, dict[str, Any]] = {}
+        self.node_status: dict[int, dict[str, Any]] = {}
+        self.plan: TablePlan | None = None
+        self.assignments = []
+        self.generation = uuid.uuid4().hex[:12]
+        self.load_seconds = 0.0
+        self._filter_counts: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._clients: dict[str, flight.FlightClient] = {}
+        for name in ("do_action", "get_flight_info", "get_schema", "list_flights"):
+            setattr(self, name, flight_errors(self.metrics, name)(getattr(self, name)))
+
+    # --- internal calls to data nodes --------------------------------------------------------
+    def _call(self, location: str, action: str, body: dict | None = None) -> dict[str, Any]:
+        with self._lock:
+            client = self._clients.get(location)
+            if client is None:
+                client = self._clients[location] = client_for(location, self.cfg.tls_root_certs)
+        payload = json.dumps(body or {}).encode()
+        results = list(
+            client.do_action(flight.Action(action, payload), call_options(self.cfg.token, RPC_TIMEOUT_SECONDS))
+        )
+        return json.loads(results[0].body.to_pybytes()) if results else {}
+
+    def _location(self, node: int) -> str:
+        return self.registered[node]["location"]
+
+    def _send_load(self, node: int) -> None:
+        a = self.assignments[node]
+        self._call(
+            self._location(node),
+            protocol.ACTION_LOAD,
+            {
+                "generation": self.generation,
+                "metadata_location": self.plan.metadata_location,
+                "snapshot_id": self.plan.snapshot_id,
+                "global_start": a.global_start,
+                "global_stop": a.global_stop,
+                "pieces": [p.to_dict() for p in a.pieces],
+            },
+        )
+
+    # --- formation and load ------------------------------------------------------------------
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="formation", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.shutdown()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        deadline = started + self.cfg.startup_timeout
+        try:
+            self._wait_for_nodes(deadline)
+            self.lifecycle.set(LOADING, "planning the table scan")
+            table = open_table(self.cfg.metadata_loc, s3_properties_from_env())
+            plan, _ = plan_table(table, self.cfg.metadata_loc)
+            assignments = assign_rows(plan, self.cfg.data_nodes)
+            check_fits(
+                [estimated_node_bytes(plan, a) for a in assignments],
+                [self.registered[k].get("memory_limit") for k in range(self.cfg.data_nodes)],
+            )
+            self.plan, self.assignments = plan, assignments
+            for node in range(self.cfg.data_nodes):
+                self._send_load(node)
+            self._wait_for_loads(deadline)
+        except Exception as err:
+            self.lifecycle.fail(str(err) if isinstance(err, DataCacheError) else f"{type(err).__name__}: {err}")
+            return
+        self.load_seconds = time.monotonic() - started
+        rows = sum(s["rows"] for s in self.node_status.values())
+        self.metrics.rows_loaded.set(rows)
+        self.metrics.bytes_loaded.set(sum(s["bytes"] for s in self.node_status.values()))
+        self.metrics.load_seconds.set(self.load_seconds)
+        self.metrics.ready.set(1)
+        self.lifecycle.set(READY, f"{rows} rows on {self.cfg.data_nodes} data node(s)")
+        log.info("cache ready: %d rows on %d data node(s) in %.2fs", rows, self.cfg.data_nodes, self.load_seconds)
+        self._supervise()
+
+    def _wait_for_nodes(self, deadline: float) -> None:
+        want = self.cfg.data_nodes
+        while len(self.registered) < want:
+            if self._stop.is_set():
+                raise ClusterFormationError("stopped")
+            if time.monotonic() > deadline:
+                raise ClusterFormationError(
+                    f"only {len(self.registered)}/{want} data node(s) registered within "
+                    f"{self.cfg.startup_timeout:.0f}s; check the data node pods' logs"
+                )
+            self.lifecycle.set("waiting", f"{len(self.registered)}/{want} data nodes registered")
+            self._stop.wait(LOAD_POLL_SECONDS)
+
+    def _poll_nodes(self) -> None:
+        def one(node: int) -> tuple[int, dict[str, Any]]:
+            try:
+                return node, self._call(self._location(node), protocol.ACTION_STATUS)
+            except Exception as err:
+                return node, {"state": "unreachable", "error": str(err).splitlines()[0], "rows": 0, "bytes": 0}
+
+        with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
+            for node, status in pool.map(one, range(self.cfg.data_nodes)):
+                self.node_status[node] = status
+
+    def _wait_for_loads(self, deadline: float) -> None:
+        while True:
+            self._poll_nodes()
+            failed = [(k, s) for k, s in self.node_status.items() if s.get("state") == FAILED]
+            if failed:
+                k, s = failed[0]
+                raise DataCacheError(f"data node {k} ({self._location(k)}) failed to load: {s.get('error')}")
+            ready = sum(1 for s in self.node_status.values() if s.get("state") == READY)
+            rows = sum(s.get("rows", 0) for s in self.node_status.values())
+            self.lifecycle.set(LOADING, f"{ready}/{self.cfg.data_nodes} data nodes ready, {rows} rows loaded")
+            if ready == self.cfg.data_nodes and all(
+                s.get("generation") == self.generation for s in self.node_status.values()
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise DataCacheError(
+                    f"the load did not finish within {self.cfg.startup_timeout:.0f}s "
+                    f"({ready}/{self.cfg.data_nodes} data nodes ready)"
+                )
+            self._stop.wait(LOAD_POLL_SECONDS)
+
+    def _supervise(self) -> None:
+        """Re-send the assignment to a data node that restarted and lost its rows."""
+        while not self._stop.wait(SUPERVISE_POLL_SECONDS):
+            self._poll_nodes()
+            lost = [
+                k
+                for k, s in self.node_status.items()
+                if s.get("state") != "unreachable" and s.get("generation") != self.generation
+            ]
+            for node in lost:
+                log.warning("data node %d restarted; sending its assignment again", node)
+                try:
+                    self._send_load(node)
+                except Exception as err:
+                    log.warning("could not reload data node %d: %s", node, err)
+
+    # --- Flight ------------------------------------------------------------------------------
+    def _request(self, descriptor: flight.FlightDescriptor) -> protocol.ShardRequest:
+        if descriptor.descriptor_type == flight.DescriptorType.PATH:
+            return protocol.ShardRequest.from_path(descriptor.path)
+        if descriptor.descriptor_type == flight.DescriptorType.CMD:
+            return protocol.ShardRequest.from_json(descriptor.command)
+        raise BadRequestError("the descriptor should be a PATH [shard_index, shard_count] or a JSON CMD")
+
+    def _projected_schema(self, columns) -> pa.Schema:
+        schema = self.plan.schema
+        if columns is None:
+            return schema
+        unknown = [c for c in columns if c not in schema.names]
+        if unknown:
+            raise BadRequestError(f"unknown column(s) {unknown}; the table has {schema.names}")
+        return pa.schema([schema.field(c) for c in columns])
+
+    def _node_rows(self, predicate: str | None) -> list[int]:
+        """Rows per data node in the request's virtual space (all rows, or the filter's matches)."""
+        if predicate is None:
+            return [a.rows for a in self.assignments]
+        if predicate in self._filter_counts:
+            return self._filter_counts[predicate]
+
+        def count(node: int) -> int:
+            try:
+                return int(self._call(self._location(node), protocol.ACTION_COUNT, {"filter": predicate})["rows"])
+            except pa.ArrowInvalid as err:  # the data node's message says what is wrong with the filter
+                raise BadRequestError(str(err).split("message: ")[-1]) from None
+
+        with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
+            counts = list(pool.map(count, range(self.cfg.data_nodes)))
+        self._filter_counts[predicate] = counts
+        return counts
+
+    def _ready(self) -> None:
+        if self.lifecycle.state != READY:
+            self.lifecycle.require_ready()
+        if self.plan is None:
+            raise NotReadyError("the cache has no plan yet")
+
+    def get_flight_info(self, context, descriptor):
+        req = self._request(descriptor)
+        self._ready()
+        schema = self._projected_schema(req.columns)
+        counts = self._node_rows(req.filter)
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        total = offsets[-1]
+        endpoints = []
+        for node in nodes_for_shard(offsets, total, req):
+            ticket = protocol.Ticket(self.generation, node, offsets[node], counts[node], total, req)
+            endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
+        rows = shard_size(total, req)
+        return flight.FlightInfo(schema, descriptor, endpoints, rows, rows * self._row_bytes(schema))
+
+    def _row_bytes(self, schema: pa.Schema) -> int:
+        col_bytes: dict[str, int] = {}
+        for s in self.node_status.values():
+            for name, n in (s.get("column_bytes") or {}).items():
+                col_bytes[name] = col_bytes.get(name, 0) + n
+        rows = max(1, sum(a.rows for a in self.assignments))
+        return round(sum(col_bytes.get(name, 0) for name in schema.names) / rows)
+
+    def get_schema(self, context, descriptor):
+        req = self._request(descriptor)
+        self._ready()
+        return flight.SchemaResult(self._projected_schema(req.columns))
+
+    def list_flights(self, context, criteria):
+        self._ready()
+        descriptor = flight.FlightDescriptor.for_path("0", "1")
+        yield self.get_flight_info(context, descriptor)
+
+    def do_action(self, context, action):
+        if action.type == protocol.ACTION_STATUS:
+            return [json.dumps(self.status()).encode()]
+        if action.type == protocol.ACTION_REGISTER:
+            self._register(parse_action_body(action))
+            return [b"{}"]
+        raise NotImplementedError(f"action {action.type!r} is not implemented; try 'status'")
+
+    def list_actions(self, context):
+        return [(protocol.ACTION_STATUS, "JSON status of the cache: load state, rows, bytes, per-node detail")]
+
+    def _register(self, body: dict[str, Any]) -> None:
+        try:
+            index, location = int(body["index"]), str(body["location"])
+        except (KeyError, TypeError, ValueError):
+            raise BadRequestError("register needs 'index' (int) and 'location'") from None
+        if not 0 <= index < self.cfg.data_nodes:
+            raise BadRequestError(f"data node index {index} is out of range [0, {self.cfg.data_nodes})")
+        previous = self.registered.get(index)
+        self.registered[index] = {"location": location, "memory_limit": body.get("memory_limit")}
+        if previous is None or previous["location"] != location:
+            log.info("data node %d registered at %s", index, location)
+            with self._lock:
+                self._clients.pop(previous["location"], None) if previous else None
+
+    def status(self) -> dict[str, Any]:
+        nodes = []
+        for k in range(self.cfg.data_nodes):
+            s = self.node_status.get(k, {})
+            nodes.append(
+                {
+                    "index": k,
+                    "location": self.registered.get(k, {}).get("location"),
+                    "state": s.get("state", "unregistered" if k not in self.registered else "waiting"),
+                    "rows": s.get("rows", 0),
+                    "bytes": s.get("bytes", 0),
+                    "resident_bytes": s.get("resident_bytes"),
+                    "load_seconds": s.get("load_seconds"),
+                    "error": s.get("error"),
+                }
+            )
+        return {
+            "role": "head",
+            "table": f"{self.cfg.schema_name}.{self.cfg.table_name}",
+            "metadata_location": self.cfg.metadata_loc,
+            "state": self.lifecycle.state,
+            "detail": self.lifecycle.detail,
+            "error": self.lifecycle.error,
+            "rows": sum(n["rows"] for n in nodes),
+            "bytes": sum(n["bytes"] for n in nodes),
+            "load_seconds": round(self.load_seconds, 3),
+            "nodes": nodes,
+        }

@@ -1,0 +1,137 @@
+"""`data-cache local`: a head and N data nodes as separate processes on this machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.flight as flight
+
+from kubeflow_data_cache import protocol
+from kubeflow_data_cache.security import call_options, client_for
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_SECONDS = 10.0
+
+
+def _node_cmd(role: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "kubeflow_data_cache", role, *args]
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        metadata_loc: str,
+        data_nodes: int,
+        port: int,
+        host: str = "127.0.0.1",
+        memory_limit: str | None = None,
+        startup_timeout: float = 120.0,
+        extra_args: tuple[str, ...] = (),
+    ):
+        self.metadata_loc, self.data_nodes, self.port, self.host = metadata_loc, data_nodes, port, host
+        self.memory_limit = memory_limit
+        self.startup_timeout = startup_timeout
+        self.extra_args = extra_args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.token = os.environ.get("DATA_CACHE_TOKEN")
+        self.location = f"grpc://{host}:{port}"
+
+    def start(self) -> None:
+        common = ["--host", self.host, "--advertise-host", self.host, "--health-port", "0", "--failure-grace", "1"]
+        common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
+        head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
+        head += ["--port", str(self.port), *common]
+        self.procs.append(("head", subprocess.Popen(head)))
+        for k in range(self.data_nodes):
+            worker = _node_cmd("worker", "--index", str(k), "--head", self.location, "--port", "0", *common)
+            if self.memory_limit:
+                worker += ["--memory-limit", self.memory_limit]
+            self.procs.append((f"data node {k}", subprocess.Popen(worker)))
+
+    def _dead(self) -> str | None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return f"{name} exited with code {proc.returncode}"
+        return None
+
+    def wait_ready(self, should_stop=lambda: False) -> dict:
+        """Poll the head's status until ready; raise with the reason on failure or deadline."""
+        client = client_for(self.location)
+        deadline = time.monotonic() + self.startup_timeout
+        last_detail = None
+        while True:
+            try:
+                raw = list(client.do_action(flight.Action(protocol.ACTION_STATUS, b""), call_options(self.token, 5)))
+                status = json.loads(raw[0].body.to_pybytes())
+            except flight.FlightUnauthenticatedError as err:
+                raise RuntimeError(f"the head refused our token: {err}") from None
+            except Exception:
+                status = {"state": "starting", "detail": "head not answering yet"}
+            if status.get("state") == "ready":
+                return status
+            if should_stop():
+                raise RuntimeError("stopped by a signal before the cache was ready")
+            if status.get("state") == "failed":
+                raise RuntimeError(status.get("error") or "the load failed")
+            dead = self._dead()
+            if dead:
+                raise RuntimeError(f"{dead} before the cache was ready")
+            if status.get("detail") != last_detail:
+                last_detail = status.get("detail")
+                log.info("cache %s: %s", status.get("state"), last_detail)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cache was not ready within {self.startup_timeout:.0f}s ({last_detail})")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_local(cluster: LocalCluster) -> int:
+    stopping = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stopping["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    try:
+        status = cluster.wait_ready(lambda: stopping["signal"] is not None)
+        for node in status.get("nodes", []):
+            log.info(
+                "data node %d: %d rows, %.1f MiB, loaded in %ss",
+                node["index"],
+                node["rows"],
+                node["bytes"] / 2**20,
+                node.get("load_seconds"),
+            )
+        print(f"READY {cluster.location}", flush=True)
+        while stopping["signal"] is None:
+            dead = cluster._dead()
+            if dead:
+                log.error("%s; stopping the cache", dead)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as err:
+        log.error("cache failed: %s", err)
+        return 1
+    finally:
+        cluster.stop()

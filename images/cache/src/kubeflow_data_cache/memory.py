@@ -1,0 +1,90 @@
+"""Memory budgets: the container's limit, the process's resident size, and the pre-load check."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import psutil
+
+from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
+from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError
+
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
+    """``4Gi``, ``512Mi``, ``2G``, ``1073741824`` -> bytes (Kubernetes quantity style)."""
+    match = _QUANTITY.match(str(text))
+    if not match:
+        raise ConfigError(f"`{name}` should be a byte count such as 4Gi, 512Mi or 1073741824, got {text!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def container_memory_limit() -> int | None:
+    """The cgroup (v2 or v1) memory limit, or None when unlimited or not in a container."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw == "max":
+            return None
+        limit = int(raw)
+        # cgroup v1 reports "unlimited" as a huge page-aligned number.
+        return limit if limit < (1 << 60) else None
+    return None
+
+
+def resident_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def usable_bytes(budget: int | None) -> int | None:
+    return None if budget is None else max(budget - BASELINE_MEMORY_BYTES, 0)
+
+
+def _fmt(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def check_fits(need_per_node: list[int], budgets: list[int | None]) -> None:
+    """Refuse a load that would not fit, saying how many nodes or how much memory it needs."""
+    over = [
+        (node, need, usable_bytes(budget))
+        for node, (need, budget) in enumerate(zip(need_per_node, budgets, strict=True))
+        if budget is not None and need > (usable_bytes(budget) or 0)
+    ]
+    if not over:
+        return
+    total = sum(need_per_node)
+    nodes = len(need_per_node)
+    known = [usable_bytes(b) for b in budgets if b is not None]
+    usable = min(known) if known else 0
+    needed_nodes = -(-total // usable) if usable else None
+    need_max = max(need_per_node)
+    node, need, have = over[0]
+    advice = (
+        f"use at least {needed_nodes} data nodes (CLUSTER_SIZE={needed_nodes + 1})"
+        if needed_nodes
+        else "raise the data nodes' memory"
+    )
+    raise MemoryBudgetError(
+        f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics); "
+        f"data node {node} would hold {_fmt(need)} but can use {_fmt(have or 0)} "
+        f"(its limit minus {_fmt(BASELINE_MEMORY_BYTES)} for the interpreter). "
+        f"With {nodes} data node(s), {advice}, or give each data node at least "
+        f"{_fmt(need_max + BASELINE_MEMORY_BYTES)} (WORKER_MEM / --memory-limit)"
+    )

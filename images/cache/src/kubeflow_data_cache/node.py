@@ -1,0 +1,226 @@
+"""A data node: registers with the head, loads the rows it is assigned, serves them with DoGet."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from kubeflow_data_cache import protocol
+from kubeflow_data_cache.config import NodeConfig
+from kubeflow_data_cache.constants import REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
+from kubeflow_data_cache.errors import ClusterFormationError, StaleTicketError, TableLoadError
+from kubeflow_data_cache.filtering import FilterCache
+from kubeflow_data_cache.memory import resident_bytes
+from kubeflow_data_cache.plan import Piece, open_table, plan_table, s3_properties_from_env
+from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
+from kubeflow_data_cache.service import LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
+from kubeflow_data_cache.sharding import node_rows
+from kubeflow_data_cache.store import NodeStore
+
+log = logging.getLogger(__name__)
+
+
+def server_kwargs(cfg: NodeConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"location": f"{cfg.scheme}://{cfg.bind_host}:{cfg.flight_port}"}
+    if cfg.tls:
+        kwargs["tls_certificates"] = cfg.tls
+    if cfg.token:
+        kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token)}
+    return kwargs
+
+
+class DataNode(flight.FlightServerBase):
+    def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
+        super().__init__(**server_kwargs(cfg))
+        self.cfg = cfg
+        self.metrics = metrics or Metrics("data-node")
+        self.lifecycle = Lifecycle()
+        self.location = cfg.location(self.port)
+        self.store: NodeStore | None = None
+        self.filters: FilterCache | None = None
+        self.generation: str | None = None
+        self.load_seconds = 0.0
+        self._load_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._registered = threading.Event()
+        wrap = lambda name: flight_errors(self.metrics, name)  # noqa: E731
+        self.do_action = wrap("DoAction")(self.do_action)
+        self.do_get = wrap("DoGet")(self.do_get)
+
+    # --- cluster formation -------------------------------------------------------------------
+    def start_registering(self) -> None:
+        threading.Thread(target=self._register_loop, name="register", daemon=True).start()
+
+    def _register_loop(self) -> None:
+        """Register with the head, then keep re-registering so a restarted head finds us again."""
+        client = client_for(self.cfg.head_location, self.cfg.tls_root_certs)
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        delay, last_error = 0.1, ""
+        while not self._stop.is_set():
+            body = {
+                "index": self.cfg.node_index,
+                "location": self.location,
+                "memory_limit": self.cfg.memory_limit,
+                "generation": self.generation,
+            }
+            try:
+                action = flight.Action(protocol.ACTION_REGISTER, json.dumps(body).encode())
+                list(client.do_action(action, call_options(self.cfg.token, RPC_TIMEOUT_SECONDS)))
+                if not self._registered.is_set():
+                    log.info(
+                        "registered with the head at %s as data node %d", self.cfg.head_location, self.cfg.node_index
+                    )
+                self._registered.set()
+                delay = REGISTER_INTERVAL_SECONDS
+            except flight.FlightUnauthenticatedError as err:
+                self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
+                return
+            except Exception as err:  # head not up yet, or restarting: retry with backoff
+                last_error = str(err).splitlines()[0]
+                if not self._registered.is_set() and time.monotonic() > deadline:
+                    self.lifecycle.fail(
+                        str(
+                            ClusterFormationError(
+                                f"could not reach the head at {self.cfg.head_location} within "
+                                f"{self.cfg.startup_timeout:.0f}s: {last_error}"
+                            )
+                        )
+                    )
+                    return
+                delay = min(delay * 2, REGISTER_INTERVAL_SECONDS)
+            self._stop.wait(delay)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.shutdown()
+
+    # --- loading -----------------------------------------------------------------------------
+    def _start_load(self, body: dict[str, Any]) -> None:
+        generation = str(body["generation"])
+        with self._load_lock:
+            if self.generation == generation:
+                return  # the head re-sent the same assignment: already loading or loaded
+            self.generation = generation
+            self.store, self.filters = None, None
+            self.lifecycle.set(LOADING, "reading data files")
+        threading.Thread(target=self._load, args=(body,), name="load", daemon=True).start()
+
+    def _load(self, body: dict[str, Any]) -> None:
+        started = time.monotonic()
+        try:
+            pieces = [Piece(p["path"], int(p["start"]), int(p["stop"])) for p in body["pieces"]]
+            table = open_table(body["metadata_location"], s3_properties_from_env())
+            snapshot = table.current_snapshot()
+            if (snapshot.snapshot_id if snapshot else None) != body.get("snapshot_id"):
+                raise TableLoadError("the table's snapshot differs from the head's plan; restart the cache")
+            plan, tasks = plan_table(table, body["metadata_location"]) if pieces else (None, {})
+            schema = plan.schema if plan else None
+            missing = [p.path for p in pieces if p.path not in tasks]
+            if missing:
+                raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
+
+            def progress(rows: int, nbytes: int) -> None:
+                self.lifecycle.set(LOADING, f"{rows} rows, {nbytes >> 20} MiB read")
+
+            if pieces:
+                store = NodeStore.load(table, tasks, schema, pieces, self.cfg.load_threads, progress)
+            else:
+                from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+                store = NodeStore(schema_to_pyarrow(table.schema(), include_field_ids=False), [])
+            expected = int(body["global_stop"]) - int(body["global_start"])
+            if store.num_rows != expected:
+                raise TableLoadError(f"read {store.num_rows} rows, expected {expected}")
+        except Exception as err:
+            self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+            return
+        with self._load_lock:
+            if self.generation != body["generation"]:
+                return  # superseded by a newer assignment while loading
+            self.store, self.filters = store, FilterCache(store)
+            self.load_seconds = time.monotonic() - started
+        self.metrics.rows_loaded.set(store.num_rows)
+        self.metrics.bytes_loaded.set(store.nbytes)
+        self.metrics.load_seconds.set(self.load_seconds)
+        self.metrics.ready.set(1)
+        self.lifecycle.set(READY, f"{store.num_rows} rows loaded")
+        log.info(
+            "data node %d ready: %d rows, %.1f MiB in %.2fs (resident %.1f MiB)",
+            self.cfg.node_index,
+            store.num_rows,
+            store.nbytes / 2**20,
+            self.load_seconds,
+            resident_bytes() / 2**20,
+        )
+
+    def status(self) -> dict[str, Any]:
+        store = self.store
+        return {
+            "role": "data-node",
+            "index": self.cfg.node_index,
+            "location": self.location,
+            "state": self.lifecycle.state,
+            "detail": self.lifecycle.detail,
+            "error": self.lifecycle.error,
+            "generation": self.generation,
+            "rows": store.num_rows if store else 0,
+            "bytes": store.nbytes if store else 0,
+            "column_bytes": (
+                {name: sum(b.column(i).nbytes for b in store.batches) for i, name in enumerate(store.schema.names)}
+                if store
+                else {}
+            ),
+            "resident_bytes": resident_bytes(),
+            "memory_limit": self.cfg.memory_limit,
+            "load_seconds": round(self.load_seconds, 3),
+        }
+
+    # --- Flight ------------------------------------------------------------------------------
+    def do_action(self, context, action):
+        if action.type == protocol.ACTION_STATUS:
+            return [json.dumps(self.status()).encode()]
+        if action.type == protocol.ACTION_LOAD:
+            self._start_load(parse_action_body(action))
+            return [b"{}"]
+        if action.type == protocol.ACTION_COUNT:
+            body = parse_action_body(action)
+            self.lifecycle.require_ready()
+            return [json.dumps({"rows": len(self.filters.rows(str(body.get("filter"))))}).encode()]
+        raise NotImplementedError(f"action {action.type!r} is not implemented by data nodes")
+
+    def list_actions(self, context):
+        return [(protocol.ACTION_STATUS, "JSON status of this data node")]
+
+    def do_get(self, context, ticket):
+        t = protocol.Ticket.from_json(ticket.ticket)
+        self.lifecycle.require_ready()
+        store, filters = self.store, self.filters
+        if t.generation != self.generation or t.node != self.cfg.node_index:
+            raise StaleTicketError(
+                f"ticket for data node {t.node} load {t.generation} reached data node {self.cfg.node_index} "
+                f"load {self.generation}: ask the head for a new FlightInfo"
+            )
+        req = t.request
+        schema = store.project(req.columns)
+        matches = filters.rows(req.filter) if req.filter else None
+        held = len(matches) if matches is not None else store.num_rows
+        if held != t.node_rows:
+            raise StaleTicketError(f"ticket expects {t.node_rows} rows on this node, it holds {held}")
+        parts = node_rows(t.offset, held, t.total, req)
+        if matches is not None:
+            parts = [matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts]
+        return flight.GeneratorStream(schema, self._counted(store.iter_rows(parts, req.batch_size, req.columns)))
+
+    def _counted(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            self.metrics.rows_served.inc(batch.num_rows)
+            self.metrics.bytes_served.inc(batch.nbytes)
+            yield batch

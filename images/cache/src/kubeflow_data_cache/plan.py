@@ -1,0 +1,221 @@
+"""Plan a table: which rows exist, how big they are in memory, and which data node holds which.
+
+The head plans once; each data node re-plans the same snapshot to rebuild its scan tasks
+(tasks are not serialisable), then reads only the files its assignment names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX
+from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
+
+log = logging.getLogger(__name__)
+
+# Decoded Arrow bytes per on-disk byte for variable-width columns (strings, lists): Parquet
+# pages are dictionary/RLE encoded and compressed, so decoded data is several times larger.
+VARIABLE_WIDTH_EXPANSION = 4.0
+# Arrow arrays carry offsets and validity bitmaps on top of the values.
+ARROW_OVERHEAD = 1.1
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One data file of the snapshot, with its exact row count after deletes."""
+
+    path: str
+    rows: int
+    estimated_bytes: int
+    has_deletes: bool
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of one file (row numbers after deletes)."""
+
+    path: str
+    start: int
+    stop: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "start": self.start, "stop": self.stop}
+
+
+@dataclass(frozen=True)
+class NodeAssignment:
+    """What one data node loads: global rows ``[global_start, global_stop)``."""
+
+    node: int
+    global_start: int
+    global_stop: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.global_stop - self.global_start
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    metadata_location: str
+    snapshot_id: int | None
+    schema: pa.Schema
+    files: tuple[FilePlan, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def estimated_bytes(self) -> int:
+        return sum(f.estimated_bytes for f in self.files)
+
+
+def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """pyiceberg FileIO properties from the standard AWS settings.
+
+    Credentials are passed only when set explicitly; otherwise pyarrow's S3 filesystem walks
+    the AWS default chain (web identity / IRSA, instance profile, config files).
+    """
+    env = dict(os.environ if env is None else env)
+    props: dict[str, str] = {}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        props["s3.endpoint"] = endpoint
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        props["s3.region"] = region
+    for key, prop in (
+        ("AWS_ACCESS_KEY_ID", "s3.access-key-id"),
+        ("AWS_SECRET_ACCESS_KEY", "s3.secret-access-key"),
+        ("AWS_SESSION_TOKEN", "s3.session-token"),
+    ):
+        if env.get(key):
+            props[prop] = env[key]
+    return props
+
+
+def open_table(metadata_location: str, properties: dict[str, str] | None = None):
+    """Open the table a ``metadata.json`` describes, with errors that say what to fix."""
+    from pyiceberg.table import StaticTable
+
+    location = metadata_location
+    if "://" not in location:
+        location = os.path.abspath(location)
+    try:
+        return StaticTable.from_metadata(location, properties or {})
+    except FileNotFoundError:
+        raise TableLoadError(
+            f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
+            "metadata.json (for example s3://bucket/warehouse/db/table/metadata/00003-....metadata.json)"
+        ) from None
+    except PermissionError as err:
+        raise TableLoadError(
+            f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
+            "or the pod's IAM role"
+        ) from None
+    except Exception as err:  # pyiceberg/pyarrow raise many types for unreadable or malformed metadata
+        raise TableLoadError(f"cannot read table metadata at {metadata_location!r}: {err}") from err
+
+
+def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:
+    try:
+        width = field.type.bit_width
+    except ValueError:  # variable width: strings, binaries, lists, structs
+        width = None
+    if width is not None and width > 0:
+        return (rows * width + 7) // 8 + rows // 8
+    if pa.types.is_fixed_size_list(field.type):
+        inner = _field_estimate(pa.field("item", field.type.value_type), rows * field.type.list_size, None)
+        if inner:
+            return inner
+    if disk_bytes:
+        return int(disk_bytes * VARIABLE_WIDTH_EXPANSION) + rows * 4
+    return rows * 32  # no statistics: a generous guess per value
+
+
+def estimate_file_bytes(data_file, schema: pa.Schema, field_ids: list[int], rows: int) -> int:
+    """Arrow bytes of a file's rows, from manifest statistics (no data is read)."""
+    sizes = data_file.column_sizes or {}
+    total = 0
+    for field, field_id in zip(schema, field_ids, strict=True):
+        total += _field_estimate(field, rows, sizes.get(field_id))
+    return int(total * ARROW_OVERHEAD)
+
+
+def _count_after_deletes(table, task) -> int:
+    from pyiceberg.expressions import AlwaysTrue
+    from pyiceberg.io.pyarrow import ArrowScan
+
+    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
+    return sum(batch.num_rows for batch in scan.to_record_batches([task]))
+
+
+def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]]:
+    """Plan the current snapshot. Returns the plan and the scan tasks by file path."""
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    iceberg_schema = table.schema()
+    schema = schema_to_pyarrow(iceberg_schema, include_field_ids=False)
+    clashing = [name for name in schema.names if name.startswith(INTERNAL_COLUMN_PREFIX)]
+    if clashing:
+        raise UnsupportedTableError(
+            f"column(s) {clashing} start with {INTERNAL_COLUMN_PREFIX!r}, which the cache reserves for its "
+            "own bookkeeping: rename them in the table (ALTER TABLE ... RENAME COLUMN)"
+        )
+    field_ids = [f.field_id for f in iceberg_schema.fields]
+    snapshot = table.current_snapshot()
+    tasks: dict[str, Any] = {}
+    files: list[FilePlan] = []
+    if snapshot is not None:
+        try:
+            planned = sorted(table.scan().plan_files(), key=lambda t: t.file.file_path)
+        except Exception as err:
+            raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
+        for task in planned:
+            deletes = task.delete_files or set()
+            if any(d.content.name == "EQUALITY_DELETES" for d in deletes):
+                raise UnsupportedTableError(
+                    f"data file {task.file.file_path} has equality deletes, which the cache cannot apply "
+                    "exactly; compact the table (rewrite data files) and point METADATA_LOC at the new metadata"
+                )
+            rows = _count_after_deletes(table, task) if deletes else task.file.record_count
+            est = estimate_file_bytes(task.file, schema, field_ids, rows)
+            files.append(FilePlan(task.file.file_path, rows, est, bool(deletes)))
+            tasks[task.file.file_path] = task
+    plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
+    log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)
+    return plan, tasks
+
+
+def assign_rows(plan: TablePlan, data_nodes: int) -> list[NodeAssignment]:
+    """Split the table's rows (not its files) into ``data_nodes`` near-equal contiguous ranges."""
+    total = plan.rows
+    assignments = []
+    for node in range(data_nodes):
+        lo, hi = node * total // data_nodes, (node + 1) * total // data_nodes
+        pieces = []
+        file_start = 0
+        for f in plan.files:
+            file_stop = file_start + f.rows
+            a, b = max(lo, file_start), min(hi, file_stop)
+            if a < b:
+                pieces.append(Piece(f.path, a - file_start, b - file_start))
+            file_start = file_stop
+        assignments.append(NodeAssignment(node, lo, hi, tuple(pieces)))
+    return assignments
+
+
+def estimated_node_bytes(plan: TablePlan, assignment: NodeAssignment) -> int:
+    by_path = {f.path: f for f in plan.files}
+    total = 0
+    for piece in assignment.pieces:
+        f = by_path[piece.path]
+        total += f.estimated_bytes * (piece.stop - piece.start) // max(f.rows, 1)
+    return total

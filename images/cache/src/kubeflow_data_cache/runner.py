@@ -1,0 +1,56 @@
+"""Run one head or data node process until SIGTERM, or until its load fails."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from kubeflow_data_cache.config import NodeConfig
+from kubeflow_data_cache.head import Head
+from kubeflow_data_cache.node import DataNode
+from kubeflow_data_cache.service import HealthServer
+
+log = logging.getLogger(__name__)
+
+
+def _write_termination_log(path: str, message: str) -> None:
+    """Kubernetes shows this file as the container's termination message (kubectl describe)."""
+    # Not in a container, or the path is read-only: the log line is enough then.
+    with contextlib.suppress(OSError):
+        Path(path).write_text(message[:4000])
+
+
+def run_node(cfg: NodeConfig) -> int:
+    server = Head(cfg) if cfg.role == "head" else DataNode(cfg)
+    health = HealthServer(cfg.bind_host, cfg.health_port, server.lifecycle, server.metrics, server.status).start()
+    log.info(
+        "%s serving Flight at %s (bind %s:%d), health at :%d%s",
+        cfg.role,
+        server.location,
+        cfg.bind_host,
+        server.port,
+        health.port,
+        ", token required" if cfg.token else "",
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if cfg.role == "head":
+        server.start()
+    else:
+        server.start_registering()
+    code = 0
+    while not stop.wait(0.2):
+        if server.lifecycle.failed_event.is_set():
+            error = server.lifecycle.error or "unknown error"
+            _write_termination_log(cfg.termination_log, error)
+            log.error("exiting in %.0fs: %s", cfg.failure_grace, error)
+            stop.wait(cfg.failure_grace)  # keep /ready and /status answering with the reason meanwhile
+            code = 1
+            break
+    server.stop()
+    health.stop()
+    return code

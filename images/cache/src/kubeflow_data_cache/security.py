@@ -1,0 +1,68 @@
+"""Bearer-token auth and TLS for every Flight call; secrets never reach the logs."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import pyarrow.flight as flight
+
+from kubeflow_data_cache.errors import ConfigError
+
+AUTH_HEADER = "authorization"
+
+
+def load_token(token: str | None, token_file: str | None) -> str | None:
+    """The token from ``DATA_CACHE_TOKEN`` or the file ``DATA_CACHE_TOKEN_FILE`` (a mounted Secret)."""
+    if token and token_file:
+        raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"cannot read DATA_CACHE_TOKEN_FILE {token_file!r}: {err.strerror}") from None
+        if not token:
+            raise ConfigError(f"DATA_CACHE_TOKEN_FILE {token_file!r} is empty")
+    return token or None
+
+
+def call_options(token: str | None, timeout: float | None = None) -> flight.FlightCallOptions:
+    headers = [(AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
+    return flight.FlightCallOptions(headers=headers, timeout=timeout)
+
+
+class _TokenMiddleware(flight.ServerMiddleware):
+    pass
+
+
+class TokenAuthFactory(flight.ServerMiddlewareFactory):
+    """Refuses any call whose ``authorization`` header is not ``Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info, headers):
+        values = headers.get(AUTH_HEADER) or headers.get(AUTH_HEADER.title()) or []
+        given = values[0] if values else ""
+        given = given.encode() if isinstance(given, str) else given
+        if not hmac.compare_digest(given, self._expected):
+            raise flight.FlightUnauthenticatedError(
+                "missing or wrong bearer token: pass the cache's token (DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE)"
+            )
+        return _TokenMiddleware()
+
+
+def tls_certificates(cert_file: str | None, key_file: str | None) -> list[tuple[bytes, bytes]]:
+    if not cert_file and not key_file:
+        return []
+    if not (cert_file and key_file):
+        raise ConfigError("TLS needs both DATA_CACHE_TLS_CERT and DATA_CACHE_TLS_KEY")
+    try:
+        return [(Path(cert_file).read_bytes(), Path(key_file).read_bytes())]
+    except OSError as err:
+        raise ConfigError(f"cannot read TLS file {err.filename!r}: {err.strerror}") from None
+
+
+def client_for(location: str, tls_root_certs: bytes | None = None) -> flight.FlightClient:
+    kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+    return flight.FlightClient(location, **kwargs)

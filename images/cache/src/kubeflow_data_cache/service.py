@@ -1,0 +1,170 @@
+"""What head and data nodes share: lifecycle state, metrics, error mapping, the HTTP endpoints."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kubeflow_data_cache.errors import BadRequestError, DataCacheError, NotReadyError, StaleTicketError
+from kubeflow_data_cache.memory import resident_bytes
+
+log = logging.getLogger(__name__)
+
+WAITING, LOADING, READY, FAILED = "waiting", "loading", "ready", "failed"
+
+
+class Lifecycle:
+    """A node's state: waiting -> loading -> ready, or failed with the reason."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = WAITING
+        self.error: str | None = None
+        self.detail = "waiting for the cluster to form"
+        self.failed_event = threading.Event()
+
+    def set(self, state: str, detail: str = "") -> None:
+        with self._lock:
+            if self.state == FAILED:
+                return  # a failure is final until the process restarts
+            self.state, self.detail = state, detail
+
+    def fail(self, error: str) -> None:
+        with self._lock:
+            self.state, self.error, self.detail = FAILED, error, error
+        self.failed_event.set()
+        log.error("load failed: %s", error)
+
+    def require_ready(self) -> None:
+        if self.state == READY:
+            return
+        if self.state == FAILED:
+            raise DataCacheError(f"the cache failed to load: {self.error}")
+        raise NotReadyError(f"the cache is not ready yet ({self.state}: {self.detail}); retry shortly")
+
+
+class Metrics:
+    """Prometheus metrics of one process (its own registry, so tests can run many in one process)."""
+
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rows_loaded = Gauge("data_cache_rows_loaded", "Rows held in memory", registry=r)
+        self.bytes_loaded = Gauge("data_cache_bytes_loaded", "Arrow bytes held in memory", registry=r)
+        self.load_seconds = Gauge("data_cache_load_seconds", "Seconds from planning to ready", registry=r)
+        self.ready = Gauge("data_cache_ready", "1 when loaded and serving", registry=r)
+        self.rows_served = Counter("data_cache_rows_served", "Rows sent to clients", registry=r)
+        self.bytes_served = Counter("data_cache_bytes_served", "Arrow bytes sent to clients", registry=r)
+        self.requests = Counter("data_cache_requests", "Flight calls", ["method"], registry=r)
+        self.errors = Counter("data_cache_errors", "Flight calls that failed", ["method", "code"], registry=r)
+        memory = Gauge("data_cache_resident_memory_bytes", "Resident memory of the process", registry=r)
+        memory.set_function(resident_bytes)
+        Gauge("data_cache_info", "Role of this process", ["role"], registry=r).labels(role=role).set(1)
+
+
+def flight_errors(metrics: Metrics, method: str) -> Callable:
+    """Map our errors to Flight statuses, count them, and never let one crash the server."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            metrics.requests.labels(method=method).inc()
+            try:
+                return fn(*args, **kwargs)
+            except (BadRequestError, StaleTicketError) as err:
+                metrics.errors.labels(method=method, code="INVALID_ARGUMENT").inc()
+                raise pa.ArrowInvalid(str(err)) from None
+            except NotReadyError as err:
+                metrics.errors.labels(method=method, code="UNAVAILABLE").inc()
+                raise flight.FlightUnavailableError(str(err)) from None
+            except NotImplementedError as err:
+                metrics.errors.labels(method=method, code="UNIMPLEMENTED").inc()
+                raise NotImplementedError(str(err)) from None
+            except DataCacheError as err:
+                metrics.errors.labels(method=method, code="INTERNAL").inc()
+                raise flight.FlightInternalError(str(err)) from None
+            except flight.FlightError:
+                metrics.errors.labels(method=method, code="FLIGHT").inc()
+                raise
+            except Exception as err:
+                metrics.errors.labels(method=method, code="INTERNAL").inc()
+                log.exception("%s failed", method)
+                raise flight.FlightInternalError(f"{method} failed: {type(err).__name__}: {err}") from None
+
+        return inner
+
+    return wrap
+
+
+def parse_action_body(action: flight.Action) -> dict[str, Any]:
+    raw = action.body.to_pybytes() if action.body is not None else b""
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequestError(f"action {action.type!r}: body is not valid JSON ({err})") from None
+    if not isinstance(body, dict):
+        raise BadRequestError(f"action {action.type!r}: body should be a JSON object")
+    return body
+
+
+class HealthServer:
+    """``/live``, ``/ready`` (503 with the reason until loaded), ``/status`` (JSON), ``/metrics``."""
+
+    def __init__(self, host: str, port: int, lifecycle: Lifecycle, metrics: Metrics, status: Callable[[], dict]):
+        lifecycle_, metrics_, status_ = lifecycle, metrics, status
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if path == "/live":
+                    self._send(200, "text/plain", b"ok\n")
+                elif path == "/ready":
+                    ready = lifecycle_.state == READY
+                    reason = "ready" if ready else f"{lifecycle_.state}: {lifecycle_.detail}"
+                    self._send(200 if ready else 503, "text/plain", (reason + "\n").encode())
+                elif path == "/status":
+                    self._send(200, "application/json", json.dumps(status_()).encode())
+                elif path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(metrics_.registry))
+                else:
+                    self._send(404, "text/plain", b"not found: try /ready, /live, /status or /metrics\n")
+
+            def _send(self, code: int, ctype: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def deadline_after(seconds: float) -> float:
+    return time.monotonic() + seconds

@@ -1,0 +1,163 @@
+"""Which rows make up shard ``s`` of ``S`` in one epoch: pure numpy, shared by head and nodes.
+
+Rows live in a *virtual* space ``0..M-1`` (the table, or the rows matching a filter). An epoch's
+order is a permutation of that space: a permutation of blocks of ``block_size`` rows, then a
+permutation of the rows inside each block. Both come from hashing ``(seed, epoch, id)``, so any
+node can compute any part of the order without computing the rest. Shards are contiguous runs
+of positions in that order; see docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kubeflow_data_cache.protocol import ShardRequest
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a bijection on uint64 with good avalanche, vectorised."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def _keys(ids: np.ndarray, seed: int, epoch: int, salt: int) -> np.ndarray:
+    base = _mix(np.array([(seed << 20) ^ (epoch << 2) ^ salt], dtype=np.uint64))
+    return _mix(ids.astype(np.uint64) ^ base)
+
+
+def shard_ranges(total: int, req: ShardRequest) -> list[tuple[int, int]]:
+    """The position ranges (in epoch order) of the shard; at most a few, ascending."""
+    shards, s = req.num_shards, req.shard
+    if total == 0:
+        return []
+    if req.even is None:
+        lo, hi = s * total // shards, (s + 1) * total // shards
+    elif req.even == "drop":
+        q = total // shards
+        lo, hi = s * q, (s + 1) * q
+    else:  # "pad": wrap around to the start of the order
+        q = -(-total // shards)
+        lo, hi = s * q, (s + 1) * q
+    ranges = []
+    while lo < hi:
+        start = lo % total
+        take = min(hi - lo, total - start)
+        ranges.append((start, start + take))
+        lo += take
+    return ranges
+
+
+def shard_size(total: int, req: ShardRequest) -> int:
+    return sum(hi - lo for lo, hi in shard_ranges(total, req))
+
+
+class EpochOrder:
+    """The permutation of ``total`` rows for one (seed, epoch), or the identity."""
+
+    def __init__(self, total: int, req: ShardRequest):
+        self.total = total
+        self.shuffle = req.shuffle
+        self.seed, self.epoch, self.block = req.seed, req.epoch, req.block_size
+        if self.shuffle and total:
+            nblocks = -(-total // self.block)
+            block_ids = np.arange(nblocks, dtype=np.int64)
+            self.order = np.argsort(_keys(block_ids, self.seed, self.epoch, 1), kind="stable")
+            sizes = np.full(nblocks, self.block, dtype=np.int64)
+            sizes[-1] = total - (nblocks - 1) * self.block
+            self.sizes = sizes[self.order]
+            self.starts = np.concatenate(([0], np.cumsum(self.sizes)))
+
+    def _blocks(self, lo: int, hi: int) -> tuple[int, int]:
+        """Indices (into the permuted block order) of the blocks covering positions [lo, hi)."""
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        last = int(np.searchsorted(self.starts, hi - 1, side="right")) - 1
+        return first, last
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """Virtual row ids at positions ``[lo, hi)``, in order."""
+        if not self.shuffle:
+            return np.arange(lo, hi, dtype=np.int64)
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        first, last = self._blocks(lo, hi)
+        blocks = self.order[first : last + 1]
+        sizes = self.sizes[first : last + 1]
+        pieces = []
+        # Full blocks as one 2-D array, shuffled row-wise; only the table's last block is short.
+        full = sizes == self.block
+        ordered = np.empty(int(sizes.sum()), dtype=np.int64)
+        if full.any():
+            ids = blocks[full][:, None] * self.block + np.arange(self.block, dtype=np.int64)
+            keys = _keys(ids, self.seed, self.epoch, 2)
+            pieces = np.take_along_axis(ids, np.argsort(keys, axis=1), axis=1)
+        out_pos = np.concatenate(([0], np.cumsum(sizes)))
+        if full.all():
+            ordered = pieces.reshape(-1)
+        else:
+            short = int(np.flatnonzero(~full)[0])
+            rows = int(blocks[short]) * self.block + np.arange(int(sizes[short]), dtype=np.int64)
+            rows = rows[np.argsort(_keys(rows, self.seed, self.epoch, 2))]
+            flat = pieces.reshape(-1) if full.any() else np.empty(0, dtype=np.int64)
+            cut = short * self.block  # full blocks before the short one, in order
+            ordered[: out_pos[short]] = flat[:cut]
+            ordered[out_pos[short] : out_pos[short + 1]] = rows
+            ordered[out_pos[short + 1] :] = flat[cut:]
+        skip = lo - int(self.starts[first])
+        return ordered[skip : skip + (hi - lo)]
+
+    def row_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Ranges of virtual rows that positions [lo, hi) may touch (whole blocks when shuffled)."""
+        if not self.shuffle:
+            return [(lo, hi)] if hi > lo else []
+        if hi <= lo:
+            return []
+        first, last = self._blocks(lo, hi)
+        blocks = self.order[first : last + 1]
+        sizes = self.sizes[first : last + 1]
+        return [(int(b) * self.block, int(b) * self.block + int(s)) for b, s in zip(blocks, sizes, strict=True)]
+
+
+def nodes_for_shard(node_offsets: list[int], total: int, req: ShardRequest) -> list[int]:
+    """Data nodes that may hold rows of the shard. ``node_offsets`` has one entry per node plus
+    the end (``total``), so node ``k`` holds virtual rows ``[node_offsets[k], node_offsets[k+1])``."""
+    order = EpochOrder(total, req)
+    bounds = np.asarray(node_offsets, dtype=np.int64)
+    nodes = len(node_offsets) - 1
+    hit = np.zeros(nodes + 1, dtype=np.int64)
+    for lo, hi in shard_ranges(total, req):
+        spans = np.asarray(order.row_spans(lo, hi), dtype=np.int64).reshape(-1, 2)
+        if not len(spans):
+            continue
+        first = np.searchsorted(bounds, spans[:, 0], side="right") - 1
+        last = np.searchsorted(bounds, spans[:, 1] - 1, side="right") - 1
+        np.add.at(hit, first, 1)
+        np.add.at(hit, last + 1, -1)
+    covered = np.cumsum(hit)[:nodes] > 0
+    sizes = np.diff(bounds)
+    return [k for k in range(nodes) if covered[k] and sizes[k] > 0]
+
+
+def node_rows(node_offset: int, node_total: int, total: int, req: ShardRequest) -> list[np.ndarray | range]:
+    """The node's local virtual rows of the shard, in order: ``range`` pieces when unshuffled
+    (served as zero-copy slices), index arrays when shuffled."""
+    order = EpochOrder(total, req)
+    lo_node, hi_node = node_offset, node_offset + node_total
+    parts: list[np.ndarray | range] = []
+    for lo, hi in shard_ranges(total, req):
+        if not req.shuffle:
+            a, b = max(lo, lo_node), min(hi, hi_node)
+            if a < b:
+                parts.append(range(a - node_offset, b - node_offset))
+            continue
+        ids = order.rows(lo, hi)
+        mine = ids[(ids >= lo_node) & (ids < hi_node)] - node_offset
+        if len(mine):
+            parts.append(mine)
+    return parts
