@@ -1,0 +1,111 @@
+"""Fixtures shared across the suites: real sample Iceberg tables and real local cache clusters."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kubeflow_data_cache.sample import SampleTable, create_sample_table
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_SECONDS = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCache:
+    """`data-cache local` as a subprocess: waits for its READY line, stops it on exit."""
+
+    def __init__(self, metadata_loc: str, data_nodes: int = 2, env: dict | None = None, args: tuple = ()):
+        self.port = free_port()
+        self.endpoint = f"grpc://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", metadata_loc]
+        cmd += ["--data-nodes", str(data_nodes), "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        self.stderr = ""
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> str:
+        """The READY line, or the process's exit code and stderr if it ended first."""
+        deadline = time.monotonic() + timeout
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.5):
+                line = self.proc.stdout.readline()
+                if line.startswith("READY"):
+                    return line.strip()
+                if line == "":
+                    break
+        code = self.proc.poll()
+        self.stop()
+        raise RuntimeError(f"cache not ready (exit code {code}):\n{self.stderr[-4000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ValueError, OSError):
+            self.stderr = self.proc.stderr.read()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_cache(metadata_loc: str, data_nodes: int = 2, **kwargs) -> Iterator[LocalCache]:
+    cache = LocalCache(metadata_loc, data_nodes, **kwargs)
+    try:
+        cache.wait_ready()
+        yield cache
+    finally:
+        cache.stop()
+
+
+@pytest.fixture(scope="session")
+def table_factory(tmp_path_factory):
+    """``make(rows, files, **kw) -> SampleTable``: each call writes a fresh table."""
+    made: dict[tuple, SampleTable] = {}
+
+    def make(rows: int, files: int, with_text: bool = True) -> SampleTable:
+        key = (rows, files, with_text)
+        if key not in made:
+            warehouse = tmp_path_factory.mktemp(f"wh-{rows}-{files}")
+            made[key] = create_sample_table(str(warehouse), rows, files, with_text=with_text)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def small_table(table_factory) -> SampleTable:
+    return table_factory(10_000, 3)
+
+
+@pytest.fixture(scope="session")
+def small_cache(small_table) -> Iterator[LocalCache]:
+    """One shared 2-node cache over ``small_table`` for read-only tests."""
+    with running_cache(small_table.metadata_location, data_nodes=2) as cache:
+        yield cache
