@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Build the e2e images (cache, initializer, trainer-e2e) and load them into the kind cluster.
+#
+#   hack/e2e-images.sh build   docker build the three images
+#   hack/e2e-images.sh load    kind load docker-image each into $KIND_CLUSTER_NAME
+#   hack/e2e-images.sh all     both
+#   hack/e2e-images.sh list    print the image references, one per line
+#
+# Env: IMAGE_REGISTRY (kind.local/kubeflow-data-cache), IMAGE_TAG (e2e),
+#      KIND_CLUSTER_NAME (kubeflow-data-cache-e2e), KIND (kind), DOCKER (docker).
+# The defaults match tests/e2e/e2e_objects.py; a test checks they agree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+REGISTRY="${IMAGE_REGISTRY:-kind.local/kubeflow-data-cache}"
+TAG="${IMAGE_TAG:-e2e}"
+CLUSTER="${KIND_CLUSTER_NAME:-kubeflow-data-cache-e2e}"
+KIND="${KIND:-kind}"
+DOCKER="${DOCKER:-docker}"
+
+CACHE="$REGISTRY/cache:$TAG"
+INITIALIZER="$REGISTRY/initializer:$TAG"
+TRAINER="$REGISTRY/trainer-e2e:$TAG"
+
+list() {
+  printf '%s\n' "$CACHE" "$INITIALIZER" "$TRAINER"
+}
+
+build() {
+  "$DOCKER" build --tag "$CACHE" images/cache
+  "$DOCKER" build --tag "$INITIALIZER" images/initializer
+  # The trainer image starts from the cache image just built (its venv, its lock).
+  "$DOCKER" build --tag "$TRAINER" --build-arg "CACHE_IMAGE=$CACHE" images/trainer-e2e
+}
+
+load() {
+  local image
+  for image in $(list); do
+    "$KIND" load docker-image --name "$CLUSTER" "$image"
+  done
+}
+
+case "${1:-}" in
+  build) build ;;
+  load) load ;;
+  all) build && load ;;
+  list) list ;;
+  *)
+    echo "usage: $0 build|load|all|list" >&2
+    exit 2
+    ;;
+esac

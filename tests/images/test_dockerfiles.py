@@ -1,0 +1,146 @@
+"""The image Dockerfiles, read offline: bases, lock installs, user, entrypoints, build context.
+
+Each rule is also run once against a broken copy, so a rule that could never fail is caught here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from dockerfile_rules import parse, problems
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = REPO / "images"
+LINUX_PY311 = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux", "python_version": "3.11"}
+
+
+def console_scripts(pyproject: Path) -> set[str]:
+    return set(tomllib.loads(pyproject.read_text())["project"].get("scripts", {}))
+
+
+def torch_console_scripts() -> set[str]:
+    return {ep.name for ep in importlib.metadata.distribution("torch").entry_points if ep.group == "console_scripts"}
+
+
+# image folder -> console scripts its ENTRYPOINT may name
+IMAGE_SCRIPTS = {
+    "cache": lambda: console_scripts(IMAGES / "cache" / "pyproject.toml"),
+    "initializer": lambda: console_scripts(IMAGES / "initializer" / "pyproject.toml"),
+    "trainer-e2e": torch_console_scripts,
+}
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)", line)
+        if m:
+            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+@pytest.mark.parametrize("image", sorted(IMAGE_SCRIPTS))
+def test_dockerfile_follows_the_image_rules(image: str) -> None:
+    context = IMAGES / image
+    assert problems((context / "Dockerfile").read_text(), context, IMAGE_SCRIPTS[image]()) == []
+
+
+@pytest.mark.parametrize("image", ["cache", "initializer"])
+def test_entrypoint_is_the_packages_console_script(image: str) -> None:
+    _, stages = parse((IMAGES / image / "Dockerfile").read_text())
+    entrypoint = stages[-1].all("ENTRYPOINT")[-1].value
+    scripts = console_scripts(IMAGES / image / "pyproject.toml")
+    assert len(scripts) == 1
+    assert entrypoint == f'["{scripts.pop()}"]'
+
+
+@pytest.mark.parametrize("image", sorted(IMAGE_SCRIPTS))
+def test_dockerignore_keeps_build_leftovers_out(image: str) -> None:
+    ignored = (IMAGES / image / ".dockerignore").read_text().splitlines()
+    assert "**/__pycache__" in ignored
+    if image != "trainer-e2e":
+        assert "**/*.egg-info" in ignored
+
+
+BREAKAGES = [
+    ("cache", "USER 65532:65532", "USER cache", "should be numeric"),
+    ("cache", "USER 65532:65532", "USER 0:0", "is root"),
+    ("initializer", "USER 65532:65532", "", "sets no USER"),
+    ("cache", 'ENTRYPOINT ["data-cache"]', 'ENTRYPOINT ["data-cache-server"]', "not a console script"),
+    ("initializer", 'ENTRYPOINT ["cache-initializer"]', "ENTRYPOINT cache-initializer", "exec form"),
+    ("cache", "-r requirements.lock", "-r requirements.txt", "must come from the lock"),
+    ("initializer", "install --no-deps .", "install .", "without --no-deps"),
+    ("cache", "COPY requirements.lock ./", "COPY requirements.lockfile ./", "not in the build context"),
+    ("cache", "FROM ${PYTHON_IMAGE}\n", "FROM python:latest\n", "pinned python:3.11.N-slim"),
+    ("initializer", "python:3.11.13-slim-bookworm", "python:3.11.13-bookworm", "pinned python:3.11.N-slim"),
+    ("cache", "RUN python -m pip uninstall", "RUN python -m pip --version ||", "keeps the base image's pip"),
+    ("cache", "COPY --from=build /opt/venv", "COPY src", "copies nothing from a build stage"),
+    (
+        "cache",
+        "COPY --from=build /opt/venv /opt/venv\n",
+        "COPY --from=build /opt/venv /opt/venv\nRUN apt-get update && apt-get install -y gcc\n",
+        "build tools: gcc",
+    ),
+    (
+        "initializer",
+        "COPY --from=build /opt/venv /opt/venv\n",
+        "COPY --from=build /opt/venv /opt/venv\nRUN pip --python /opt/venv/bin/python install --no-deps boto3\n",
+        "runs pip install",
+    ),
+    ("trainer-e2e", 'ENTRYPOINT ["torchrun"]', 'ENTRYPOINT ["python"]', "not a console script"),
+]
+
+
+@pytest.mark.parametrize(("image", "old", "new", "expected"), BREAKAGES)
+def test_a_broken_dockerfile_is_caught(image: str, old: str, new: str, expected: str) -> None:
+    context = IMAGES / image
+    text = (context / "Dockerfile").read_text()
+    assert old in text, f"the breakage no longer applies to images/{image}/Dockerfile: {old!r}"
+    found = problems(text.replace(old, new), context, IMAGE_SCRIPTS[image]())
+    assert any(expected in p for p in found), found
+
+
+def test_continuation_lines_and_comments_are_joined() -> None:
+    _, stages = parse("ARG B=python:3.11.9-slim\nFROM ${B} AS x\nRUN a \\\n  # note\n  b\n")
+    assert stages[0].base == "python:3.11.9-slim"
+    assert stages[0].name == "x"
+    assert stages[0].all("RUN")[0].value == "a b"
+
+
+def test_trainer_lock_agrees_with_the_dev_lock() -> None:
+    dev = read_lock(REPO / "requirements-dev.lock")
+    trainer = read_lock(IMAGES / "trainer-e2e" / "requirements.lock")
+    assert "torch" in trainer
+    mismatched = {name: (version, dev.get(name)) for name, version in trainer.items() if dev.get(name) != version}
+    assert mismatched == {}, "trainer-e2e pins (trainer, dev): " + repr(mismatched)
+
+
+def test_trainer_lock_completes_the_cache_lock_for_torch() -> None:
+    """Every distribution torch needs on Linux/3.11 is pinned by one of the two locks, exactly once."""
+    cache = read_lock(IMAGES / "cache" / "requirements.lock")
+    trainer = read_lock(IMAGES / "trainer-e2e" / "requirements.lock")
+    assert set(cache) & set(trainer) == set(), "pinned twice"
+    pinned = {**cache, **trainer}
+    missing, todo, seen = set(), ["torch"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for spec in importlib.metadata.requires(name) or []:
+            req = Requirement(spec)
+            if req.marker and not req.marker.evaluate({**LINUX_PY311, "extra": ""}):
+                continue
+            dep = req.name.lower().replace("_", "-")
+            if dep not in pinned:
+                missing.add(dep)
+            elif not req.specifier.contains(pinned[dep], prereleases=True):
+                missing.add(f"{dep} ({pinned[dep]} does not satisfy {req.specifier})")
+            todo.append(dep)
+    assert missing == set()
