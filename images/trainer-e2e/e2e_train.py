@@ -19,7 +19,7 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rows = id_sum = id_sq_sum = 0
     seen: set[int] = set()
-    for batch in DataCacheDataset():
+    for batch in DataCacheDataset(columns=["id"]):
         ids = batch["id"].tolist()
         rows += len(ids)
         id_sum += sum(ids)

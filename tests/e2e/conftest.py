@@ -1,0 +1,344 @@
+"""The kind suite's fixtures: cluster, images, the distribution installed two ways, MinIO, a table.
+
+Everything skips, with the reason, when no Docker engine answers (E2E_REQUIRE=1 turns that skip
+into a failure, for CI). KEEP_CLUSTER=1 (or --keep-cluster) keeps the kind cluster afterwards;
+E2E_ARTIFACTS names the folder that failure dumps go to; KIND_NODE_IMAGE overrides the node image
+of hack/kind-config.yaml; E2E_SKIP_BUILD=1 loads images built earlier instead of building them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e_kube import CommandError, E2EKindCluster, Kube, condition, run, wait_for
+from e2e_objects import (
+    CACHE_IMAGE,
+    CLUSTER_NAME,
+    IMAGE_REGISTRY,
+    IMAGE_TAG,
+    IMAGES_SCRIPT,
+    INITIALIZER_IMAGE,
+    KIND_CONFIG,
+    KIND_VERSION,
+    KUBECTL_VERSION,
+    REPO,
+    RUNTIME_NAME,
+    SYSTEM_NAMESPACE,
+    WRITER_NAME,
+    helm_values,
+    minio_objects,
+    parse_metadata_location,
+    retarget_images,
+    split_for_apply,
+    table_writer_objects,
+    upstream_image_refs,
+)
+
+CLUSTER_CREATE_TIMEOUT = 300
+DOWNLOAD_TIMEOUT = 300
+IMAGE_BUILD_TIMEOUT = 2400
+IMAGE_LOAD_TIMEOUT = 900
+INSTALL_TIMEOUT = 600
+CONTROLLERS_READY_TIMEOUT = 420
+UNINSTALL_TIMEOUT = 300
+MINIO_READY_TIMEOUT = 300
+TABLE_WRITE_TIMEOUT = 600
+SUBMIT_TIMEOUT = 180
+HELM_RELEASE = "kubeflow-trainer"
+CHART = REPO / "charts" / "kubeflow-trainer"
+OVERLAY = REPO / "manifests" / "overlays" / "data-cache"
+RBAC_OVERLAY = OVERLAY / "namespace-rbac"
+METHODS = ["helm", "kustomize"]
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("E2E_REQUIRE") == "1":
+        pytest.fail(f"{reason} (E2E_REQUIRE=1)")
+    pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> str:
+    docker = shutil.which("docker")
+    if docker is None:
+        unavailable("kind suite skipped: no `docker` client on PATH")
+    try:
+        done = subprocess.run(
+            [docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        unavailable("kind suite skipped: `docker info` did not answer within 30s")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        unavailable(f"kind suite skipped: no Docker engine answers (`docker info`: {last})")
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> Path:
+    path = Path(os.environ.get("E2E_ARTIFACTS") or tmp_path_factory.mktemp("e2e-artifacts"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _download(url: str, dest: Path) -> None:
+    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT) as response:
+        tmp = dest.with_suffix(".tmp")
+        tmp.write_bytes(response.read())
+    tmp.chmod(0o755)
+    tmp.rename(dest)
+
+
+def _tool(name: str, version: str, workdir: Path, url: str) -> Path:
+    """The binary on PATH, else a pinned download (pytest-kind's own defaults are years old)."""
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    dest = workdir / f"{name}-{version}"
+    if not dest.exists():
+        _download(url, dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCluster]:
+    workdir = tmp_path_factory.mktemp("kind")
+    kind_url = f"https://github.com/kubernetes-sigs/kind/releases/download/{KIND_VERSION}/kind-linux-amd64"
+    kind = _tool("kind", KIND_VERSION, workdir, kind_url)
+    kubectl_url = f"https://dl.k8s.io/release/{KUBECTL_VERSION}/bin/linux/amd64/kubectl"
+    kubectl = _tool("kubectl", KUBECTL_VERSION, workdir, kubectl_url)
+    with contextlib.chdir(workdir):  # KindCluster makes ./.pytest-kind/<name> in the working folder
+        cluster = E2EKindCluster(
+            CLUSTER_NAME,
+            kubeconfig=workdir / "kubeconfig",
+            image=os.environ.get("KIND_NODE_IMAGE"),
+            kind_path=kind,
+            kubectl_path=kubectl,
+        )
+    cluster.create_bounded(KIND_CONFIG, CLUSTER_CREATE_TIMEOUT)
+    yield cluster
+    if os.environ.get("KEEP_CLUSTER") == "1" or request.config.getoption("keep_cluster"):
+        print(f"\nkeeping kind cluster {CLUSTER_NAME} (kind delete cluster --name {CLUSTER_NAME})")
+        return
+    cluster.delete()
+
+
+@pytest.fixture(scope="session")
+def kube(kind_cluster) -> Kube:
+    return Kube(kind_cluster.kubectl_path, kind_cluster.kubeconfig_path, helm=shutil.which("helm"))
+
+
+@pytest.fixture(scope="session")
+def e2e_images(kind_cluster) -> None:
+    env = {
+        **os.environ,
+        "KIND": str(kind_cluster.kind_path),
+        "KIND_CLUSTER_NAME": kind_cluster.name,
+        "IMAGE_REGISTRY": IMAGE_REGISTRY,
+        "IMAGE_TAG": IMAGE_TAG,
+    }
+    if os.environ.get("E2E_SKIP_BUILD") != "1":
+        run(["bash", str(IMAGES_SCRIPT), "build"], timeout=IMAGE_BUILD_TIMEOUT, env=env)
+    run(["bash", str(IMAGES_SCRIPT), "load"], timeout=IMAGE_LOAD_TIMEOUT, env=env)
+
+
+@dataclass(frozen=True)
+class Install:
+    method: str
+    namespace: str
+
+
+def _install_helm(kube: Kube, namespace: str, workdir: Path) -> None:
+    if not any((CHART / "crds").glob("*.yaml")) or not any((CHART / "charts").glob("*.tgz")):
+        run(["make", "-C", str(REPO), "sync-crds"], timeout=300)
+    values = workdir / "values.yaml"
+    values.write_text(yaml.safe_dump(helm_values(namespace)))
+    argv = ["upgrade", "--install", HELM_RELEASE, str(CHART), "-n", SYSTEM_NAMESPACE, "--create-namespace"]
+    argv += ["-f", str(values), "--wait", "--timeout", f"{INSTALL_TIMEOUT}s"]
+    kube.helm(*argv, timeout=INSTALL_TIMEOUT + 60)
+
+
+def _uninstall_helm(kube: Kube) -> None:
+    kube.helm(
+        "uninstall",
+        HELM_RELEASE,
+        "-n",
+        SYSTEM_NAMESPACE,
+        "--wait",
+        "--timeout",
+        f"{UNINSTALL_TIMEOUT}s",
+        timeout=UNINSTALL_TIMEOUT + 60,
+    )
+    wait_for(
+        "the runtime removed by helm uninstall",
+        lambda: kube.get("clustertrainingruntime", RUNTIME_NAME) is None,
+        UNINSTALL_TIMEOUT,
+    )
+
+
+def _render_kustomize(kube: Kube) -> list[dict]:
+    rendered = [o for o in yaml.safe_load_all(kube("kustomize", str(OVERLAY), timeout=300)) if o]
+    retargeted, changed = retarget_images(rendered, {"cache": CACHE_IMAGE, "initializer": INITIALIZER_IMAGE})
+    assert changed >= 2, f"expected the initializer image and CACHE_IMAGE in {OVERLAY}, changed {changed}"
+    return retargeted
+
+
+def _install_kustomize(kube: Kube, namespace: str, objs: list[dict]) -> None:
+    crds, rest, runtimes = split_for_apply(objs)
+    kube.apply(crds, timeout=300)
+    kube("wait", "--for=condition=Established", "crd", "--all", "--timeout=120s", timeout=150)
+    kube.apply_until_accepted(rest, timeout=INSTALL_TIMEOUT)
+    _wait_controllers(kube)
+    kube.apply_until_accepted(runtimes, timeout=INSTALL_TIMEOUT)
+    rbac = [o for o in yaml.safe_load_all(kube("kustomize", str(RBAC_OVERLAY), timeout=120)) if o]
+    kube.apply(rbac, namespace=namespace)
+
+
+def _wait_controllers(kube: Kube) -> None:
+    kube(
+        "wait",
+        "--for=condition=Available",
+        "deployment",
+        "--all",
+        "--all-namespaces",
+        f"--timeout={CONTROLLERS_READY_TIMEOUT}s",
+        timeout=CONTROLLERS_READY_TIMEOUT + 30,
+    )
+
+
+def _check_runtime_uses_local_images(kube: Kube, namespace: str) -> None:
+    runtime = kube.get("clustertrainingruntime", RUNTIME_NAME)
+    assert runtime is not None, f"ClusterTrainingRuntime {RUNTIME_NAME} was not installed"
+    text = yaml.safe_dump(runtime)
+    assert upstream_image_refs(runtime) == [], "the runtime still names the published images"
+    assert INITIALIZER_IMAGE in text and CACHE_IMAGE in text, text
+    assert kube.get("serviceaccount", "kubeflow-trainer-cache-initializer", namespace) is not None
+
+
+@pytest.fixture(scope="session", params=METHODS)
+def distribution(request, kube, e2e_images, artifacts, tmp_path_factory) -> Iterator[Install]:
+    method = request.param
+    namespace = f"dc-e2e-{method}"
+    if method == "helm" and not kube.helm_bin:
+        unavailable("helm install skipped: no `helm` on PATH")
+    kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}])
+    rendered: list[dict] = []
+    try:
+        if method == "helm":
+            _install_helm(kube, namespace, tmp_path_factory.mktemp("helm"))
+            _wait_controllers(kube)
+        else:
+            rendered = _render_kustomize(kube)
+            _install_kustomize(kube, namespace, rendered)
+        _check_runtime_uses_local_images(kube, namespace)
+    except BaseException:
+        dest = artifacts / f"{method}-install"
+        kube.dump(SYSTEM_NAMESPACE, dest / SYSTEM_NAMESPACE)
+        kube.dump(namespace, dest / namespace)
+        print(f"\n{method} install failed; status, events and logs dumped to {dest}")
+        raise
+    yield Install(method, namespace)
+    kube(
+        "delete",
+        "namespace",
+        namespace,
+        "--wait=true",
+        f"--timeout={UNINSTALL_TIMEOUT}s",
+        timeout=UNINSTALL_TIMEOUT + 30,
+    )
+    if method == "helm":
+        _uninstall_helm(kube)
+    else:
+        kube(
+            "delete",
+            "-f",
+            "-",
+            "--ignore-not-found",
+            "--wait=true",
+            f"--timeout={UNINSTALL_TIMEOUT}s",
+            input=yaml.safe_dump_all(rendered),
+            timeout=UNINSTALL_TIMEOUT + 30,
+        )
+
+
+@pytest.fixture(scope="session")
+def metadata_loc(kube, distribution, artifacts) -> str:
+    """MinIO in the test namespace, then the table-writer Job; the table's metadata location."""
+    ns = distribution.namespace
+    try:
+        kube.apply(minio_objects(ns))
+        kube(
+            "rollout",
+            "status",
+            "deployment/minio",
+            "-n",
+            ns,
+            f"--timeout={MINIO_READY_TIMEOUT}s",
+            timeout=MINIO_READY_TIMEOUT + 30,
+        )
+        kube.apply(table_writer_objects(ns))
+
+        def written() -> bool:
+            job = kube.get("job", WRITER_NAME, ns)
+            if (c := condition(job, "Failed")) is not None:
+                raise AssertionError(
+                    f"the table writer failed: {c.get('message')}\n{kube.pod_logs(ns, f'job-name={WRITER_NAME}')}"
+                )
+            return condition(job, "Complete") is not None
+
+        wait_for(f"Job {ns}/{WRITER_NAME} Complete", written, TABLE_WRITE_TIMEOUT)
+        return parse_metadata_location(kube("logs", f"job/{WRITER_NAME}", "-n", ns))
+    except (AssertionError, TimeoutError, CommandError, ValueError):
+        dest = kube.dump(ns, artifacts / f"{distribution.method}-table" / ns)
+        print(f"\nwriting the table failed; status, events and logs dumped to {dest}")
+        raise
+
+
+class TrainJobs:
+    """Submits the test's TrainJobs; the fixture dumps the namespace on failure, then deletes them."""
+
+    def __init__(self, kube: Kube, namespace: str) -> None:
+        self.kube, self.namespace, self.names = kube, namespace, []
+
+    def submit(self, job: dict) -> None:
+        self.names.append(job["metadata"]["name"])
+        self.kube.apply_until_accepted([job], timeout=SUBMIT_TIMEOUT)
+
+
+@pytest.fixture
+def trainjobs(request, kube, distribution, artifacts) -> Iterator[TrainJobs]:
+    jobs = TrainJobs(kube, distribution.namespace)
+    yield jobs
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        dest = artifacts / f"{distribution.method}-{request.node.name.replace('/', '_')}"
+        with contextlib.suppress(CommandError):
+            kube.dump(distribution.namespace, dest / distribution.namespace)
+            kube.dump(SYSTEM_NAMESPACE, dest / SYSTEM_NAMESPACE)
+        events = dest / distribution.namespace / "events.txt"
+        tail = "\n".join(events.read_text().splitlines()[-40:]) if events.exists() else ""
+        print(f"\nstatus, events and logs of {distribution.namespace} dumped to {dest}\n{tail}")
+    for name in jobs.names:
+        kube("delete", "trainjob", name, "-n", distribution.namespace, "--ignore-not-found", "--wait=false")
+    for name in jobs.names:
+        wait_for(
+            f"TrainJob {name} deleted",
+            lambda n=name: kube.get("trainjob", n, distribution.namespace) is None,
+            UNINSTALL_TIMEOUT,
+        )
