@@ -1,0 +1,175 @@
+"""The Flight protocol against real `data-cache local` clusters on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kubeflow_data_cache.protocol import ShardRequest, Ticket
+from tests.conftest import running_cache
+
+
+def read_path_shard(endpoint: str, index: int, total: int) -> tuple[flight.FlightInfo, pa.Table]:
+    """Exactly what an upstream client does: PATH [index, total], then DoGet on each endpoint."""
+    info = flight.FlightClient(endpoint).get_flight_info(flight.FlightDescriptor.for_path(str(index), str(total)))
+    tables = [flight.FlightClient(ep.locations[0].uri.decode()).do_get(ep.ticket).read_all() for ep in info.endpoints]
+    return info, (pa.concat_tables(tables) if tables else info.schema.empty_table())
+
+
+def read_cmd_shard(endpoint: str, req: ShardRequest) -> tuple[flight.FlightInfo, pa.Table]:
+    info = flight.FlightClient(endpoint).get_flight_info(flight.FlightDescriptor.for_command(req.to_json()))
+    tables = [flight.FlightClient(ep.locations[0].uri.decode()).do_get(ep.ticket).read_all() for ep in info.endpoints]
+    return info, (pa.concat_tables(tables) if tables else info.schema.empty_table())
+
+
+def action(endpoint: str, name: str, body: bytes = b"") -> list[bytes]:
+    return [r.body.to_pybytes() for r in flight.FlightClient(endpoint).do_action(flight.Action(name, body))]
+
+
+@pytest.mark.parametrize("total", [1, 3, 7])
+def test_upstream_client_reads_every_row_exactly_once(small_cache, small_table, total):
+    ids = []
+    for i in range(total):
+        info, table = read_path_shard(small_cache.endpoint, i, total)
+        assert info.total_records == table.num_rows
+        ids += table.column("id").to_pylist()
+    assert sorted(ids) == list(range(small_table.rows))
+
+
+def test_flight_info_carries_schema_rows_and_bytes(small_cache):
+    info, table = read_path_shard(small_cache.endpoint, 0, 2)
+    assert info.schema == table.schema
+    assert info.schema.names == ["id", "feature_a", "feature_b", "label", "flag", "text", "embedding"]
+    assert info.total_records == 5000
+    # The estimate comes from the nodes' real Arrow sizes.
+    assert 0.5 * table.nbytes <= info.total_bytes <= 2 * table.nbytes
+
+
+def test_shuffled_epochs_cover_every_row_in_different_orders(small_cache, small_table):
+    orders = []
+    for epoch in (0, 1):
+        ids = []
+        for s in range(3):
+            req = ShardRequest(shard=s, num_shards=3, shuffle=True, seed=5, epoch=epoch, block_size=64)
+            ids += read_cmd_shard(small_cache.endpoint, req)[1].column("id").to_pylist()
+        assert sorted(ids) == list(range(small_table.rows))
+        orders.append(ids)
+    assert orders[0] != orders[1]
+
+
+def test_projection_filter_and_batch_size(small_cache):
+    req = ShardRequest(columns=["label", "id"], filter="label = 3 AND id < 5000", batch_size=100)
+    info, table = read_cmd_shard(small_cache.endpoint, req)
+    assert table.schema.names == ["label", "id"]
+    assert set(table.column("label").to_pylist()) == {3}
+    assert sorted(table.column("id").to_pylist()) == list(range(3, 5000, 10))
+    assert info.total_records == 500
+    reader = flight.FlightClient(info.endpoints[0].locations[0].uri.decode()).do_get(info.endpoints[0].ticket)
+    assert max(chunk.data.num_rows for chunk in reader) <= 100
+
+
+def test_filtered_even_split(small_cache):
+    counts = []
+    for s in range(3):
+        req = ShardRequest(shard=s, num_shards=3, filter="flag", even="drop", shuffle=True)
+        counts.append(read_cmd_shard(small_cache.endpoint, req)[1].num_rows)
+    assert counts == [5000 // 3] * 3
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "message"),
+    [
+        (flight.FlightDescriptor.for_path("3", "3"), "shard index 3 is out of range"),
+        (flight.FlightDescriptor.for_path("a", "3"), "two integers"),
+        (flight.FlightDescriptor.for_path("1"), "[shard_index, shard_count]"),
+        (flight.FlightDescriptor.for_command(b"{nope"), "not valid JSON"),
+        (flight.FlightDescriptor.for_command(b'{"shards": 2}'), "unknown shard request field"),
+        (flight.FlightDescriptor.for_command(b'{"columns": ["nope"]}'), "unknown column(s) ['nope']"),
+        (flight.FlightDescriptor.for_command(b'{"filter": "nope = 1"}'), "invalid filter"),
+        (flight.FlightDescriptor.for_command(b'{"even": "sometimes"}'), "'even' should be one of"),
+    ],
+)
+def test_bad_descriptors_are_invalid_argument(small_cache, descriptor, message):
+    with pytest.raises(pa.ArrowInvalid, match=None) as err:
+        flight.FlightClient(small_cache.endpoint).get_flight_info(descriptor)
+    assert message in str(err.value)
+
+
+def test_bad_and_stale_tickets(small_cache):
+    info, _ = read_path_shard(small_cache.endpoint, 0, 1)
+    node = flight.FlightClient(info.endpoints[0].locations[0].uri.decode())
+    with pytest.raises(pa.ArrowInvalid, match="malformed ticket"):
+        node.do_get(flight.Ticket(b"garbage")).read_all()
+    ticket = Ticket.from_json(info.endpoints[0].ticket.ticket)
+    stale = Ticket("other-load", ticket.node, ticket.offset, ticket.node_rows, ticket.total, ticket.request)
+    with pytest.raises(pa.ArrowInvalid, match="ask the head for a new FlightInfo"):
+        node.do_get(flight.Ticket(stale.to_json())).read_all()
+    # The server survives all of it.
+    assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
+
+
+def test_unknown_calls_are_unimplemented(small_cache):
+    with pytest.raises(pa.ArrowNotImplementedError, match="not implemented"):
+        action(small_cache.endpoint, "drop-everything")
+    with pytest.raises(pa.ArrowNotImplementedError):
+        flight.FlightClient(small_cache.endpoint).do_put(
+            flight.FlightDescriptor.for_path("x"), pa.schema([("a", pa.int64())])
+        )[0].close()
+
+
+def test_status_list_flights_and_schema(small_cache, small_table):
+    status = json.loads(action(small_cache.endpoint, "status")[0])
+    assert status["state"] == "ready" and status["rows"] == small_table.rows
+    assert [n["rows"] for n in status["nodes"]] == [5000, 5000]
+    assert all(n["resident_bytes"] > 0 for n in status["nodes"])
+    client = flight.FlightClient(small_cache.endpoint)
+    (listed,) = list(client.list_flights())
+    assert listed.total_records == small_table.rows
+    schema = client.get_schema(flight.FlightDescriptor.for_command(b'{"columns": ["id"]}')).schema
+    assert schema.names == ["id"]
+
+
+def test_more_nodes_than_files_and_more_shards_than_rows(table_factory):
+    table = table_factory(5, 2)
+    with running_cache(table.metadata_location, data_nodes=4) as cache:
+        ids = []
+        for i in range(8):
+            info, part = read_path_shard(cache.endpoint, i, 8)
+            if part.num_rows == 0:
+                assert info.total_records == 0 and not info.endpoints  # empty shard, not an error
+            ids += part.column("id").to_pylist()
+        assert sorted(ids) == [0, 1, 2, 3, 4]
+
+
+def test_empty_table_is_ready_and_serves_nothing(table_factory):
+    table = table_factory(0, 1)
+    with running_cache(table.metadata_location, data_nodes=2) as cache:
+        info, part = read_path_shard(cache.endpoint, 0, 1)
+        assert info.total_records == 0 and part.num_rows == 0
+        assert info.schema.names[0] == "id"
+
+
+@pytest.fixture(scope="module")
+def odd_cache(table_factory):
+    table = table_factory(2503, 4, with_text=False)
+    with running_cache(table.metadata_location, data_nodes=3) as cache:
+        yield cache, table
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shards=st.integers(1, 9), shuffle=st.booleans(), seed=st.integers(0, 1000), epoch=st.integers(0, 5))
+def test_property_real_cluster_exactly_once(odd_cache, shards, shuffle, seed, epoch):
+    cache, table = odd_cache
+    ids = []
+    for s in range(shards):
+        req = ShardRequest(shard=s, num_shards=shards, shuffle=shuffle, seed=seed, epoch=epoch, block_size=50)
+        info, part = read_cmd_shard(cache.endpoint, req)
+        assert info.total_records == part.num_rows
+        ids += part.column("id").to_pylist()
+    assert sorted(ids) == list(range(table.rows))

@@ -1,0 +1,106 @@
+"""Shard math: every row exactly once over shards and nodes, shuffled or not, for any sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kubeflow_data_cache.protocol import ShardRequest
+from kubeflow_data_cache.sharding import EpochOrder, node_rows, nodes_for_shard, shard_ranges, shard_size
+
+
+def node_offsets(total: int, nodes: int) -> list[int]:
+    return [k * total // nodes for k in range(nodes)] + [total]
+
+
+def rows_of_shard(total: int, nodes: int, req: ShardRequest) -> tuple[list[int], set[int]]:
+    """What the data nodes together serve for one shard, and which nodes served any."""
+    offs = node_offsets(total, nodes)
+    out: list[int] = []
+    serving = set()
+    for k in range(nodes):
+        for part in node_rows(offs[k], offs[k + 1] - offs[k], total, req):
+            if len(part):
+                serving.add(k)
+            out.extend((np.asarray(part, dtype=np.int64) + offs[k]).tolist())
+    return out, serving
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    total=st.integers(0, 2500),
+    shards=st.integers(1, 12),
+    nodes=st.integers(1, 6),
+    block=st.integers(1, 300),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 50),
+)
+def test_every_row_exactly_once_over_all_shards(total, shards, nodes, block, shuffle, seed, epoch):
+    seen: list[int] = []
+    offs = node_offsets(total, nodes)
+    for s in range(shards):
+        req = ShardRequest(shard=s, num_shards=shards, shuffle=shuffle, seed=seed, epoch=epoch, block_size=block)
+        rows, serving = rows_of_shard(total, nodes, req)
+        assert len(rows) == shard_size(total, req)
+        # The head lists every node that serves rows of the shard (it may list a few extra).
+        assert serving <= set(nodes_for_shard(offs, total, req))
+        seen.extend(rows)
+    assert sorted(seen) == list(range(total))
+
+
+@settings(max_examples=100, deadline=None)
+@given(total=st.integers(0, 3000), shards=st.integers(1, 16), shuffle=st.booleans())
+def test_even_split_sizes(total, shards, shuffle):
+    drop = [shard_size(total, ShardRequest(shard=s, num_shards=shards, even="drop")) for s in range(shards)]
+    pad = [shard_size(total, ShardRequest(shard=s, num_shards=shards, even="pad")) for s in range(shards)]
+    assert set(drop) == {total // shards}
+    assert set(pad) == ({-(-total // shards)} if total else {0})
+    # pad covers every row at least once; drop never repeats a row.
+    pad_rows, drop_rows = [], []
+    for s in range(shards):
+        pad_rows += rows_of_shard(total, 2, ShardRequest(shard=s, num_shards=shards, even="pad", shuffle=shuffle))[0]
+        drop_rows += rows_of_shard(total, 2, ShardRequest(shard=s, num_shards=shards, even="drop", shuffle=shuffle))[0]
+    assert set(pad_rows) == set(range(total))
+    assert len(drop_rows) == len(set(drop_rows))
+
+
+def test_plain_shards_are_contiguous_and_near_equal():
+    sizes = [shard_size(10, ShardRequest(shard=s, num_shards=4)) for s in range(4)]
+    assert sizes == [2, 3, 2, 3]
+    assert shard_ranges(10, ShardRequest(shard=1, num_shards=4)) == [(2, 5)]
+    # More shards than rows: some shards are empty, never an error.
+    assert [shard_size(3, ShardRequest(shard=s, num_shards=5)) for s in range(5)] == [0, 1, 0, 1, 1]
+    assert shard_ranges(3, ShardRequest(shard=0, num_shards=5)) == []
+
+
+def test_shuffle_is_deterministic_and_differs_by_epoch_and_seed():
+    def order(seed, epoch):
+        return EpochOrder(50_000, ShardRequest(shuffle=True, seed=seed, epoch=epoch)).rows(0, 50_000)
+
+    a = order(7, 0)
+    assert np.array_equal(a, order(7, 0))
+    assert not np.array_equal(a, order(7, 1))
+    assert not np.array_equal(a, order(8, 0))
+    assert np.array_equal(np.sort(a), np.arange(50_000))
+
+
+def test_shuffle_quality():
+    """The permutation must decorrelate position from row id, and mix neighbours apart."""
+    total = 200_000
+    rows = EpochOrder(total, ShardRequest(shuffle=True, seed=1, block_size=1024)).rows(0, total)
+    assert abs(np.corrcoef(np.arange(total), rows)[0, 1]) < 0.02
+    # Rows adjacent in the table land far apart: the median distance is a large fraction of the table.
+    gaps = np.abs(np.diff(rows))
+    assert np.median(gaps) < 1024  # in-block neighbours stay within a block...
+    first = rows[::1024]
+    assert np.median(np.abs(np.diff(first))) > total // 10  # ...but consecutive blocks are far apart
+
+
+def test_shuffled_positions_are_consistent_across_ranges():
+    """Any sub-range of positions computes the same rows as the whole order (nodes rely on it)."""
+    order = EpochOrder(10_007, ShardRequest(shuffle=True, seed=3, block_size=100))
+    whole = order.rows(0, 10_007)
+    for lo, hi in [(0, 1), (99, 101), (5000, 10_007), (10_006, 10_007), (1234, 5678)]:
+        assert np.array_equal(order.rows(lo, hi), whole[lo:hi])
