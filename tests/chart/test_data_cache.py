@@ -1,0 +1,92 @@
+"""templates/data-cache/: LWS subchart, the cache runtime, the initializer's ClusterRole and namespace RBAC."""
+
+import helm_python
+import pytest
+from render import container, env_of, one, render_chart, render_notes, replicated_job, select
+
+RUNTIME = "torch-distributed-with-cache"
+ROLE = "kubeflow-trainer-cache-initializer"
+ACCOUNT = "kubeflow-trainer-cache-initializer"
+
+
+def lws_objects(objects):
+    return [o for o in objects if o["metadata"].get("labels", {}).get("helm.sh/chart", "").startswith("lws-")]
+
+
+def test_renders_nothing_of_the_cache_by_default(default_objects):
+    assert select(default_objects, "ClusterTrainingRuntime") == []
+    assert select(default_objects, "ClusterRole", ROLE) == []
+    assert select(default_objects, "RoleBinding", ACCOUNT) == []
+    assert lws_objects(default_objects) == []
+    assert select(default_objects, "CustomResourceDefinition") == []
+
+
+def test_renders_lws_runtime_and_rbac_when_data_cache_enabled_is_set(cache_objects):
+    assert one(cache_objects, "Deployment", "kubeflow-trainer-lws-controller-manager")
+    one(cache_objects, "CustomResourceDefinition", "leaderworkersets.leaderworkerset.x-k8s.io")
+    runtime = one(cache_objects, "ClusterTrainingRuntime", RUNTIME)
+    assert runtime["metadata"]["labels"]["trainer.kubeflow.org/webhook-validation"] == "disabled"
+    one(cache_objects, "ClusterRole", ROLE)
+    account = one(cache_objects, "ServiceAccount", ACCOUNT)
+    assert account["metadata"]["namespace"] == "default"
+
+
+def test_installs_no_job_or_hook(cache_objects):
+    """Upstream installs runtimes with a post-install Job that needs internet access; we do not."""
+    assert select(cache_objects, "Job") == []
+    assert not [o for o in cache_objects if "helm.sh/hook" in o["metadata"].get("annotations", {})]
+
+
+def test_skips_lws_when_data_cache_lws_install_is_false():
+    objects = render_chart({"dataCache": {"enabled": True, "lws": {"install": False}}})
+    assert lws_objects(objects) == []
+    one(objects, "ClusterTrainingRuntime", RUNTIME)
+
+
+def test_refuses_lws_install_without_data_cache_enabled():
+    with pytest.raises(
+        helm_python.HelmRenderError, match=r"dataCache\.lws\.install=true requires dataCache\.enabled=true"
+    ):
+        render_chart({"dataCache": {"lws": {"install": True}}})
+
+
+def test_binds_the_initializer_in_each_listed_namespace():
+    namespaces = ["team-a", "team-b", "default"]
+    objects = render_chart({"dataCache": {"enabled": True, "namespaces": namespaces}})
+    bindings = select(objects, "RoleBinding", ACCOUNT)
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(namespaces)
+    for binding in bindings:
+        namespace = binding["metadata"]["namespace"]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": namespace}]
+    assert sorted(a["metadata"]["namespace"] for a in select(objects, "ServiceAccount", ACCOUNT)) == sorted(namespaces)
+
+
+def test_renders_custom_images_and_service_account_into_the_runtime():
+    values = {
+        "dataCache": {
+            "enabled": True,
+            "initializer": {"image": {"repository": "registry.example/init", "tag": "v9"}},
+            "cache": {"image": {"repository": "registry.example/cache", "tag": "v8"}},
+            "serviceAccount": {"name": "cache-init"},
+            "namespaces": ["ml"],
+        }
+    }
+    objects = render_chart(values)
+    runtime = one(objects, "ClusterTrainingRuntime", RUNTIME)
+    pod = replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "cache-init"
+    init = container(pod, "dataset-initializer")
+    assert init["image"] == "registry.example/init:v9"
+    assert env_of(init)["CACHE_IMAGE"]["value"] == "registry.example/cache:v8"
+    binding = one(objects, "RoleBinding", "cache-init")
+    assert binding["subjects"][0]["name"] == "cache-init"
+    one(objects, "ServiceAccount", "cache-init")
+
+
+def test_notes_give_the_next_steps():
+    notes = render_notes({"dataCache": {"enabled": True, "namespaces": ["team-a"]}})
+    assert "kubectl create rolebinding kubeflow-trainer-cache-initializer -n team-a" in notes
+    assert "--clusterrole=kubeflow-trainer-cache-initializer" in notes
+    assert "kind: TrainJob" in notes and "storageUri: cache://" in notes
+    assert "dataCache.enabled=true" in render_notes()

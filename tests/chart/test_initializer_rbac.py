@@ -1,0 +1,54 @@
+"""The cache-initializer ClusterRole (chart and kustomize) grants every call the initializer makes."""
+
+from conftest import DATA_CACHE
+from rbac_rules import covered, grants
+from render import build_kustomize, one, render_chart
+
+ROLE = "kubeflow-trainer-cache-initializer"
+
+# The set the initializer needed when this test was written; the package's own list wins once it
+# exists (kubeflow_cache_initializer.rbac.REQUIRED_PERMISSIONS).
+FALLBACK_PERMISSIONS = [
+    ("trainer.kubeflow.org", "trainjobs", "get"),
+    *[
+        ("leaderworkerset.x-k8s.io", "leaderworkersets", v)
+        for v in ("get", "list", "watch", "create", "patch", "delete")
+    ],
+    *[("", "services", v) for v in ("get", "create", "patch", "delete")],
+    *[("", "serviceaccounts", v) for v in ("get", "create", "patch", "delete")],
+    *[("", "pods", v) for v in ("get", "list", "watch")],
+]
+
+try:
+    from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
+except ImportError:  # not landed yet
+    REQUIRED_PERMISSIONS = FALLBACK_PERMISSIONS
+
+
+def required():
+    needed = {tuple(p) for p in REQUIRED_PERMISSIONS}
+    assert needed, "REQUIRED_PERMISSIONS is empty"
+    return needed
+
+
+def test_chart_cluster_role_grants_every_initializer_call():
+    role = one(render_chart(DATA_CACHE), "ClusterRole", ROLE)
+    assert covered(grants(role["rules"]), required()) == set()
+
+
+def test_kustomize_cluster_role_grants_every_initializer_call():
+    role = one(build_kustomize("overlays/data-cache"), "ClusterRole", ROLE)
+    assert covered(grants(role["rules"]), required()) == set()
+
+
+def test_chart_and_kustomize_grant_the_same():
+    chart_role = one(render_chart(DATA_CACHE), "ClusterRole", ROLE)
+    kustomize_role = one(build_kustomize("overlays/data-cache"), "ClusterRole", ROLE)
+    assert grants(chart_role["rules"]) == grants(kustomize_role["rules"])
+
+
+def test_the_coverage_check_can_fail():
+    """Guards the guard: a role without `trainjobs get` is reported."""
+    role = one(render_chart(DATA_CACHE), "ClusterRole", ROLE)
+    rules = [r for r in role["rules"] if r["resources"] != ["trainjobs"]]
+    assert ("trainer.kubeflow.org", "trainjobs", "get") in covered(grants(rules), required())

@@ -1,0 +1,82 @@
+"""runtimes/torch-distributed-with-cache.yaml: the single source, and the chart and kustomize renders of it."""
+
+import shutil
+
+import helm_python
+import pytest
+import yaml
+from conftest import DATA_CACHE
+from render import RUNTIMES_DIR, build_kustomize, container, env_of, one, prepared_chart, replicated_job
+
+RUNTIME = "torch-distributed-with-cache"
+SOURCE = RUNTIMES_DIR / f"{RUNTIME}.yaml"
+JOBSET_NAME_FIELD = "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
+
+
+def source():
+    return yaml.safe_load(SOURCE.read_text())
+
+
+def without_added_labels(runtime, added_prefix):
+    """The runtime minus the labels a render adds (helm.sh/*, app.kubernetes.io/*)."""
+    labels = runtime["metadata"]["labels"]
+    runtime["metadata"]["labels"] = {k: v for k, v in labels.items() if not k.startswith(added_prefix)}
+    return runtime
+
+
+def test_chart_renders_the_source_unchanged_with_default_values(cache_objects):
+    rendered = one(cache_objects, "ClusterTrainingRuntime", RUNTIME)
+    rendered["metadata"]["labels"] = {
+        k: v for k, v in rendered["metadata"]["labels"].items() if not k.startswith(("app.kubernetes.io/", "helm.sh/"))
+    }
+    assert rendered == source()
+
+
+def test_kustomize_applies_the_source_unchanged():
+    rendered = one(build_kustomize("overlays/data-cache"), "ClusterTrainingRuntime", RUNTIME)
+    assert rendered == source()
+
+
+def test_initializer_step_meets_the_contract():
+    init_job = replicated_job(source(), "dataset-initializer")
+    assert init_job["replicas"] == 1
+    assert (
+        init_job["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"]
+        == "dataset-initializer"
+    )
+    pod = init_job["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "kubeflow-trainer-cache-initializer"
+    env = env_of(container(pod, "dataset-initializer"))
+    assert env["CACHE_IMAGE"]["value"] == "ghcr.io/kubeflow-data-cache/cache:v0.1.0"
+    assert env["TRAIN_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == JOBSET_NAME_FIELD
+
+
+def test_node_step_waits_for_the_initializer_and_can_find_the_cache():
+    node = replicated_job(source(), "node")
+    assert node["dependsOn"] == [{"name": "dataset-initializer", "status": "Complete"}]
+    assert node["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    env = env_of(container(node["template"]["spec"]["template"]["spec"], "node"))
+    # DataCacheDataset dials grpc://$(TRAIN_JOB_NAME)-cache-service:50051.
+    assert env["TRAIN_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == JOBSET_NAME_FIELD
+
+
+def test_chart_refuses_a_source_without_the_initializer_container(tmp_path):
+    """A drifted source fails the render with a message, instead of a runtime with stale images."""
+    chart = tmp_path / "kubeflow-trainer"
+    shutil.copytree(prepared_chart(), chart)
+    runtime_file = chart / "files" / "runtimes" / f"{RUNTIME}.yaml"
+    runtime_file.write_text(
+        runtime_file.read_text().replace(
+            "- name: dataset-initializer\n                      image", "- name: init\n                      image"
+        )
+    )
+    with (
+        helm_python.Chart.load(chart) as loaded,
+        pytest.raises(helm_python.HelmRenderError, match="container named dataset-initializer"),
+    ):
+        loaded.render(DATA_CACHE, name="kubeflow-trainer", namespace="kubeflow-system")
+
+
+def test_chart_reads_the_runtime_through_a_symlink_to_the_source():
+    link = SOURCE.parents[1] / "charts" / "kubeflow-trainer" / "files" / "runtimes" / f"{RUNTIME}.yaml"
+    assert link.is_symlink() and link.resolve() == SOURCE.resolve()

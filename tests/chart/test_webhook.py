@@ -1,0 +1,61 @@
+"""templates/webhook/: the admission webhook configurations and the certificate Secret."""
+
+from rbac_rules import upstream_trainer_manifests
+from render import NAMESPACE, build_kustomize, one, render_chart, select
+
+VALIDATOR = "validator.trainer.kubeflow.org"
+DEFAULTER = "defaulter.trainer.kubeflow.org"
+SERVICE = "kubeflow-trainer-controller-manager"
+
+
+def shape(configuration):
+    """What must match upstream: entry names, paths and rules (not namespaces or ports)."""
+    return sorted(
+        (w["name"], w["clientConfig"]["service"]["path"], str(w["rules"]), w["sideEffects"])
+        for w in configuration["webhooks"]
+    )
+
+
+def upstream_validator():
+    return next(o for o in upstream_trainer_manifests() if o["metadata"]["name"] == VALIDATOR)
+
+
+def test_renders_the_validator_trainer_v2_1_0_serves(default_objects):
+    validator = one(default_objects, "ValidatingWebhookConfiguration", VALIDATOR)
+    assert shape(validator) == shape(upstream_validator())
+    for hook in validator["webhooks"]:
+        assert hook["clientConfig"]["service"] == {
+            "name": SERVICE,
+            "namespace": NAMESPACE,
+            "path": hook["clientConfig"]["service"]["path"],
+            "port": 443,
+        }
+        assert hook["failurePolicy"] == "Fail"
+    one(default_objects, "Service", SERVICE)
+
+
+def test_kustomize_validator_matches_upstream():
+    objects = build_kustomize("overlays/manager")
+    validator = one(objects, "ValidatingWebhookConfiguration", VALIDATOR)
+    assert shape(validator) == shape(upstream_validator())
+    assert {h["clientConfig"]["service"]["namespace"] for h in validator["webhooks"]} == {NAMESPACE}
+
+
+def test_webhooks_follow_the_release_namespace():
+    objects = render_chart(namespace="ml-platform")
+    validator = one(objects, "ValidatingWebhookConfiguration", VALIDATOR)
+    assert {h["clientConfig"]["service"]["namespace"] for h in validator["webhooks"]} == {"ml-platform"}
+
+
+def test_renders_the_defaulter_only_when_webhook_defaulter_enabled_is_set(default_objects):
+    assert select(default_objects, "MutatingWebhookConfiguration", DEFAULTER) == []
+    objects = render_chart({"webhook": {"defaulter": {"enabled": True}, "failurePolicy": "Ignore"}})
+    defaulter = one(objects, "MutatingWebhookConfiguration", DEFAULTER)
+    assert [h["name"] for h in defaulter["webhooks"]] == ["defaulter.trainjob.trainer.kubeflow.org"]
+    assert defaulter["webhooks"][0]["failurePolicy"] == "Ignore"
+
+
+def test_certificate_secret_starts_empty_for_the_controller_to_fill(default_objects):
+    secret = one(default_objects, "Secret", "kubeflow-trainer-webhook-cert")
+    assert secret["metadata"]["namespace"] == NAMESPACE
+    assert not secret.get("data") and not secret.get("stringData")
