@@ -1,0 +1,166 @@
+"""Create-or-adopt: what the initializer creates survives its own restarts, and is checked when found.
+
+`ensure` POSTs the desired object. On 409 it reads the existing one and decides:
+
+* being deleted: wait (LeaderWorkerSet, with a watch) until it is gone, then create it again;
+* owned by this TrainJob: adopt it, and patch it back to the desired spec if it drifted;
+* shared cache: check it holds the same table, add this TrainJob as one more owner reference
+  (a merge patch guarded by resourceVersion, retried on conflict), and use it as it is;
+* anything else: `ForeignObjectError`, naming the object and its owners.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer.errors import CacheTimeoutError, ForeignObjectError, InitializerError, KubeApiError
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, Kube, Resource
+
+log = logging.getLogger(__name__)
+_MISSING = object()
+
+
+def differences(want: Any, have: Any, path: str = "") -> list[str]:
+    """Paths where `want` is not contained in `have` (fields the server added are fine)."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return [path or "."]
+        return [d for key, value in want.items() for d in differences(value, have.get(key, _MISSING), f"{path}.{key}")]
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(have) != len(want):
+            return [path]
+        return [d for i, (w, h) in enumerate(zip(want, have, strict=True)) for d in differences(w, h, f"{path}[{i}]")]
+    return [] if want == have else [path]
+
+
+def _desired_fields(desired: dict) -> dict:
+    """What adoption compares and restores: labels, annotations and the body (never names or owners)."""
+    fields = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+    meta = {k: desired["metadata"][k] for k in ("labels", "annotations") if k in desired["metadata"]}
+    return {"metadata": meta, **fields}
+
+
+def _describe(obj: dict) -> str:
+    return f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def _owners(obj: dict) -> list[dict]:
+    return list(obj["metadata"].get("ownerReferences") or [])
+
+
+def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared: bool, deadline: float) -> dict:
+    """Create `desired` or adopt the object already there under its name; return what the API holds."""
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    while True:
+        if time.monotonic() > deadline:
+            raise CacheTimeoutError(f"gave up creating {_describe(desired)}: the deadline passed")
+        try:
+            created = kube.create(resource, namespace, desired)
+            log.info("created %s", _describe(desired))
+            return created
+        except KubeApiError as err:
+            if not err.already_exists:
+                raise
+        try:
+            existing = kube.get(resource, namespace, name)
+        except KubeApiError as err:
+            if err.not_found:  # deleted between our create and get: create it again
+                continue
+            raise
+        if existing["metadata"].get("deletionTimestamp"):
+            _wait_deleted(kube, resource, existing, deadline)
+            continue
+        if shared:
+            return _join_shared(kube, resource, desired, existing, owner)
+        return _adopt_owned(kube, resource, desired, existing, owner)
+
+
+def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, owner: dict) -> dict:
+    owners = _owners(existing)
+    if owner["uid"] not in {ref.get("uid") for ref in owners}:
+        held_by = ", ".join(f"{r.get('kind')} {r.get('name')} (uid {r.get('uid')})" for r in owners) or "nobody"
+        raise ForeignObjectError(
+            f"{_describe(existing)} already exists and is not owned by {owner['kind']} {owner['name']} "
+            f"(uid {owner['uid']}); it is owned by {held_by}. Delete it, or rename the TrainJob"
+        )
+    fields = _desired_fields(desired)
+    drift = differences(fields, existing)
+    if not drift:
+        log.info("adopted %s, created by an earlier run of this initializer", _describe(existing))
+        return existing
+    log.info("adopted %s; restoring %s", _describe(existing), ", ".join(drift))
+    return _patch_guarded(kube, resource, existing, lambda current: fields)
+
+
+def _join_shared(kube: Kube, resource: Resource, desired: dict, existing: dict, owner: dict) -> dict:
+    want_table = {k: desired["metadata"]["annotations"][k] for k in (c.ANNOTATION_METADATA_LOC, c.ANNOTATION_TABLE)}
+    have = existing["metadata"].get("annotations") or {}
+    if any(have.get(k) != v for k, v in want_table.items()):
+        raise ForeignObjectError(
+            f"{_describe(existing)} exists but does not cache {want_table}: it holds "
+            f"{ {k: have.get(k) for k in want_table} }; delete it, or turn DATA_CACHE_SHARED off"
+        )
+    drift = differences(_desired_fields(desired), existing)
+    if drift:
+        log.warning(
+            "shared %s differs from this TrainJob's settings in %s; using it as it is",
+            _describe(existing),
+            ", ".join(drift),
+        )
+
+    def with_owner(current: dict) -> dict | None:
+        refs = _owners(current)
+        if owner["uid"] in {ref.get("uid") for ref in refs}:
+            return None
+        return {"metadata": {"ownerReferences": [*refs, owner]}}
+
+    joined = _patch_guarded(kube, resource, existing, with_owner)
+    log.info("joined shared %s as one more owner (%d owners)", _describe(joined), len(_owners(joined)))
+    return joined
+
+
+def _patch_guarded(kube: Kube, resource: Resource, current: dict, make_patch) -> dict:
+    """Merge-patch with the object's resourceVersion as a precondition; re-read and retry on 409."""
+    namespace, name = current["metadata"]["namespace"], current["metadata"]["name"]
+    for _ in range(c.PATCH_CONFLICT_RETRIES):
+        patch = make_patch(current)
+        if patch is None:
+            return current
+        patch.setdefault("metadata", {})["resourceVersion"] = current["metadata"]["resourceVersion"]
+        try:
+            return kube.patch(resource, namespace, name, patch)
+        except KubeApiError as err:
+            if not err.conflict:
+                raise
+        current = kube.get(resource, namespace, name)
+    raise InitializerError(f"{_describe(current)} kept changing; gave up after {c.PATCH_CONFLICT_RETRIES} patches")
+
+
+def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: float) -> None:
+    """Wait, with a watch, for an object being deleted (a shared cache whose last owner went away) to go."""
+    namespace, name = existing["metadata"]["namespace"], existing["metadata"]["name"]
+    if resource != LEADER_WORKER_SETS:
+        raise InitializerError(f"{_describe(existing)} is being deleted; run the initializer again once it is gone")
+    log.info("%s is being deleted; waiting for it to go before creating it again", _describe(existing))
+    version = existing["metadata"]["resourceVersion"]
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CacheTimeoutError(f"{_describe(existing)} was still being deleted at the deadline")
+        seconds = max(1, min(int(remaining), c.MAX_WATCH_SECONDS))
+        with kube.watch(resource, namespace, version, seconds, field_selector=f"metadata.name={name}") as stream:
+            for kind, obj in stream:
+                if kind == "DELETED":
+                    return
+                if kind == "ERROR":
+                    break
+                version = obj["metadata"]["resourceVersion"]
+        try:
+            version = kube.get(resource, namespace, name)["metadata"]["resourceVersion"]
+        except KubeApiError as err:
+            if err.not_found:
+                return
+            raise

@@ -1,0 +1,232 @@
+"""Pure builders: the objects the initializer sends, from the config alone (no API calls).
+
+Unshared, the cache is `{TRAIN_JOB_NAME}-cache` (ServiceAccount and LeaderWorkerSet). Shared
+(`DATA_CACHE_SHARED=true`), it is `data-cache-<hash of metadata location, schema, table>`, so
+every TrainJob of the namespace that asks for the same table finds the same cache. Either way
+each TrainJob gets its own Service `{TRAIN_JOB_NAME}-cache-service` to the cache's head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer.config import Config
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS, SERVICES
+
+
+@dataclass(frozen=True)
+class CacheNames:
+    """The names of what the initializer creates for one TrainJob."""
+
+    cache: str  # the LeaderWorkerSet, its ServiceAccount and the pods' instance label
+    service: str
+
+    @property
+    def flight_url(self) -> str:
+        return f"grpc://{self.service}:{c.FLIGHT_PORT}"
+
+
+def shared_cache_name(metadata_loc: str, schema_name: str, table_name: str) -> str:
+    """A stable, short name for the cache of one table: `data-cache-<10 hex chars>`."""
+    key = "\0".join((metadata_loc, schema_name, table_name)).encode()
+    return c.SHARED_NAME_PREFIX + hashlib.sha256(key).hexdigest()[: c.SHARED_HASH_CHARS]
+
+
+def cache_names(cfg: Config) -> CacheNames:
+    if cfg.shared:
+        cache = shared_cache_name(cfg.metadata_loc, cfg.schema_name, cfg.table_name)
+    else:
+        cache = cfg.train_job_name + c.CACHE_NAME_SUFFIX
+    return CacheNames(cache=cache, service=cfg.train_job_name + c.SERVICE_NAME_SUFFIX)
+
+
+def owner_reference(train_job: dict, controller: bool) -> dict:
+    """A reference to the TrainJob, so that deleting it deletes what references it."""
+    ref = {
+        "apiVersion": train_job["apiVersion"],
+        "kind": train_job["kind"],
+        "name": train_job["metadata"]["name"],
+        "uid": train_job["metadata"]["uid"],
+    }
+    if controller:
+        ref["controller"] = True
+    return ref
+
+
+def cache_labels(cfg: Config, component: str | None = None) -> dict[str, str]:
+    labels = {
+        c.LABEL_NAME: c.APP_NAME,
+        c.LABEL_INSTANCE: cache_names(cfg).cache,
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+    }
+    if component:
+        labels[c.LABEL_COMPONENT] = component
+    return labels
+
+
+def head_selector(cfg: Config) -> dict[str, str]:
+    """The label selector of the cache's head pod (what each TrainJob's Service points at)."""
+    return {c.LABEL_INSTANCE: cache_names(cfg).cache, c.LABEL_COMPONENT: c.COMPONENT_HEAD}
+
+
+def pods_selector(cfg: Config) -> str:
+    return f"{c.LABEL_INSTANCE}={cache_names(cfg).cache}"
+
+
+def table_annotations(cfg: Config) -> dict[str, str]:
+    """Which table a cache holds: checked before a shared cache is adopted."""
+    return {
+        c.ANNOTATION_METADATA_LOC: cfg.metadata_loc,
+        c.ANNOTATION_TABLE: f"{cfg.schema_name}.{cfg.table_name}",
+        c.ANNOTATION_SHARED: str(cfg.shared).lower(),
+    }
+
+
+def _metadata(cfg: Config, name: str, owners: list[dict], annotations: dict[str, str] | None = None) -> dict:
+    meta = {"name": name, "namespace": cfg.namespace, "labels": cache_labels(cfg), "ownerReferences": owners}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def build_service_account(cfg: Config, owners: list[dict]) -> dict:
+    """The cache pods' ServiceAccount; with the EKS role annotation only when `IAM_ROLE` is set."""
+    annotations = table_annotations(cfg)
+    if cfg.iam_role:
+        annotations |= {c.EKS_ROLE_ARN_ANNOTATION: cfg.iam_role, c.EKS_STS_REGIONAL_ANNOTATION: "true"}
+    return {
+        "apiVersion": SERVICE_ACCOUNTS.api_version,
+        "kind": SERVICE_ACCOUNTS.kind,
+        "metadata": _metadata(cfg, cache_names(cfg).cache, owners, annotations),
+        "automountServiceAccountToken": False,
+    }
+
+
+def build_service(cfg: Config, owners: list[dict]) -> dict:
+    """`{TRAIN_JOB_NAME}-cache-service`: Flight (50051) and health ports of the cache's head."""
+    return {
+        "apiVersion": SERVICES.api_version,
+        "kind": SERVICES.kind,
+        "metadata": _metadata(cfg, cache_names(cfg).service, owners),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": head_selector(cfg),
+            "ports": [
+                {
+                    "name": c.FLIGHT_PORT_NAME,
+                    "port": c.FLIGHT_PORT,
+                    "targetPort": c.FLIGHT_PORT_NAME,
+                    "protocol": "TCP",
+                },
+                {
+                    "name": c.HEALTH_PORT_NAME,
+                    "port": cfg.health_port,
+                    "targetPort": c.HEALTH_PORT_NAME,
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def _cache_env(cfg: Config) -> list[dict]:
+    env = [
+        {"name": "METADATA_LOC", "value": cfg.metadata_loc},
+        {"name": "SCHEMA_NAME", "value": cfg.schema_name},
+        {"name": "TABLE_NAME", "value": cfg.table_name},
+        {"name": "FLIGHT_PORT", "value": str(c.FLIGHT_PORT)},
+        {"name": "HEALTH_PORT", "value": str(cfg.health_port)},
+        {"name": "DATA_CACHE_STARTUP_TIMEOUT_SECONDS", "value": str(int(cfg.ready_timeout_seconds))},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {
+            "name": "MEMORY_LIMIT",
+            "valueFrom": {"resourceFieldRef": {"containerName": c.CACHE_CONTAINER, "resource": "limits.memory"}},
+        },
+    ]
+    return env + [{"name": name, "value": value} for name, value in cfg.cache_env]
+
+
+def _http_probe(path: str, initial: int, period: int, timeout: int, failures: int) -> dict:
+    return {
+        "httpGet": {"path": path, "port": c.HEALTH_PORT_NAME},
+        "initialDelaySeconds": initial,
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _pod_template(cfg: Config, component: str, args: tuple[str, ...], cpu: str, memory: str) -> dict:
+    r = cfg.readiness
+    container = {
+        "name": c.CACHE_CONTAINER,
+        "image": cfg.cache_image,
+        "args": list(args),
+        "env": _cache_env(cfg),
+        "ports": [
+            {"name": c.FLIGHT_PORT_NAME, "containerPort": c.FLIGHT_PORT, "protocol": "TCP"},
+            {"name": c.HEALTH_PORT_NAME, "containerPort": cfg.health_port, "protocol": "TCP"},
+        ],
+        "resources": {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu, "memory": memory}},
+        "readinessProbe": _http_probe(
+            c.READY_PATH, r.initial_delay_seconds, r.period_seconds, r.timeout_seconds, r.failure_threshold
+        ),
+        "livenessProbe": _http_probe(
+            c.LIVE_PATH,
+            c.LIVENESS_INITIAL_DELAY_SECONDS,
+            c.LIVENESS_PERIOD_SECONDS,
+            c.LIVENESS_TIMEOUT_SECONDS,
+            c.LIVENESS_FAILURE_THRESHOLD,
+        ),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": c.CACHE_USER_ID,
+            "runAsGroup": c.CACHE_USER_ID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePath": c.TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_MOUNT_PATH}],
+    }
+    if cfg.env_from_secrets:
+        container["envFrom"] = [{"secretRef": {"name": secret}} for secret in cfg.env_from_secrets]
+    return {
+        "metadata": {"labels": cache_labels(cfg, component)},
+        "spec": {
+            "serviceAccountName": cache_names(cfg).cache,
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": c.CACHE_USER_ID,
+                "runAsGroup": c.CACHE_USER_ID,
+                "fsGroup": c.CACHE_USER_ID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}],
+        },
+    }
+
+
+def build_leader_worker_set(cfg: Config, owners: list[dict]) -> dict:
+    """One group of `CLUSTER_SIZE` pods: the leader runs `data-cache head`, the workers `data-cache worker`."""
+    return {
+        "apiVersion": LEADER_WORKER_SETS.api_version,
+        "kind": LEADER_WORKER_SETS.kind,
+        "metadata": _metadata(cfg, cache_names(cfg).cache, owners, table_annotations(cfg)),
+        "spec": {
+            "replicas": 1,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": cfg.cluster_size,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _pod_template(cfg, c.COMPONENT_HEAD, c.HEAD_ARGS, cfg.head_cpu, cfg.head_mem),
+                "workerTemplate": _pod_template(cfg, c.COMPONENT_WORKER, c.WORKER_ARGS, cfg.worker_cpu, cfg.worker_mem),
+            },
+        },
+    }

@@ -1,0 +1,255 @@
+"""The initializer's settings: parsed once from the env, typed, every error named.
+
+`load_config` reads every variable, collects every problem and raises one `ConfigError`
+whose message names each bad variable, the value it got and the form it expects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer.errors import ConfigError
+
+STORAGE_URI_SCHEME = "cache://"
+METADATA_LOC_SCHEMES = ("s3://", "s3a://", "file://")
+# A Kubernetes resource.Quantity ("1", "500m", "2Gi", "1.5e3").
+_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
+_TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# Service names are DNS-1035 labels of at most 63 characters.
+MAX_TRAIN_JOB_NAME = 63 - len(c.SERVICE_NAME_SUFFIX)
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off", "")
+
+# AWS_* variables that are forwarded to cache pods, except these: secrets (pass them with
+# `CACHE_ENV_FROM_SECRET`) and what EKS injects into each pod for its own identity.
+AWS_PREFIX = "AWS_"
+AWS_NOT_FORWARDED = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_SECURITY_TOKEN",
+        "AWS_ROLE_ARN",
+        "AWS_ROLE_SESSION_NAME",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_CONFIG_FILE",
+        "AWS_PROFILE",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The readiness probe's timing, as the SDK passes it."""
+
+    initial_delay_seconds: int
+    period_seconds: int
+    timeout_seconds: int
+    failure_threshold: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the initializer needs, checked."""
+
+    storage_uri: str
+    schema_name: str
+    table_name: str
+    metadata_loc: str
+    train_job_name: str
+    namespace: str
+    cache_image: str
+    cluster_size: int
+    head_cpu: str
+    head_mem: str
+    worker_cpu: str
+    worker_mem: str
+    iam_role: str | None
+    readiness: Probe
+    ready_timeout_seconds: float
+    shared: bool
+    cache_env: tuple[tuple[str, str], ...]
+    env_from_secrets: tuple[str, ...]
+    health_port: int
+    status_poll_seconds: float
+
+    @property
+    def data_nodes(self) -> int:
+        return self.cluster_size - 1
+
+
+class _Reader:
+    """Reads variables from one env mapping, collecting every problem instead of stopping."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = env
+        self.problems: list[str] = []
+
+    def _bad(self, name: str, expected: str, got: str) -> None:
+        self.problems.append(f"`{name}` should be {expected}, got {got!r}")
+
+    def text(self, name: str, expected: str, default: str | None = None) -> str:
+        value = self.env.get(name, "").strip()
+        if value:
+            return value
+        if default is None:
+            self.problems.append(f"`{name}` is required: {expected}")
+        return default or ""
+
+    def matching(self, name: str, pattern: re.Pattern[str], expected: str, default: str | None = None) -> str:
+        value = self.text(name, expected, default)
+        if value and not pattern.match(value):
+            self._bad(name, expected, value)
+        return value
+
+    def integer(self, name: str, default: int, minimum: int, maximum: int | None = None) -> int:
+        raw = self.env.get(name, "").strip()
+        if not raw:
+            return default
+        bounds = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        try:
+            value = int(raw)
+        except ValueError:
+            self._bad(name, bounds, raw)
+            return default
+        if value < minimum or (maximum is not None and value > maximum):
+            self._bad(name, bounds, raw)
+        return value
+
+    def seconds(self, name: str, default: float) -> float:
+        raw = self.env.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value > 0 or value == float("inf"):
+            self._bad(name, "a number of seconds > 0", raw)
+            return default
+        return value
+
+    def flag(self, name: str) -> bool:
+        raw = self.env.get(name, "").strip().lower()
+        if raw in TRUE_WORDS:
+            return True
+        if raw not in FALSE_WORDS:
+            self._bad(name, f"one of {', '.join(TRUE_WORDS + FALSE_WORDS[:-1])}", self.env[name])
+        return False
+
+
+def parse_storage_uri(uri: str) -> tuple[str, str]:
+    """`cache://<schema>/<table>` -> (schema, table); ValueError when it is not of that form."""
+    if not uri.startswith(STORAGE_URI_SCHEME):
+        raise ValueError("no cache:// scheme")
+    parts = uri[len(STORAGE_URI_SCHEME) :].split("/")
+    if len(parts) != 2 or not all(_TABLE_PART.match(p) for p in parts):
+        raise ValueError("not exactly <schema>/<table>")
+    return parts[0], parts[1]
+
+
+def _namespace(env: Mapping[str, str], namespace_file: Path) -> str | None:
+    for name in ("NAMESPACE", "POD_NAMESPACE"):
+        if env.get(name, "").strip():
+            return env[name].strip()
+    try:
+        return namespace_file.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        sorted(
+            (name, value)
+            for name, value in env.items()
+            if name.startswith(AWS_PREFIX) and name not in AWS_NOT_FORWARDED and value
+        )
+    )
+
+
+def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_FILE)) -> Config:
+    """Parse and check every setting; raise one `ConfigError` listing every problem."""
+    r = _Reader(env)
+    storage_uri = r.text("STORAGE_URI", "cache://<schema>/<table>")
+    schema_name = table_name = ""
+    if storage_uri:
+        try:
+            schema_name, table_name = parse_storage_uri(storage_uri)
+        except ValueError:
+            r._bad("STORAGE_URI", "cache://<schema>/<table> (letters, digits, _ . -)", storage_uri)
+    metadata_loc = r.text("METADATA_LOC", "the table's metadata.json as an s3://, s3a:// or file:// URI")
+    if metadata_loc and not metadata_loc.startswith(METADATA_LOC_SCHEMES):
+        r._bad("METADATA_LOC", "an s3://, s3a:// or file:// URI of the table's metadata.json", metadata_loc)
+    train_job_name = r.matching(
+        "TRAIN_JOB_NAME", _DNS_LABEL, f"the TrainJob's name (a DNS-1035 label of at most {MAX_TRAIN_JOB_NAME} chars)"
+    )
+    if len(train_job_name) > MAX_TRAIN_JOB_NAME:
+        r._bad("TRAIN_JOB_NAME", f"at most {MAX_TRAIN_JOB_NAME} characters long", train_job_name)
+    cache_image = r.text("CACHE_IMAGE", "the data cache image, e.g. ghcr.io/org/data-cache:0.1.0")
+    if cache_image and any(ch.isspace() for ch in cache_image):
+        r._bad("CACHE_IMAGE", "an image reference without spaces", cache_image)
+    cluster_size = r.integer("CLUSTER_SIZE", c.DEFAULT_CLUSTER_SIZE, minimum=2)
+    quantity = "a Kubernetes quantity such as 500m, 2 or 4Gi"
+    head_cpu = r.matching("HEAD_CPU", _QUANTITY, quantity, c.DEFAULT_HEAD_CPU)
+    head_mem = r.matching("HEAD_MEM", _QUANTITY, quantity, c.DEFAULT_HEAD_MEM)
+    worker_cpu = r.matching("WORKER_CPU", _QUANTITY, quantity, c.DEFAULT_WORKER_CPU)
+    worker_mem = r.matching("WORKER_MEM", _QUANTITY, quantity, c.DEFAULT_WORKER_MEM)
+    iam_role = r.matching("IAM_ROLE", _IAM_ROLE, "an IAM role ARN, arn:aws:iam::<account>:role/<name>", "") or None
+    readiness = Probe(
+        initial_delay_seconds=r.integer(
+            "READINESS_INITIAL_DELAY_SECONDS", c.DEFAULT_READINESS_INITIAL_DELAY_SECONDS, minimum=0
+        ),
+        period_seconds=r.integer("READINESS_PERIOD_SECONDS", c.DEFAULT_READINESS_PERIOD_SECONDS, minimum=1),
+        timeout_seconds=r.integer("READINESS_TIMEOUT_SECONDS", c.DEFAULT_READINESS_TIMEOUT_SECONDS, minimum=1),
+        failure_threshold=r.integer("READINESS_FAILURE_THRESHOLD", c.DEFAULT_READINESS_FAILURE_THRESHOLD, minimum=1),
+    )
+    ready_timeout = r.seconds("CACHE_READY_TIMEOUT_SECONDS", c.DEFAULT_READY_TIMEOUT_SECONDS)
+    shared = r.flag("DATA_CACHE_SHARED")
+    secrets = tuple(s.strip() for s in env.get("CACHE_ENV_FROM_SECRET", "").split(",") if s.strip())
+    for secret in secrets:
+        if not _DNS_SUBDOMAIN.match(secret) or len(secret) > 253:
+            r._bad("CACHE_ENV_FROM_SECRET", "comma-separated Secret names (DNS-1123 subdomains)", secret)
+    health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
+    if health_port == c.FLIGHT_PORT:
+        r._bad("CACHE_HEALTH_PORT", f"a port other than the Flight port {c.FLIGHT_PORT}", str(health_port))
+    status_poll = r.seconds("CACHE_STATUS_POLL_SECONDS", c.DEFAULT_STATUS_POLL_SECONDS)
+    namespace = _namespace(env, namespace_file)
+    if namespace is None:
+        r.problems.append(f"`NAMESPACE` is required outside a pod (no {namespace_file} to read it from)")
+    if r.problems:
+        raise ConfigError("invalid configuration: " + "; ".join(r.problems))
+    return Config(
+        storage_uri=storage_uri,
+        schema_name=schema_name,
+        table_name=table_name,
+        metadata_loc=metadata_loc,
+        train_job_name=train_job_name,
+        namespace=namespace or "",
+        cache_image=cache_image,
+        cluster_size=cluster_size,
+        head_cpu=head_cpu,
+        head_mem=head_mem,
+        worker_cpu=worker_cpu,
+        worker_mem=worker_mem,
+        iam_role=iam_role,
+        readiness=readiness,
+        ready_timeout_seconds=ready_timeout,
+        shared=shared,
+        cache_env=_forwarded_env(env),
+        env_from_secrets=secrets,
+        health_port=health_port,
+        status_poll_seconds=status_poll,
+    )

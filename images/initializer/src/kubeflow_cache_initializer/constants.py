@@ -1,0 +1,68 @@
+"""Names, ports, labels and defaults shared by every module (one place, no magic numbers)."""
+
+# Cache pods: ports and the processes they run (see docs/protocol.md).
+FLIGHT_PORT = 50051
+FLIGHT_PORT_NAME = "flight"
+DEFAULT_HEALTH_PORT = 8080
+HEALTH_PORT_NAME = "health"
+CACHE_CONTAINER = "cache"
+HEAD_ARGS = ("head",)
+WORKER_ARGS = ("worker",)
+READY_PATH = "/ready"
+LIVE_PATH = "/live"
+STATUS_PATH = "/status"
+TERMINATION_LOG = "/dev/termination-log"
+
+# Liveness: /live answers while a node loads, so a failing one means a wedged process.
+LIVENESS_INITIAL_DELAY_SECONDS = 10
+LIVENESS_PERIOD_SECONDS = 10
+LIVENESS_TIMEOUT_SECONDS = 5
+LIVENESS_FAILURE_THRESHOLD = 6
+
+# Restricted pod security: a numeric non-root user, read-only root, an emptyDir for /tmp.
+CACHE_USER_ID = 65532
+TMP_VOLUME = "tmp"
+TMP_MOUNT_PATH = "/tmp"
+
+# Defaults of the initializer's env (the Kubeflow SDK usually sets them all).
+DEFAULT_CLUSTER_SIZE = 3
+DEFAULT_HEAD_CPU = "1"
+DEFAULT_HEAD_MEM = "1Gi"
+DEFAULT_WORKER_CPU = "2"
+DEFAULT_WORKER_MEM = "2Gi"
+DEFAULT_READINESS_INITIAL_DELAY_SECONDS = 0
+DEFAULT_READINESS_PERIOD_SECONDS = 5
+DEFAULT_READINESS_TIMEOUT_SECONDS = 2
+DEFAULT_READINESS_FAILURE_THRESHOLD = 3
+DEFAULT_READY_TIMEOUT_SECONDS = 600.0
+DEFAULT_STATUS_POLL_SECONDS = 5.0
+
+# Waiting: how long one watch request or one head /status request may take.
+MAX_WATCH_SECONDS = 60
+STATUS_HTTP_TIMEOUT_SECONDS = 2.0
+API_REQUEST_TIMEOUT_SECONDS = 30.0
+PATCH_CONFLICT_RETRIES = 5
+
+# Labels and annotations the initializer puts on what it creates.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+APP_NAME = "data-cache"
+MANAGED_BY = "cache-initializer"
+COMPONENT_HEAD = "head"
+COMPONENT_WORKER = "worker"
+ANNOTATION_METADATA_LOC = "data-cache.kubeflow.org/metadata-location"
+ANNOTATION_TABLE = "data-cache.kubeflow.org/table"
+ANNOTATION_SHARED = "data-cache.kubeflow.org/shared"
+EKS_ROLE_ARN_ANNOTATION = "eks.amazonaws.com/role-arn"
+EKS_STS_REGIONAL_ANNOTATION = "eks.amazonaws.com/sts-regional-endpoints"
+
+# Names of what is created.
+CACHE_NAME_SUFFIX = "-cache"
+SERVICE_NAME_SUFFIX = "-cache-service"
+SHARED_NAME_PREFIX = "data-cache-"
+SHARED_HASH_CHARS = 10
+
+# The pod's namespace, as Kubernetes mounts it.
+NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"

@@ -1,0 +1,57 @@
+"""The initializer's errors: each one ends the run with a non-zero exit and one clear line."""
+
+
+class InitializerError(Exception):
+    """Base class: anything that stops the initializer from delivering a ready cache."""
+
+    exit_code = 1
+
+
+class ConfigError(InitializerError):
+    """The env is missing a value or holds one of the wrong form."""
+
+    exit_code = 2
+
+
+class KubeApiError(InitializerError):
+    """The Kubernetes API answered an error that the initializer cannot work around."""
+
+    def __init__(self, verb: str, what: str, status: int, reason: str, message: str):
+        self.verb = verb
+        self.what = what
+        self.status = status
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{verb} {what} failed: HTTP {status} {reason}: {message}")
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def already_exists(self) -> bool:
+        return self.status == 409 and self.reason == "AlreadyExists"
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409 and self.reason != "AlreadyExists"
+
+    @property
+    def gone(self) -> bool:
+        return self.status == 410
+
+
+class TrainJobNotFoundError(InitializerError):
+    """`TRAIN_JOB_NAME` names no TrainJob in the pod's namespace."""
+
+
+class ForeignObjectError(InitializerError):
+    """An object with the cache's name exists but belongs to something else."""
+
+
+class CacheTimeoutError(InitializerError):
+    """The cache was not ready before `CACHE_READY_TIMEOUT_SECONDS`."""
+
+
+class CacheFailedError(InitializerError):
+    """The cache can never become ready: image pull error, OOMKilled, unschedulable, load error."""

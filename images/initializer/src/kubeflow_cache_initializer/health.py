@@ -1,0 +1,118 @@
+"""Reading the cache's health: hopeless pod states, and the head's `/status` load progress."""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+
+from kubeflow_cache_initializer import constants as c
+
+log = logging.getLogger(__name__)
+
+# Waiting reasons from which a container never starts without someone changing the pod or image.
+IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+CONFIG_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+# No proxy: the head's pod IP is reached directly, whatever HTTP(S)_PROXY the initializer has.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def pod_name(pod: dict) -> str:
+    return pod["metadata"]["name"]
+
+
+def is_head(pod: dict) -> bool:
+    return (pod["metadata"].get("labels") or {}).get(c.LABEL_COMPONENT) == c.COMPONENT_HEAD
+
+
+def is_ready(pod: dict) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in conditions)
+
+
+def _memory_hint(pod: dict) -> str:
+    return "HEAD_MEM" if is_head(pod) else "WORKER_MEM"
+
+
+def hopeless_reason(pod: dict) -> str | None:
+    """Why this cache pod can never become ready, or None while it still may."""
+    name = pod_name(pod)
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return f"cache pod {name} failed: {status.get('reason', '')} {status.get('message', '')}".strip()
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            return f"cache pod {name} is unschedulable: {cond.get('message', '')}".strip()
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason", "")
+        if reason in IMAGE_ERRORS:
+            return f"cache pod {name} cannot pull image {cs.get('image', '')}: {reason}: {waiting.get('message', '')}"
+        if reason in CONFIG_ERRORS:
+            return f"cache pod {name} cannot start container {cs.get('name')}: {reason}: {waiting.get('message', '')}"
+        # A past crash of a container that is ready again is history, not a verdict.
+        for when in ("state",) if cs.get("ready") else ("state", "lastState"):
+            term = (cs.get(when) or {}).get("terminated")
+            if not term:
+                continue
+            if term.get("reason") == "OOMKilled":
+                return f"cache pod {name} was OOMKilled: its memory limit is too small (raise {_memory_hint(pod)})"
+            if term.get("exitCode", 0) != 0:
+                detail = (term.get("message") or term.get("reason") or "").strip()
+                return f"cache pod {name} exited with code {term['exitCode']}: {detail}"
+    return None
+
+
+def head_pod_ip(pods: dict[str, dict]) -> str | None:
+    for pod in pods.values():
+        status = pod.get("status") or {}
+        if is_head(pod) and status.get("phase") == "Running" and status.get("podIP"):
+            return status["podIP"]
+    return None
+
+
+def fetch_head_status(pod_ip: str, port: int, timeout: float = c.STATUS_HTTP_TIMEOUT_SECONDS) -> dict | None:
+    """The head's `/status` JSON, or None when it does not answer (yet)."""
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    try:
+        with _OPENER.open(f"http://{host}:{port}{c.STATUS_PATH}", timeout=timeout) as response:
+            status = json.load(response)
+    except (OSError, ValueError) as err:
+        log.debug("head /status on %s not available: %s", pod_ip, err)
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def status_failure(status: dict) -> str | None:
+    """The load error the head or one of its data nodes reports, if any."""
+    if status.get("state") == "failed":
+        return f"the cache head reports a failed load: {status.get('error') or 'no reason given'}"
+    for node in status.get("nodes") or []:
+        if node.get("state") == "failed" or node.get("error"):
+            return f"data node {node.get('index')} failed to load: {node.get('error') or 'no reason given'}"
+    return None
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def describe_status(status: dict | None) -> str:
+    """One line of load progress, e.g. `head loading: 1/2 data nodes loaded, 5,000 rows, 1.2 MiB`."""
+    if status is None:
+        return "head status not available yet"
+    nodes = status.get("nodes") or []
+    loaded = sum(1 for node in nodes if node.get("state") == "ready")
+    return (
+        f"head {status.get('state', 'unknown')}: {loaded}/{len(nodes)} data nodes loaded, "
+        f"{int(status.get('rows') or 0):,} rows, {_human_bytes(int(status.get('bytes') or 0))}"
+    )

@@ -1,0 +1,98 @@
+"""The initializer's steps: find the TrainJob, create or adopt the cache, wait until it is ready."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kubeflow_cache_initializer.apply import ensure
+from kubeflow_cache_initializer.builders import (
+    build_leader_worker_set,
+    build_service,
+    build_service_account,
+    cache_names,
+    owner_reference,
+)
+from kubeflow_cache_initializer.config import Config
+from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, KubeApiError, TrainJobNotFoundError
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS, SERVICES, TRAINJOBS, Kube
+from kubeflow_cache_initializer.wait import wait_until_ready
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheReady:
+    """A cache that serves: where the trainer finds it, and what the head reported."""
+
+    cache: str
+    service: str
+    flight_url: str
+    status: dict
+
+
+def get_train_job(kube: Kube, cfg: Config) -> dict:
+    try:
+        return kube.get(TRAINJOBS, cfg.namespace, cfg.train_job_name)
+    except KubeApiError as err:
+        if err.not_found:
+            raise TrainJobNotFoundError(
+                f"TrainJob {cfg.train_job_name} not found in namespace {cfg.namespace}: "
+                "`TRAIN_JOB_NAME` must name the TrainJob this initializer runs for"
+            ) from err
+        raise
+
+
+def run(kube: Kube, cfg: Config) -> CacheReady:
+    """Bring the cache up for the TrainJob and return once it serves; raise `InitializerError` otherwise."""
+    deadline = time.monotonic() + cfg.ready_timeout_seconds
+    names = cache_names(cfg)
+    train_job = get_train_job(kube, cfg)
+    log.info(
+        "%s cache %s for TrainJob %s: table %s.%s at %s, 1 head + %d data nodes",
+        "shared" if cfg.shared else "dedicated",
+        names.cache,
+        cfg.train_job_name,
+        cfg.schema_name,
+        cfg.table_name,
+        cfg.metadata_loc,
+        cfg.data_nodes,
+    )
+    # A shared cache has one owner reference per TrainJob and no controller; a dedicated one, its TrainJob.
+    cache_owner = owner_reference(train_job, controller=not cfg.shared)
+    job_owner = owner_reference(train_job, controller=True)
+    ensure(
+        kube,
+        SERVICE_ACCOUNTS,
+        build_service_account(cfg, [cache_owner]),
+        cache_owner,
+        shared=cfg.shared,
+        deadline=deadline,
+    )
+    ensure(
+        kube,
+        LEADER_WORKER_SETS,
+        build_leader_worker_set(cfg, [cache_owner]),
+        cache_owner,
+        shared=cfg.shared,
+        deadline=deadline,
+    )
+    ensure(kube, SERVICES, build_service(cfg, [job_owner]), job_owner, shared=False, deadline=deadline)
+    try:
+        status = wait_until_ready(kube, cfg, deadline)
+    except (CacheFailedError, CacheTimeoutError):
+        if not cfg.shared:
+            _delete_cache(kube, cfg, names.cache)
+        raise
+    return CacheReady(cache=names.cache, service=names.service, flight_url=names.flight_url, status=status)
+
+
+def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:
+    """Free a dedicated cache's pods once it can no longer serve: the TrainJob fails, its cache goes."""
+    try:
+        kube.delete(LEADER_WORKER_SETS, cfg.namespace, name)
+        log.info("deleted LeaderWorkerSet %s so that its pods free their resources", name)
+    except KubeApiError as err:
+        if not err.not_found:
+            log.warning("could not delete LeaderWorkerSet %s: %s", name, err)

@@ -1,0 +1,203 @@
+"""Waiting for the cache: watches on the LeaderWorkerSet and its pods, a deadline, no sleep loop.
+
+Two watcher threads feed one queue with the API's events (re-listing after a 410 Gone); the
+waiting loop keeps the latest LeaderWorkerSet and pods, logs `2/3 cache pods ready` and the
+head's load progress whenever they change, and asks the head's `/status` at most every
+`CACHE_STATUS_POLL_SECONDS` (sooner when the LeaderWorkerSet or the head pod changes). It
+returns once the LeaderWorkerSet is Available and the head reports `ready`; it raises
+`CacheFailedError` as soon as a pod or the head shows a hopeless state, and `CacheTimeoutError`
+at the deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer import health
+from kubeflow_cache_initializer.builders import cache_names, pods_selector
+from kubeflow_cache_initializer.config import Config
+from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, KubeApiError
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, PODS, Kube, Resource, WatchStream
+
+log = logging.getLogger(__name__)
+TRANSIENT_WATCH_FAILURES = 3
+WATCH_RETRY_SECONDS = 1.0
+STOP_JOIN_SECONDS = 5.0
+
+
+class _Watcher(threading.Thread):
+    """Watches one resource from a resourceVersion until stopped or the deadline; events go to a queue."""
+
+    def __init__(self, kube: Kube, resource: Resource, namespace: str, version: str, deadline: float, out, **selectors):
+        super().__init__(name=f"watch-{resource.plural}", daemon=True)
+        self.kube, self.resource, self.namespace = kube, resource, namespace
+        self.version, self.deadline, self.out, self.selectors = version, deadline, out, selectors
+        self.stopped = threading.Event()
+        self.stream: WatchStream | None = None
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.stream is not None:
+            self.stream.close()
+
+    def run(self) -> None:
+        failures = 0
+        while not self.stopped.is_set():
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                self._watch_once(max(1, min(int(remaining) + 1, c.MAX_WATCH_SECONDS)))
+                failures = 0
+            except KubeApiError as err:
+                if not self.stopped.is_set():
+                    self.out.put((self.resource, "FAILED", err))
+                return
+            except Exception as err:  # a dropped connection: watch again from the last version
+                failures += 1
+                if self.stopped.is_set():
+                    return
+                if failures >= TRANSIENT_WATCH_FAILURES:
+                    self.out.put((self.resource, "FAILED", err))
+                    return
+                log.debug("watch of %s interrupted (%s); watching again", self.resource.plural, err)
+                self.stopped.wait(WATCH_RETRY_SECONDS)
+
+    def _watch_once(self, seconds: int) -> None:
+        self.stream = self.kube.watch(self.resource, self.namespace, self.version, seconds, **self.selectors)
+        if self.stopped.is_set():
+            self.stream.close()
+            return
+        for kind, obj in self.stream:
+            if kind == "ERROR":
+                if obj.get("code") == 410:  # our resourceVersion is too old: list again, watch from there
+                    items, self.version = self.kube.list(self.resource, self.namespace, **self.selectors)
+                    self.out.put((self.resource, "RELIST", items))
+                    return
+                raise KubeApiError(
+                    "watch", self.resource.plural, obj.get("code", 0), obj.get("reason", ""), obj.get("message", "")
+                )
+            self.version = obj["metadata"]["resourceVersion"]
+            if kind != "BOOKMARK":
+                self.out.put((self.resource, kind, obj))
+
+
+def _available(lws: dict | None) -> bool:
+    conditions = ((lws or {}).get("status") or {}).get("conditions") or []
+    return any(cond.get("type") == "Available" and cond.get("status") == "True" for cond in conditions)
+
+
+class _Progress:
+    """The latest state of the cache and what has been logged about it."""
+
+    def __init__(self, cfg: Config, lws: dict, pods: list[dict]):
+        self.cfg = cfg
+        self.lws: dict | None = lws
+        self.pods = {health.pod_name(p): p for p in pods}
+        self.status: dict | None = None
+        self.logged: dict[str, str] = {}
+
+    def apply(self, resource: Resource, kind: str, obj) -> bool:
+        """Take one queued event; True when the head should be asked for its status now."""
+        if kind == "FAILED":
+            raise (
+                obj if isinstance(obj, KubeApiError) else CacheFailedError(f"watching {resource.plural} failed: {obj}")
+            )
+        if resource == LEADER_WORKER_SETS:
+            self.lws = (obj[0] if obj else None) if kind == "RELIST" else (None if kind == "DELETED" else obj)
+            return True
+        if kind == "RELIST":
+            self.pods = {health.pod_name(p): p for p in obj}
+            return True
+        if kind == "DELETED":
+            self.pods.pop(health.pod_name(obj), None)
+        else:
+            self.pods[health.pod_name(obj)] = obj
+        return health.is_head(obj)
+
+    def pods_line(self) -> str:
+        ready = sum(1 for pod in self.pods.values() if health.is_ready(pod))
+        return f"{ready}/{self.cfg.cluster_size} cache pods ready"
+
+    def summary(self) -> str:
+        return f"{self.pods_line()}; {health.describe_status(self.status)}"
+
+    def log_changes(self) -> None:
+        for key, line in (("pods", self.pods_line()), ("head", health.describe_status(self.status))):
+            if self.logged.get(key) != line:
+                self.logged[key] = line
+                log.info("%s", line)
+
+    def check(self) -> None:
+        name = cache_names(self.cfg).cache
+        if self.lws is None:
+            raise CacheFailedError(f"LeaderWorkerSet {name} was deleted while waiting for it")
+        for pod in sorted(self.pods.values(), key=health.pod_name):
+            reason = health.hopeless_reason(pod)
+            if reason:
+                raise CacheFailedError(reason)
+        failure = health.status_failure(self.status) if self.status else None
+        if failure:
+            raise CacheFailedError(failure)
+
+    def ready(self) -> bool:
+        return _available(self.lws) and (self.status or {}).get("state") == "ready"
+
+
+def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict:
+    """Block until the cache is Available and its head reports ready; return the head's status."""
+    namespace, name = cfg.namespace, cache_names(cfg).cache
+    lws = kube.get(LEADER_WORKER_SETS, namespace, name)
+    pods, pods_version = kube.list(PODS, namespace, label_selector=pods_selector(cfg))
+    events: queue.Queue = queue.Queue()
+    watchers = [
+        _Watcher(
+            kube,
+            LEADER_WORKER_SETS,
+            namespace,
+            lws["metadata"]["resourceVersion"],
+            deadline,
+            events,
+            field_selector=f"metadata.name={name}",
+        ),
+        _Watcher(kube, PODS, namespace, pods_version, deadline, events, label_selector=pods_selector(cfg)),
+    ]
+    for watcher in watchers:
+        watcher.start()
+    try:
+        return _wait(cfg, _Progress(cfg, lws, pods), events, deadline)
+    finally:
+        for watcher in watchers:
+            watcher.stop()
+        for watcher in watchers:
+            watcher.join(STOP_JOIN_SECONDS)
+
+
+def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float) -> dict:
+    next_status_at = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= next_status_at:
+            ip = health.head_pod_ip(progress.pods)
+            progress.status = health.fetch_head_status(ip, cfg.health_port) if ip else None
+            next_status_at = time.monotonic() + cfg.status_poll_seconds
+        progress.log_changes()
+        progress.check()
+        if progress.ready():
+            return progress.status or {}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CacheTimeoutError(
+                f"the cache was not ready within CACHE_READY_TIMEOUT_SECONDS={cfg.ready_timeout_seconds:g}: "
+                f"{progress.summary()}"
+            )
+        try:
+            resource, kind, obj = events.get(timeout=max(0.0, min(remaining, next_status_at - time.monotonic())))
+        except queue.Empty:
+            continue
+        if progress.apply(resource, kind, obj):
+            next_status_at = 0.0
