@@ -1,0 +1,85 @@
+"""Bad input ends with a clear message and a non-zero exit, never a hang or partial data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubeflow_data_cache.sample import create_sample_table
+from tests.conftest import LocalCache
+
+DEADLINE = 90
+
+
+def data_cache(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kubeflow_data_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        env=env,
+    )
+
+
+def failed_local(metadata_loc: str, *args: str) -> tuple[int, str]:
+    cache = LocalCache(metadata_loc, 2, args=args)
+    with pytest.raises(RuntimeError) as err:
+        cache.wait_ready(timeout=DEADLINE)
+    return cache.proc.returncode, str(err.value)
+
+
+def test_missing_metadata_location_fails_fast(tmp_path):
+    code, stderr = failed_local(str(tmp_path / "nope" / "v1.metadata.json"))
+    assert code == 1
+    assert "METADATA_LOC" in stderr and "does not exist" in stderr
+
+
+def test_not_a_metadata_file(tmp_path):
+    bogus = tmp_path / "v1.metadata.json"
+    bogus.write_text("{not json")
+    code, stderr = failed_local(str(bogus))
+    assert code == 1 and "cannot read table metadata" in stderr
+
+
+def test_corrupt_data_file_fails_the_load(tmp_path):
+    table = create_sample_table(str(tmp_path / "wh"), 2000, 2)
+    victim = sorted(Path(tmp_path / "wh").rglob("*.parquet"))[0]
+    victim.write_bytes(b"PAR1 this is not parquet")
+    code, stderr = failed_local(table.metadata_location)
+    assert code == 1
+    assert "cannot read data file" in stderr and victim.name in stderr
+
+
+def test_memory_budget_refusal_says_what_is_needed(table_factory):
+    table = table_factory(20_000, 3)
+    # 400.5Mi leaves 0.5 MiB per node after the 400 MiB interpreter baseline; the table needs ~1.5 MiB.
+    code, stderr = failed_local(table.metadata_location, "--memory-limit", "400.5Mi")
+    assert code == 1
+    assert "needs about" in stderr and "use at least" in stderr and "data nodes" in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["head", "--data-nodes", "1"], "`METADATA_LOC` is required"),
+        (["head", "--metadata-loc", "x"], "the head needs the number of data nodes"),
+        (["worker"], "a data node needs its index"),
+        (["worker", "--index", "0"], "a data node needs the head's address"),
+        (["head", "--metadata-loc", "x", "--data-nodes", "1", "--memory-limit", "lots"], "`MEMORY_LIMIT` should be"),
+        (["local", "--metadata-loc", "x", "--data-nodes", "0"], "--data-nodes should be >= 1"),
+    ],
+)
+def test_bad_settings_exit_2_with_the_fix(args, message):
+    env = {"PATH": "/usr/bin:/bin"}  # no METADATA_LOC / LWS_* from the outer environment
+    result = data_cache(*args, env=env)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_lws_env_is_read(tmp_path):
+    """LWS_GROUP_SIZE=1 means no data node: the head refuses with the variable's name."""
+    result = data_cache("head", env={"PATH": "/usr/bin:/bin", "METADATA_LOC": "x", "LWS_GROUP_SIZE": "1"})
+    assert result.returncode == 2 and "`LWS_GROUP_SIZE` should be >= 2" in result.stderr

@@ -1,0 +1,110 @@
+"""/ready, /live, /status and /metrics of a head and a data node run in-process on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from kubeflow_data_cache.config import build_config
+from kubeflow_data_cache.head import Head
+from kubeflow_data_cache.node import DataNode
+from kubeflow_data_cache.service import HealthServer
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met before the deadline")
+
+
+FLAGS = {"host": "127.0.0.1", "advertise_host": "127.0.0.1", "port": 0, "health_port": 0, "startup_timeout": 60}
+
+
+@pytest.fixture
+def cluster():
+    started = []
+
+    def start(metadata_loc: str, with_node: bool = True):
+        head = Head(build_config("head", {**FLAGS, "metadata_loc": metadata_loc, "data_nodes": 1}, env={}))
+        head_health = HealthServer("127.0.0.1", 0, head.lifecycle, head.metrics, head.status).start()
+        started.append((head, head_health))
+        head.start()
+        node = None
+        if with_node:
+            cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})
+            node = DataNode(cfg)
+            node_health = HealthServer("127.0.0.1", 0, node.lifecycle, node.metrics, node.status).start()
+            started.append((node, node_health))
+            node.start_registering()
+        return head, head_health, node, (node_health if with_node else None)
+
+    yield start
+    for server, health in started:
+        server.stop()
+        health.stop()
+
+
+def test_ready_reports_progress_then_ready(cluster, small_table):
+    head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
+    code, body = get(head_health.port, "/ready")
+    assert code == 503 and "0/1 data nodes registered" in body
+    assert get(head_health.port, "/live") == (200, "ok\n")
+
+    cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})
+    node = DataNode(cfg)
+    node_health = HealthServer("127.0.0.1", 0, node.lifecycle, node.metrics, node.status).start()
+    try:
+        node.start_registering()
+        wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+        assert get(node_health.port, "/ready")[0] == 200
+        status = json.loads(get(head_health.port, "/status")[1])
+        assert status["state"] == "ready" and status["rows"] == small_table.rows
+        assert status["nodes"][0]["state"] == "ready"
+        metrics = get(node_health.port, "/metrics")[1]
+        assert f"data_cache_rows_loaded {float(small_table.rows)}" in metrics
+        assert "data_cache_resident_memory_bytes" in metrics
+        assert get(head_health.port, "/nope")[0] == 404
+    finally:
+        node.stop()
+        node_health.stop()
+
+
+def test_load_error_is_the_ready_reason(cluster, tmp_path):
+    head, head_health, _node, _node_health = cluster(str(tmp_path / "missing.metadata.json"))
+    wait_for(lambda: head.lifecycle.state == "failed")
+    code, body = get(head_health.port, "/ready")
+    assert code == 503 and "does not exist" in body
+    status = json.loads(get(head_health.port, "/status")[1])
+    assert status["state"] == "failed" and "METADATA_LOC" in status["error"]
+
+
+def test_served_rows_are_counted(cluster, small_table):
+    import pyarrow.flight as flight
+
+    head, head_health, _node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
+    client = flight.FlightClient(head.location)
+    info = client.get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+    rows = sum(flight.FlightClient(ep.locations[0]).do_get(ep.ticket).read_all().num_rows for ep in info.endpoints)
+    assert rows == small_table.rows
+    metrics = get(node_health.port, "/metrics")[1]
+    assert f"data_cache_rows_served_total {float(rows)}" in metrics
+    assert 'data_cache_requests_total{method="DoGet"} 1.0' in metrics
+    head_metrics = get(head_health.port, "/metrics")[1]
+    assert 'data_cache_requests_total{method="get_flight_info"} 1.0' in head_metrics
