@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_kube import CommandError, E2EKindCluster, Kube, condition, run, wait_for
-from e2e_objects import (
+
+from tests.e2e.e2e_kube import CommandError, E2EKindCluster, Kube, condition, run, wait_for
+from tests.e2e.e2e_objects import (
     CACHE_IMAGE,
     CLUSTER_NAME,
     IMAGE_REGISTRY,

@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from e2e_kube import Kube, wait_for, wait_trainjob
-from e2e_objects import BUCKET, TABLE, check_exactly_once, parse_results, train_job
+
+from tests.e2e.e2e_kube import Kube, wait_for, wait_trainjob
+from tests.e2e.e2e_objects import BUCKET, TABLE, check_exactly_once, parse_results, train_job
 
 # The session's first test also pays for the cluster, the image builds and the install; every
 # step below has its own deadline, this is the backstop.

@@ -11,9 +11,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from dockerfile_rules import parse, problems
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+
+from tests.images.dockerfile_rules import parse, problems
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
