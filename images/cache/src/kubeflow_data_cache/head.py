@@ -86,6 +86,10 @@ class Head(flight.FlightServerBase):
 
     # --- formation and load ------------------------------------------------------------------
     def start(self) -> None:
+        # Imported before the clock starts, as on the nodes.
+        import pyiceberg.io.pyarrow
+        import pyiceberg.table  # noqa: F401
+
         threading.Thread(target=self._run, name="formation", daemon=True).start()
 
     def stop(self) -> None:
@@ -97,6 +101,7 @@ class Head(flight.FlightServerBase):
         deadline = started + self.cfg.startup_timeout
         try:
             self._wait_for_nodes(deadline)
+            started = time.monotonic()  # load time is planning to ready, not waiting for pods
             self.lifecycle.set(LOADING, "planning the table scan")
             table = open_table(self.cfg.metadata_loc, s3_properties_from_env())
             plan, _ = plan_table(table, self.cfg.metadata_loc)

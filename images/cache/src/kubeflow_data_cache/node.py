@@ -57,6 +57,11 @@ class DataNode(flight.FlightServerBase):
 
     # --- cluster formation -------------------------------------------------------------------
     def start_registering(self) -> None:
+        # Import the reader stack now, while the cluster forms, so the load measures I/O and
+        # decoding rather than a cold interpreter importing pyiceberg.
+        import pyiceberg.io.pyarrow
+        import pyiceberg.table  # noqa: F401
+
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
 
     def _register_loop(self) -> None:
