@@ -1,0 +1,124 @@
+"""manifests/: every overlay builds offline, in kubeflow-system, with pinned images and no selector clashes."""
+
+import pytest
+import yaml
+from render import MANIFESTS_DIR, NAMESPACE, build_kustomize, is_remote, offline_manifest_tree, one, select
+
+OVERLAYS = ["overlays/manager", "overlays/data-cache", "overlays/data-cache/namespace-rbac"]
+CLUSTER_SCOPED = {
+    "Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+    "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration", "ClusterTrainingRuntime",
+}  # fmt: skip
+
+
+def selector_clashes(objects):
+    """Services whose selector does not pick exactly one Deployment's pods, by namespace.
+
+    An object without a namespace lands in the install namespace (`helm install -n`), as some
+    subchart templates leave it out."""
+    clashes = []
+    for service in select(objects, "Service"):
+        selector = service["spec"].get("selector") or {}
+        picked = [
+            d["metadata"]["name"]
+            for d in select(objects, "Deployment")
+            if d["metadata"].get("namespace", NAMESPACE) == service["metadata"].get("namespace", NAMESPACE)
+            and selector.items() <= d["spec"]["template"]["metadata"].get("labels", {}).items()
+        ]
+        if not selector or len(picked) != 1:
+            clashes.append((service["metadata"]["name"], picked))
+    return clashes
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS[:2])
+def test_overlay_installs_into_kubeflow_system(overlay):
+    objects = build_kustomize(overlay)
+    assert [o["metadata"]["name"] for o in select(objects, "Namespace")] == [NAMESPACE]
+    for obj in objects:
+        if obj["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in obj["metadata"], f"{obj['kind']}/{obj['metadata']['name']}"
+        else:
+            assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
+    for hook_config in [
+        *select(objects, "ValidatingWebhookConfiguration"),
+        *select(objects, "MutatingWebhookConfiguration"),
+    ]:
+        assert {h["clientConfig"]["service"]["namespace"] for h in hook_config["webhooks"]} == {NAMESPACE}
+    for binding in [*select(objects, "ClusterRoleBinding"), *select(objects, "RoleBinding")]:
+        assert {s.get("namespace") for s in binding["subjects"]} == {NAMESPACE}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS[:2])
+def test_no_service_selects_another_controllers_pods(overlay):
+    assert selector_clashes(build_kustomize(overlay)) == []
+
+
+def test_chart_services_each_select_one_deployment(cache_objects):
+    assert selector_clashes(cache_objects) == []
+
+
+def test_the_selector_check_finds_the_upstream_clash():
+    """Without the label fix, JobSet's and LWS's Services select both controllers."""
+    objects = build_kustomize("overlays/data-cache")
+    for obj in [*select(objects, "Service"), *select(objects, "Deployment")]:
+        for labels in (
+            obj["spec"].get("selector") or {},
+            obj["spec"].get("template", {}).get("metadata", {}).get("labels", {}),
+        ):
+            if labels.get("control-plane") == "controller-manager":
+                labels.pop("app.kubernetes.io/name", None)
+    assert {name for name, _ in selector_clashes(objects)} >= {"jobset-webhook-service", "lws-webhook-service"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS[:2])
+def test_images_are_pinned(overlay):
+    for deployment in select(build_kustomize(overlay), "Deployment"):
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            repository, _, tag = c["image"].rpartition(":")
+            assert repository and tag not in ("", "main", "latest"), c["image"]
+            assert not c["image"].startswith("us-central1-docker.pkg.dev/"), "staging registry image"
+
+
+def test_manager_overlay_has_trainer_and_jobset_only():
+    objects = build_kustomize("overlays/manager")
+    assert {d["metadata"]["name"] for d in select(objects, "Deployment")} == {
+        "kubeflow-trainer-controller-manager",
+        "jobset-controller-manager",
+    }
+    assert {c["metadata"]["name"] for c in select(objects, "CustomResourceDefinition")} == {
+        "trainjobs.trainer.kubeflow.org",
+        "trainingruntimes.trainer.kubeflow.org",
+        "clustertrainingruntimes.trainer.kubeflow.org",
+        "jobsets.jobset.x-k8s.io",
+    }
+    assert select(objects, "ClusterTrainingRuntime") == []
+
+
+def test_data_cache_overlay_adds_lws_runtime_and_cluster_role():
+    objects = build_kustomize("overlays/data-cache")
+    one(objects, "Deployment", "lws-controller-manager")
+    one(objects, "ClusterTrainingRuntime", "torch-distributed-with-cache")
+    one(objects, "ClusterRole", "kubeflow-trainer-cache-initializer")
+
+
+def test_namespace_rbac_takes_its_namespace_from_the_command_line():
+    objects = build_kustomize("overlays/data-cache/namespace-rbac")
+    assert sorted(o["kind"] for o in objects) == ["RoleBinding", "ServiceAccount"]
+    assert all("namespace" not in o["metadata"] for o in objects)
+    binding = one(objects, "RoleBinding", "kubeflow-trainer-cache-initializer")
+    # No subject namespace: a RoleBinding's ServiceAccount subject defaults to its own namespace.
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kubeflow-trainer-cache-initializer"}]
+    assert binding["roleRef"]["name"] == "kubeflow-trainer-cache-initializer"
+
+
+def test_remote_references_live_only_in_third_party():
+    remote = {}
+    for kustomization in MANIFESTS_DIR.rglob("kustomization.yaml"):
+        resources = yaml.safe_load(kustomization.read_text()).get("resources") or []
+        found = [r for r in resources if is_remote(r)]
+        if found:
+            remote[str(kustomization.relative_to(MANIFESTS_DIR).parent)] = found
+    assert set(remote) == {"third-party/trainer-crds", "third-party/jobset", "third-party/lws"}
+    # ...and the offline tree has none left.
+    for kustomization in (offline_manifest_tree() / "manifests").rglob("kustomization.yaml"):
+        assert not [r for r in yaml.safe_load(kustomization.read_text()).get("resources") or [] if is_remote(r)]

@@ -1,0 +1,80 @@
+"""hack/sync-crds.sh: pinned CRDs into crds/ (sha256-checked), subcharts into charts/, offline too."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from render import CHART_DIR, REPO_ROOT, shared_dir
+
+SCRIPT = REPO_ROOT / "hack" / "sync-crds.sh"
+CRD_FILES = [
+    "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+    "trainer.kubeflow.org_trainingruntimes.yaml",
+    "trainer.kubeflow.org_trainjobs.yaml",
+]
+
+
+def fresh_chart(tmp_path: Path, *, with_subcharts: bool = False) -> Path:
+    """A chart as a fresh clone has it; with_subcharts keeps the subchart step off the network."""
+    chart = tmp_path / "kubeflow-trainer"
+    shutil.copytree(CHART_DIR, chart, symlinks=True, ignore=shutil.ignore_patterns("crds", "charts"))
+    if with_subcharts:
+        (chart / "charts").mkdir()
+        for package in (shared_dir() / "charts").glob("*.tgz"):
+            shutil.copy2(package, chart / "charts")
+    return chart
+
+
+def sync(chart: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT)],
+        capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CHART_DIR": str(chart), "SHARED_DIR": str(shared_dir()), **env},
+    )  # fmt: skip
+
+
+def test_offline_copies_the_pinned_crds_and_subcharts(tmp_path):
+    chart = fresh_chart(tmp_path)
+    result = sync(chart, OFFLINE="1")
+    assert result.returncode == 0, result.stderr
+    assert "offline copy" in result.stdout
+    for name in CRD_FILES:
+        assert (chart / "crds" / name).read_bytes() == (shared_dir() / "crds" / "trainer-v2.1.0" / name).read_bytes()
+    assert sorted(p.name for p in (chart / "charts").glob("*.tgz")) == ["jobset-0.10.1.tgz", "lws-0.7.0.tgz"]
+
+
+def test_download_is_checked_against_the_recorded_sums(tmp_path):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(shared_dir() / "crds" / "trainer-v2.1.0", mirror)
+    chart = fresh_chart(tmp_path, with_subcharts=True)
+    result = sync(chart, TRAINER_CRDS_URL=f"file://{mirror}")
+    assert result.returncode == 0, result.stderr
+    assert f"from file://{mirror}" in result.stdout
+
+
+def test_a_download_with_the_wrong_sum_fails_instead_of_falling_back(tmp_path):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(shared_dir() / "crds" / "trainer-v2.1.0", mirror)
+    with (mirror / CRD_FILES[2]).open("a") as crd:
+        crd.write("# tampered\n")
+    chart = fresh_chart(tmp_path, with_subcharts=True)
+    result = sync(chart, TRAINER_CRDS_URL=f"file://{mirror}")
+    assert result.returncode != 0
+    assert f"{CRD_FILES[2]} has sha256" in result.stderr
+    assert not (chart / "crds").exists()
+
+
+def test_a_failed_download_falls_back_to_shared_and_says_so(tmp_path):
+    chart = fresh_chart(tmp_path, with_subcharts=True)
+    result = sync(chart, TRAINER_CRDS_URL=f"file://{tmp_path}/nowhere")
+    assert result.returncode == 0, result.stderr
+    assert "falling back" in result.stderr and "offline copy" in result.stdout
+
+
+def test_an_unpinned_version_is_refused(tmp_path):
+    chart = fresh_chart(tmp_path)
+    meta = chart / "Chart.yaml"
+    meta.write_text(meta.read_text().replace("appVersion: v2.1.0", "appVersion: v9.9.9"))
+    result = sync(chart, OFFLINE="1")
+    assert result.returncode != 0
+    assert "no sha256 sums recorded for Trainer v9.9.9" in result.stderr

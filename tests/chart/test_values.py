@@ -1,0 +1,65 @@
+"""values.yaml, values.schema.json and the README's values table."""
+
+import importlib.util
+
+import helm_python
+import pytest
+import yaml
+from render import CHART_DIR, REPO_ROOT, render_chart
+
+
+def helm_cli():
+    spec = importlib.util.spec_from_file_location("helm_cli", REPO_ROOT / "hack" / "helm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"dataCache": {"enabeld": True}}, r"/dataCache.*additional properties 'enabeld' not allowed"),
+        ({"dataCache": {"enabled": "yes"}}, r"/dataCache/enabled.*got string, want boolean"),
+        ({"dataCache": {"namespaces": ["Team_A"]}}, r"/dataCache/namespaces/0"),
+        ({"dataCache": {"namespaces": ["a", "a"]}}, r"/dataCache/namespaces"),
+        ({"dataCache": {"initializer": {"image": {"tag": ""}}}}, r"/dataCache/initializer/image/tag"),
+        ({"dataCache": {"cache": {"image": {"repository": "Bad Repo"}}}}, r"/dataCache/cache/image/repository"),
+        ({"dataCache": {"serviceAccount": {"name": ""}}}, r"/dataCache/serviceAccount/name"),
+        ({"dataCache": {"lws": {"install": "no"}}}, r"/dataCache/lws/install"),
+        ({"webhook": {"failurePolicy": "Never"}}, r"/webhook/failurePolicy"),
+        ({"manager": {"replicas": -1}}, r"/manager/replicas"),
+        ({"managr": {}}, r"additional properties 'managr' not allowed"),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_the_value(values, message):
+    with pytest.raises(helm_python.HelmValuesError, match=message):
+        render_chart(values)
+
+
+def test_every_value_has_a_comment():
+    cli = helm_cli()
+    documented = {row[0] for row in cli.values_rows(CHART_DIR / "values.yaml")}
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    undocumented = [p for p in cli.leaf_paths(values) if not any(p == d or p.startswith(d + ".") for d in documented)]
+    assert undocumented == []
+
+
+def test_readme_values_table_matches_values_yaml(tmp_path):
+    cli = helm_cli()
+    readme = (CHART_DIR / "README.md").read_text()
+    assert cli.values_table(CHART_DIR / "values.yaml") in readme, (
+        "run: .venv/bin/python hack/helm.py readme charts/kubeflow-trainer"
+    )
+    # The check fails on a stale table.
+    (tmp_path / "Chart.yaml").write_text("name: x\n")
+    (tmp_path / "values.yaml").write_text("# -- A new value.\nnewValue: 1\n")
+    (tmp_path / "README.md").write_text(readme)
+    assert cli.readme(tmp_path, check=True) == 1
+    assert cli.readme(tmp_path, check=False) == 0
+    assert "| `newValue` | `1` | A new value. |" in (tmp_path / "README.md").read_text()
+
+
+def test_schema_allows_the_default_values():
+    with helm_python.Chart.load(CHART_DIR) as chart:
+        chart.validate_schema({})
+        chart.validate_schema({"dataCache": {"enabled": True, "lws": {"install": False}, "namespaces": []}})
