@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -336,16 +337,21 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
 
 
 def column_to_tensor(name: str, col: pa.Array) -> torch.Tensor | list[str]:
-    """One column as a tensor (fixed-size lists as 2-D, one copy) or, for strings, a list of str."""
+    """One column as a tensor (lists of equal length as 2-D, one copy) or, for strings, a list of str.
+
+    Iceberg has no fixed-size list type, so a fixed-size list written to a table reads back as a
+    variable list: any list column whose rows all have the same length becomes a 2-D tensor.
+    """
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return col.to_pylist()
-    if pa.types.is_fixed_size_list(t):
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
         if col.null_count:
             raise ValueError(f"column {name!r} has null lists; fill them in from_arrow_rb_to_tensor")
+        width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
         inner = column_to_tensor(name, col.flatten())
         assert isinstance(inner, torch.Tensor)
-        return inner.reshape(len(col), t.list_size, *inner.shape[1:])
+        return inner.reshape(len(col), width, *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         if col.null_count and not pa.types.is_floating(t):
             raise ValueError(
@@ -358,3 +364,16 @@ def column_to_tensor(name: str, col: pa.Array) -> torch.Tensor | list[str]:
         f"column {name!r} has type {t}, which has no default tensor conversion; leave it out with "
         "columns=[...] or override from_arrow_rb_to_tensor"
     )
+
+
+def _uniform_length(name: str, col: pa.Array) -> int:
+    if len(col) == 0:
+        return 0
+    bounds = pc.min_max(pc.list_value_length(col))
+    low, high = bounds["min"].as_py(), bounds["max"].as_py()
+    if low != high:
+        raise ValueError(
+            f"column {name!r} holds lists of {low} to {high} values, which do not stack into a tensor; "
+            "override from_arrow_rb_to_tensor to pad them"
+        )
+    return int(low)

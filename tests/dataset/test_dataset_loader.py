@@ -1,0 +1,118 @@
+"""DataCacheDataset through real DataLoaders: tensors, workers, projection, filter, settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from kubeflow_data_cache.dataset import DataCacheDataset, World, default_endpoint, default_token
+from kubeflow_data_cache.errors import ConfigError
+
+ROWS = 2503
+
+
+@pytest.fixture(scope="module")
+def cache(cache_factory):
+    return cache_factory(ROWS, 3, 2)
+
+
+def test_dataloader_with_two_workers_yields_every_row_once_as_tensors(cache):
+    ds = DataCacheDataset(cache.endpoint, batch_size=200, shuffle=True, seed=3)
+    batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+    ids = torch.cat([b["id"] for b in batches]).numpy()
+    assert np.array_equal(np.sort(ids), np.arange(ROWS))
+    # Each of the 2 workers (shards of 1251 and 1252 rows) ends with one partial batch.
+    assert sorted(len(b["id"]) for b in batches)[:2] == [51, 52]
+
+    b = batches[0]
+    assert b["id"].dtype == torch.int64 and b["feature_a"].dtype == torch.float32
+    assert b["feature_b"].dtype == torch.float64 and b["label"].dtype == torch.int32
+    assert b["flag"].dtype == torch.bool
+    assert b["embedding"].shape == (200, 4) and b["embedding"].dtype == torch.float32
+    assert isinstance(b["text"], list) and all(isinstance(t, str) for t in b["text"])
+    # Every value is a function of id (sample.py): rows arrive intact and aligned.
+    ids = b["id"]
+    assert torch.equal(b["label"], (ids % 10).to(torch.int32))
+    assert torch.equal(b["flag"], ids % 2 == 0)
+    assert torch.allclose(b["feature_a"], (ids % 1000).to(torch.float32) / 1000)
+    assert torch.equal(b["embedding"][:, 3], ids.to(torch.float32) + 3)
+    assert b["text"] == [f"row-{i}" for i in ids.tolist()]
+
+
+def test_tensors_are_writable_and_do_not_alias_between_batches(cache):
+    ds = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    first, second = [b["id"] for _, b in zip(range(2), ds, strict=False)]
+    before = second.clone()
+    first += 1_000_000  # in-place ops on a batch must be allowed and stay within it
+    assert torch.equal(second, before)
+
+
+def test_columns_and_filter_are_applied_by_the_cache(cache):
+    ds = DataCacheDataset(cache.endpoint, batch_size=64, columns=["id", "label"], filter="label = 3")
+    batches = list(ds)
+    assert set(batches[0]) == {"id", "label"}
+    ids = torch.cat([b["id"] for b in batches])
+    assert (torch.cat([b["label"] for b in batches]) == 3).all()
+    assert np.array_equal(np.sort(ids.numpy()), np.arange(3, ROWS, 10))
+
+
+def test_override_hook_converts_whole_record_batches(cache):
+    class Features(DataCacheDataset):
+        calls: list[int] = []
+
+        def from_arrow_rb_to_tensor(self, batch):
+            self.calls.append(batch.num_rows)
+            x = np.stack([batch["feature_a"].to_numpy(), batch["feature_b"].to_numpy()], axis=1)
+            return torch.from_numpy(x.astype(np.float32)), torch.from_numpy(batch["label"].to_numpy().copy())
+
+    ds = Features(cache.endpoint, batch_size=10, columns=["feature_a", "feature_b", "label"])
+    batches = list(ds)
+    x, y = batches[0]
+    assert x.shape == (10, 2) and y.shape == (10,)
+    assert sum(len(y) for _, y in batches) == ROWS
+    # Converted once per large run, not once per batch.
+    assert len(Features.calls) < len(batches) / 10
+
+
+def test_world_detection_from_env_and_worker():
+    assert World.detect({"RANK": "1", "WORLD_SIZE": "3"}) == World(1, 3, 0, 1)
+    assert World.detect({}) == World(0, 1, 0, 1)
+    assert World(1, 2, 1, 3).shard == 4 and World(1, 2, 1, 3).num_shards == 6
+    with pytest.raises(ConfigError, match="`RANK` should be an integer, got 'one'"):
+        World.detect({"RANK": "one", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="rank 2 is out of range for world size 2"):
+        World.detect({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_endpoint_and_token_settings(tmp_path, monkeypatch):
+    assert default_endpoint({"DATA_CACHE_ENDPOINT": "grpc://c:1", "TRAIN_JOB_NAME": "j"}) == "grpc://c:1"
+    assert default_endpoint({"TRAIN_JOB_NAME": "job-a"}) == "grpc://job-a-cache-service:50051"
+    with pytest.raises(ConfigError, match="set DATA_CACHE_ENDPOINT"):
+        default_endpoint({})
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    assert default_token({"DATA_CACHE_TOKEN_FILE": str(token_file)}) == "s3cret"
+    assert default_token({"DATA_CACHE_TOKEN": "a", "DATA_CACHE_TOKEN_FILE": str(token_file)}) == "a"
+    with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN_FILE .*missing"):
+        default_token({"DATA_CACHE_TOKEN_FILE": str(tmp_path / "missing")})
+
+    for name in ("DATA_CACHE_ENDPOINT", "TRAIN_JOB_NAME", "DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="no cache endpoint"):
+        DataCacheDataset()
+    monkeypatch.setenv("TRAIN_JOB_NAME", "job-b")
+    monkeypatch.setenv("DATA_CACHE_TOKEN_FILE", str(token_file))
+    ds = DataCacheDataset()
+    assert (ds.endpoint, ds.token) == ("grpc://job-b-cache-service:50051", "s3cret")
+
+
+def test_drop_last_implies_even_drop_and_arguments_are_checked():
+    assert DataCacheDataset("grpc://h:1", drop_last=True).even == "drop"
+    assert DataCacheDataset("grpc://h:1", drop_last=True, even="pad").even == "pad"
+    assert DataCacheDataset("grpc://h:1").even is None
+    with pytest.raises(ValueError, match="even should be one of"):
+        DataCacheDataset("grpc://h:1", even="trim")
+    with pytest.raises(ValueError, match="batch_size should be a positive integer"):
+        DataCacheDataset("grpc://h:1", batch_size=0)
