@@ -10,27 +10,27 @@ from torch.utils.data import DataLoader
 from kubeflow_data_cache.dataset import DataCacheDataset, World, default_endpoint, default_token
 from kubeflow_data_cache.errors import ConfigError
 
-ROWS = 2503
+ROWS = 10_000  # small_table (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def cache(cache_factory):
-    return cache_factory(ROWS, 3, 2)
+def cache(small_cache):
+    return small_cache
 
 
 def test_dataloader_with_two_workers_yields_every_row_once_as_tensors(cache):
-    ds = DataCacheDataset(cache.endpoint, batch_size=200, shuffle=True, seed=3)
+    ds = DataCacheDataset(cache.endpoint, batch_size=300, shuffle=True, seed=3)
     batches = list(DataLoader(ds, batch_size=None, num_workers=2))
     ids = torch.cat([b["id"] for b in batches]).numpy()
     assert np.array_equal(np.sort(ids), np.arange(ROWS))
-    # Each of the 2 workers (shards of 1251 and 1252 rows) ends with one partial batch.
-    assert sorted(len(b["id"]) for b in batches)[:2] == [51, 52]
+    # Each of the 2 workers (shards of 5000 rows) yields 16 full batches and one of 200 rows.
+    assert sorted(len(b["id"]) for b in batches) == [200, 200] + [300] * 32
 
     b = batches[0]
     assert b["id"].dtype == torch.int64 and b["feature_a"].dtype == torch.float32
     assert b["feature_b"].dtype == torch.float64 and b["label"].dtype == torch.int32
     assert b["flag"].dtype == torch.bool
-    assert b["embedding"].shape == (200, 4) and b["embedding"].dtype == torch.float32
+    assert b["embedding"].shape == (300, 4) and b["embedding"].dtype == torch.float32
     assert isinstance(b["text"], list) and all(isinstance(t, str) for t in b["text"])
     # Every value is a function of id (sample.py): rows arrive intact and aligned.
     ids = b["id"]

@@ -9,12 +9,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kubeflow_data_cache.dataset import DataCacheDataset, World
 
-ROWS = 2503
+ROWS = 10_000  # small_table (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def cache(cache_factory):
-    return cache_factory(ROWS, 3, 2)
+def cache(small_cache):
+    return small_cache
 
 
 def make(cache, **kwargs) -> DataCacheDataset:

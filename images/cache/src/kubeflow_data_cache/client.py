@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -213,7 +214,6 @@ class CacheClient:
         the new stream neither repeats nor loses a row. A data node that restarted (and reloaded
         the same table) rejects the old ticket as stale: the head is asked for a fresh one.
         """
-        node = Ticket.from_json(endpoint.ticket.ticket).node
         received = 0
         failing_since: float | None = None
         delay = BACKOFF_INITIAL_SECONDS
@@ -241,23 +241,43 @@ class CacheClient:
                 if now + delay - failing_since >= self.deadline_seconds:
                     raise self._unavailable(err, location, f"DoGet after {received} rows", now - failing_since) from err
                 log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, _reason(err))
+                # A restarted data node may listen elsewhere now; the head knows where.
+                with suppress(flight.FlightError):
+                    endpoint = self._fresh_endpoint(request, endpoint, location, retry=False)
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err
                 replans += 1
-                endpoint = self._fresh_endpoint(request, node, location)
+                endpoint = self._fresh_endpoint(request, endpoint, location)
                 continue
             except flight.FlightError as err:
                 raise self._translate(err, location, "DoGet") from err
             time.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
-    def _fresh_endpoint(self, request: ShardRequest, node: int, location: str) -> flight.FlightEndpoint:
-        for endpoint in self.get_flight_info(request).endpoints:
-            if Ticket.from_json(endpoint.ticket.ticket).node == node:
-                return endpoint
+    def _fresh_endpoint(
+        self, request: ShardRequest, old: flight.FlightEndpoint, location: str, retry: bool = True
+    ) -> flight.FlightEndpoint:
+        """The head's current endpoint for the same data node (it may have moved or reloaded).
+
+        Resuming by row count is only right if the node's part is the same rows: a ticket that
+        places them differently (the table changed under a restarted cache) is an error.
+        """
+        was = Ticket.from_json(old.ticket.ticket)
+        if retry:
+            info = self.get_flight_info(request)
+        else:
+            descriptor = flight.FlightDescriptor.for_command(request.to_json())
+            info = self._client(self.endpoint).get_flight_info(descriptor, self._options(UNARY_TIMEOUT_SECONDS))
+        for endpoint in info.endpoints:
+            now = Ticket.from_json(endpoint.ticket.ticket)
+            if now.node != was.node:
+                continue
+            if (now.offset, now.node_rows, now.total) != (was.offset, was.node_rows, was.total):
+                break
+            return endpoint
         raise BadRequestError(
-            f"data node {node} ({location}) reloaded and no longer serves this shard; restart the epoch"
+            f"data node {was.node} ({location}) reloaded with other rows for this shard; start the epoch again"
         )
 
 

@@ -1,0 +1,49 @@
+"""What a user sees when the endpoint, the token or a request is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubeflow_data_cache.client import CacheAuthError, CacheClient, CacheUnavailableError
+from kubeflow_data_cache.dataset import DataCacheDataset
+from kubeflow_data_cache.errors import BadRequestError
+from tests.conftest import free_port
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def secured(cache_factory):
+    return cache_factory(300, 1, 1, token=TOKEN)
+
+
+def test_wrong_endpoint_fails_at_the_first_batch_naming_the_setting():
+    endpoint = f"grpc://127.0.0.1:{free_port()}"
+    ds = DataCacheDataset(endpoint, deadline_seconds=1.0)
+    it = iter(ds)  # nothing is contacted before the first batch
+    with pytest.raises(CacheUnavailableError) as err:
+        next(it)
+    message = str(err.value)
+    assert endpoint in message and "set DATA_CACHE_ENDPOINT" in message and "Connection refused" in message
+
+
+def test_missing_or_wrong_token_is_refused_with_the_fix(secured, monkeypatch):
+    for name in ("DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(CacheAuthError, match="refused the token.*no token was sent.*set DATA_CACHE_TOKEN"):
+        next(iter(DataCacheDataset(secured.endpoint)))
+    with pytest.raises(CacheAuthError, match="refused the token.*the token was rejected.*DATA_CACHE_TOKEN_FILE"):
+        next(iter(DataCacheDataset(secured.endpoint, token="guess")))
+    monkeypatch.setenv("DATA_CACHE_TOKEN", TOKEN)
+    ids = [i for b in DataCacheDataset(secured.endpoint, columns=["id"]) for i in b["id"].tolist()]
+    assert sorted(ids) == list(range(300))
+    # The token travels on every call, the status action included.
+    assert CacheClient(secured.endpoint, token=TOKEN).status()["state"] == "ready"
+    with pytest.raises(CacheAuthError):
+        CacheClient(secured.endpoint, token="guess").status()
+
+
+def test_bad_request_names_the_problem(small_cache):
+    cache = small_cache
+    with pytest.raises(BadRequestError, match="no_such_column"):
+        next(iter(DataCacheDataset(cache.endpoint, columns=["id", "no_such_column"])))

@@ -1,0 +1,116 @@
+"""A data node dies mid-epoch: restarted, the stream resumes exactly; gone, the error names it.
+
+The head and data nodes run as separate `data-cache head` / `data-cache worker` processes here
+(not `data-cache local`, which stops everything when one node dies) so one node can be killed
+and replaced while the head keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import suppress
+
+import numpy as np
+import pytest
+
+from kubeflow_data_cache.client import CacheClient, CacheUnavailableError
+from kubeflow_data_cache.dataset import DataCacheDataset, World
+from tests.conftest import free_port
+
+# Enough bytes per node (text and embedding columns) that a stream is still in flight when the
+# node is killed, rather than already sitting in the client's buffers.
+ROWS = 400_000
+READY_SECONDS = 90.0
+STOP_SECONDS = 15.0
+
+
+def node_cmd(role: str, *args: str) -> list[str]:
+    common = ["--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--health-port", "0"]
+    return [sys.executable, "-m", "kubeflow_data_cache", role, *args, *common, "--startup-timeout", "90"]
+
+
+class Cluster:
+    def __init__(self, metadata: str, log_dir) -> None:
+        self.port = free_port()
+        self.endpoint = f"grpc://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.spawn("head", node_cmd("head", "--metadata-loc", metadata, "--data-nodes", "2", "--port", str(self.port)))
+        for k in range(2):
+            self.start_node(k)
+
+    def spawn(self, name: str, cmd: list[str]) -> None:
+        with (self.log_dir / f"{name}-{len(self.procs)}.log").open("w") as log:
+            self.procs[name] = subprocess.Popen(cmd, stderr=log, start_new_session=True)
+
+    def start_node(self, k: int) -> None:
+        self.spawn(f"node-{k}", node_cmd("worker", "--index", str(k), "--head", self.endpoint, "--port", "0"))
+
+    def kill_node(self, k: int) -> None:
+        proc = self.procs.pop(f"node-{k}")
+        proc.kill()
+        proc.wait(timeout=10)
+        self.procs[f"dead-node-{k}"] = proc
+
+    def wait_ready(self) -> dict:
+        client = CacheClient(self.endpoint, deadline_seconds=READY_SECONDS)
+        deadline = time.monotonic() + READY_SECONDS
+        while time.monotonic() < deadline:
+            status = client.status()
+            if status["state"] == "ready" and all(n["state"] == "ready" for n in status["nodes"]):
+                return status
+            time.sleep(0.2)
+        raise AssertionError(f"cache not ready within {READY_SECONDS}s: {status}")
+
+
+def stop_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process group at once; SIGKILL what outlives the grace period."""
+    for proc in procs:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_SECONDS
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=STOP_SECONDS)
+
+
+@pytest.fixture(scope="module")
+def cluster(table_factory, tmp_path_factory):
+    cluster = Cluster(table_factory(ROWS, 4).metadata_location, tmp_path_factory.mktemp("restart-logs"))
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        stop_groups(list(cluster.procs.values()))
+
+
+def test_restarted_node_resumes_the_stream_without_repeating_rows(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="kubeflow_data_cache.client")
+    ds = DataCacheDataset(cluster.endpoint, batch_size=1000, deadline_seconds=60)
+    # Unshuffled shard 0 of 1 reads node 0's stream first, then node 1's.
+    it = ds._iter_world(World(0, 1, 0, 1))
+    ids = [next(it)["id"].numpy() for _ in range(10)]
+    cluster.kill_node(0)
+    cluster.start_node(0)
+    ids += [b["id"].numpy() for b in it]
+
+    got = np.concatenate(ids)
+    assert len(got) == ROWS and np.array_equal(np.sort(got), np.arange(ROWS))
+    broke = [r.getMessage() for r in caplog.records if "broke after" in r.getMessage()]
+    assert broke and any(" 0 rows" not in m for m in broke), broke
+
+
+def test_node_that_stays_down_is_named(cluster):
+    location = cluster.wait_ready()["nodes"][1]["location"]
+    cluster.kill_node(1)
+    ds = DataCacheDataset(cluster.endpoint, columns=["id"], deadline_seconds=2)
+    with pytest.raises(CacheUnavailableError, match=f"data node {location} stayed unavailable"):
+        list(ds)
