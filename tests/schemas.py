@@ -1,6 +1,6 @@
 """Validate Kubernetes objects offline, the way an API server with strict field validation would.
 
-    from schemas import validate_object, ObjectInvalid
+    from tests.schemas import validate_object, ObjectInvalid
     validate_object(obj)        # raises ObjectInvalid naming the object, the field path and the rule
 
 Custom resources (TrainJob, ClusterTrainingRuntime, JobSet, LeaderWorkerSet, ...) are checked against

@@ -1,18 +1,9 @@
 """Chart and kustomize tests: renders come from render.py, schemas from tests/schemas.py."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# tests/ holds the shared validator (schemas.py); this folder holds render.py.
-for path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import render  # noqa: E402
-
-DATA_CACHE = {"dataCache": {"enabled": True}}
+from tests.chart import render
+from tests.chart.render import DATA_CACHE
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 
 import yaml
-from render import shared_dir
+
+from tests.chart.render import shared_dir
 
 Permission = tuple[str, str, str]
 

@@ -34,6 +34,8 @@ RUNTIMES_DIR = REPO_ROOT / "runtimes"
 RELEASE_NAME = "kubeflow-trainer"
 NAMESPACE = "kubeflow-system"
 KUSTOMIZE_TIMEOUT_SECONDS = 120
+# The values that turn the data cache on, as `--set dataCache.enabled=true`.
+DATA_CACHE = {"dataCache": {"enabled": True}}
 
 # Remote kustomize resources and the pinned files in ../shared that stand in for them offline.
 _REMOTE_TO_SHARED = [

@@ -2,7 +2,8 @@
 
 import helm_python
 import pytest
-from render import container, env_of, one, render_chart, render_notes, replicated_job, select
+
+from tests.chart.render import container, env_of, one, render_chart, render_notes, replicated_job, select
 
 RUNTIME = "torch-distributed-with-cache"
 ROLE = "kubeflow-trainer-cache-initializer"

@@ -1,8 +1,9 @@
 """The cache-initializer ClusterRole (chart and kustomize) grants every call the initializer makes."""
 
-from conftest import DATA_CACHE
-from rbac_rules import covered, grants
-from render import build_kustomize, one, render_chart
+import pytest
+
+from tests.chart.rbac_rules import covered, grants
+from tests.chart.render import DATA_CACHE, build_kustomize, one, render_chart
 
 ROLE = "kubeflow-trainer-cache-initializer"
 
@@ -21,8 +22,11 @@ FALLBACK_PERMISSIONS = [
 
 try:
     from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
-except ImportError:  # not landed yet
+
+    FROM_PACKAGE = True
+except ImportError:  # not installed in this environment
     REQUIRED_PERMISSIONS = FALLBACK_PERMISSIONS
+    FROM_PACKAGE = False
 
 
 def required():
@@ -39,6 +43,13 @@ def test_chart_cluster_role_grants_every_initializer_call():
 def test_kustomize_cluster_role_grants_every_initializer_call():
     role = one(build_kustomize("overlays/data-cache"), "ClusterRole", ROLE)
     assert covered(grants(role["rules"]), required()) == set()
+
+
+@pytest.mark.skipif(not FROM_PACKAGE, reason="kubeflow_cache_initializer is not installed")
+def test_the_role_grants_nothing_the_initializer_does_not_call():
+    """Least privilege: the role is exactly the package's list."""
+    role = one(render_chart(DATA_CACHE), "ClusterRole", ROLE)
+    assert grants(role["rules"]) == required()
 
 
 def test_chart_and_kustomize_grant_the_same():

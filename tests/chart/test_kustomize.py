@@ -2,7 +2,8 @@
 
 import pytest
 import yaml
-from render import MANIFESTS_DIR, NAMESPACE, build_kustomize, is_remote, offline_manifest_tree, one, select
+
+from tests.chart.render import MANIFESTS_DIR, NAMESPACE, build_kustomize, is_remote, offline_manifest_tree, one, select
 
 OVERLAYS = ["overlays/manager", "overlays/data-cache", "overlays/data-cache/namespace-rbac"]
 CLUSTER_SCOPED = {

@@ -6,7 +6,8 @@ import sys
 
 import helm_python
 import pytest
-from render import CHART_DIR, REPO_ROOT, prepared_chart
+
+from tests.chart.render import CHART_DIR, REPO_ROOT, prepared_chart
 
 
 @pytest.mark.parametrize("values", [{}, {"dataCache": {"enabled": True}}])

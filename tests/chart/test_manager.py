@@ -3,8 +3,8 @@
 import copy
 
 import yaml
-from conftest import DATA_CACHE
-from render import NAMESPACE, container, one, prepared_chart, render_chart, select
+
+from tests.chart.render import DATA_CACHE, NAMESPACE, container, one, prepared_chart, render_chart, select
 
 MANAGER = "kubeflow-trainer-controller-manager"
 RESTRICTED = {

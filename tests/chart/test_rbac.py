@@ -1,7 +1,7 @@
 """templates/rbac/: the controller manager's ServiceAccount, ClusterRole and binding."""
 
-from rbac_rules import covered, grants, upstream_trainer_manifests
-from render import NAMESPACE, build_kustomize, one, render_chart
+from tests.chart.rbac_rules import covered, grants, upstream_trainer_manifests
+from tests.chart.render import NAMESPACE, build_kustomize, one, render_chart
 
 MANAGER = "kubeflow-trainer-controller-manager"
 

@@ -5,8 +5,17 @@ import shutil
 import helm_python
 import pytest
 import yaml
-from conftest import DATA_CACHE
-from render import RUNTIMES_DIR, build_kustomize, container, env_of, one, prepared_chart, replicated_job
+
+from tests.chart.render import (
+    DATA_CACHE,
+    RUNTIMES_DIR,
+    build_kustomize,
+    container,
+    env_of,
+    one,
+    prepared_chart,
+    replicated_job,
+)
 
 RUNTIME = "torch-distributed-with-cache"
 SOURCE = RUNTIMES_DIR / f"{RUNTIME}.yaml"

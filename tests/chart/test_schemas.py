@@ -6,8 +6,9 @@ import textwrap
 
 import pytest
 import yaml
-from render import REPO_ROOT, build_kustomize, chart_crds, render_chart, render_notes
-from schemas import ObjectInvalid, SchemaNotFound, validate_object, validate_objects
+
+from tests.chart.render import REPO_ROOT, build_kustomize, chart_crds, render_chart, render_notes
+from tests.schemas import ObjectInvalid, SchemaNotFound, validate_object, validate_objects
 
 SCENARIOS = {
     "default": {},

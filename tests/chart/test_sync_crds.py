@@ -4,7 +4,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from render import CHART_DIR, REPO_ROOT, shared_dir
+from tests.chart.render import CHART_DIR, REPO_ROOT, shared_dir
 
 SCRIPT = REPO_ROOT / "hack" / "sync-crds.sh"
 CRD_FILES = [

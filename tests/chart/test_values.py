@@ -5,7 +5,8 @@ import importlib.util
 import helm_python
 import pytest
 import yaml
-from render import CHART_DIR, REPO_ROOT, render_chart
+
+from tests.chart.render import CHART_DIR, REPO_ROOT, render_chart
 
 
 def helm_cli():

@@ -3,7 +3,8 @@
 import re
 
 import yaml
-from render import CHART_DIR, MANIFESTS_DIR, REPO_ROOT
+
+from tests.chart.render import CHART_DIR, MANIFESTS_DIR, REPO_ROOT
 
 
 def chart_versions():

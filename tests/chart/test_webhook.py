@@ -1,7 +1,7 @@
 """templates/webhook/: the admission webhook configurations and the certificate Secret."""
 
-from rbac_rules import upstream_trainer_manifests
-from render import NAMESPACE, build_kustomize, one, render_chart, select
+from tests.chart.rbac_rules import upstream_trainer_manifests
+from tests.chart.render import NAMESPACE, build_kustomize, one, render_chart, select
 
 VALIDATOR = "validator.trainer.kubeflow.org"
 DEFAULTER = "defaulter.trainer.kubeflow.org"
