@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.chart.render import CHART_DIR, REPO_ROOT, shared_dir
@@ -29,7 +30,7 @@ def sync(chart: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT)],
         capture_output=True, text=True, timeout=120,
-        env={"PATH": "/usr/bin:/bin", "CHART_DIR": str(chart), "SHARED_DIR": str(shared_dir()), **env},
+        env={"PATH": "/usr/bin:/bin", "PY": sys.executable, "CHART_DIR": str(chart), "SHARED_DIR": str(shared_dir()), **env},
     )  # fmt: skip
 
 
