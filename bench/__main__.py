@@ -1,0 +1,65 @@
+"""`python -m bench [--quick | --full | --smoke] [--out DIR] [--no-readme]`: see docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench import report
+from bench.config import CONFIGS
+from bench.run import run
+from bench.stats import Progress
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    grid = parser.add_mutually_exclusive_group()
+    grid.add_argument("--quick", dest="grid", action="store_const", const="quick", help="a few minutes (default)")
+    grid.add_argument("--full", dest="grid", action="store_const", const="full", help="the growth grid to 1e7 rows")
+    grid.add_argument("--smoke", dest="grid", action="store_const", const="smoke", help="tiny, for the tests")
+    parser.set_defaults(grid="quick")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results", help="results folder")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite README's performance table")
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = CONFIGS[args.grid]
+    command = (
+        "make bench" + (" FULL=1" if cfg.name == "full" else "") if cfg.name != "smoke" else "python -m bench --smoke"
+    )
+    progress = Progress()
+    try:
+        result = run(cfg, progress)
+    except KeyboardInterrupt:
+        progress("interrupted: every process the run started has been stopped")
+        return 130
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # Only a real grid replaces latest.json/png; a smoke run never overwrites them.
+    latest = cfg.name != "smoke"
+    json_path = report.write_json(result, args.out, stamp, latest)
+    png_path = report.write_png(result, args.out, stamp, latest)
+    progress(f"wrote {json_path} and {png_path} in {result['duration_seconds']:.0f}s")
+    block = report.markdown(result, command)
+    for h in report.headline(result):
+        met = {True: "met", False: "NOT met", None: "not measured"}[h["met"]]
+        measured = "n/a" if h["measured"] is None else f"{h['measured']:.2f}"
+        progress(f"target {h['figure']}: {measured} ({h['target']}): {met}")
+    if args.no_readme:
+        return 0
+    if report.update_readme(args.readme, block):
+        progress(f"updated the performance table in {args.readme}")
+    else:
+        print(block)
+        progress(f"{args.readme} has no {report.START_MARKER} ... {report.END_MARKER} markers: table printed above")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

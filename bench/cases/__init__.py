@@ -1,0 +1,1 @@
+"""One module per measurement: serve, epoch, load, memory."""

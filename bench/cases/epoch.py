@@ -1,0 +1,116 @@
+"""Epoch into tensors: DataCacheDataset against reading the same table directly each epoch.
+
+Every method ends in the same place: dicts of ``batch_size``-row tensors of the numeric
+columns, consumed by the same loop. The direct readers load the projected columns, convert each
+column to a tensor once with the cache's own ``column_to_tensor`` and slice (the cheapest
+honest conversion; shuffled: one torch.randperm gather, a stronger shuffle than the cache's
+block shuffle). Methods alternate within each repeat, so machine load drifts hit all alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import torch
+
+from bench.stats import CaseResult, gb, paired_ratio
+from bench.tables import BenchTable
+from kubeflow_data_cache.dataset import DataCacheDataset, column_to_tensor
+
+CACHE = "cache"
+PYICEBERG = "pyiceberg"
+PYARROW_DATASET = "pyarrow.dataset"
+PYICEBERG_S3 = "pyiceberg-s3"
+
+
+def tensor_batches(table: pa.Table, batch_size: int, shuffle: bool, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The direct readers' conversion: one tensor per column, optionally permuted, sliced."""
+    tensors = {name: column_to_tensor(name, table.column(name).combine_chunks()) for name in table.column_names}
+    if shuffle:
+        perm = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed))
+        tensors = {name: t[perm] for name, t in tensors.items()}
+    for start in range(0, table.num_rows, batch_size):
+        yield {name: t[start : start + batch_size] for name, t in tensors.items()}
+
+
+def consume(batches) -> tuple[int, int]:
+    """The training loop stand-in: touch every batch; rows and tensor bytes seen."""
+    rows = nbytes = 0
+    for batch in batches:
+        first = next(iter(batch.values()))
+        rows += first.shape[0]
+        nbytes += sum(t.element_size() * t.nelement() for t in batch.values())
+    return rows, nbytes
+
+
+def _methods(endpoint: str, local: BenchTable, s3: BenchTable | None, columns, batch_size: int):
+    """name -> f(shuffle, epoch) that yields the epoch's batches (opening included in the time)."""
+    paths = local.parquet_paths()  # a user of pyarrow.dataset knows the files; listing is not timed
+
+    def cache(shuffle: bool, epoch: int):
+        dataset = DataCacheDataset(endpoint, batch_size=batch_size, columns=columns, shuffle=shuffle, seed=0)
+        dataset.set_epoch(epoch)
+        return iter(dataset)
+
+    def iceberg(table: BenchTable) -> Callable:
+        def read(shuffle: bool, epoch: int):
+            arrow = table.open().scan(selected_fields=tuple(columns)).to_arrow()
+            return tensor_batches(arrow, batch_size, shuffle, epoch)
+
+        return read
+
+    def dataset(shuffle: bool, epoch: int):
+        arrow = ds.dataset(paths, format="parquet").to_table(columns=list(columns))
+        return tensor_batches(arrow, batch_size, shuffle, epoch)
+
+    methods = {CACHE: cache, PYICEBERG: iceberg(local), PYARROW_DATASET: dataset}
+    if s3 is not None:
+        methods[PYICEBERG_S3] = iceberg(s3)
+    return methods
+
+
+def run(
+    endpoint: str,
+    local: BenchTable,
+    s3: BenchTable | None,
+    nodes: int,
+    repeats: int,
+    batch_size: int,
+    columns: tuple[str, ...],
+    progress,
+) -> list[CaseResult]:
+    rows = local.rows
+    methods = _methods(endpoint, local, s3, columns, batch_size)
+    results: list[CaseResult] = []
+    for shuffled in (False, True):
+        seconds: dict[str, list[float]] = {name: [] for name in methods}
+        case = {
+            name: CaseResult("epoch", name, rows, nodes, 1, shuffled, "s3" if name == PYICEBERG_S3 else "file")
+            for name in methods
+        }
+        for repeat in range(repeats):
+            for name, make in methods.items():
+                start = time.perf_counter()
+                got, nbytes = consume(make(shuffled, repeat))
+                elapsed = time.perf_counter() - start
+                if got != rows:
+                    raise RuntimeError(f"epoch via {name} yielded {got} rows, expected {rows}")
+                seconds[name].append(elapsed)
+                case[name].add("seconds", elapsed)
+                case[name].add("rows_per_s", rows / elapsed)
+                case[name].add("gb_per_s", gb(nbytes / elapsed))
+        for name in methods:
+            # How many times faster the cache is than this method (1.0 for the cache itself).
+            for r in paired_ratio(seconds[name], seconds[CACHE]):
+                case[name].add("cache_speedup", r)
+            results.append(case[name])
+        line = ", ".join(
+            f"{name} {case[name].as_dict()['figures']['seconds']['median']:.2f}s"
+            + ("" if name == CACHE else f" ({case[name].as_dict()['figures']['cache_speedup']['median']:.1f}x)")
+            for name in methods
+        )
+        progress(f"epoch rows={rows:,} nodes={nodes} {'shuffled' if shuffled else 'in order'}: {line}")
+    return results

@@ -1,0 +1,87 @@
+"""Load: the cache's planning-to-ready time against one pyiceberg ``to_arrow()`` of the table.
+
+Three cache figures per cluster start: the head's ``load_seconds`` (from the head starting to
+form the cluster to every node ready: waiting for nodes, planning, reading), the slowest
+node's own ``load_seconds`` (its read alone), and the wall time from spawning
+`data-cache local` to its READY line (cold interpreters included). Two pyiceberg figures: a
+warm ``to_arrow()`` in this process (imports done) and a fresh interpreter that imports,
+opens the table and calls ``to_arrow()``. Compare warm with the head, cold with the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bench.config import CHILD_TIMEOUT_SECONDS
+from bench.procs import CacheProcess
+from bench.stats import CaseResult, gb
+from bench.tables import BenchTable
+
+# What a user's fresh process runs to get the whole table in memory without the cache.
+_COLD_SCRIPT = """
+import json, sys
+from pyiceberg.table import StaticTable
+table = StaticTable.from_metadata(sys.argv[1], json.loads(sys.argv[2]))
+print(table.scan().to_arrow().num_rows)
+"""
+
+
+def to_arrow_warm(table: BenchTable) -> float:
+    start = time.perf_counter()
+    arrow = table.open().scan().to_arrow()
+    elapsed = time.perf_counter() - start
+    if arrow.num_rows != table.rows:
+        raise RuntimeError(f"to_arrow() read {arrow.num_rows} rows, expected {table.rows}")
+    return elapsed
+
+
+def to_arrow_cold(table: BenchTable) -> float:
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", _COLD_SCRIPT, table.metadata_location, json.dumps(table.properties)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_SECONDS,
+        env={**os.environ, **table.env},
+    )
+    elapsed = time.perf_counter() - start
+    if out.returncode != 0 or out.stdout.strip() != str(table.rows):
+        raise RuntimeError(f"cold to_arrow() failed ({out.returncode}): {out.stderr[-2000:]}")
+    return elapsed
+
+
+def record_baseline(result: CaseResult, table: BenchTable, cold: bool) -> None:
+    """One pyiceberg measurement of each kind, taken next to a cluster start."""
+    result.add("to_arrow_seconds", to_arrow_warm(table))
+    if cold:
+        result.add("to_arrow_cold_seconds", to_arrow_cold(table))
+
+
+def record_cluster(result: CaseResult, cache: CacheProcess, status: dict) -> None:
+    nodes = status.get("nodes", [])
+    result.add("head_load_seconds", status["load_seconds"])
+    result.add("node_load_seconds", max(float(n.get("load_seconds") or 0) for n in nodes))
+    result.add("ready_wall_seconds", cache.ready_wall_seconds)
+    result.add("arrow_bytes", status["bytes"])
+    result.add("rows_per_s", status["rows"] / status["load_seconds"])
+    result.add("gb_per_s", gb(status["bytes"] / status["load_seconds"]))
+
+
+def finish(result: CaseResult, progress) -> CaseResult:
+    """Ratios from medians: cluster starts and to_arrow() calls alternate but are not pairs."""
+    raw = result.raw
+    med = {k: sorted(v)[len(v) // 2] for k, v in raw.items()}
+    result.add("ratio_head_to_warm", med["head_load_seconds"] / med["to_arrow_seconds"])
+    if "to_arrow_cold_seconds" in raw:
+        result.add("ratio_wall_to_cold", med["ready_wall_seconds"] / med["to_arrow_cold_seconds"])
+    cold = f", cold process {med['to_arrow_cold_seconds']:.2f}s" if "to_arrow_cold_seconds" in raw else ""
+    progress(
+        f"load rows={result.rows:,} nodes={result.nodes} from {result.source}: head {med['head_load_seconds']:.2f}s "
+        f"(node read {med['node_load_seconds']:.2f}s, spawn to READY {med['ready_wall_seconds']:.2f}s); "
+        f"pyiceberg to_arrow {med['to_arrow_seconds']:.2f}s{cold}"
+    )
+    return result

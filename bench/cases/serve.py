@@ -1,0 +1,153 @@
+"""Serve: N client processes each read the whole table with DoGet, against loopback TCP.
+
+The loopback limit is measured in the same repeat, just before the DoGet read: N TCP
+connections on 127.0.0.1 moving the same number of bytes with large sends, so both figures
+see the same machine load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench.config import CHILD_TIMEOUT_SECONDS
+from bench.procs import CacheProcess, read_line, stop_process
+from bench.stats import CaseResult, gb, paired_ratio
+
+CHUNK_BYTES = 4 << 20  # large sends: what the kernel can move, not Python's per-call cost
+
+
+def _pump(conn: socket.socket, nbytes: int) -> None:
+    payload = memoryview(bytearray(CHUNK_BYTES))
+    left = nbytes
+    while left > 0:
+        n = min(left, CHUNK_BYTES)
+        conn.sendall(payload[:n])
+        left -= n
+    conn.shutdown(socket.SHUT_WR)
+
+
+def _drain(conn: socket.socket, nbytes: int, got: list[int]) -> None:
+    buf = bytearray(CHUNK_BYTES)
+    total = 0
+    while total < nbytes:
+        n = conn.recv_into(buf)
+        if n == 0:
+            break
+        total += n
+    got.append(total)
+
+
+def loopback_seconds(nbytes: int, streams: int = 1, timeout: float = CHILD_TIMEOUT_SECONDS) -> float:
+    """Seconds for ``streams`` loopback TCP connections to each move ``nbytes`` (GIL-free syscalls)."""
+    with ExitStack() as stack:
+        server = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        server.listen(streams)
+        port = server.getsockname()[1]
+        pairs = []
+        for _ in range(streams):
+            client = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+            accepted = stack.enter_context(server.accept()[0])
+            pairs.append((client, accepted))
+        got: list[int] = []
+        threads = [threading.Thread(target=_pump, args=(a, nbytes), daemon=True) for a, _ in pairs]
+        threads += [threading.Thread(target=_drain, args=(b, nbytes, got), daemon=True) for _, b in pairs]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        elapsed = time.perf_counter() - start
+        if any(t.is_alive() for t in threads) or sum(got) != nbytes * streams:
+            raise RuntimeError(f"loopback TCP moved {sum(got)} of {nbytes * streams} bytes within {timeout:.0f}s")
+        return elapsed
+
+
+def _child_env() -> dict[str, str]:
+    """`python -m bench.serve_client` must import bench wherever the suite was started from."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+class Clients:
+    """N `bench.serve_client` processes, released together for each repeat."""
+
+    def __init__(self, endpoint: str, n: int) -> None:
+        self.endpoint, self.n = endpoint, n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Clients:
+        try:
+            for _ in range(self.n):
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "bench.serve_client", self.endpoint],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                        env=_child_env(),
+                    )
+                )
+            deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
+            for proc in self.procs:
+                if read_line(proc, deadline, "serve client").strip() != "ready":
+                    raise RuntimeError("serve client did not say ready")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def read_once(self) -> list[dict[str, float]]:
+        for proc in self.procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
+        return [json.loads(read_line(proc, deadline, "serve client")) for proc in self.procs]
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.stdin and not proc.stdin.closed:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()  # EOF: the client leaves its loop and exits
+            stop_process(proc, grace=10)
+
+
+def run(cache: CacheProcess, rows: int, nodes: int, clients: int, repeats: int, progress) -> CaseResult:
+    result = CaseResult("serve", "doget", rows, nodes, clients)
+    loop_seconds: list[float] = []
+    get_seconds: list[float] = []
+    with Clients(cache.endpoint, clients) as procs:
+        for _ in range(repeats):
+            reads = procs.read_once()
+            nbytes = int(reads[0]["bytes"])
+            if any(int(r["rows"]) != rows for r in reads):
+                raise RuntimeError(f"a serve client read {[r['rows'] for r in reads]} rows, expected {rows}")
+            wall = max(r["end"] for r in reads) - min(r["start"] for r in reads)
+            loop = loopback_seconds(nbytes, clients)
+            get_seconds.append(wall)
+            loop_seconds.append(loop)
+            result.add("seconds", wall)
+            result.add("rows_per_s", rows * clients / wall)
+            result.add("gb_per_s", gb(nbytes * clients / wall))
+            result.add("loopback_gb_per_s", gb(nbytes * clients / loop))
+            result.add("bytes_per_client", nbytes)
+    # Throughput ratio = inverse time ratio, taken per repeat.
+    for r in paired_ratio(loop_seconds, get_seconds):
+        result.add("ratio_to_loopback", r)
+    f = result.as_dict()["figures"]
+    progress(
+        f"serve rows={rows:,} nodes={nodes} clients={clients}: {f['gb_per_s']['median']:.2f} GB/s, "
+        f"loopback {f['loopback_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_loopback']['median']:.0%})"
+    )
+    return result

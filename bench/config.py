@@ -1,0 +1,92 @@
+"""The benchmark grids: quick (default, a few minutes), full (the growth grid), smoke (tests)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+# The headline epoch comparison: single process, batch 1024, three numeric columns.
+BATCH_SIZE = 1024
+EPOCH_COLUMNS = ("feature_a", "feature_b", "label")
+# Parquet files per table: one per ROWS_PER_FILE rows, so larger tables read in parallel.
+ROWS_PER_FILE = 250_000
+MAX_FILES = 16
+# Deadlines: every wait in the suite has one.
+READY_TIMEOUT_SECONDS = 600.0
+CHILD_TIMEOUT_SECONDS = 600.0
+MOTO_START_SECONDS = 60.0
+S3_BUCKET = "bench"
+S3_CREDENTIALS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One grid. ``headline_rows`` and ``epoch_nodes`` pick the figures compared with targets."""
+
+    name: str
+    sizes: tuple[int, ...]  # table rows: serve, load and memory run at each
+    nodes: tuple[int, ...]  # data nodes per cluster
+    clients: tuple[int, ...]  # concurrent DoGet clients (separate processes)
+    epoch_sizes: tuple[int, ...]  # sizes where the epoch comparison runs
+    s3_sizes: tuple[int, ...]  # sizes also written to moto S3 (epoch and load from S3)
+    epoch_nodes: int  # data nodes of the cluster the epoch comparison reads from
+    headline_rows: int
+    repeats: int  # serve and epoch repeats (cheap: the cluster is up)
+    load_repeats: int  # cluster starts per (size, nodes): each is one load measurement
+    cold_process: bool = True  # also time pyiceberg to_arrow() in a fresh interpreter
+    s3_load: bool = True  # also start a cache over the S3 table (one more cluster start per repeat)
+    batch_size: int = BATCH_SIZE
+    columns: tuple[str, ...] = EPOCH_COLUMNS
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+QUICK = BenchConfig(
+    name="quick",
+    sizes=(200_000, 2_000_000),
+    nodes=(1, 2),
+    clients=(1, 2),
+    epoch_sizes=(200_000, 2_000_000),
+    s3_sizes=(2_000_000,),
+    epoch_nodes=2,
+    headline_rows=2_000_000,
+    repeats=3,
+    load_repeats=2,
+)
+
+FULL = BenchConfig(
+    name="full",
+    sizes=(100_000, 1_000_000, 2_000_000, 10_000_000),
+    nodes=(1, 2, 4),
+    clients=(1, 2, 4),
+    epoch_sizes=(100_000, 1_000_000, 2_000_000, 10_000_000),
+    s3_sizes=(1_000_000, 2_000_000, 10_000_000),
+    epoch_nodes=2,
+    headline_rows=2_000_000,
+    repeats=3,
+    load_repeats=3,
+)
+
+# Every case on a tiny table, once: the machinery, not the figures (tests/bench).
+SMOKE = replace(
+    QUICK,
+    name="smoke",
+    sizes=(3_000,),
+    nodes=(1,),
+    clients=(1,),
+    epoch_sizes=(3_000,),
+    s3_sizes=(3_000,),
+    epoch_nodes=1,
+    headline_rows=3_000,
+    repeats=1,
+    load_repeats=1,
+    cold_process=False,
+    s3_load=False,
+)
+
+CONFIGS = {c.name: c for c in (QUICK, FULL, SMOKE)}
+
+
+def files_for(rows: int) -> int:
+    return max(1, min(MAX_FILES, rows // ROWS_PER_FILE))

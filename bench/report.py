@@ -1,0 +1,189 @@
+"""Outputs of a run: the JSON, the PNG plot, and the README performance table."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+START_MARKER = "<!-- bench:start -->"
+END_MARKER = "<!-- bench:end -->"
+TABLE_COLUMNS = ("case", "variant", "rows", "nodes", "clients", "rows/s", "GB/s", "ratio", "memory")
+MiB = 2**20
+
+
+def find(result: dict[str, Any], **match: Any) -> dict[str, Any] | None:
+    for case in result["cases"]:
+        if all(case.get(k) == v for k, v in match.items()):
+            return case
+    return None
+
+
+def med(case: dict[str, Any] | None, figure: str) -> float | None:
+    if case is None or figure not in case["figures"]:
+        return None
+    return case["figures"][figure]["median"]
+
+
+def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The figures the project has targets for: measured (median), target, direction, met."""
+    cfg = result["config"]
+    rows, nodes = cfg["headline_rows"], cfg["epoch_nodes"]
+    serve = find(result, case="serve", rows=rows, nodes=min(cfg["nodes"]), clients=1)
+    mem = find(result, case="memory", rows=rows, nodes=nodes)
+    load = find(result, case="load", rows=rows, nodes=nodes, source="file")
+    s3_load = find(result, case="load", rows=rows, nodes=nodes, source="s3")
+    out = [
+        ("DoGet, 1 client, share of loopback TCP", med(serve, "ratio_to_loopback"), ">=", 0.60, "pct"),
+        ("data node (resident - baseline) / Arrow bytes", med(mem, "overhead_ratio"), "<=", 1.3, "x"),
+        ("load: head planning-to-ready / warm to_arrow()", med(load, "ratio_head_to_warm"), "<=", 1.3, "x"),
+        ("load: spawn-to-READY / cold-process to_arrow()", med(load, "ratio_wall_to_cold"), "<=", 1.3, "x"),
+        ("load from S3: head / warm to_arrow()", med(s3_load, "ratio_head_to_warm"), "<=", 1.3, "x"),
+    ]
+    for shuffled in (False, True):
+        order = "shuffled" if shuffled else "in order"
+        ice = find(result, case="epoch", rows=rows, variant="pyiceberg", shuffled=shuffled)
+        s3 = find(result, case="epoch", rows=rows, variant="pyiceberg-s3", shuffled=shuffled)
+        out.append((f"epoch {order}: cache speedup vs pyiceberg to_arrow()", med(ice, "cache_speedup"), ">=", 1.5, "x"))
+        out.append((f"epoch {order}: cache speedup vs S3 (moto) reads", med(s3, "cache_speedup"), ">=", 10.0, "x"))
+    return [
+        {
+            "figure": name,
+            "measured": value,
+            "target": f"{op} {target:.0%}" if unit == "pct" else f"{op} {target:g}x",
+            "met": None if value is None else (value >= target if op == ">=" else value <= target),
+            "unit": unit,
+        }
+        for name, value, op, target, unit in out
+    ]
+
+
+def _fmt_ratio(value: float | None, unit: str = "x") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.0%}" if unit == "pct" else f"{value:.2f}x"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return ""
+    if value >= 1e6:
+        return f"{value / 1e6:.{digits}f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.{digits}f}k"
+    return f"{value:.{digits}f}"
+
+
+def _row(case: dict[str, Any]) -> list[str]:
+    kind, variant = case["case"], case["variant"]
+    ratio = memory = ""
+    if kind == "serve":
+        ratio = f"{_fmt_ratio(med(case, 'ratio_to_loopback'), 'pct')} of loopback ({med(case, 'loopback_gb_per_s'):.2f} GB/s)"
+    elif kind == "epoch":
+        variant += ", shuffled" if case["shuffled"] else ", in order"
+        if variant.startswith("cache"):
+            ratio = f"{med(case, 'seconds'):.3f} s/epoch"
+        else:
+            ratio = f"cache speedup {_fmt_ratio(med(case, 'cache_speedup'))} ({med(case, 'seconds'):.3f} s/epoch)"
+    elif kind == "load":
+        variant += f" from {case['source']}"
+        ratio = (
+            f"head {med(case, 'head_load_seconds'):.2f}s = {_fmt_ratio(med(case, 'ratio_head_to_warm'))} "
+            f"to_arrow {med(case, 'to_arrow_seconds'):.2f}s"
+        )
+        if med(case, "ratio_wall_to_cold") is not None:
+            ratio += (
+                f"; READY {med(case, 'ready_wall_seconds'):.1f}s = {_fmt_ratio(med(case, 'ratio_wall_to_cold'))} "
+                f"cold {med(case, 'to_arrow_cold_seconds'):.1f}s"
+            )
+    elif kind == "memory":
+        ratio = f"(RSS - baseline) / Arrow = {_fmt_ratio(med(case, 'overhead_ratio'))}"
+        memory = f"{med(case, 'resident_bytes') / MiB:.0f} MiB RSS, {med(case, 'arrow_bytes') / MiB:.0f} MiB Arrow"
+        after = med(case, "resident_bytes_after_serve")
+        memory += f", {after / MiB:.0f} MiB after serving" if after else ""
+    elif kind == "memory-baseline":
+        memory = f"{med(case, 'resident_bytes') / MiB:.0f} MiB RSS (idle node)"
+    gbs = med(case, "gb_per_s")
+    return [
+        kind,
+        variant,
+        f"{case['rows']:,}",
+        "" if case["nodes"] is None else str(case["nodes"]),
+        "" if case["clients"] is None else str(case["clients"]),
+        _num(med(case, "rows_per_s")),
+        "" if gbs is None else f"{gbs:.3f}",
+        ratio,
+        memory,
+    ]
+
+
+def _order(case: dict[str, Any]) -> tuple:
+    """Group the detail table by case, then grid point; chronological order stays in the JSON."""
+    kinds = ("serve", "epoch", "load", "memory-baseline", "memory")
+    return (kinds.index(case["case"]), case["rows"], case["source"], case["nodes"] or 0, case["clients"] or 0)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    """The README performance block: the command, the machine, the targets, every case."""
+    m, cfg = result["machine"], result["config"]
+    heads = [
+        [
+            h["figure"],
+            _fmt_ratio(h["measured"], h["unit"]),
+            h["target"],
+            {True: "yes", False: "no", None: "n/a"}[h["met"]],
+        ]
+        for h in headline(result)
+    ]
+    parts = [
+        f"Produced by `{command}` ({cfg['name']} grid) on {result['created']}: {m['cpus']} CPUs ({m['cpu_model']}), "
+        f"{m['memory_bytes'] / 2**30:.0f} GiB, load average {m['load_average_start'][0]:.1f} at the start, "
+        f"commit {m.get('git_commit') or 'unknown'}. Medians of {cfg['repeats']} repeats "
+        f"({cfg['load_repeats']} cluster starts per load figure); min/max in `bench/results/latest.json`. "
+        f"Headline: {cfg['headline_rows']:,} rows, {cfg['epoch_nodes']} data node(s), batch {cfg['batch_size']}, "
+        f"columns {', '.join(cfg['columns'])}.",
+        "",
+        _table(["figure", "measured", "target", "met"], heads),
+        "",
+        _table(list(TABLE_COLUMNS), [_row(c) for c in sorted(result["cases"], key=_order)]),
+    ]
+    return "\n".join(parts)
+
+
+def update_readme(readme: Path, block: str) -> bool:
+    """Replace only the text between the bench markers; False (nothing written) without them."""
+    if not readme.exists():
+        return False
+    text = readme.read_text()
+    start, end = text.find(START_MARKER), text.find(END_MARKER)
+    if start < 0 or end < start:
+        return False
+    new = text[: start + len(START_MARKER)] + "\n" + block.strip() + "\n" + text[end:]
+    readme.write_text(new)
+    return True
+
+
+def write_json(result: dict[str, Any], out_dir: Path, stamp: str, latest: bool) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stamp}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    if latest:
+        shutil.copyfile(path, out_dir / "latest.json")
+    return path
+
+
+def write_png(result: dict[str, Any], out_dir: Path, stamp: str, latest: bool) -> Path:
+    from bench.plot import plot
+
+    path = out_dir / f"{stamp}.png"
+    plot(result, path, headline(result))
+    if latest:
+        shutil.copyfile(path, out_dir / "latest.png")
+    return path

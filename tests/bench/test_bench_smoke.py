@@ -1,0 +1,96 @@
+"""The benchmark suite's machinery on a tiny grid: every case runs and reports; no timing asserted.
+
+Speed and memory are measured by `make bench`, never asserted here: figures on a shared
+machine are noise. What is pinned: each case appears with positive figures, the JSON and PNG
+are written, and the README table keeps its columns and touches only the text between markers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `bench` lives at the repo root, outside the installed packages
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import report  # noqa: E402
+from bench.config import SMOKE  # noqa: E402
+from bench.run import run  # noqa: E402
+
+EPOCH_METHODS = ("cache", "pyiceberg", "pyarrow.dataset", "pyiceberg-s3")
+# (resident - baseline) may dip below zero for a table of a few KiB: finite is all that holds.
+MAY_BE_NEGATIVE = {"overhead_ratio"}
+
+
+@pytest.fixture(scope="module")
+def smoke_result() -> dict:
+    return run(SMOKE, progress=lambda message: None)
+
+
+def test_every_case_runs_with_positive_figures(smoke_result, tmp_path):
+    data = json.loads(report.write_json(smoke_result, tmp_path, "smoke", latest=False).read_text())
+    seen = {(c["case"], c["variant"], c["shuffled"]) for c in data["cases"]}
+    expected = {("memory-baseline", "idle-node", None), ("serve", "doget", False), ("load", "cache", None)}
+    expected |= {("memory", "data-node", None)}
+    expected |= {("epoch", m, s) for m in EPOCH_METHODS for s in (False, True)}
+    # serve results carry shuffled=None; compare on what each case defines.
+    seen = {(k, v, s if k == "epoch" else None) for k, v, s in seen}
+    expected = {(k, v, s if k == "epoch" else None) for k, v, s in expected}
+    assert seen == expected
+    for case in data["cases"]:
+        assert case["figures"], case
+        for name, fig in case["figures"].items():
+            assert fig["min"] <= fig["median"] <= fig["max"], (case["case"], name)
+            if name in MAY_BE_NEGATIVE:
+                assert math.isfinite(fig["median"])
+            else:
+                assert fig["min"] > 0, (case["case"], case["variant"], name, fig)
+    assert {"cpus", "memory_bytes", "versions", "load_average_end"} <= data["machine"].keys()
+
+
+def test_core_figures_are_present(smoke_result):
+    serve = report.find(smoke_result, case="serve")
+    assert {"rows_per_s", "gb_per_s", "loopback_gb_per_s", "ratio_to_loopback"} <= serve["figures"].keys()
+    load = report.find(smoke_result, case="load", source="file")
+    assert {"head_load_seconds", "ready_wall_seconds", "to_arrow_seconds", "ratio_head_to_warm"} <= load[
+        "figures"
+    ].keys()
+    memory = report.find(smoke_result, case="memory")
+    assert {"resident_bytes", "arrow_bytes", "baseline_bytes", "resident_bytes_after_serve"} <= memory["figures"].keys()
+    epoch = report.find(smoke_result, case="epoch", variant="pyiceberg", shuffled=False)
+    assert "cache_speedup" in epoch["figures"]
+
+
+def test_png_is_written(smoke_result, tmp_path):
+    path = report.write_png(smoke_result, tmp_path, "smoke", latest=False)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_table_has_the_columns_and_stays_between_markers(smoke_result, tmp_path):
+    block = report.markdown(smoke_result, "python -m bench --smoke")
+    header = next(line for line in block.splitlines() if line.startswith("| case |"))
+    assert [cell.strip() for cell in header.strip("|").split("|")] == list(report.TABLE_COLUMNS)
+    assert "`python -m bench --smoke`" in block
+    body_rows = [line for line in block.splitlines() if line.startswith("| epoch |")]
+    assert len(body_rows) == len(EPOCH_METHODS) * 2
+
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\n## Performance\n\n", "\n\n## Next section\nkept as is\n"
+    readme.write_text(f"{before}{report.START_MARKER}\nold table\n{report.END_MARKER}{after}")
+    assert report.update_readme(readme, block)
+    text = readme.read_text()
+    assert text.startswith(before + report.START_MARKER) and text.endswith(report.END_MARKER + after)
+    assert "old table" not in text and block.strip() in text
+
+
+def test_readme_without_markers_is_left_alone(smoke_result, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\nno markers here\n")
+    assert not report.update_readme(readme, report.markdown(smoke_result, "make bench"))
+    assert readme.read_text() == "# Title\nno markers here\n"
+    assert not report.update_readme(tmp_path / "missing.md", "x")
