@@ -36,6 +36,22 @@ def differences(want: Any, have: Any, path: str = "") -> list[str]:
     return [] if want == have else [path]
 
 
+# Maps that must match exactly, not just contain ours: an extra selector key selects no pod.
+EXACT_MAPS = {"Service": (("spec", "selector"),)}
+
+
+def _exact_map_extras(desired: dict, existing: dict) -> dict[tuple[str, ...], list[str]]:
+    """For each exact map, the keys the existing object has that the desired one has not."""
+    extras = {}
+    for path in EXACT_MAPS.get(desired["kind"], ()):
+        want, have = desired, existing
+        for key in path:
+            want, have = (want or {}).get(key) or {}, (have or {}).get(key) or {}
+        if set(have) - set(want):
+            extras[path] = sorted(set(have) - set(want))
+    return extras
+
+
 def _desired_fields(desired: dict) -> dict:
     """What adoption compares and restores: labels, annotations and the body (never names or owners)."""
     fields = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata", "status")}
@@ -62,6 +78,10 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
             log.info("created %s", _describe(desired))
             return created
         except KubeApiError as err:
+            if err.not_found:
+                raise InitializerError(
+                    f"{err}: is the {resource.kind} API ({resource.api_version}) installed?"
+                ) from err
             if not err.already_exists:
                 raise
         try:
@@ -88,6 +108,12 @@ def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, 
         )
     fields = _desired_fields(desired)
     drift = differences(fields, existing)
+    for path, keys in _exact_map_extras(desired, existing).items():
+        target = fields
+        for key in path:
+            target = target[key]
+        target.update(dict.fromkeys(keys))  # null deletes the key in a merge patch
+        drift += [".".join(("", *path, key)) for key in keys]
     if not drift:
         log.info("adopted %s, created by an earlier run of this initializer", _describe(existing))
         return existing

@@ -22,8 +22,9 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
 _TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-# Service names are DNS-1035 labels of at most 63 characters.
-MAX_TRAIN_JOB_NAME = 63 - len(c.SERVICE_NAME_SUFFIX)
+# `{TRAIN_JOB_NAME}-cache` names the LeaderWorkerSet, whose StatefulSets (`<name>` and `<name>-0`)
+# must stay within 52 characters for their pods' controller-revision-hash label to fit in 63.
+MAX_TRAIN_JOB_NAME = 52 - len("-0") - len(c.CACHE_NAME_SUFFIX)
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off", "")
 

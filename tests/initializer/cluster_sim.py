@@ -1,0 +1,218 @@
+"""Plays the LWS controller, the kubelet and the cache head against a `FakeKube`, one scenario each.
+
+When a LeaderWorkerSet is created, a thread turns it into pods (labels and owner reference as
+LWS makes them) and moves them through a scripted scenario. The head's `/status` is a real HTTP
+server on 127.0.0.1; pod IPs are 127.0.0.1 and its port is the `CACHE_HEALTH_PORT` to use.
+Each script is a handful of steps, so every thread ends on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .fake_k8s import FakeKube
+
+ROWS_PER_NODE = 1000
+BYTES_PER_NODE = 64_000
+SCENARIOS = (
+    "healthy",
+    "stuck",
+    "image_pull",
+    "oom",
+    "unschedulable",
+    "node_load_error",
+    "head_load_error",
+    "compaction",
+)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class CacheSim:
+    def __init__(self, fake: FakeKube, scenario: str = "healthy", step_seconds: float = 0.01):
+        assert scenario in SCENARIOS, scenario
+        self.fake, self.scenario, self.step = fake, scenario, step_seconds
+        self.head_status: dict | None = None
+        self.created: list[str] = []
+        self.threads: list[threading.Thread] = []
+        fake.on_create.setdefault("leaderworkersets", []).append(self._on_lws)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), name="head-status", daemon=True).start()
+
+    @property
+    def health_port(self) -> int:
+        return self.server.server_address[1]
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join(10)
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        sim = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                status = sim.head_status
+                code = 200 if self.path == "/status" and status is not None else 503
+                body = json.dumps(status if code == 200 else {"state": "starting"}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        return Handler
+
+    # -- objects as the LWS controller and the kubelet make them ---------------------------
+    def _on_lws(self, lws: dict) -> None:
+        self.created.append(lws["metadata"]["name"])
+        thread = threading.Thread(target=self._play, args=(lws,), name="cache-sim", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _pod(self, lws: dict, index: int) -> dict:
+        spec = lws["spec"]["leaderWorkerTemplate"]
+        template = spec["leaderTemplate"] if index == 0 else spec["workerTemplate"]
+        name = lws["metadata"]["name"]
+        labels = {
+            **template["metadata"]["labels"],
+            "leaderworkerset.sigs.k8s.io/name": name,
+            "leaderworkerset.sigs.k8s.io/group-index": "0",
+            "leaderworkerset.sigs.k8s.io/worker-index": str(index),
+        }
+        owner = {"apiVersion": lws["apiVersion"], "kind": lws["kind"], "name": name, "uid": lws["metadata"]["uid"]}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{name}-0" if index == 0 else f"{name}-0-{index}",
+                "namespace": lws["metadata"]["namespace"],
+                "labels": labels,
+                "ownerReferences": [{**owner, "controller": True}],
+            },
+            "spec": template["spec"],
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]},
+        }
+
+    def _set(self, pod: dict, **container) -> None:
+        """Move a pod along: `ready`, `state`, `lastState` of its container; phase Running."""
+        ready = container.get("ready", False)
+
+        def change(obj: dict) -> None:
+            image = obj["spec"]["containers"][0]["image"]
+            obj["status"] = {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [
+                    {"type": "PodScheduled", "status": "True"},
+                    {"type": "Ready", "status": str(ready)},
+                ],
+                "containerStatuses": [
+                    {
+                        "name": "cache",
+                        "image": image,
+                        "ready": ready,
+                        "restartCount": 1 if "lastState" in container else 0,
+                        "state": container.get("state", {"running": {"startedAt": _now()}}),
+                        "lastState": container.get("lastState", {}),
+                    }
+                ],
+            }
+
+        meta = pod["metadata"]
+        self.fake.update("pods", meta["namespace"], meta["name"], change)
+
+    def _status(self, state: str, nodes: int, loaded: int, error: str | None = None, node_error: int = -1) -> None:
+        self.head_status = {
+            "state": state,
+            "error": error,
+            "rows": loaded * ROWS_PER_NODE,
+            "bytes": loaded * BYTES_PER_NODE,
+            "nodes": [
+                {
+                    "index": i,
+                    "state": "failed" if i == node_error else ("ready" if i < loaded else "loading"),
+                    "rows": ROWS_PER_NODE if i < loaded else 0,
+                    "bytes": BYTES_PER_NODE if i < loaded else 0,
+                    "error": error if i == node_error else None,
+                }
+                for i in range(nodes)
+            ],
+        }
+
+    def _available(self, lws: dict) -> None:
+        def change(obj: dict) -> None:
+            obj["status"] = {
+                "replicas": 1,
+                "readyReplicas": 1,
+                "updatedReplicas": 1,
+                "conditions": [
+                    {"type": "Available", "status": "True", "reason": "AllGroupsReady",
+                     "message": "All replicas are ready", "lastTransitionTime": _now()}
+                ],
+            }  # fmt: skip
+
+        meta = lws["metadata"]
+        self.fake.update("leaderworkersets", meta["namespace"], meta["name"], change)
+
+    # -- scenarios ---------------------------------------------------------------------------
+    def _play(self, lws: dict) -> None:
+        size = lws["spec"]["leaderWorkerTemplate"]["size"]
+        nodes = size - 1
+        pods = [self.fake.put("pods", self._pod(lws, i)) for i in range(size)]
+        time.sleep(self.step)
+        if self.scenario == "unschedulable":
+            message = "0/3 nodes are available: 3 Insufficient memory."
+            cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+            self.fake.update("pods", pods[1]["metadata"]["namespace"], pods[1]["metadata"]["name"],
+                             lambda p: p["status"].update(conditions=[cond]))  # fmt: skip
+            return
+        if self.scenario == "image_pull":
+            waiting = {"waiting": {"reason": "ErrImagePull", "message": "manifest unknown"}}
+            self._set(pods[1], state=waiting)
+            return
+        self._status("loading", nodes, 0)
+        for pod in pods:
+            self._set(pod)
+        time.sleep(self.step)
+        if self.scenario == "stuck":
+            return
+        if self.scenario == "compaction":  # an API server restart: every watch ends, history is gone
+            self.fake.wait_for_watches(("leaderworkersets", "pods"))
+            elsewhere = self._pod(lws, 0)
+            elsewhere["metadata"] = {"name": "unrelated", "namespace": "elsewhere"}
+            self.fake.put("pods", elsewhere)
+            self.fake.compact(end_watches=True)
+        if self.scenario == "oom":
+            oom = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+            self._set(pods[2], state={"waiting": {"reason": "CrashLoopBackOff"}}, lastState=oom)
+            return
+        if self.scenario == "node_load_error":
+            failed = {
+                "terminated": {"reason": "Error", "exitCode": 1, "message": "load failed: NoSuchKey data/0.parquet"}
+            }
+            self._set(pods[1], state=failed)
+            return
+        if self.scenario == "head_load_error":
+            self._status("failed", nodes, 0, error="AccessDenied reading s3://bucket/data/0.parquet", node_error=0)
+            return
+        for loaded in range(1, nodes + 1):
+            self._status("loading", nodes, loaded)
+            self._set(pods[loaded], ready=True)
+            time.sleep(self.step)
+        self._status("ready", nodes, nodes)
+        self._set(pods[0], ready=True)
+        time.sleep(self.step)
+        self._available(lws)

@@ -1,0 +1,132 @@
+"""A restarted initializer adopts what it made before; what is not its own, it refuses."""
+
+from __future__ import annotations
+
+import threading
+
+from kubeflow_cache_initializer.builders import (
+    build_leader_worker_set,
+    build_service,
+    build_service_account,
+    cache_names,
+)
+from kubeflow_cache_initializer.config import load_config
+
+from .support import NAMESPACE, add_train_job, initializer_env
+
+CACHE_OBJECTS = (
+    ("serviceaccounts", "job-a-cache"),
+    ("leaderworkersets", "job-a-cache"),
+    ("services", "job-a-cache-service"),
+)
+
+
+def _uids(fake) -> dict[str, str]:
+    return {plural: fake.get(plural, NAMESPACE, name)["metadata"]["uid"] for plural, name in CACHE_OBJECTS}
+
+
+def _creates(fake) -> list[tuple[str, int]]:
+    return [(path.rsplit("/", 1)[-1], code) for method, path, _, code in fake.responses if method == "POST"]
+
+
+def test_a_restart_adopts_the_cache_it_created(fake, make_sim, run_initializer, caplog):
+    add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    assert run_initializer(env)[0] == 0
+    before = _uids(fake)
+    fake.responses.clear()
+
+    code, error = run_initializer(env)
+
+    assert (code, error) == (0, "")
+    assert _uids(fake) == before
+    assert _creates(fake) == [("serviceaccounts", 409), ("leaderworkersets", 409), ("services", 409)]
+    assert not [r for r in fake.responses if r[0] == "PATCH"]
+    assert sim.created == ["job-a-cache"]
+    assert "adopted LeaderWorkerSet team-a/job-a-cache, created by an earlier run" in caplog.text
+
+
+def test_a_restart_after_a_crash_between_creates_finishes_the_job(fake, make_sim, run_initializer):
+    job = add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    owner = {**{k: job[k] for k in ("apiVersion", "kind")}, "name": "job-a", "uid": job["metadata"]["uid"]}
+    fake.put("serviceaccounts", build_service_account(load_config(env), [{**owner, "controller": True}]))
+
+    code, error = run_initializer(env)
+
+    assert (code, error) == (0, "")
+    assert _creates(fake) == [("serviceaccounts", 409), ("leaderworkersets", 201), ("services", 201)]
+    assert sim.created == ["job-a-cache"]
+
+
+def test_adopted_objects_that_drifted_are_patched_back(fake, make_sim, run_initializer, caplog):
+    add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    assert run_initializer(env)[0] == 0
+    fake.update("services", NAMESPACE, "job-a-cache-service", lambda s: s["spec"].update(selector={"app": "other"}))
+    containers = [{"name": "cache", "image": "example.com/other:1"}]
+    by_hand = {"spec": {"leaderWorkerTemplate": {"workerTemplate": {"spec": {"containers": containers}}}}}
+    fake.patch("leaderworkersets", "LeaderWorkerSet", NAMESPACE, "job-a-cache", by_hand, "application/merge-patch+json")
+    fake.update(
+        "serviceaccounts", NAMESPACE, "job-a-cache", lambda o: o["metadata"]["labels"].pop("app.kubernetes.io/name")
+    )
+
+    code, error = run_initializer(env)
+
+    assert (code, error) == (0, "")
+    cfg = load_config(env)
+    service = fake.get("services", NAMESPACE, "job-a-cache-service")
+    assert service["spec"]["selector"] == build_service(cfg, [])["spec"]["selector"]
+    lws = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
+    assert lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["image"] == env["CACHE_IMAGE"]
+    assert lws["metadata"]["generation"] == 3  # created, edited by hand, restored
+    assert lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["readinessProbe"]
+    sa = fake.get("serviceaccounts", NAMESPACE, "job-a-cache")
+    assert sa["metadata"]["labels"]["app.kubernetes.io/name"] == "data-cache"
+    assert "restoring .spec.leaderWorkerTemplate.workerTemplate.spec.containers[0].image" in caplog.text
+    assert fake.rejected == []
+
+
+def test_an_object_owned_by_another_train_job_is_refused_and_left_alone(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    other = add_train_job(fake, "job-old")
+    env = initializer_env(make_sim("healthy"))
+    owner = {"apiVersion": other["apiVersion"], "kind": "TrainJob", "name": "job-old", "uid": other["metadata"]["uid"]}
+    foreign = fake.put("services", build_service(load_config(env), [{**owner, "controller": True}]))
+
+    code, error = run_initializer(env)
+
+    assert code != 0
+    assert error.startswith("Service team-a/job-a-cache-service already exists and is not owned by TrainJob job-a")
+    assert f"owned by TrainJob job-old (uid {other['metadata']['uid']})" in error
+    assert fake.get("services", NAMESPACE, "job-a-cache-service") == foreign
+
+
+def test_a_cache_being_deleted_is_waited_for_then_created_again(fake, make_sim, run_initializer, caplog):
+    """A shared cache whose last TrainJob just went: the LWS is terminating when the next job comes."""
+    add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    env = initializer_env(sim, DATA_CACHE_SHARED="true")
+    cache = load_config(env)
+    name = cache_names(cache).cache
+    dying = build_leader_worker_set(cache, [])
+    dying["metadata"].pop("ownerReferences")
+    dying["metadata"] |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "finalizers": ["example.com/slow"]}
+    old_uid = fake.put("leaderworkersets", dying)["metadata"]["uid"]
+
+    def finish_deletion() -> None:
+        fake.wait_for_watches(("leaderworkersets",))
+        fake.delete("leaderworkersets", NAMESPACE, name)
+
+    finisher = threading.Thread(target=finish_deletion, daemon=True)
+    finisher.start()
+    code, error = run_initializer(env)
+    finisher.join(30)
+
+    assert (code, error) == (0, "")
+    assert fake.get("leaderworkersets", NAMESPACE, name)["metadata"]["uid"] != old_uid
+    assert sim.created == [name]
+    assert "is being deleted; waiting for it to go" in caplog.text

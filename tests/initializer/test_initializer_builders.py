@@ -1,0 +1,169 @@
+"""The objects the initializer sends, built from config alone, and valid against the pinned schemas."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubeflow_cache_initializer.builders import (
+    build_leader_worker_set,
+    build_service,
+    build_service_account,
+    cache_names,
+    shared_cache_name,
+)
+from kubeflow_cache_initializer.config import load_config
+
+from .object_schemas import ObjectInvalid, validate_sent_object
+from .support import MINIMAL
+
+OWNER = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "job-a", "uid": "u-1"}
+FULL = {
+    **MINIMAL,
+    "CLUSTER_SIZE": "5",
+    "HEAD_CPU": "500m",
+    "HEAD_MEM": "512Mi",
+    "WORKER_CPU": "4",
+    "WORKER_MEM": "16Gi",
+    "IAM_ROLE": "arn:aws:iam::123456789012:role/cache-reader",
+    "READINESS_INITIAL_DELAY_SECONDS": "7",
+    "READINESS_PERIOD_SECONDS": "3",
+    "READINESS_TIMEOUT_SECONDS": "2",
+    "READINESS_FAILURE_THRESHOLD": "9",
+    "AWS_REGION": "eu-west-1",
+    "AWS_SECRET_ACCESS_KEY": "never-in-a-pod-spec",
+    "CACHE_ENV_FROM_SECRET": "s3-credentials",
+}
+
+
+def _container(lws: dict, template: str) -> dict:
+    (container,) = lws["spec"]["leaderWorkerTemplate"][template]["spec"]["containers"]
+    return container
+
+
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_the_leader_worker_set_runs_one_head_and_cluster_size_minus_one_data_nodes():
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+    template = lws["spec"]["leaderWorkerTemplate"]
+
+    assert lws["metadata"]["name"] == "job-a-cache"
+    assert (lws["spec"]["replicas"], template["size"]) == (1, 5)
+    head, worker = _container(lws, "leaderTemplate"), _container(lws, "workerTemplate")
+    assert (head["name"], head["args"], worker["name"], worker["args"]) == ("cache", ["head"], "cache", ["worker"])
+    assert head["resources"] == {
+        "requests": {"cpu": "500m", "memory": "512Mi"},
+        "limits": {"cpu": "500m", "memory": "512Mi"},
+    }
+    assert worker["resources"]["limits"] == {"cpu": "4", "memory": "16Gi"}
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"flight": 50051, "health": 8080}
+    assert worker["readinessProbe"] == {
+        "httpGet": {"path": "/ready", "port": "health"},
+        "initialDelaySeconds": 7,
+        "periodSeconds": 3,
+        "timeoutSeconds": 2,
+        "failureThreshold": 9,
+    }
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/live", "port": "health"}
+    assert template["leaderTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "head"
+    assert template["workerTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+
+
+def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but_no_secret_values():
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+
+    for template in ("leaderTemplate", "workerTemplate"):
+        container = _container(lws, template)
+        env = _env(container)
+        assert env["METADATA_LOC"] == MINIMAL["METADATA_LOC"]
+        assert (env["SCHEMA_NAME"], env["TABLE_NAME"]) == ("sales", "orders")
+        assert (env["FLIGHT_PORT"], env["HEALTH_PORT"]) == ("50051", "8080")
+        assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["MEMORY_LIMIT"] == {"resourceFieldRef": {"containerName": "cache", "resource": "limits.memory"}}
+        assert env["AWS_REGION"] == "eu-west-1"
+        assert "AWS_SECRET_ACCESS_KEY" not in env
+        assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    assert "never-in-a-pod-spec" not in str(lws)
+
+
+def test_cache_pods_run_restricted():
+    lws = build_leader_worker_set(load_config(MINIMAL), [OWNER])
+
+    for template in ("leaderTemplate", "workerTemplate"):
+        pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+        security = _container(lws, template)["securityContext"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert security["runAsNonRoot"] is True and security["runAsUser"] == 65532
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["serviceAccountName"] == "job-a-cache"
+        assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in _container(lws, template)["volumeMounts"]
+
+
+def test_the_service_account_has_the_eks_role_only_when_iam_role_is_set():
+    with_role = build_service_account(load_config(FULL), [OWNER])
+    without = build_service_account(load_config(MINIMAL), [OWNER])
+
+    assert with_role["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == FULL["IAM_ROLE"]
+    assert not any(k.startswith("eks.amazonaws.com/") for k in without["metadata"]["annotations"])
+
+
+def test_the_service_points_flight_and_health_at_the_head_only():
+    cfg = load_config(FULL)
+    service = build_service(cfg, [OWNER])
+    lws = build_leader_worker_set(cfg, [OWNER])
+    labels = {
+        t: lws["spec"]["leaderWorkerTemplate"][t]["metadata"]["labels"] for t in ("leaderTemplate", "workerTemplate")
+    }
+
+    assert service["metadata"]["name"] == "job-a-cache-service"
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("flight", 50051), ("health", 8080)]
+    selector = service["spec"]["selector"].items()
+    assert all(labels["leaderTemplate"].get(k) == v for k, v in selector)
+    assert not all(labels["workerTemplate"].get(k) == v for k, v in selector)
+
+
+def test_shared_names_depend_on_the_table_only():
+    shared = load_config({**MINIMAL, "DATA_CACHE_SHARED": "true"})
+    other_job = load_config({**MINIMAL, "DATA_CACHE_SHARED": "true", "TRAIN_JOB_NAME": "job-b", "CLUSTER_SIZE": "9"})
+
+    assert cache_names(shared).cache == cache_names(other_job).cache
+    assert cache_names(shared).cache == shared_cache_name(MINIMAL["METADATA_LOC"], "sales", "orders")
+    assert cache_names(other_job).service == "job-b-cache-service"
+    assert cache_names(shared).cache.startswith("data-cache-") and len(cache_names(shared).cache) == 21
+    names = {
+        shared_cache_name(MINIMAL["METADATA_LOC"], "sales", "returns"),
+        shared_cache_name("s3://elsewhere/m.json", "sales", "orders"),
+        shared_cache_name(MINIMAL["METADATA_LOC"], "sales", "orders"),
+    }
+    assert len(names) == 3
+
+
+@pytest.mark.parametrize(
+    "env", [MINIMAL, FULL, {**FULL, "DATA_CACHE_SHARED": "true"}], ids=["minimal", "full", "shared"]
+)
+def test_every_object_is_valid_against_the_pinned_schemas(env):
+    cfg = load_config(env)
+    for obj in (
+        build_service_account(cfg, [OWNER]),
+        build_leader_worker_set(cfg, [OWNER]),
+        build_service(cfg, [OWNER]),
+    ):
+        validate_sent_object(obj)
+
+
+def test_the_validator_rejects_what_the_api_server_would_prune_or_refuse():
+    """Guards the guard: an unknown container field and a wrong type both fail."""
+    lws = build_leader_worker_set(load_config(MINIMAL), [OWNER])
+    _container(lws, "workerTemplate")["readinessGate"] = True
+    with pytest.raises(ObjectInvalid, match="readinessGate"):
+        validate_sent_object(lws)
+    service = build_service(load_config(MINIMAL), [OWNER])
+    service["spec"]["ports"][0]["port"] = "50051"
+    with pytest.raises(ObjectInvalid, match="port"):
+        validate_sent_object(service)

@@ -1,0 +1,109 @@
+"""The env contract: parsed once, defaults as the SDK's, every bad value named before any API call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kubeflow_cache_initializer.config import load_config, parse_storage_uri
+from kubeflow_cache_initializer.errors import ConfigError
+
+from .support import MINIMAL, initializer_env
+
+
+def test_the_minimal_env_gets_the_documented_defaults():
+    cfg = load_config(MINIMAL)
+
+    assert (cfg.schema_name, cfg.table_name) == ("sales", "orders")
+    assert (cfg.cluster_size, cfg.data_nodes) == (3, 2)
+    assert (cfg.head_cpu, cfg.head_mem, cfg.worker_cpu, cfg.worker_mem) == ("1", "1Gi", "2", "2Gi")
+    assert cfg.iam_role is None
+    assert cfg.ready_timeout_seconds == 600
+    assert cfg.shared is False
+    assert (cfg.cache_env, cfg.env_from_secrets) == ((), ())
+    assert (cfg.health_port, cfg.namespace) == (8080, "team-a")
+
+
+def test_the_namespace_comes_from_the_service_account_mount_unless_set(tmp_path: Path):
+    mounted = tmp_path / "namespace"
+    mounted.write_text("from-mount\n")
+    without = {k: v for k, v in MINIMAL.items() if k != "NAMESPACE"}
+
+    assert load_config(without, namespace_file=mounted).namespace == "from-mount"
+    assert load_config({**without, "POD_NAMESPACE": "from-env"}, namespace_file=mounted).namespace == "from-env"
+    with pytest.raises(ConfigError, match="`NAMESPACE` is required outside a pod"):
+        load_config(without, namespace_file=tmp_path / "absent")
+
+
+def test_aws_settings_are_forwarded_and_aws_secrets_are_not():
+    cfg = load_config(
+        {
+            **MINIMAL,
+            "AWS_REGION": "eu-west-1",
+            "AWS_ENDPOINT_URL_S3": "http://minio:9000",
+            "AWS_ACCESS_KEY_ID": "AKIA...",
+            "AWS_SECRET_ACCESS_KEY": "secret",
+            "AWS_SESSION_TOKEN": "token",
+            "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks.amazonaws.com/token",
+            "CACHE_ENV_FROM_SECRET": "s3-credentials, flight-token",
+        }
+    )
+
+    assert cfg.cache_env == (("AWS_ENDPOINT_URL_S3", "http://minio:9000"), ("AWS_REGION", "eu-west-1"))
+    assert cfg.env_from_secrets == ("s3-credentials", "flight-token")
+
+
+def test_storage_uri_parsing():
+    assert parse_storage_uri("cache://my_schema/my-table.v2") == ("my_schema", "my-table.v2")
+    for bad in ("s3://a/b", "cache://a", "cache://a/b/c", "cache:///b", "cache://a/"):
+        with pytest.raises(ValueError):
+            parse_storage_uri(bad)
+
+
+BAD_INPUT = [
+    ({"STORAGE_URI": "s3://bucket/table"}, "`STORAGE_URI` should be cache://<schema>/<table>", "'s3://bucket/table'"),
+    ({"STORAGE_URI": "cache://only-schema"}, "`STORAGE_URI` should be cache://<schema>/<table>", "only-schema"),
+    ({"STORAGE_URI": ""}, "`STORAGE_URI` is required: cache://<schema>/<table>", ""),
+    ({"METADATA_LOC": ""}, "`METADATA_LOC` is required: the table's metadata.json", "s3://"),
+    ({"METADATA_LOC": "http://x/m.json"}, "`METADATA_LOC` should be an s3://, s3a:// or file:// URI", "http://x"),
+    ({"TRAIN_JOB_NAME": ""}, "`TRAIN_JOB_NAME` is required: the TrainJob's name", "DNS-1035"),
+    ({"TRAIN_JOB_NAME": "Job_A"}, "`TRAIN_JOB_NAME` should be the TrainJob's name (a DNS-1035 label", "'Job_A'"),
+    ({"TRAIN_JOB_NAME": "j" * 45}, "`TRAIN_JOB_NAME` should be at most 44 characters long", "jjjj"),
+    ({"CACHE_IMAGE": ""}, "`CACHE_IMAGE` is required: the data cache image", "e.g."),
+    ({"CLUSTER_SIZE": "zero"}, "`CLUSTER_SIZE` should be an integer >= 2, got 'zero'", ""),
+    ({"CLUSTER_SIZE": "1"}, "`CLUSTER_SIZE` should be an integer >= 2, got '1'", ""),
+    ({"HEAD_MEM": "lots"}, "`HEAD_MEM` should be a Kubernetes quantity such as 500m, 2 or 4Gi, got 'lots'", ""),
+    ({"WORKER_CPU": "-1"}, "`WORKER_CPU` should be a Kubernetes quantity", "'-1'"),
+    ({"IAM_ROLE": "admin"}, "`IAM_ROLE` should be an IAM role ARN, arn:aws:iam::<account>:role/<name>", "'admin'"),
+    ({"READINESS_PERIOD_SECONDS": "0"}, "`READINESS_PERIOD_SECONDS` should be an integer >= 1, got '0'", ""),
+    ({"READINESS_INITIAL_DELAY_SECONDS": "soon"}, "`READINESS_INITIAL_DELAY_SECONDS` should be an integer >= 0", ""),
+    ({"READINESS_TIMEOUT_SECONDS": "1.5"}, "`READINESS_TIMEOUT_SECONDS` should be an integer >= 1, got '1.5'", ""),
+    ({"READINESS_FAILURE_THRESHOLD": "-3"}, "`READINESS_FAILURE_THRESHOLD` should be an integer >= 1", ""),
+    ({"CACHE_READY_TIMEOUT_SECONDS": "ten"}, "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0", ""),
+    ({"CACHE_READY_TIMEOUT_SECONDS": "0"}, "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0", ""),
+    ({"DATA_CACHE_SHARED": "maybe"}, "`DATA_CACHE_SHARED` should be one of true, 1, yes, on, false", "'maybe'"),
+    ({"CACHE_ENV_FROM_SECRET": "S3 Creds"}, "`CACHE_ENV_FROM_SECRET` should be comma-separated Secret names", ""),
+    ({"CACHE_HEALTH_PORT": "50051"}, "`CACHE_HEALTH_PORT` should be a port other than the Flight port 50051", ""),
+    ({"CACHE_HEALTH_PORT": "70000"}, "`CACHE_HEALTH_PORT` should be an integer >= 1 and <= 65535", ""),
+]
+
+
+@pytest.mark.parametrize(("change", "message", "also"), BAD_INPUT, ids=[next(iter(c)) for c, _, _ in BAD_INPUT])
+def test_bad_input_exits_at_once_naming_the_variable_and_the_form(fake, run_initializer, change, message, also):
+    code, error = run_initializer(initializer_env(None, **change))
+
+    assert code == 2
+    assert error.startswith("invalid configuration: ")
+    assert message in error
+    assert also in error
+    assert "\n" not in error
+    assert fake.calls == []  # checked before touching the API
+
+
+def test_every_problem_is_reported_in_one_line(fake, run_initializer):
+    code, error = run_initializer(initializer_env(None, CLUSTER_SIZE="x", HEAD_CPU="y", CACHE_IMAGE=""))
+
+    assert code == 2
+    assert error.count("`") == 6
+    assert fake.calls == []

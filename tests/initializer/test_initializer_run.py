@@ -1,0 +1,127 @@
+"""The initializer end to end against the fake API: a ready cache, hopeless caches, timeouts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kubeflow_cache_initializer.constants import COMPONENT_HEAD, LABEL_COMPONENT
+
+from .support import NAMESPACE, add_train_job, initializer_env
+
+
+def _owner_uids(obj: dict) -> list[str]:
+    return [ref["uid"] for ref in obj["metadata"].get("ownerReferences", [])]
+
+
+def test_a_healthy_cache_exits_0_with_everything_owned_by_the_train_job(fake, make_sim, run_initializer, caplog):
+    job = add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+
+    code, error = run_initializer(initializer_env(sim))
+
+    assert (code, error) == (0, "")
+    assert fake.rejected == []
+    uid = job["metadata"]["uid"]
+    sa = fake.get("serviceaccounts", NAMESPACE, "job-a-cache")
+    lws = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
+    service = fake.get("services", NAMESPACE, "job-a-cache-service")
+    for obj in (sa, lws, service):
+        assert _owner_uids(obj) == [uid]
+        assert obj["metadata"]["ownerReferences"][0]["controller"] is True
+    assert sim.created == ["job-a-cache"]
+    # The Service selects the head pod and only it.
+    head_pods = [
+        p for p in fake.items("pods", NAMESPACE)
+        if all(p["metadata"]["labels"].get(k) == v for k, v in service["spec"]["selector"].items())
+    ]  # fmt: skip
+    assert [p["metadata"]["labels"][LABEL_COMPONENT] for p in head_pods] == [COMPONENT_HEAD]
+    assert "3/3 cache pods ready" in caplog.text
+    assert "head ready: 2/2 data nodes loaded, 2,000 rows" in caplog.text
+    assert "ready at grpc://job-a-cache-service:50051" in caplog.text
+
+
+def test_deleting_the_train_job_removes_everything_the_initializer_made(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    assert run_initializer(initializer_env(make_sim("healthy")))[0] == 0
+
+    fake.delete("trainjobs", NAMESPACE, "job-a")
+
+    for plural in ("serviceaccounts", "leaderworkersets", "services", "pods"):
+        assert fake.items(plural, NAMESPACE) == [], plural
+
+
+HOPELESS = [
+    ("image_pull", "cannot pull image ghcr.io/example/data-cache:0.1.0: ErrImagePull: manifest unknown"),
+    ("oom", "cache pod job-a-cache-0-2 was OOMKilled: its memory limit is too small (raise WORKER_MEM)"),
+    ("unschedulable", "cache pod job-a-cache-0-1 is unschedulable: 0/3 nodes are available: 3 Insufficient memory."),
+    ("node_load_error", "cache pod job-a-cache-0-1 exited with code 1: load failed: NoSuchKey data/0.parquet"),
+    ("head_load_error", "failed load: AccessDenied reading s3://bucket/data/0.parquet"),
+]
+
+
+@pytest.mark.parametrize(("scenario", "reason"), HOPELESS, ids=[s for s, _ in HOPELESS])
+def test_a_hopeless_cache_fails_at_once_with_the_reason_and_is_deleted(
+    fake, make_sim, run_initializer, scenario, reason
+):
+    add_train_job(fake, "job-a")
+    # A long deadline: the run must end because the state is hopeless, not because time ran out.
+    code, error = run_initializer(initializer_env(make_sim(scenario), CACHE_READY_TIMEOUT_SECONDS="120"))
+
+    assert code != 0
+    assert reason in error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+    assert fake.items("pods", NAMESPACE) == []
+
+
+def test_a_cache_that_never_gets_ready_times_out_with_its_progress(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+
+    code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="1.5"))
+
+    assert code != 0
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1.5" in error
+    assert re.search(r"\d/3 cache pods ready; head (loading: 0/2 data nodes loaded|status not available)", error)
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+def test_watches_resume_after_the_api_server_forgets_their_version(fake, make_sim, run_initializer):
+    """All watches end and history is compacted mid-load: 410 Gone, re-list, watch on, succeed."""
+    add_train_job(fake, "job-a")
+
+    code, error = run_initializer(initializer_env(make_sim("compaction")))
+
+    assert (code, error) == (0, "")
+    assert ("leaderworkerset.x-k8s.io", "leaderworkersets", "list") in fake.calls
+    assert fake.calls.count(("", "pods", "list")) >= 2
+
+
+def test_a_missing_train_job_is_named(fake, run_initializer):
+    code, error = run_initializer(initializer_env(None, train_job="nope"))
+
+    assert code != 0
+    assert error.startswith(f"TrainJob nope not found in namespace {NAMESPACE}")
+    assert fake.calls == [("trainer.kubeflow.org", "trainjobs", "get")]
+
+
+def test_a_role_without_a_needed_grant_fails_with_the_api_message(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    fake.allowed.discard(("", "pods", "watch"))
+
+    code, error = run_initializer(initializer_env(make_sim("stuck")))
+
+    assert code != 0
+    assert "HTTP 403" in error
+    assert 'cannot watch resource "pods"' in error
+
+
+def test_a_cluster_without_leader_worker_set_is_named(fake, run_initializer):
+    add_train_job(fake, "job-a")
+    del fake.kinds[("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")]
+
+    code, error = run_initializer(initializer_env(None))
+
+    assert code != 0
+    assert "HTTP 404" in error
+    assert error.endswith("is the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1) installed?")

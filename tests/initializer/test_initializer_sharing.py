@@ -1,0 +1,116 @@
+"""`DATA_CACHE_SHARED=true`: TrainJobs that ask for the same table share one cache, owned by all."""
+
+from __future__ import annotations
+
+import threading
+
+from kubeflow_cache_initializer.builders import build_leader_worker_set, shared_cache_name
+from kubeflow_cache_initializer.config import load_config
+from kubeflow_cache_initializer.main import main
+
+from .support import NAMESPACE, TABLE_ENV, add_train_job, initializer_env
+
+CACHE = shared_cache_name(TABLE_ENV["METADATA_LOC"], "sales", "orders")
+
+
+def _owners(obj: dict) -> list[tuple[str, bool]]:
+    return [(ref["name"], bool(ref.get("controller"))) for ref in obj["metadata"]["ownerReferences"]]
+
+
+def _selects(service: dict, pod: dict) -> bool:
+    return all(pod["metadata"]["labels"].get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+def test_a_second_train_job_joins_the_ready_cache_and_gc_follows_the_last_owner(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true")) == (0, "")
+    pods = fake.items("pods", NAMESPACE)
+    code, error = run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true"))
+
+    assert (code, error) == (0, "")
+    assert sim.created == [CACHE]  # one cluster, built once
+    assert fake.items("pods", NAMESPACE) == pods  # the second job did not disturb it
+    for plural in ("leaderworkersets", "serviceaccounts"):
+        assert _owners(fake.get(plural, NAMESPACE, CACHE)) == [("job-a", False), ("job-b", False)]
+    # Each job finds the cache at grpc://{TRAIN_JOB_NAME}-cache-service:50051, on the shared head.
+    (head,) = [p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"] == "head"]
+    for job in ("job-a", "job-b"):
+        service = fake.get("services", NAMESPACE, f"{job}-cache-service")
+        assert _owners(service) == [(job, True)]
+        assert [p["metadata"]["name"] for p in pods if _selects(service, p)] == [head["metadata"]["name"]]
+    assert fake.rejected == []
+
+    fake.delete("trainjobs", NAMESPACE, "job-a")
+
+    assert fake.get("services", NAMESPACE, "job-a-cache-service") is None
+    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-b", False)]
+    assert len(fake.items("pods", NAMESPACE)) == 3
+
+    fake.delete("trainjobs", NAMESPACE, "job-b")
+
+    for plural in ("serviceaccounts", "leaderworkersets", "services", "pods"):
+        assert fake.items(plural, NAMESPACE) == [], plural
+
+
+def test_two_train_jobs_starting_together_build_one_cache(fake, make_sim, api_client, tmp_path):
+    """Whichever creates first, the other gets 409 and joins; both exit 0 and own the cache."""
+    sim = make_sim("healthy")
+    codes: dict[str, int] = {}
+
+    def start(job: str) -> None:
+        add_train_job(fake, job)
+        env = initializer_env(sim, job, DATA_CACHE_SHARED="true")
+        codes[job] = main(env=env, api_client=api_client, termination_log=tmp_path / job)
+
+    threads = [threading.Thread(target=start, args=(job,)) for job in ("job-a", "job-b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert codes == {"job-a": 0, "job-b": 0}
+    assert sim.created == [CACHE]
+    owners = sorted(name for name, _ in _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)))
+    assert owners == ["job-a", "job-b"]
+    assert fake.rejected == []
+
+
+def test_a_different_table_gets_its_own_cache(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))[0] == 0
+    other = initializer_env(sim, "job-b", DATA_CACHE_SHARED="true", STORAGE_URI="cache://sales/returns")
+    assert run_initializer(other)[0] == 0
+
+    assert sim.created == [CACHE, shared_cache_name(TABLE_ENV["METADATA_LOC"], "sales", "returns")]
+
+
+def test_a_cache_of_that_name_holding_another_table_is_refused(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"), "job-a", DATA_CACHE_SHARED="true")
+    impostor = build_leader_worker_set(load_config(env), [])
+    impostor["metadata"].pop("ownerReferences")
+    impostor["metadata"]["annotations"]["data-cache.kubeflow.org/table"] = "sales.refunds"
+    fake.put("leaderworkersets", impostor)
+
+    code, error = run_initializer(env)
+
+    assert code != 0
+    assert f"LeaderWorkerSet team-a/{CACHE} exists but does not cache" in error
+    assert "sales.refunds" in error
+    assert fake.get("leaderworkersets", NAMESPACE, CACHE)["metadata"].get("ownerReferences") is None
+
+
+def test_a_failed_shared_cache_is_left_for_its_other_owners(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+
+    code, error = run_initializer(initializer_env(make_sim("head_load_error"), "job-a", DATA_CACHE_SHARED="true"))
+
+    assert code != 0
+    assert "AccessDenied" in error
+    assert fake.get("leaderworkersets", NAMESPACE, CACHE) is not None
