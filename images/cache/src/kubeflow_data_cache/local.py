@@ -13,7 +13,7 @@ import time
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
-from kubeflow_data_cache.security import call_options, client_for
+from kubeflow_data_cache.security import call_options, client_for, load_token, tls_certificates
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,12 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.extra_args = extra_args
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.token = os.environ.get("DATA_CACHE_TOKEN")
-        self.location = f"grpc://{host}:{port}"
+        # The nodes read these settings from the env they inherit; we need them to poll the head.
+        env = os.environ
+        self.token = load_token(env.get("DATA_CACHE_TOKEN"), env.get("DATA_CACHE_TOKEN_FILE"))
+        tls = tls_certificates(env.get("DATA_CACHE_TLS_CERT"), env.get("DATA_CACHE_TLS_KEY"))
+        self.tls_root_certs = tls[0][0] if tls else None  # one cluster, one certificate (NodeConfig)
+        self.location = f"{'grpc+tls' if tls else 'grpc'}://{host}:{port}"
 
     def start(self) -> None:
         common = ["--host", self.host, "--advertise-host", self.host, "--health-port", "0", "--failure-grace", "1"]
@@ -63,7 +67,7 @@ class LocalCluster:
 
     def wait_ready(self, should_stop=lambda: False) -> dict:
         """Poll the head's status until ready; raise with the reason on failure or deadline."""
-        client = client_for(self.location)
+        client = client_for(self.location, self.tls_root_certs)
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
         while True:

@@ -1,0 +1,191 @@
+"""Fixtures for the cache suites: an S3 endpoint (moto server), a self-signed certificate, and the
+upstream-style reader every end-to-end test uses to check what a cache serves."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from tests.conftest import free_port
+
+MOTO_START_TIMEOUT_SECONDS = 30.0
+MOTO_STOP_TIMEOUT_SECONDS = 10.0
+MOTO_REGION = "us-east-1"
+
+
+def read_path_shards(
+    location: str,
+    total: int = 1,
+    options: flight.FlightCallOptions | None = None,
+    tls_root_certs: bytes | None = None,
+) -> pa.Table:
+    """Every shard the way an upstream client reads it: GetFlightInfo(PATH [i, total]) on the head,
+    then DoGet on each endpoint's own location. Returns all rows of all shards."""
+    kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+    options = options or flight.FlightCallOptions()
+    tables = []
+    for index in range(total):
+        descriptor = flight.FlightDescriptor.for_path(str(index), str(total))
+        info = flight.FlightClient(location, **kwargs).get_flight_info(descriptor, options)
+        for endpoint in info.endpoints:
+            node = flight.FlightClient(endpoint.locations[0].uri.decode(), **kwargs)
+            tables.append(node.do_get(endpoint.ticket, options).read_all())
+    return pa.concat_tables(tables)
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A moto S3 endpoint that checks signatures: only ``access_key``/``secret_key`` are accepted."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+    region: str = MOTO_REGION
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS settings a cache pod would get."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": self.region,
+        }
+
+    def iceberg_properties(self) -> dict[str, str]:
+        return {
+            "s3.endpoint": self.endpoint,
+            "s3.access-key-id": self.access_key,
+            "s3.secret-access-key": self.secret_key,
+            "s3.region": self.region,
+        }
+
+    def client(self, service: str = "s3"):
+        import boto3
+
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=self.region,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + MOTO_START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto_server exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"moto_server did not listen on {port} within {MOTO_START_TIMEOUT_SECONDS:.0f}s")
+
+
+def _bootstrap_iam(endpoint: str) -> tuple[str, str]:
+    """Create the one IAM user whose key S3 accepts. These three calls are the only ones moto lets
+    through unauthenticated (INITIAL_NO_AUTH_ACTION_COUNT=3)."""
+    import boto3
+
+    iam = boto3.client(
+        "iam",
+        endpoint_url=endpoint,
+        region_name=MOTO_REGION,
+        aws_access_key_id="bootstrap",
+        aws_secret_access_key="bootstrap",
+    )
+    iam.create_user(UserName="data-cache")
+    key = iam.create_access_key(UserName="data-cache")["AccessKey"]
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="data-cache", PolicyName="s3", PolicyDocument=json.dumps(policy))
+    return key["AccessKeyId"], key["SecretAccessKey"]
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
+    """``moto_server`` on a free loopback port with IAM enforcement on, so wrong credentials are
+    refused as on AWS (moto accepts any key otherwise)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    moto = Path(sys.executable).with_name("moto_server")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+        )
+    try:
+        _wait_listening(port, proc, log)
+        endpoint = f"http://127.0.0.1:{port}"
+        yield S3Server(endpoint, *_bootstrap_iam(endpoint))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=MOTO_STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass(frozen=True)
+class Certificate:
+    cert_file: Path
+    key_file: Path
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert_file.read_bytes()
+
+    def env(self) -> dict[str, str]:
+        return {"DATA_CACHE_TLS_CERT": str(self.cert_file), "DATA_CACHE_TLS_KEY": str(self.key_file)}
+
+
+@pytest.fixture(scope="session")
+def self_signed_cert(tmp_path_factory) -> Certificate:
+    """A self-signed certificate for 127.0.0.1 and localhost: server certificate and root of trust."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "data-cache-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder = tmp_path_factory.mktemp("tls")
+    cert_file, key_file = folder / "tls.crt", folder / "tls.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return Certificate(cert_file, key_file)

@@ -1,0 +1,193 @@
+"""Bearer token and TLS on every Flight call, head and data nodes alike, with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.flight as flight
+import pytest
+
+from tests.cache.conftest import Certificate, read_path_shards
+from tests.conftest import LocalCache
+
+TOKEN = "s3cr3t-T0ken-5f2b9c"
+ROWS, FILES = 3000, 3
+CALL_TIMEOUT_SECONDS = 10.0
+
+
+def bearer(token: str | None) -> flight.FlightCallOptions:
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token is not None else []
+    return flight.FlightCallOptions(headers=headers, timeout=CALL_TIMEOUT_SECONDS)
+
+
+def drain_stderr(cache: LocalCache) -> str:
+    """What the cache's processes wrote to stderr so far, read without blocking or stopping them."""
+    fd, out = cache.proc.stderr.fileno(), b""
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        out += chunk
+    return out.decode(errors="replace")
+
+
+def command_lines_containing(needle: str) -> list[str]:
+    """Every process on this machine whose command line holds ``needle`` (ps shows them to anyone)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            raw = cmdline.read_bytes()
+        except OSError:
+            continue
+        if needle.encode() in raw:
+            found.append(raw.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+@pytest.fixture()
+def no_ambient_secrets(monkeypatch):
+    for name in ("DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE", "DATA_CACHE_TLS_CERT", "DATA_CACHE_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def token_cache(table_factory) -> Iterator[LocalCache]:
+    table = table_factory(ROWS, FILES)
+    cache = LocalCache(table.metadata_location, data_nodes=2, env={"DATA_CACHE_TOKEN": TOKEN})
+    try:
+        cache.wait_ready()
+        yield cache
+    finally:
+        cache.stop()
+
+
+HEAD_CALLS = {
+    "GetFlightInfo": lambda c, o: c.get_flight_info(flight.FlightDescriptor.for_path("0", "1"), o),
+    "GetSchema": lambda c, o: c.get_schema(flight.FlightDescriptor.for_path("0", "1"), o),
+    "ListFlights": lambda c, o: list(c.list_flights(options=o)),
+    "DoAction status": lambda c, o: list(c.do_action(flight.Action("status", b""), o)),
+}
+# pyarrow's client raises a plain OSError for a failed GetSchema (it skips the Flight status mapping);
+# the status underneath is still UNAUTHENTICATED.
+REFUSED = {"GetSchema": OSError}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("token", [None, "wrong-token", ""], ids=["no-header", "wrong", "empty"])
+@pytest.mark.parametrize("call", HEAD_CALLS)
+def test_head_refuses_calls_without_the_right_token(token_cache, call, token):
+    refused = REFUSED.get(call, flight.FlightUnauthenticatedError)
+    with pytest.raises(refused, match=r"missing or wrong bearer token.*Unauthenticated"):
+        HEAD_CALLS[call](flight.FlightClient(token_cache.endpoint), bearer(token))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("token", [None, "wrong-token"], ids=["no-header", "wrong"])
+def test_data_nodes_refuse_doget_and_actions_without_the_right_token(token_cache, token):
+    """A ticket is no credential: a data node checks the token itself."""
+    info = flight.FlightClient(token_cache.endpoint).get_flight_info(
+        flight.FlightDescriptor.for_path("0", "1"), bearer(TOKEN)
+    )
+    assert len(info.endpoints) == 2
+    for endpoint in info.endpoints:
+        node = flight.FlightClient(endpoint.locations[0].uri.decode())
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            node.do_get(endpoint.ticket, bearer(token)).read_all()
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            list(node.do_action(flight.Action("status", b""), bearer(token)))
+        # The same ticket with the token is served: the refusal above was the token's doing.
+        assert node.do_get(endpoint.ticket, bearer(TOKEN)).read_all().num_rows > 0
+
+
+@pytest.mark.slow
+def test_right_token_reads_every_row_once(token_cache):
+    ids = read_path_shards(token_cache.endpoint, total=3, options=bearer(TOKEN)).column("id").to_pylist()
+    assert sorted(ids) == list(range(ROWS))
+
+
+@pytest.mark.slow
+def test_token_stays_out_of_logs_and_command_lines(token_cache):
+    assert command_lines_containing(TOKEN) == [], "a token on a command line is visible to every user (ps)"
+    # Refused calls are what a leaky server would echo back into its log.
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        flight.FlightClient(token_cache.endpoint).get_flight_info(
+            flight.FlightDescriptor.for_path("0", "1"), bearer(TOKEN + "-wrong")
+        )
+    logs = drain_stderr(token_cache)
+    assert "token required" in logs, "the nodes' start-up lines should be in the captured stderr"
+    assert TOKEN not in logs
+
+
+@pytest.mark.slow
+def test_token_file_is_read_and_its_token_never_logged(table_factory, tmp_path, no_ambient_secrets):
+    table = table_factory(ROWS, FILES)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")  # a mounted Secret often ends with a newline
+    cache = LocalCache(table.metadata_location, data_nodes=1, env={"DATA_CACHE_TOKEN_FILE": str(token_file)})
+    try:
+        cache.wait_ready()
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            read_path_shards(cache.endpoint, options=bearer(None))
+        ids = read_path_shards(cache.endpoint, total=2, options=bearer(TOKEN)).column("id").to_pylist()
+        assert sorted(ids) == list(range(ROWS))
+    finally:
+        cache.stop()
+    assert "token required" in cache.stderr
+    assert TOKEN not in cache.stderr
+
+
+# --- TLS -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_cache(table_factory, self_signed_cert: Certificate) -> Iterator[tuple[LocalCache, str]]:
+    """A TLS cache and the location its READY line announced."""
+    table = table_factory(ROWS, FILES)
+    cache = LocalCache(table.metadata_location, data_nodes=2, env=self_signed_cert.env())
+    try:
+        ready = cache.wait_ready()
+        yield cache, ready.removeprefix("READY ")
+    finally:
+        cache.stop()
+
+
+@pytest.mark.slow
+def test_tls_cache_announces_and_advertises_tls_locations(tls_cache, self_signed_cert):
+    cache, location = tls_cache
+    assert location == f"grpc+tls://127.0.0.1:{cache.port}"
+    client = flight.FlightClient(location, tls_root_certs=self_signed_cert.pem)
+    info = client.get_flight_info(flight.FlightDescriptor.for_path("0", "1"), bearer(None))
+    uris = [loc.uri.decode() for ep in info.endpoints for loc in ep.locations]
+    assert len(uris) == 2
+    assert all(uri.startswith("grpc+tls://127.0.0.1:") for uri in uris), uris
+    # The data nodes registered with the head over TLS, at TLS locations.
+    status = json.loads(next(iter(client.do_action(flight.Action("status", b""), bearer(None)))).body.to_pybytes())
+    assert [n["location"] for n in status["nodes"]] == uris
+
+
+@pytest.mark.slow
+def test_tls_client_with_the_root_certificate_reads_every_row(tls_cache, self_signed_cert):
+    _, location = tls_cache
+    ids = read_path_shards(location, total=3, tls_root_certs=self_signed_cert.pem).column("id").to_pylist()
+    assert sorted(ids) == list(range(ROWS))
+
+
+@pytest.mark.slow
+def test_plaintext_and_untrusting_clients_are_refused(tls_cache, self_signed_cert):
+    cache, location = tls_cache
+    info = flight.FlightClient(location, tls_root_certs=self_signed_cert.pem).get_flight_info(
+        flight.FlightDescriptor.for_path("0", "1"), bearer(None)
+    )
+    node_location = info.endpoints[0].locations[0].uri.decode()
+    for plain in (cache.endpoint, node_location.replace("grpc+tls://", "grpc://")):
+        with pytest.raises(flight.FlightUnavailableError):
+            list(flight.FlightClient(plain).do_action(flight.Action("status", b""), bearer(None)))
+    # TLS without our root certificate: the self-signed certificate is not trusted by default.
+    with pytest.raises(flight.FlightUnavailableError):
+        flight.FlightClient(location).get_flight_info(flight.FlightDescriptor.for_path("0", "1"), bearer(None))
+    with pytest.raises(flight.FlightUnavailableError):
+        flight.FlightClient(node_location).do_get(info.endpoints[0].ticket, bearer(None)).read_all()
