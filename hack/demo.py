@@ -1,0 +1,146 @@
+"""`make demo`: a sample Iceberg table, a local cache, and a 2-rank torchrun job streaming from it.
+
+1. writes a sample table (a few hundred thousand rows, several files) in a temporary warehouse;
+2. starts `data-cache local` (a head and 2 data nodes) on a free port and waits for READY;
+3. runs hack/demo_train.py under `torchrun --nproc-per-node 2` (gloo, CPU) for 2 shuffled
+   epochs, which checks that every epoch delivered every row exactly once.
+
+Every process runs in its own process group and is stopped on the way out, also on Ctrl-C or a
+failure. The exit code is the training job's (non-zero when the exactly-once check fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import suppress
+from pathlib import Path
+
+from kubeflow_data_cache.sample import create_sample_table
+
+HERE = Path(__file__).resolve().parent
+READY_TIMEOUT_SECONDS = 120.0
+TRAIN_TIMEOUT_SECONDS = 300.0
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=300_000)
+    p.add_argument("--files", type=int, default=6)
+    p.add_argument("--data-nodes", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
+    return p.parse_args(argv)
+
+
+def step(message: str, started: float) -> None:
+    print(f"[{time.monotonic() - started:5.1f}s] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, timeout: float) -> str | None:
+    """The cache's READY line, or None if it exited or the deadline passed."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while (remaining := deadline - time.monotonic()) > 0:
+            if sel.select(timeout=min(remaining, 0.5)):
+                line = proc.stdout.readline()
+                if line.startswith("READY "):
+                    return line.split()[1]
+                if not line and proc.poll() is not None:
+                    return None
+        return None
+    finally:
+        sel.close()
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group, then SIGKILL whatever is left after the grace period."""
+    for proc in procs:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) -> int:
+    started = time.monotonic()
+    step(f"writing a sample Iceberg table: {args.rows:,} rows in {args.files} files", started)
+    table = create_sample_table(str(workdir / "warehouse"), rows=args.rows, files=args.files)
+
+    port = free_port()
+    step(f"starting data-cache local: a head and {args.data_nodes} data nodes on port {port}", started)
+    log = workdir / "cache.log"
+    cache_cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", table.metadata_location]
+    cache_cmd += ["--data-nodes", str(args.data_nodes), "--port", str(port)]
+    with log.open("w") as err:
+        cache = subprocess.Popen(cache_cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    procs.append(cache)
+    endpoint = wait_ready(cache, READY_TIMEOUT_SECONDS)
+    if endpoint is None:
+        print(f"the cache did not become ready; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
+        return 1
+    step(f"cache ready at {endpoint}", started)
+
+    step(f"torchrun: {args.ranks} ranks (gloo, CPU), {args.epochs} shuffled epochs", started)
+    train_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
+    train_cmd += [str(HERE / "demo_train.py"), "--endpoint", endpoint, "--rows", str(args.rows)]
+    train_cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+    train = subprocess.Popen(train_cmd, env=env, start_new_session=True)
+    procs.append(train)
+    try:
+        code = train.wait(timeout=TRAIN_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        print(f"training did not finish within {TRAIN_TIMEOUT_SECONDS:.0f}s", file=sys.stderr)
+        return 1
+    if cache.poll() is not None:
+        print(f"the cache exited early; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
+        return 1
+    step("demo passed" if code == 0 else f"training failed (exit code {code})", started)
+    return code
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM (e.g. from a CI runner) unwinds like Ctrl-C, through the cleanup below.
+    signal.signal(signal.SIGTERM, _interrupt)
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="data-cache-demo-") as tmp:
+        try:
+            return run(args, Path(tmp), procs)
+        except KeyboardInterrupt:
+            print("interrupted; stopping the cache and the training job", file=sys.stderr)
+            return 130
+        finally:
+            stop(procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
