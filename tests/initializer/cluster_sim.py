@@ -27,6 +27,7 @@ SCENARIOS = (
     "node_load_error",
     "head_load_error",
     "compaction",
+    "not_available",
 )
 
 
@@ -215,4 +216,6 @@ class CacheSim:
         self._status("ready", nodes, nodes)
         self._set(pods[0], ready=True)
         time.sleep(self.step)
+        if self.scenario == "not_available":  # every pod ready, yet LWS never says Available
+            return
         self._available(lws)

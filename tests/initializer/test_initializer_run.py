@@ -86,6 +86,15 @@ def test_a_cache_that_never_gets_ready_times_out_with_its_progress(fake, make_si
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
 
 
+def test_a_ready_head_is_not_enough_while_the_leader_worker_set_is_not_available(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+
+    code, error = run_initializer(initializer_env(make_sim("not_available"), CACHE_READY_TIMEOUT_SECONDS="1"))
+
+    assert code != 0
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1" in error
+
+
 def test_watches_resume_after_the_api_server_forgets_their_version(fake, make_sim, run_initializer):
     """All watches end and history is compacted mid-load: 410 Gone, re-list, watch on, succeed."""
     add_train_job(fake, "job-a")

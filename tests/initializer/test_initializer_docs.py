@@ -1,0 +1,29 @@
+"""docs/initializer.md documents every variable the initializer reads and every permission it needs."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from kubeflow_cache_initializer import config
+from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "initializer.md"
+
+
+def test_every_env_variable_read_is_documented():
+    source = inspect.getsource(config.load_config) + inspect.getsource(config._namespace)
+    read = set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source))
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", DOC.read_text()))
+
+    assert "CLUSTER_SIZE" in read and "POD_NAMESPACE" in read
+    assert read - documented == set()
+
+
+def test_every_required_permission_is_in_the_rbac_table():
+    text = DOC.read_text()
+    rows = [[cell.strip().strip("`") for cell in line.split("|")[1:4]] for line in text.splitlines() if "|" in line]
+    for group, resource, verb in REQUIRED_PERMISSIONS:
+        (verbs,) = [v for g, r, v in rows if g == (group or '""') and resource in r.replace("`", "").split(", ")]
+        assert verb in verbs.split(", "), (group, resource, verb)
