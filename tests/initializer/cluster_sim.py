@@ -184,7 +184,9 @@ class CacheSim:
             waiting = {"waiting": {"reason": "ErrImagePull", "message": "manifest unknown"}}
             self._set(pods[1], state=waiting)
             return
+        # As the head reports a data node it cannot reach yet: an error, but not a failure.
         self._status("loading", nodes, 0)
+        self.head_status["nodes"][-1] |= {"state": "unreachable", "error": "connection refused"}
         for pod in pods:
             self._set(pod)
         time.sleep(self.step)

@@ -115,11 +115,14 @@ def open_table(metadata_location: str, properties: dict[str, str] | None = None)
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
             "metadata.json (for example s3://bucket/warehouse/db/table/metadata/00003-....metadata.json)"
         ) from None
-    except PermissionError as err:
-        raise TableLoadError(
-            f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
-            "or the pod's IAM role"
-        ) from None
+    except OSError as err:
+        # pyarrow's S3 filesystem reports a 403 as a plain OSError naming the AWS error.
+        if isinstance(err, PermissionError) or "ACCESS_DENIED" in str(err):
+            raise TableLoadError(
+                f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
+                "or the pod's IAM role"
+            ) from None
+        raise TableLoadError(f"cannot read table metadata at {metadata_location!r}: {err}") from err
     except Exception as err:  # pyiceberg/pyarrow raise many types for unreadable or malformed metadata
         raise TableLoadError(f"cannot read table metadata at {metadata_location!r}: {err}") from err
 

@@ -92,7 +92,8 @@ def status_failure(status: dict) -> str | None:
     if status.get("state") == "failed":
         return f"the cache head reports a failed load: {status.get('error') or 'no reason given'}"
     for node in status.get("nodes") or []:
-        if node.get("state") == "failed" or node.get("error"):
+        # Only `failed` is final: an `unreachable` node (starting, restarting) carries an error too.
+        if node.get("state") == "failed":
             return f"data node {node.get('index')} failed to load: {node.get('error') or 'no reason given'}"
     return None
 
