@@ -1,0 +1,125 @@
+"""The cache over S3: a real `data-cache local` cluster reading an Iceberg table from moto server.
+
+Every setting reaches the nodes the way it does in a pod: through the standard AWS env variables.
+"""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+import pytest
+
+from kubeflow_data_cache.sample import SampleTable, create_sample_table
+from tests.cache.conftest import S3Server, read_path_shards
+from tests.conftest import LocalCache, running_cache
+
+BUCKET = "bucket"
+ROWS, FILES = 2000, 3
+FAILURE_TIMEOUT_SECONDS = 90.0
+AWS_VARIABLES = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_aws(monkeypatch):
+    """Only the variables a test sets reach the cache (the caches inherit this process's env)."""
+    for name in AWS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def s3_tables(moto_s3: S3Server, tmp_path_factory) -> dict[str, SampleTable]:
+    """``events``: the table the cache serves; ``broken``: a table with one data file deleted."""
+    moto_s3.client().create_bucket(Bucket=BUCKET)
+    catalog_db = tmp_path_factory.mktemp("s3-catalog") / "catalog.db"
+    props = moto_s3.iceberg_properties()
+    warehouse = f"s3://{BUCKET}/wh"
+    tables = {
+        name: create_sample_table(warehouse, rows, files, table_name=name, catalog_db=catalog_db, properties=props)
+        for name, rows, files in (("events", ROWS, FILES), ("broken", 100, 1))
+    }
+    s3 = moto_s3.client()
+    listing = s3.list_objects_v2(Bucket=BUCKET, Prefix="wh/demo/broken/data/")["Contents"]
+    s3.delete_object(Bucket=BUCKET, Key=sorted(o["Key"] for o in listing)[0])
+    return tables
+
+
+def assert_every_row_once(table, rows: int) -> None:
+    ids = sorted(table.column("id").to_pylist())
+    assert ids == list(range(rows)), "each row of the table should be served exactly once"
+    expected_text = pc.binary_join_element_wise("row-", pc.cast(table.column("id"), "string"), "")
+    assert table.column("text").cast("string").equals(expected_text), "rows should arrive intact"
+
+
+def failed_run(metadata_loc: str, env: dict[str, str]) -> tuple[int, str]:
+    """Run `data-cache local` that must fail: its exit code and stderr, within a deadline."""
+    cache = LocalCache(metadata_loc, data_nodes=1, env=env, args=("--startup-timeout", "60"))
+    with pytest.raises(RuntimeError):
+        cache.wait_ready(timeout=FAILURE_TIMEOUT_SECONDS)
+    return cache.proc.returncode, cache.stderr
+
+
+@pytest.mark.slow
+def test_reads_every_row_from_s3_with_standard_aws_env(moto_s3, s3_tables):
+    table = s3_tables["events"]
+    with running_cache(table.metadata_location, data_nodes=2, env=moto_s3.env()) as cache:
+        assert_every_row_once(read_path_shards(cache.endpoint, total=3), ROWS)
+
+
+@pytest.mark.slow
+def test_reads_s3a_location_with_only_the_s3_specific_endpoint(moto_s3, s3_tables):
+    """Two settings a Spark/Hadoop shop brings: an `s3a://` METADATA_LOC, and the endpoint given
+    only as AWS_ENDPOINT_URL_S3 (the service-specific form)."""
+    location = s3_tables["events"].metadata_location
+    assert location.startswith("s3://")
+    env = {k: v for k, v in moto_s3.env().items() if k != "AWS_ENDPOINT_URL"}
+    env["AWS_ENDPOINT_URL_S3"] = moto_s3.endpoint
+    with running_cache("s3a://" + location.removeprefix("s3://"), data_nodes=1, env=env) as cache:
+        assert_every_row_once(read_path_shards(cache.endpoint, total=2), ROWS)
+
+
+def test_wrong_bucket_fails_with_the_location_it_tried(moto_s3):
+    location = "s3://no-such-bucket/wh/demo/events/metadata/00003-0a1b2c3d.metadata.json"
+    code, stderr = failed_run(location, moto_s3.env())
+    assert code != 0
+    assert f"METADATA_LOC {location!r} does not exist" in stderr
+
+
+@pytest.mark.slow
+def test_missing_data_file_fails_the_load_naming_the_file(moto_s3, s3_tables):
+    code, stderr = failed_run(s3_tables["broken"].metadata_location, moto_s3.env())
+    assert code != 0
+    assert "cannot read data file s3://bucket/wh/demo/broken/data/" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"AWS_ACCESS_KEY_ID": "AKIAUNKNOWNKEY000000"}, id="unknown-key"),
+        pytest.param({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, id="wrong-secret"),
+    ],
+)
+def test_denied_read_names_the_credentials(moto_s3, s3_tables, bad):
+    code, stderr = failed_run(s3_tables["events"].metadata_location, {**moto_s3.env(), **bad})
+    assert code != 0
+    assert "was denied" in stderr and "check the AWS credentials" in stderr
+    secret = bad.get("AWS_SECRET_ACCESS_KEY", moto_s3.secret_key)
+    assert secret not in stderr, "a secret key must never reach the logs"
+
+
+def test_moto_refuses_wrong_credentials(moto_s3):
+    """Guards the tests above: the S3 endpoint really checks the key (moto does not by default)."""
+    from botocore.exceptions import ClientError
+
+    wrong = S3Server(moto_s3.endpoint, "testing", "testing")
+    with pytest.raises(ClientError, match="InvalidAccessKeyId"):
+        wrong.client().list_buckets()
+    assert isinstance(moto_s3.client().list_buckets()["Buckets"], list)
