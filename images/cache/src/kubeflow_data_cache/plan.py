@@ -160,6 +160,22 @@ def _count_after_deletes(table, task) -> int:
     return sum(batch.num_rows for batch in scan.to_record_batches([task]))
 
 
+def _refuse_equality_deletes(table, snapshot) -> None:
+    """pyiceberg's planner fails on equality deletes with a bare ValueError; find them first."""
+    from pyiceberg.manifest import DataFileContent, ManifestContent
+
+    for manifest in snapshot.manifests(table.io):
+        if manifest.content != ManifestContent.DELETES:
+            continue
+        for entry in manifest.fetch_manifest_entry(table.io):
+            if entry.data_file.content == DataFileContent.EQUALITY_DELETES:
+                raise UnsupportedTableError(
+                    f"the table has equality deletes (delete file {entry.data_file.file_path}), which the cache "
+                    "cannot apply exactly; compact the table (rewrite data files) and point METADATA_LOC at the "
+                    "new metadata"
+                )
+
+
 def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]]:
     """Plan the current snapshot. Returns the plan and the scan tasks by file path."""
     from pyiceberg.io.pyarrow import schema_to_pyarrow
@@ -178,7 +194,10 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     files: list[FilePlan] = []
     if snapshot is not None:
         try:
+            _refuse_equality_deletes(table, snapshot)
             planned = sorted(table.scan().plan_files(), key=lambda t: t.file.file_path)
+        except UnsupportedTableError:
+            raise
         except Exception as err:
             raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
         for task in planned:

@@ -1,0 +1,223 @@
+"""Row-level deletes: the cache serves exactly the live rows of a table, or refuses it clearly.
+
+pyiceberg 0.12 cannot write merge-on-read deletes (``table.delete`` warns and falls back to
+copy-on-write), so the positional and equality delete files here are written by hand: a Parquet
+file with the spec's reserved field ids, committed as a delete manifest by a small snapshot
+producer built on pyiceberg's own fast-append (``pyiceberg.table.update.snapshot`` internals).
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pyarrow.parquet as pq
+import pytest
+from pyiceberg.manifest import (
+    DataFile,
+    DataFileContent,
+    FileFormat,
+    ManifestContent,
+    ManifestEntry,
+    ManifestEntryStatus,
+    ManifestWriterV2,
+)
+from pyiceberg.table import StaticTable, Table
+from pyiceberg.table.snapshots import Operation
+from pyiceberg.table.update.snapshot import _FastAppendFiles
+from pyiceberg.typedef import Record
+
+from kubeflow_data_cache.sample import create_sample_table, make_catalog
+from tests.cache.conftest import read_path_shards
+from tests.conftest import LocalCache, running_cache
+
+ROWS, FILES = 3000, 3
+# Reserved field ids of a positional delete file (Iceberg spec, "Position Delete Files").
+FILE_PATH_FIELD_ID, POS_FIELD_ID = 2147483546, 2147483545
+POSITION_DELETE_SCHEMA = pa.schema(
+    [
+        pa.field("file_path", pa.string(), nullable=False, metadata={"PARQUET:field_id": str(FILE_PATH_FIELD_ID)}),
+        pa.field("pos", pa.int64(), nullable=False, metadata={"PARQUET:field_id": str(POS_FIELD_ID)}),
+    ]
+)
+ID_FIELD_ID = 1  # the sample table's `id` column
+
+
+class _DeleteManifestWriter(ManifestWriterV2):
+    """pyiceberg only writes data manifests; a delete manifest differs in its content marker."""
+
+    def content(self) -> ManifestContent:
+        return ManifestContent.DELETES
+
+    @property
+    def _meta(self) -> dict[str, str]:
+        return {**super()._meta, "content": "deletes"}
+
+
+class _AddDeleteFiles(_FastAppendFiles):
+    """A snapshot that keeps every existing manifest and adds one manifest of delete files."""
+
+    def __init__(self, delete_files: list[DataFile], **kwargs):
+        super().__init__(**kwargs)
+        self._delete_files = delete_files
+
+    def _process_manifests(self, manifests):
+        metadata = self._transaction.table_metadata
+        writer = _DeleteManifestWriter(
+            metadata.spec(), metadata.schema(), self.new_manifest_output(), self._snapshot_id, self._compression
+        )
+        with writer:
+            for delete_file in self._delete_files:
+                writer.add(
+                    ManifestEntry.from_args(
+                        status=ManifestEntryStatus.ADDED,
+                        snapshot_id=self._snapshot_id,
+                        sequence_number=None,  # inherited: the commit's sequence number
+                        file_sequence_number=None,
+                        data_file=delete_file,
+                    )
+                )
+        return [*manifests, writer.to_manifest_file()]
+
+
+def _commit_delete_files(table: Table, delete_files: list[DataFile]) -> Table:
+    with table.transaction() as tx:
+        _AddDeleteFiles(delete_files, operation=Operation.DELETE, transaction=tx, io=table.io).commit()
+    return table.refresh()
+
+
+def _write_parquet(table: Table, rows: pa.Table, kind: str) -> tuple[str, int]:
+    location = f"{table.location()}/data/{kind}-{uuid.uuid4()}.parquet"
+    local = Path(urlparse(location).path)
+    pq.write_table(rows, local)
+    return location, local.stat().st_size
+
+
+def add_position_deletes(table: Table, deletes: dict[str, list[int]], scoped_to_file: bool) -> Table:
+    """One positional delete file deleting ``deletes[data_file_path]`` positions. ``scoped_to_file``
+    sets the file_path bounds (as writers do for a single data file), so readers attach it to that
+    file only; without bounds it is a partition-wide delete file that every data file must consult."""
+    paths = [path for path, positions in sorted(deletes.items()) for _ in positions]
+    positions = [pos for _, ps in sorted(deletes.items()) for pos in sorted(ps)]
+    rows = pa.table({"file_path": paths, "pos": positions}, schema=POSITION_DELETE_SCHEMA)
+    location, size = _write_parquet(table, rows, "pos-deletes")
+    bounds = {}
+    if scoped_to_file:
+        assert len(deletes) == 1
+        bounds = {FILE_PATH_FIELD_ID: paths[0].encode()}
+    delete_file = DataFile.from_args(
+        content=DataFileContent.POSITION_DELETES,
+        file_path=location,
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=rows.num_rows,
+        file_size_in_bytes=size,
+        lower_bounds=bounds,
+        upper_bounds=dict(bounds),
+        spec_id=table.metadata.default_spec_id,
+        equality_ids=None,
+        key_metadata=None,
+        sort_order_id=None,
+    )
+    return _commit_delete_files(table, [delete_file])
+
+
+def add_equality_deletes(table: Table, ids: list[int]) -> Table:
+    field = pa.field("id", pa.int64(), nullable=False, metadata={"PARQUET:field_id": str(ID_FIELD_ID)})
+    rows = pa.table({"id": ids}, schema=pa.schema([field]))
+    location, size = _write_parquet(table, rows, "eq-deletes")
+    delete_file = DataFile.from_args(
+        content=DataFileContent.EQUALITY_DELETES,
+        file_path=location,
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=rows.num_rows,
+        file_size_in_bytes=size,
+        spec_id=table.metadata.default_spec_id,
+        equality_ids=[ID_FIELD_ID],
+        key_metadata=None,
+        sort_order_id=None,
+    )
+    return _commit_delete_files(table, [delete_file])
+
+
+@pytest.fixture()
+def writable_table(tmp_path) -> Table:
+    """A fresh sample table (ROWS rows in FILES data files) opened through its catalog."""
+    warehouse, catalog_db = tmp_path / "wh", tmp_path / "catalog.db"
+    sample = create_sample_table(str(warehouse), ROWS, FILES, catalog_db=catalog_db, with_text=False)
+    return make_catalog(str(warehouse), catalog_db).load_table(f"{sample.schema_name}.{sample.table_name}")
+
+
+def data_files(table: Table) -> list[str]:
+    """The table's data files in the cache's row order (sorted by path)."""
+    return sorted(task.file.file_path for task in table.scan().plan_files())
+
+
+def pyiceberg_ids(metadata_location: str) -> list[int]:
+    return StaticTable.from_metadata(metadata_location).scan().to_arrow().column("id").to_pylist()
+
+
+def ids_in_file(path: str) -> list[int]:
+    return pq.read_table(urlparse(path).path, columns=["id"]).column("id").to_pylist()
+
+
+def served_ids(metadata_location: str, data_nodes: int) -> tuple[list[int], int]:
+    """The ids a fresh cache serves in global order (one unshuffled shard), and its status rows."""
+    with running_cache(metadata_location, data_nodes=data_nodes) as cache:
+        ids = read_path_shards(cache.endpoint, total=1).column("id").to_pylist()
+        info = flight.FlightClient(cache.endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+    return ids, info.total_records
+
+
+@pytest.mark.slow
+def test_delete_falls_back_to_copy_on_write_and_cache_serves_the_rest(writable_table):
+    with writable_table.transaction() as tx:
+        tx.set_properties({"write.delete.mode": "merge-on-read"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Merge on read is not yet supported, falling back ..."
+        writable_table.delete("id >= 500 and id < 1700")  # spans two of the three data files
+    table = writable_table.refresh()
+    # pyiceberg rewrote the data files: no delete file is left for a reader to apply.
+    assert all(not task.delete_files for task in table.scan().plan_files())
+    ids, total = served_ids(table.metadata_location, data_nodes=1)
+    assert sorted(ids) == sorted(pyiceberg_ids(table.metadata_location))
+    assert sorted(ids) == [*range(500), *range(1700, ROWS)]
+    assert total == len(ids) == ROWS - 1200
+
+
+@pytest.mark.slow
+def test_positional_deletes_are_applied_across_the_node_split(writable_table):
+    first, middle, last = data_files(writable_table)
+    # With 2 nodes the split falls inside the middle file (about row 1500 of 3000); deleting rows
+    # on both sides of it makes each node count the other's deletes right.
+    middle_positions = [0, 1, 400, 499, 500, 501, 777, len(ids_in_file(middle)) - 1]
+    table = add_position_deletes(writable_table, {middle: middle_positions}, scoped_to_file=True)
+    # A second, partition-wide delete file covering two files: every data file consults it.
+    table = add_position_deletes(table, {first: [3, 4, 5], last: [10]}, scoped_to_file=False)
+    tasks = {t.file.file_path: t for t in table.scan().plan_files()}
+    assert len(tasks[middle].delete_files) == 2 and len(tasks[first].delete_files) == 1
+
+    deleted = {first: {3, 4, 5}, middle: set(middle_positions), last: {10}}
+    expected = [i for path in (first, middle, last) for p, i in enumerate(ids_in_file(path)) if p not in deleted[path]]
+    assert sorted(expected) == sorted(pyiceberg_ids(table.metadata_location)), "the hand-made deletes took effect"
+
+    ids, total = served_ids(table.metadata_location, data_nodes=2)
+    assert ids == expected, "live rows, in file-path order, each once"
+    assert total == ROWS - 12
+
+
+@pytest.mark.slow
+def test_equality_deletes_are_refused_with_a_clear_reason(writable_table):
+    table = add_equality_deletes(writable_table, [7, 8, 9])
+    cache = LocalCache(table.metadata_location, data_nodes=1, args=("--startup-timeout", "60"))
+    with pytest.raises(RuntimeError):
+        cache.wait_ready(timeout=90)
+    assert cache.proc.returncode != 0
+    assert "the table has equality deletes (delete file file://" in cache.stderr
+    assert "which the cache cannot apply exactly" in cache.stderr
+    assert "compact the table" in cache.stderr
