@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,10 +36,12 @@ class LocalCache:
         self.endpoint = f"grpc://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", metadata_loc]
         cmd += ["--data-nodes", str(data_nodes), "--port", str(self.port), *args]
+        # stderr goes to a file: a chatty failure could fill a pipe nobody reads and block the nodes.
+        self._stderr_file = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the cache)
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self._stderr_file,
             text=True,
             env={**os.environ, **(env or {})},
             start_new_session=True,
@@ -70,7 +73,8 @@ class LocalCache:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         with contextlib.suppress(ValueError, OSError):
-            self.stderr = self.proc.stderr.read()
+            self._stderr_file.seek(0)
+            self.stderr = self._stderr_file.read()
         return self.proc.returncode
 
 
