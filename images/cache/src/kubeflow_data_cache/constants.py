@@ -22,5 +22,7 @@ TERMINATION_LOG = "/dev/termination-log"
 
 # What the interpreter, pyarrow and pyiceberg take before any data is loaded.
 BASELINE_MEMORY_BYTES = 400 << 20
-# Rows per stored batch: big enough for fast serving, small enough to slice cheaply.
-STORE_BATCH_ROWS = 65536
+# A data node keeps its rows in chunks of at most this many rows / bytes: few chunks make
+# shuffled gathers fast; the byte bound keeps 32-bit string offsets far from overflowing.
+STORE_CHUNK_ROWS = 1 << 20
+STORE_CHUNK_BYTES = 256 << 20

@@ -73,6 +73,10 @@ class EpochOrder:
             sizes[-1] = total - (nblocks - 1) * self.block
             self.sizes = sizes[self.order]
             self.starts = np.concatenate(([0], np.cumsum(self.sizes)))
+            self.in_block = np.argsort(_keys(np.arange(self.block, dtype=np.int64), self.seed, self.epoch, 2))
+
+    def _rotation(self, blocks: np.ndarray) -> np.ndarray:
+        return (_keys(blocks, self.seed, self.epoch, 4) % np.uint64(self.block)).astype(np.int64)
 
     def _blocks(self, lo: int, hi: int) -> tuple[int, int]:
         """Indices (into the permuted block order) of the blocks covering positions [lo, hi)."""
@@ -89,26 +93,19 @@ class EpochOrder:
         first, last = self._blocks(lo, hi)
         blocks = self.order[first : last + 1]
         sizes = self.sizes[first : last + 1]
-        pieces = []
-        # Full blocks as one 2-D array, shuffled row-wise; only the table's last block is short.
         full = sizes == self.block
-        ordered = np.empty(int(sizes.sum()), dtype=np.int64)
-        if full.any():
-            ids = blocks[full][:, None] * self.block + np.arange(self.block, dtype=np.int64)
-            keys = _keys(ids, self.seed, self.epoch, 2)
-            pieces = np.take_along_axis(ids, np.argsort(keys, axis=1), axis=1)
-        out_pos = np.concatenate(([0], np.cumsum(sizes)))
+        # Full blocks as one 2-D array: one shared in-block permutation, rotated by a per-block
+        # amount, so each block's order differs without an argsort per block.
+        rows = blocks[full][:, None] * self.block + (self.in_block + self._rotation(blocks[full])[:, None]) % self.block
         if full.all():
-            ordered = pieces.reshape(-1)
-        else:
+            ordered = rows.reshape(-1)
+        else:  # the table's last block is the only short one
             short = int(np.flatnonzero(~full)[0])
-            rows = int(blocks[short]) * self.block + np.arange(int(sizes[short]), dtype=np.int64)
-            rows = rows[np.argsort(_keys(rows, self.seed, self.epoch, 2))]
-            flat = pieces.reshape(-1) if full.any() else np.empty(0, dtype=np.int64)
-            cut = short * self.block  # full blocks before the short one, in order
-            ordered[: out_pos[short]] = flat[:cut]
-            ordered[out_pos[short] : out_pos[short + 1]] = rows
-            ordered[out_pos[short + 1] :] = flat[cut:]
+            start = int(blocks[short]) * self.block
+            tail = start + np.argsort(_keys(np.arange(int(sizes[short]), dtype=np.int64), self.seed, self.epoch, 3))
+            flat = rows.reshape(-1)
+            cut = short * self.block  # the full blocks before the short one
+            ordered = np.concatenate((flat[:cut], tail, flat[cut:]))
         skip = lo - int(self.starts[first])
         return ordered[skip : skip + (hi - lo)]
 

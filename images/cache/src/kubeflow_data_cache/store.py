@@ -9,16 +9,40 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 
+from kubeflow_data_cache.constants import STORE_CHUNK_BYTES, STORE_CHUNK_ROWS
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
 from kubeflow_data_cache.plan import Piece
 
 log = logging.getLogger(__name__)
+
+
+def compact(batches: deque[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """Merge the reader's small batches into chunks of up to STORE_CHUNK_ROWS rows.
+
+    A shuffled read gathers rows; one gather from one chunk is several times faster than
+    gathers across many small batches. Chunks are merged one at a time and their sources
+    dropped as we go, so the extra memory is one chunk, never a second copy of the table.
+    """
+    out: list[pa.RecordBatch] = []
+    while batches:
+        group, rows, nbytes = [], 0, 0
+        while batches and (
+            not group
+            or (rows + batches[0].num_rows <= STORE_CHUNK_ROWS and nbytes + batches[0].nbytes <= STORE_CHUNK_BYTES)
+        ):
+            batch = batches.popleft()
+            group.append(batch)
+            rows, nbytes = rows + batch.num_rows, nbytes + batch.nbytes
+        out.append(group[0] if len(group) == 1 else pa.concat_batches(group))
+        del group
+    return out
 
 
 def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -91,8 +115,12 @@ class NodeStore:
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="load") as pool:
             results = list(pool.map(read, pieces))
-        batches = [b for part in results for b in part]
-        return cls(schema, [b.cast(schema) if b.schema != schema else b for b in batches])
+        batches = deque(b.cast(schema) if b.schema != schema else b for part in results for b in part)
+        del results
+        store = cls(schema, compact(batches))
+        # The allocator keeps Parquet decode buffers cached; give them back to the OS.
+        pa.default_memory_pool().release_unused()
+        return store
 
     def project(self, columns: tuple[str, ...] | None) -> pa.Schema:
         if columns is None:
@@ -116,22 +144,25 @@ class NodeStore:
             pos += n
 
     def take(self, rows: np.ndarray, columns) -> pa.RecordBatch:
-        """Rows at the given local positions, in that order: one gather per stored batch touched."""
+        """Rows at the given local positions, in that order: one gather per stored chunk touched."""
         if len(rows) == 0:
             return pa.RecordBatch.from_pylist([], schema=self.project(columns))
-        order = np.argsort(rows, kind="stable")
-        sorted_rows = rows[order]
-        which = np.searchsorted(self.offsets, sorted_rows, side="right") - 1
-        cuts = np.flatnonzero(np.diff(which)) + 1
-        parts = []
-        for seg in np.split(np.arange(len(sorted_rows)), cuts):
-            i = int(which[seg[0]])
-            local = sorted_rows[seg] - self.offsets[i]
-            parts.append(self._select(self.batches[i], columns).take(pa.array(local)))
-        gathered = pa.concat_batches(parts) if len(parts) > 1 else parts[0]
+        if len(self.batches) == 1:
+            return self._select(self.batches[0], columns).take(pa.array(rows))
+        which = np.searchsorted(self.offsets, rows, side="right") - 1
+        # A stable sort on small chunk numbers is a radix sort: O(n), order kept inside a chunk.
+        order = np.argsort(which.astype(np.int32), kind="stable")
+        counts = np.bincount(which, minlength=len(self.batches))
+        parts, pos = [], 0
+        for i in np.flatnonzero(counts):
+            sel = order[pos : pos + counts[i]]
+            pos += counts[i]
+            parts.append(self._select(self.batches[i], columns).take(pa.array(rows[sel] - self.offsets[i])))
+        if len(parts) == 1:
+            return parts[0]
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-        return gathered.take(pa.array(inverse))
+        return pa.concat_batches(parts).take(pa.array(inverse))
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
         """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers."""
