@@ -46,6 +46,7 @@ class FakeKube:
     def __init__(self, validate: Callable[[dict], None] | None = None, allowed: set | None = None):
         self.validate, self.allowed = validate, allowed
         self.kinds = dict(KINDS)  # drop one to play a cluster without that CRD
+        self.fail_next: dict[tuple[str, str], list[int]] = {}  # (plural, verb) -> statuses to answer first
         self.cond = threading.Condition()
         self.objects: dict[tuple[str, str, str], dict] = {}  # (plural, namespace, name) -> object
         self.events: list[tuple[int, str, str, dict, dict | None]] = []  # rv, plural, type, object, old
@@ -286,6 +287,8 @@ class FakeKube:
         if (method == "POST" and name) or (method in ("PATCH", "DELETE", "PUT") and not name):
             raise ApiFailure(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
         self.calls.append((group, plural, verb))
+        if self.fail_next.get((plural, verb)):
+            raise ApiFailure(self.fail_next[(plural, verb)].pop(0), "ServiceUnavailable", "injected failure")
         if self.allowed is not None and (group, plural, verb) not in self.allowed:
             raise ApiFailure(403, "Forbidden", f'cannot {verb} resource "{plural}" in API group "{group}"')
         labels = parse_selector(query.get("labelSelector", [""])[0], fields=False)

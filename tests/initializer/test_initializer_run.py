@@ -106,6 +106,15 @@ def test_watches_resume_after_the_api_server_forgets_their_version(fake, make_si
     assert fake.calls.count(("", "pods", "list")) >= 2
 
 
+def test_a_watch_the_api_server_answers_503_is_retried(fake, make_sim, run_initializer):
+    """The compaction scenario goes on only once both watches are open, so the retry is needed."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("pods", "watch")] = [503]
+
+    assert run_initializer(initializer_env(make_sim("compaction"))) == (0, "")
+    assert fake.fail_next[("pods", "watch")] == []
+
+
 def test_a_missing_train_job_is_named(fake, run_initializer):
     code, error = run_initializer(initializer_env(None, train_job="nope"))
 

@@ -20,11 +20,13 @@ from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer import health
 from kubeflow_cache_initializer.builders import cache_names, pods_selector
 from kubeflow_cache_initializer.config import Config
-from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, KubeApiError
+from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, InitializerError, KubeApiError
 from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, PODS, Kube, Resource, WatchStream
 
 log = logging.getLogger(__name__)
 TRANSIENT_WATCH_FAILURES = 3
+# Unreachable (0) and the API server's own troubles: watch again rather than give up.
+TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 WATCH_RETRY_SECONDS = 1.0
 STOP_JOIN_SECONDS = 5.0
 
@@ -54,18 +56,26 @@ class _Watcher(threading.Thread):
                 self._watch_once(max(1, min(int(remaining) + 1, c.MAX_WATCH_SECONDS)))
                 failures = 0
             except KubeApiError as err:
-                if not self.stopped.is_set():
-                    self.out.put((self.resource, "FAILED", err))
-                return
+                if err.status not in TRANSIENT_STATUSES:  # 403, 404...: no retry will help
+                    if not self.stopped.is_set():
+                        self.out.put((self.resource, "FAILED", err))
+                    return
+                failures = self._retry(failures, err)
             except Exception as err:  # a dropped connection: watch again from the last version
-                failures += 1
-                if self.stopped.is_set():
-                    return
-                if failures >= TRANSIENT_WATCH_FAILURES:
-                    self.out.put((self.resource, "FAILED", err))
-                    return
-                log.debug("watch of %s interrupted (%s); watching again", self.resource.plural, err)
-                self.stopped.wait(WATCH_RETRY_SECONDS)
+                failures = self._retry(failures, err)
+
+    def _retry(self, failures: int, err: Exception) -> int:
+        """Count one transient failure; give up (FAILED) after a few in a row, else pause briefly."""
+        failures += 1
+        if self.stopped.is_set():
+            return failures
+        if failures >= TRANSIENT_WATCH_FAILURES:
+            self.out.put((self.resource, "FAILED", err))
+            self.stopped.set()
+            return failures
+        log.debug("watch of %s interrupted (%s); watching again", self.resource.plural, err)
+        self.stopped.wait(WATCH_RETRY_SECONDS)
+        return failures
 
     def _watch_once(self, seconds: int) -> None:
         self.stream = self.kube.watch(self.resource, self.namespace, self.version, seconds, **self.selectors)
@@ -104,9 +114,9 @@ class _Progress:
     def apply(self, resource: Resource, kind: str, obj) -> bool:
         """Take one queued event; True when the head should be asked for its status now."""
         if kind == "FAILED":
-            raise (
-                obj if isinstance(obj, KubeApiError) else CacheFailedError(f"watching {resource.plural} failed: {obj}")
-            )
+            if isinstance(obj, KubeApiError):
+                raise obj
+            raise InitializerError(f"watching {resource.plural} failed: {obj}")
         if resource == LEADER_WORKER_SETS:
             self.lws = (obj[0] if obj else None) if kind == "RELIST" else (None if kind == "DELETED" else obj)
             return True
