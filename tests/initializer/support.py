@@ -46,6 +46,7 @@ def initializer_env(sim: CacheSim | None, train_job: str = "job-a", **overrides:
         "NAMESPACE": NAMESPACE,
         "CACHE_READY_TIMEOUT_SECONDS": READY_TIMEOUT,
         "CACHE_STATUS_POLL_SECONDS": "0.05",
+        "CACHE_UNSCHEDULABLE_GRACE_SECONDS": "0.3",
         "CACHE_HEALTH_PORT": str(sim.health_port if sim else 8080),
     }
     return {**env, **overrides}

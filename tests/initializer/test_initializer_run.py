@@ -143,3 +143,16 @@ def test_a_cluster_without_leader_worker_set_is_named(fake, run_initializer):
     assert code != 0
     assert "HTTP 404" in error
     assert error.endswith("is the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1) installed?")
+
+
+def test_an_unschedulable_pod_gets_a_grace_period_for_the_autoscaler(fake, make_sim, run_initializer):
+    """Within the grace, an unschedulable pod is waited for; the run ends on its deadline instead."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(
+        make_sim("unschedulable"), CACHE_UNSCHEDULABLE_GRACE_SECONDS="600", CACHE_READY_TIMEOUT_SECONDS="2"
+    )
+    code, error = run_initializer(env)
+
+    assert code != 0
+    assert "unschedulable" not in error
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=2" in error

@@ -85,6 +85,7 @@ class Config:
     env_from_secrets: tuple[str, ...]
     health_port: int
     status_poll_seconds: float
+    unschedulable_grace_seconds: float
 
     @property
     def data_nodes(self) -> int:
@@ -227,6 +228,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     if health_port == c.FLIGHT_PORT:
         r._bad("CACHE_HEALTH_PORT", f"a port other than the Flight port {c.FLIGHT_PORT}", str(health_port))
     status_poll = r.seconds("CACHE_STATUS_POLL_SECONDS", c.DEFAULT_STATUS_POLL_SECONDS)
+    unschedulable_grace = r.seconds("CACHE_UNSCHEDULABLE_GRACE_SECONDS", c.DEFAULT_UNSCHEDULABLE_GRACE_SECONDS)
     namespace = _namespace(env, namespace_file)
     if namespace is None:
         r.problems.append(f"`NAMESPACE` is required outside a pod (no {namespace_file} to read it from)")
@@ -253,4 +255,5 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         env_from_secrets=secrets,
         health_port=health_port,
         status_poll_seconds=status_poll,
+        unschedulable_grace_seconds=unschedulable_grace,
     )

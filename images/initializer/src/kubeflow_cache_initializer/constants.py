@@ -36,6 +36,8 @@ DEFAULT_READINESS_TIMEOUT_SECONDS = 2
 DEFAULT_READINESS_FAILURE_THRESHOLD = 3
 DEFAULT_READY_TIMEOUT_SECONDS = 600.0
 DEFAULT_STATUS_POLL_SECONDS = 5.0
+# A cluster autoscaler needs a few minutes to add a node for an unschedulable cache pod.
+DEFAULT_UNSCHEDULABLE_GRACE_SECONDS = 180.0
 
 # Waiting: how long one watch request or one head /status request may take.
 MAX_WATCH_SECONDS = 60

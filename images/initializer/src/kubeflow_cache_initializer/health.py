@@ -40,13 +40,6 @@ def hopeless_reason(pod: dict) -> str | None:
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return f"cache pod {name} failed: {status.get('reason', '')} {status.get('message', '')}".strip()
-    for cond in status.get("conditions") or []:
-        if (
-            cond.get("type") == "PodScheduled"
-            and cond.get("status") == "False"
-            and cond.get("reason") == "Unschedulable"
-        ):
-            return f"cache pod {name} is unschedulable: {cond.get('message', '')}".strip()
     for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason", "")
@@ -64,6 +57,19 @@ def hopeless_reason(pod: dict) -> str | None:
             if term.get("exitCode", 0) != 0:
                 detail = (term.get("message") or term.get("reason") or "").strip()
                 return f"cache pod {name} exited with code {term['exitCode']}: {detail}"
+    return None
+
+
+def unschedulable_reason(pod: dict) -> str | None:
+    """Why the scheduler cannot place this pod now. Not hopeless by itself: a cluster autoscaler
+    may be adding a node, so the caller gives it CACHE_UNSCHEDULABLE_GRACE_SECONDS first."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            return f"cache pod {pod_name(pod)} is unschedulable: {cond.get('message', '')}".strip()
     return None
 
 

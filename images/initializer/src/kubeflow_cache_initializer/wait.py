@@ -110,6 +110,7 @@ class _Progress:
         self.pods = {health.pod_name(p): p for p in pods}
         self.status: dict | None = None
         self.logged: dict[str, str] = {}
+        self.unschedulable_since: dict[str, float] = {}
 
     def apply(self, resource: Resource, kind: str, obj) -> bool:
         """Take one queued event; True when the head should be asked for its status now."""
@@ -146,10 +147,18 @@ class _Progress:
         name = cache_names(self.cfg).cache
         if self.lws is None:
             raise CacheFailedError(f"LeaderWorkerSet {name} was deleted while waiting for it")
+        now = time.monotonic()
         for pod in sorted(self.pods.values(), key=health.pod_name):
             reason = health.hopeless_reason(pod)
             if reason:
                 raise CacheFailedError(reason)
+            unschedulable = health.unschedulable_reason(pod)
+            if not unschedulable:
+                self.unschedulable_since.pop(health.pod_name(pod), None)
+                continue
+            since = self.unschedulable_since.setdefault(health.pod_name(pod), now)
+            if now - since >= self.cfg.unschedulable_grace_seconds:
+                raise CacheFailedError(f"{unschedulable} (for {now - since:.0f}s)")
         failure = health.status_failure(self.status) if self.status else None
         if failure:
             raise CacheFailedError(failure)
