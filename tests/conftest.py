@@ -64,6 +64,12 @@ class LocalCache:
         self.stop()
         raise RuntimeError(f"cache not ready (exit code {code}):\n{self.stderr[-4000:]}")
 
+    def read_stderr(self) -> str:
+        """What the processes wrote to stderr so far, without stopping them (pread leaves the
+        file offset the children share untouched)."""
+        fd = self._stderr_file.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -73,8 +79,7 @@ class LocalCache:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         with contextlib.suppress(ValueError, OSError):
-            self._stderr_file.seek(0)
-            self.stderr = self._stderr_file.read()
+            self.stderr = self.read_stderr()
         return self.proc.returncode
 
 

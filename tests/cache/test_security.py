@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import select
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,14 +23,8 @@ def bearer(token: str | None) -> flight.FlightCallOptions:
 
 
 def drain_stderr(cache: LocalCache) -> str:
-    """What the cache's processes wrote to stderr so far, read without blocking or stopping them."""
-    fd, out = cache.proc.stderr.fileno(), b""
-    while select.select([fd], [], [], 0)[0]:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
-        out += chunk
-    return out.decode(errors="replace")
+    """What the cache's processes wrote to stderr so far, read without stopping them."""
+    return cache.read_stderr()
 
 
 def command_lines_containing(needle: str) -> list[str]:
