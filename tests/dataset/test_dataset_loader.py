@@ -7,10 +7,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from kubeflow_data_cache.client import CacheClient, ForkedConnectionError
 from kubeflow_data_cache.dataset import DataCacheDataset, World, default_endpoint, default_token
 from kubeflow_data_cache.errors import ConfigError
 
 ROWS = 10_000  # small_table (tests/conftest.py)
+# Workers start from a fresh forkserver process: other suites may leave gRPC in use in this
+# process, and a forked child cannot use gRPC then (see the fork test below). Never wait forever.
+WORKERS = {"num_workers": 2, "multiprocessing_context": "forkserver", "timeout": 60}
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +24,7 @@ def cache(small_cache):
 
 def test_dataloader_with_two_workers_yields_every_row_once_as_tensors(cache):
     ds = DataCacheDataset(cache.endpoint, batch_size=300, shuffle=True, seed=3)
-    batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+    batches = list(DataLoader(ds, batch_size=None, **WORKERS))
     ids = torch.cat([b["id"] for b in batches]).numpy()
     assert np.array_equal(np.sort(ids), np.arange(ROWS))
     # Each of the 2 workers (shards of 5000 rows) yields 16 full batches and one of 200 rows.
@@ -74,6 +78,17 @@ def test_override_hook_converts_whole_record_batches(cache):
     assert sum(len(y) for _, y in batches) == ROWS
     # Converted once per large run, not once per batch.
     assert len(Features.calls) < len(batches) / 10
+
+
+def test_forked_worker_fails_clearly_when_the_parent_holds_a_connection(cache):
+    parent = CacheClient(cache.endpoint)
+    assert parent.status()["state"] == "ready"  # an open gRPC channel in this process
+    loader = DataLoader(DataCacheDataset(cache.endpoint), batch_size=None, num_workers=1, timeout=60)
+    try:
+        with pytest.raises(ForkedConnectionError, match="multiprocessing_context='forkserver'"):
+            next(iter(loader))
+    finally:
+        parent.close()
 
 
 def test_world_detection_from_env_and_worker():

@@ -68,7 +68,8 @@ def test_resume_rejects_other_settings_or_shards(cache):
 
 def test_stateful_dataloader_with_workers_resumes_mid_epoch(cache):
     def loader(ds):
-        return StatefulDataLoader(ds, batch_size=None, num_workers=2)
+        # forkserver and a timeout: see WORKERS in test_dataset_loader.py.
+        return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
 
     ds = make(cache)
     ds.set_epoch(1)

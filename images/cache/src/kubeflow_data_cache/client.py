@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -27,6 +29,7 @@ __all__ = [
     "CacheAuthError",
     "CacheClient",
     "CacheUnavailableError",
+    "ForkedConnectionError",
     "round_robin",
 ]
 
@@ -62,9 +65,28 @@ class CacheAuthError(DataCacheError):
     """The cache refused the bearer token (missing or wrong)."""
 
 
+class ForkedConnectionError(DataCacheError):
+    """This process was forked while its parent held open cache connections; gRPC cannot be used."""
+
+
+# gRPC does not survive fork() while a channel is open: a forked child (typically a DataLoader
+# worker) that then uses gRPC hangs. Track the clients with open channels so that such a child
+# fails at once with the fix instead of hanging.
+_OPEN_CLIENTS: weakref.WeakSet[CacheClient] = weakref.WeakSet()
+_inherited_open_clients = 0
+
+
+def _after_fork_in_child() -> None:
+    global _inherited_open_clients
+    _inherited_open_clients = len(_OPEN_CLIENTS)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _reason(err: BaseException) -> str:
     """The server's message without pyarrow's appended traceback and gRPC debug context."""
-    return str(err).split(". Detail:", 1)[0].strip()
+    return str(err).split(". Detail:", 1)[0].split(". gRPC client debug context:", 1)[0].strip()
 
 
 class CacheClient:
@@ -76,6 +98,7 @@ class CacheClient:
         token: str | None = None,
         tls_root_certs: bytes | None = None,
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+        generic_options: list[tuple[str, Any]] | None = None,
     ) -> None:
         if "://" not in endpoint:
             raise ValueError(f"the cache endpoint should be a grpc:// or grpc+tls:// URI, got {endpoint!r}")
@@ -85,6 +108,7 @@ class CacheClient:
         self.deadline_seconds = float(deadline_seconds)
         self._token = token
         self._tls_root_certs = tls_root_certs
+        self._generic_options = generic_options  # gRPC channel arguments, for tuning
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
 
@@ -93,11 +117,21 @@ class CacheClient:
     def _client(self, location: str) -> flight.FlightClient:
         client = self._clients.get(location)
         if client is None:
+            if _inherited_open_clients:
+                raise ForkedConnectionError(
+                    f"this process was forked while its parent held {_inherited_open_clients} open cache "
+                    "client(s) (a DataLoader started its workers while the main process had a CacheClient or a "
+                    "half-read DataCacheDataset iterator); gRPC cannot be used after such a fork. Finish or "
+                    "close() them before iterating the DataLoader, or pass multiprocessing_context='forkserver'"
+                )
             kwargs: dict[str, Any] = {}
             if self._tls_root_certs is not None:
                 kwargs["tls_root_certs"] = self._tls_root_certs
+            if self._generic_options:
+                kwargs["generic_options"] = self._generic_options
             client = flight.FlightClient(location, **kwargs)
             self._clients[location] = client
+            _OPEN_CLIENTS.add(self)
         return client
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
@@ -107,6 +141,7 @@ class CacheClient:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        _OPEN_CLIENTS.discard(self)
 
     def __enter__(self) -> CacheClient:
         return self
@@ -192,14 +227,16 @@ class CacheClient:
         """Every record batch of one shard, from all of its data nodes.
 
         With ``interleave`` the endpoints' streams are round-robined in chunks of exactly
-        ``request.batch_size`` rows (a unit that does not depend on how a node cuts its batches,
-        so the order is the same on every read); without, they are read one after the other.
+        ``request.block_size`` rows, the unit the shuffle permutes, so consecutive blocks come from
+        different nodes as they would in the shuffled order. The unit does not depend on how a node
+        cuts its batches, so the order is the same on every read (resume relies on that). Without
+        ``interleave`` the streams are read one after the other (table order when unshuffled).
         """
         info = self.get_flight_info(request)
         streams = [self._endpoint_batches(request, endpoint) for endpoint in info.endpoints]
         try:
             if interleave:
-                yield from round_robin(streams, request.batch_size)
+                yield from round_robin(streams, request.block_size)
             else:
                 for stream in streams:
                     yield from stream
