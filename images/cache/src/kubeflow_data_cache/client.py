@@ -167,10 +167,14 @@ class CacheClient:
 
     def _unavailable(self, err: BaseException, location: str, what: str, waited: float) -> CacheUnavailableError:
         reason = _reason(err)
-        if location == self.endpoint:
-            hint = f"; {ENDPOINT_HINT}" if "loading" not in reason else ""
+        if location == self.endpoint and ("not ready" in reason or "loading" in reason):
             return CacheUnavailableError(
-                f"could not reach the data cache at {location} for {what} within {waited:.0f}s: {reason}{hint}"
+                f"the data cache at {location} was still not ready after {waited:.0f}s ({what}): {reason}; "
+                "a larger deadline_seconds waits longer"
+            )
+        if location == self.endpoint:
+            return CacheUnavailableError(
+                f"could not reach the data cache at {location} for {what} within {waited:.0f}s: {reason}; {ENDPOINT_HINT}"
             )
         return CacheUnavailableError(
             f"data node {location} stayed unavailable for {waited:.0f}s during {what}: {reason}"
@@ -258,6 +262,7 @@ class CacheClient:
         while True:
             location = endpoint.locations[0].uri.decode() if endpoint.locations else self.endpoint
             skip = received
+            reader = None
             try:
                 reader = self._client(location).do_get(endpoint.ticket, self._options(None))
                 for chunk in reader:
@@ -271,6 +276,7 @@ class CacheClient:
                     received += batch.num_rows
                     failing_since, delay = None, BACKOFF_INITIAL_SECONDS
                     yield batch
+                reader = None  # read to the end: nothing to cancel
                 return
             except _TRANSIENT as err:
                 now = time.monotonic()
@@ -289,6 +295,11 @@ class CacheClient:
                 continue
             except flight.FlightError as err:
                 raise self._translate(err, location, "DoGet") from err
+            finally:
+                # Left early (the consumer stopped, or an error): tell the node to stop sending.
+                if reader is not None:
+                    with suppress(flight.FlightError, pa.ArrowException):
+                        reader.cancel()
             time.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
