@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.memory import check_fits, parse_bytes
 from kubeflow_data_cache.plan import assign_rows, open_table, plan_table, s3_properties_from_env
-from kubeflow_data_cache.sample import make_catalog
+from kubeflow_data_cache.sample import create_sample_table, make_catalog
 from kubeflow_data_cache.store import NodeStore
 
 
@@ -98,3 +100,18 @@ def test_s3_properties_from_standard_env():
     )
     assert props == {"s3.endpoint": "http://b", "s3.region": "eu-west-1"}
     assert "s3.access-key-id" not in props  # left to the AWS chain (IRSA, profiles) unless set
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(0, 400), files=st.integers(1, 6), nodes=st.integers(1, 7))
+def test_property_real_tables_every_row_loaded_once(tmp_path_factory, rows, files, nodes):
+    """Random row, file and node counts on real tables: the nodes' loads partition the table."""
+    warehouse = tmp_path_factory.mktemp("prop")
+    table = create_sample_table(str(warehouse), rows, files, with_text=False)
+    t, plan, tasks = planned(table)
+    loaded = []
+    for a in assign_rows(plan, nodes):
+        store = NodeStore.load(t, tasks, plan.schema, list(a.pieces), 2)
+        assert store.num_rows == a.rows
+        loaded += [i for b in store.batches for i in b.column("id").to_pylist()]
+    assert sorted(loaded) == list(range(rows))
