@@ -23,6 +23,8 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+import psutil
+
 from kubeflow_data_cache.sample import create_sample_table
 
 HERE = Path(__file__).resolve().parent
@@ -72,8 +74,15 @@ def wait_ready(proc: subprocess.Popen, timeout: float) -> str | None:
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each process group, then SIGKILL whatever is left after the grace period."""
+    """SIGTERM each process group, then SIGKILL whatever is left after the grace period.
+
+    torchrun puts its workers in process groups of their own, so every descendant is
+    collected first and killed too if it outlives the grace period.
+    """
+    descendants: list[psutil.Process] = []
     for proc in procs:
+        with suppress(psutil.Error):
+            descendants += psutil.Process(proc.pid).children(recursive=True)
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
@@ -83,6 +92,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=max(0.1, deadline - time.monotonic()))
+    for child in alive:
+        with suppress(psutil.Error):
+            child.kill()
 
 
 def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) -> int:
