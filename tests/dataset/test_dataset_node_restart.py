@@ -41,7 +41,8 @@ class Cluster:
         self.endpoint = f"grpc://127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
-        self.spawn("head", node_cmd("head", "--metadata-loc", metadata, "--data-nodes", "2", "--port", str(self.port)))
+        self.head_cmd = node_cmd("head", "--metadata-loc", metadata, "--data-nodes", "2", "--port", str(self.port))
+        self.spawn("head", self.head_cmd)
         for k in range(2):
             self.start_node(k)
 
@@ -52,11 +53,18 @@ class Cluster:
     def start_node(self, k: int) -> None:
         self.spawn(f"node-{k}", node_cmd("worker", "--index", str(k), "--head", self.endpoint, "--port", "0"))
 
-    def kill_node(self, k: int) -> None:
-        proc = self.procs.pop(f"node-{k}")
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
         proc.kill()
         proc.wait(timeout=10)
-        self.procs[f"dead-node-{k}"] = proc
+        self.procs[f"dead-{name}"] = proc
+
+    def kill_node(self, k: int) -> None:
+        self.kill(f"node-{k}")
+
+    def restart_head(self) -> None:
+        self.kill("head")
+        self.spawn("head", self.head_cmd)
 
     def wait_ready(self) -> dict:
         client = CacheClient(self.endpoint, deadline_seconds=READY_SECONDS)
@@ -109,6 +117,22 @@ def test_restarted_node_resumes_the_stream_without_repeating_rows(cluster, caplo
     assert len(got) == ROWS and np.array_equal(np.sort(got), np.arange(ROWS))
     broke = [r.getMessage() for r in caplog.records if "broke after" in r.getMessage()]
     assert any(" 0 rows" not in m for m in broke), f"the stream never broke mid-way: {broke}"
+
+
+def test_restarted_head_reloads_the_nodes_and_old_tickets_are_renewed(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="kubeflow_data_cache.client")
+    client = CacheClient(cluster.endpoint, deadline_seconds=60, generic_options=[("grpc.http2.bdp_probe", 0)])
+    batches = client.read_shard(ShardRequest(columns=("id",), batch_size=1000), interleave=False)
+    ids = [next(batches).column("id").to_numpy() for _ in range(3)]
+    # A new head is a new load generation: the nodes reload under it, and node 1's ticket (not
+    # used yet) is stale by the time the client opens it.
+    cluster.restart_head()
+    cluster.wait_ready()
+    ids += [b.column("id").to_numpy() for b in batches]
+
+    got = np.concatenate(ids)
+    assert len(got) == ROWS and np.array_equal(np.sort(got), np.arange(ROWS))
+    assert any("is stale" in r.getMessage() for r in caplog.records)
 
 
 def test_node_that_stays_down_is_named(cluster):

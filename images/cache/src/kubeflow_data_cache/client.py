@@ -291,6 +291,7 @@ class CacheClient:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err
                 replans += 1
+                log.info("the ticket for %s is stale (%s); asking the head for a new one", location, _reason(err))
                 endpoint = self._fresh_endpoint(request, endpoint, location)
                 continue
             except flight.FlightError as err:
