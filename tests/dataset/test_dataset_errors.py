@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kubeflow_data_cache.client import CacheAuthError, CacheClient, CacheUnavailableError
+from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset
-from kubeflow_data_cache.errors import BadRequestError
+from kubeflow_data_cache.errors import BadRequestError, CacheAuthError, CacheUnavailableError
 from tests.conftest import free_port
 
 TOKEN = "s3cret-token"

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from kubeflow_data_cache.client import CacheClient, ForkedConnectionError
+from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset, World, default_endpoint, default_token
-from kubeflow_data_cache.errors import ConfigError
+from kubeflow_data_cache.errors import ConfigError, ForkedConnectionError
 
 ROWS = 10_000  # small_table (tests/conftest.py)
 # Workers start from a fresh forkserver process: other suites may leave gRPC in use in this

@@ -18,8 +18,9 @@ from contextlib import suppress
 import numpy as np
 import pytest
 
-from kubeflow_data_cache.client import CacheClient, CacheUnavailableError
+from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset
+from kubeflow_data_cache.errors import CacheUnavailableError
 from kubeflow_data_cache.protocol import ShardRequest
 from tests.conftest import free_port
 

@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from kubeflow_data_cache.errors import BadRequestError, DataCacheError, NotReadyError
+from kubeflow_data_cache.errors import (
+    BadRequestError,
+    CacheAuthError,
+    CacheUnavailableError,
+    ForkedConnectionError,
+    NotReadyError,
+)
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket
 
 __all__ = [
@@ -55,18 +61,6 @@ _TRANSIENT = (flight.FlightUnavailableError, flight.FlightTimedOutError)
 _AUTH = (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError)
 
 T = TypeVar("T")
-
-
-class CacheUnavailableError(DataCacheError):
-    """The cache (head or a data node) could not be reached before the deadline."""
-
-
-class CacheAuthError(DataCacheError):
-    """The cache refused the bearer token (missing or wrong)."""
-
-
-class ForkedConnectionError(DataCacheError):
-    """This process was forked while its parent held open cache connections; gRPC cannot be used."""
 
 
 # gRPC does not survive fork() while a channel is open: a forked child (typically a DataLoader
@@ -332,7 +326,7 @@ class CacheClient:
 
 def _is_stale(err: BaseException) -> bool:
     reason = _reason(err).lower()
-    return "stale ticket" in reason or "new flightinfo" in reason or "ticket expects" in reason
+    return "stale ticket" in reason
 
 
 def round_robin(streams: Iterable[Iterator[pa.RecordBatch]], unit: int) -> Iterator[pa.RecordBatch]:

@@ -41,3 +41,15 @@ class StaleTicketError(DataCacheError):
 
 class ClusterFormationError(DataCacheError):
     """The head and the data nodes did not find each other before the deadline."""
+
+
+class CacheUnavailableError(DataCacheError):
+    """The cache (head or a data node) could not be reached before the deadline."""
+
+
+class CacheAuthError(DataCacheError):
+    """The cache refused the bearer token (missing or wrong)."""
+
+
+class ForkedConnectionError(DataCacheError):
+    """This process was forked while its parent held open cache connections; gRPC cannot be used."""

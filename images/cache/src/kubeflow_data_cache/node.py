@@ -210,7 +210,7 @@ class DataNode(flight.FlightServerBase):
         store, filters = self.store, self.filters
         if t.generation != self.generation or t.node != self.cfg.node_index:
             raise StaleTicketError(
-                f"ticket for data node {t.node} load {t.generation} reached data node {self.cfg.node_index} "
+                f"stale ticket: issued for data node {t.node} load {t.generation}, this is data node {self.cfg.node_index} "
                 f"load {self.generation}: ask the head for a new FlightInfo"
             )
         req = t.request
@@ -218,7 +218,9 @@ class DataNode(flight.FlightServerBase):
         matches = filters.rows(req.filter) if req.filter else None
         held = len(matches) if matches is not None else store.num_rows
         if held != t.node_rows:
-            raise StaleTicketError(f"ticket expects {t.node_rows} rows on this node, it holds {held}")
+            raise StaleTicketError(
+                f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
+            )
         parts = node_rows(t.offset, held, t.total, req)
         if matches is not None:
             parts = [matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts]
