@@ -72,6 +72,11 @@ fmt: $(STAMP) ## Format and fix what ruff can
 sync-crds: $(STAMP) ## Fill the chart's crds/ and charts/ (network, checked by sha256; offline from ../shared)
 	bash hack/sync-crds.sh
 
+.PHONY: package
+package: $(STAMP) ## Package the Helm chart (CRDs and subcharts filled first) into dist/
+	bash hack/sync-crds.sh
+	$(PY) hack/helm.py package charts/kubeflow-trainer --destination dist
+
 .PHONY: test-e2e
 test-e2e: $(STAMP) ## Kind end-to-end suite (needs Docker, kind, kubectl, helm); KEEP_CLUSTER=1 keeps it
 	$(PY) -m pytest tests/e2e -m e2e -p no:cacheprovider

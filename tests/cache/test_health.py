@@ -62,7 +62,8 @@ def cluster():
 
 def test_ready_reports_progress_then_ready(cluster, small_table):
     head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
-    code, body = get(head_health.port, "/ready")
+    # The head plans at once, then waits for its data node, reporting how many registered.
+    code, body = wait_for(lambda: (r := get(head_health.port, "/ready")) and "registered" in r[1] and r)
     assert code == 503 and "0/1 data nodes registered" in body
     assert get(head_health.port, "/live") == (200, "ok\n")
 

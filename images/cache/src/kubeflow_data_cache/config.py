@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kubeflow_data_cache import constants
 from kubeflow_data_cache.errors import ConfigError
-from kubeflow_data_cache.memory import container_memory_limit, parse_bytes
+from kubeflow_data_cache.memory import available_cpus, container_memory_limit, parse_bytes
 from kubeflow_data_cache.security import load_token, tls_certificates
 
 
@@ -148,6 +148,6 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             pick("failure_grace", "DATA_CACHE_FAILURE_GRACE_SECONDS"),
             constants.FAILURE_GRACE_SECONDS,
         ),
-        load_threads=_int("LOAD_THREADS", pick("load_threads", "LOAD_THREADS"), os.cpu_count() or 2, minimum=1),
+        load_threads=_int("LOAD_THREADS", pick("load_threads", "LOAD_THREADS"), available_cpus(), minimum=1),
         termination_log=env.get("TERMINATION_LOG", constants.TERMINATION_LOG),
     )

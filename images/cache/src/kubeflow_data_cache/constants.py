@@ -11,7 +11,7 @@ STARTUP_TIMEOUT_SECONDS = 600.0
 # Data nodes re-register this often, so a restarted head finds them again.
 REGISTER_INTERVAL_SECONDS = 5.0
 # How often the head polls data nodes while they load, and afterwards.
-LOAD_POLL_SECONDS = 0.2
+LOAD_POLL_SECONDS = 0.05
 SUPERVISE_POLL_SECONDS = 5.0
 # Timeout of one internal Flight call between head and data nodes.
 RPC_TIMEOUT_SECONDS = 10.0

@@ -13,6 +13,7 @@ import time
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
+from kubeflow_data_cache.memory import available_cpus
 from kubeflow_data_cache.security import call_options, client_for, load_token, tls_certificates
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,11 @@ class LocalCluster:
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
         head += ["--port", str(self.port), *common]
         self.procs.append(("head", subprocess.Popen(head)))
+        # The nodes share this machine's CPUs; each reads with its share of them.
+        threads = str(max(1, available_cpus() // self.data_nodes))
         for k in range(self.data_nodes):
             worker = _node_cmd("worker", "--index", str(k), "--head", self.location, "--port", "0", *common)
+            worker += ["--metadata-loc", self.metadata_loc, "--load-threads", threads]
             if self.memory_limit:
                 worker += ["--memory-limit", self.memory_limit]
             self.procs.append((f"data node {k}", subprocess.Popen(worker)))

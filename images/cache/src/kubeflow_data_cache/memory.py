@@ -1,7 +1,8 @@
-"""Memory budgets: the container's limit, the process's resident size, and the pre-load check."""
+"""Resource budgets: the container's memory and CPU limits, resident size, and the pre-load check."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -46,6 +47,17 @@ def container_memory_limit() -> int | None:
         # cgroup v1 reports "unlimited" as a huge page-aligned number.
         return limit if limit < (1 << 60) else None
     return None
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: the cgroup v2 quota when set (a pod's CPU limit), else its affinity."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return len(os.sched_getaffinity(0))
 
 
 def resident_bytes() -> int:

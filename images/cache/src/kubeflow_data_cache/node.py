@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from kubeflow_data_cache.constants import REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT
 from kubeflow_data_cache.errors import ClusterFormationError, StaleTicketError, TableLoadError
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
-from kubeflow_data_cache.plan import Piece, open_table, plan_table, s3_properties_from_env
+from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
 from kubeflow_data_cache.service import LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
 from kubeflow_data_cache.sharding import node_rows
@@ -49,6 +50,8 @@ class DataNode(flight.FlightServerBase):
         self.generation: str | None = None
         self.load_seconds = 0.0
         self._load_lock = threading.Lock()
+        self._tables: dict[str, Future] = {}
+        self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open")
         self._stop = threading.Event()
         self._registered = threading.Event()
         wrap = lambda name: flight_errors(self.metrics, name)  # noqa: E731
@@ -57,12 +60,25 @@ class DataNode(flight.FlightServerBase):
 
     # --- cluster formation -------------------------------------------------------------------
     def start_registering(self) -> None:
-        # Import the reader stack now, while the cluster forms, so the load measures I/O and
-        # decoding rather than a cold interpreter importing pyiceberg.
-        import pyiceberg.io.pyarrow
-        import pyiceberg.table  # noqa: F401
-
+        # Open the table now when we know it (METADATA_LOC is set on every cache pod), while the
+        # cluster forms: the first open of a table in a process costs seconds of imports and
+        # model set-up that would otherwise count as load time.
+        if self.cfg.metadata_loc:
+            self._opened(self.cfg.metadata_loc)
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
+
+    def _opened(self, metadata_location: str) -> Future:
+        """(table, Arrow schema, scan tasks by path) for a location, opened once per process."""
+        with self._load_lock:
+            future = self._tables.get(metadata_location)
+            if future is None:
+                future = self._tables[metadata_location] = self._opener.submit(self._open, metadata_location)
+            return future
+
+    @staticmethod
+    def _open(metadata_location: str):
+        table = open_table(metadata_location, s3_properties_from_env())
+        return table, arrow_schema(table), scan_tasks(table, metadata_location)
 
     def _register_loop(self) -> None:
         """Register with the head, then keep re-registering so a restarted head finds us again."""
@@ -122,12 +138,10 @@ class DataNode(flight.FlightServerBase):
         started = time.monotonic()
         try:
             pieces = [Piece(p["path"], int(p["start"]), int(p["stop"])) for p in body["pieces"]]
-            table = open_table(body["metadata_location"], s3_properties_from_env())
+            table, schema, tasks = self._opened(body["metadata_location"]).result()
             snapshot = table.current_snapshot()
             if (snapshot.snapshot_id if snapshot else None) != body.get("snapshot_id"):
                 raise TableLoadError("the table's snapshot differs from the head's plan; restart the cache")
-            plan, tasks = plan_table(table, body["metadata_location"]) if pieces else (None, {})
-            schema = plan.schema if plan else None
             missing = [p.path for p in pieces if p.path not in tasks]
             if missing:
                 raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
@@ -135,12 +149,7 @@ class DataNode(flight.FlightServerBase):
             def progress(rows: int, nbytes: int) -> None:
                 self.lifecycle.set(LOADING, f"{rows} rows, {nbytes >> 20} MiB read")
 
-            if pieces:
-                store = NodeStore.load(table, tasks, schema, pieces, self.cfg.load_threads, progress)
-            else:
-                from pyiceberg.io.pyarrow import schema_to_pyarrow
-
-                store = NodeStore(schema_to_pyarrow(table.schema(), include_field_ids=False), [])
+            store = NodeStore.load(table, tasks, schema, pieces, self.cfg.load_threads, progress)
             expected = int(body["global_stop"]) - int(body["global_start"])
             if store.num_rows != expected:
                 raise TableLoadError(f"read {store.num_rows} rows, expected {expected}")

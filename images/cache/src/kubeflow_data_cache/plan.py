@@ -176,41 +176,53 @@ def _refuse_equality_deletes(table, snapshot) -> None:
                 )
 
 
-def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]]:
-    """Plan the current snapshot. Returns the plan and the scan tasks by file path."""
+def arrow_schema(table) -> pa.Schema:
+    """The table's Arrow schema, refusing column names the cache reserves for itself."""
     from pyiceberg.io.pyarrow import schema_to_pyarrow
 
-    iceberg_schema = table.schema()
-    schema = schema_to_pyarrow(iceberg_schema, include_field_ids=False)
+    schema = schema_to_pyarrow(table.schema(), include_field_ids=False)
     clashing = [name for name in schema.names if name.startswith(INTERNAL_COLUMN_PREFIX)]
     if clashing:
         raise UnsupportedTableError(
             f"column(s) {clashing} start with {INTERNAL_COLUMN_PREFIX!r}, which the cache reserves for its "
             "own bookkeeping: rename them in the table (ALTER TABLE ... RENAME COLUMN)"
         )
-    field_ids = [f.field_id for f in iceberg_schema.fields]
+    return schema
+
+
+def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
+    """The current snapshot's scan tasks by data file path, in path order (no data is read)."""
     snapshot = table.current_snapshot()
-    tasks: dict[str, Any] = {}
+    if snapshot is None:
+        return {}
+    try:
+        _refuse_equality_deletes(table, snapshot)
+        planned = sorted(table.scan().plan_files(), key=lambda t: t.file.file_path)
+    except UnsupportedTableError:
+        raise
+    except Exception as err:
+        raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
+    for task in planned:
+        if any(d.content.name == "EQUALITY_DELETES" for d in task.delete_files or set()):
+            raise UnsupportedTableError(
+                f"data file {task.file.file_path} has equality deletes, which the cache cannot apply "
+                "exactly; compact the table (rewrite data files) and point METADATA_LOC at the new metadata"
+            )
+    return {task.file.file_path: task for task in planned}
+
+
+def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]]:
+    """Plan the current snapshot: exact rows per file (after positional deletes) and their
+    estimated Arrow size. Returns the plan and the scan tasks by file path."""
+    schema = arrow_schema(table)
+    field_ids = [f.field_id for f in table.schema().fields]
+    tasks = scan_tasks(table, metadata_location)
     files: list[FilePlan] = []
-    if snapshot is not None:
-        try:
-            _refuse_equality_deletes(table, snapshot)
-            planned = sorted(table.scan().plan_files(), key=lambda t: t.file.file_path)
-        except UnsupportedTableError:
-            raise
-        except Exception as err:
-            raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
-        for task in planned:
-            deletes = task.delete_files or set()
-            if any(d.content.name == "EQUALITY_DELETES" for d in deletes):
-                raise UnsupportedTableError(
-                    f"data file {task.file.file_path} has equality deletes, which the cache cannot apply "
-                    "exactly; compact the table (rewrite data files) and point METADATA_LOC at the new metadata"
-                )
-            rows = _count_after_deletes(table, task) if deletes else task.file.record_count
-            est = estimate_file_bytes(task.file, schema, field_ids, rows)
-            files.append(FilePlan(task.file.file_path, rows, est, bool(deletes)))
-            tasks[task.file.file_path] = task
+    for path, task in tasks.items():
+        deletes = task.delete_files or set()
+        rows = _count_after_deletes(table, task) if deletes else task.file.record_count
+        files.append(FilePlan(path, rows, estimate_file_bytes(task.file, schema, field_ids, rows), bool(deletes)))
+    snapshot = table.current_snapshot()
     plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
     log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)
     return plan, tasks
