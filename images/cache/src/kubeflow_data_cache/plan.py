@@ -176,11 +176,32 @@ def _refuse_equality_deletes(table, snapshot) -> None:
                 )
 
 
+def _reader_type(t: pa.DataType) -> pa.DataType:
+    """The type pyiceberg's reader yields: 32-bit offsets where schema_to_pyarrow says large.
+
+    Serving the reader's own types avoids a cast (a copy of every string and list) at load.
+    """
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_reader_type(t.value_type)))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(_reader_type(t.value_type)), t.list_size)
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_reader_type(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(_reader_type(t.key_type), t.item_field.with_type(_reader_type(t.item_type)))
+    return t
+
+
 def arrow_schema(table) -> pa.Schema:
-    """The table's Arrow schema, refusing column names the cache reserves for itself."""
+    """The table's Arrow schema as the reader yields it, refusing column names the cache reserves."""
     from pyiceberg.io.pyarrow import schema_to_pyarrow
 
-    schema = schema_to_pyarrow(table.schema(), include_field_ids=False)
+    iceberg = schema_to_pyarrow(table.schema(), include_field_ids=False)
+    schema = pa.schema([f.with_type(_reader_type(f.type)) for f in iceberg], metadata=iceberg.metadata)
     clashing = [name for name in schema.names if name.startswith(INTERNAL_COLUMN_PREFIX)]
     if clashing:
         raise UnsupportedTableError(
