@@ -36,6 +36,13 @@ def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
     s3_load = find(result, case="load", rows=rows, nodes=nodes, source="s3")
     out = [
         ("DoGet, 1 client, share of loopback TCP", med(serve, "ratio_to_loopback"), ">=", 0.60, "pct"),
+        (
+            "DoGet, 1 client, share of a bare pyarrow Flight server",
+            med(serve, "ratio_to_bare_flight"),
+            ">=",
+            0.90,
+            "pct",
+        ),
         ("data node (resident - baseline) / Arrow bytes", med(mem, "overhead_ratio"), "<=", 1.3, "x"),
         ("load: head planning-to-ready / warm to_arrow()", med(load, "ratio_head_to_warm"), "<=", 1.3, "x"),
         ("load: spawn-to-READY / cold-process to_arrow()", med(load, "ratio_wall_to_cold"), "<=", 1.3, "x"),
@@ -79,7 +86,10 @@ def _row(case: dict[str, Any]) -> list[str]:
     kind, variant = case["case"], case["variant"]
     ratio = memory = ""
     if kind == "serve":
-        ratio = f"{_fmt_ratio(med(case, 'ratio_to_loopback'), 'pct')} of loopback ({med(case, 'loopback_gb_per_s'):.2f} GB/s)"
+        ratio = (
+            f"{_fmt_ratio(med(case, 'ratio_to_loopback'), 'pct')} of loopback ({med(case, 'loopback_gb_per_s'):.2f} GB/s), "
+            f"{_fmt_ratio(med(case, 'ratio_to_bare_flight'), 'pct')} of bare Flight ({med(case, 'bare_flight_gb_per_s'):.2f} GB/s)"
+        )
     elif kind == "epoch":
         variant += ", shuffled" if case["shuffled"] else ", in order"
         if variant.startswith("cache"):

@@ -1,4 +1,6 @@
-"""One DoGet client process for the serve case: `python -m bench.serve_client ENDPOINT`.
+"""One DoGet client process for the serve case: `python -m bench.serve_client ENDPOINT [--bare]`.
+
+With ``--bare`` it reads a `bench.bare_flight` server with a plain pyarrow FlightClient instead.
 
 Prints ``ready`` once imported and connected, then for each ``go`` line on stdin reads the
 whole table (shard 0 of 1, all columns) with CacheClient and prints one JSON line: rows,
@@ -11,28 +13,42 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.flight as flight
 
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.protocol import ShardRequest
 
 
-def read_all(client: CacheClient) -> dict[str, float]:
+def timed(batches: Iterator[pa.RecordBatch]) -> dict[str, float]:
     rows = nbytes = 0
     start = time.time()
-    for batch in client.read_shard(ShardRequest(), interleave=False):
+    for batch in batches:
         rows += batch.num_rows
         nbytes += batch.nbytes
     return {"rows": rows, "bytes": nbytes, "start": start, "end": time.time()}
 
 
+def serve_requests(read: Callable[[], Iterator[pa.RecordBatch]]) -> None:
+    """One timed read per ``go`` line on stdin, until anything else or EOF."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        print(json.dumps(timed(read())), flush=True)
+
+
 def main(argv: list[str]) -> int:
+    if "--bare" in argv:
+        bare = flight.FlightClient(argv[0])
+        bare.wait_for_available(timeout=30)
+        serve_requests(lambda: (chunk.data for chunk in bare.do_get(flight.Ticket(b"table"))))
+        return 0
     with CacheClient(argv[0], deadline_seconds=60) as client:
         client.status()  # connect to the head before the clock starts
-        print("ready", flush=True)
-        for line in sys.stdin:
-            if line.strip() != "go":
-                break
-            print(json.dumps(read_all(client)), flush=True)
+        serve_requests(lambda: client.read_shard(ShardRequest(), interleave=False))
     return 0
 
 

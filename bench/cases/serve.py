@@ -82,8 +82,8 @@ def _child_env() -> dict[str, str]:
 class Clients:
     """N `bench.serve_client` processes, released together for each repeat."""
 
-    def __init__(self, endpoint: str, n: int) -> None:
-        self.endpoint, self.n = endpoint, n
+    def __init__(self, endpoint: str, n: int, bare: bool = False) -> None:
+        self.endpoint, self.n, self.bare = endpoint, n, bare
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> Clients:
@@ -91,7 +91,7 @@ class Clients:
             for _ in range(self.n):
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "bench.serve_client", self.endpoint],
+                        [sys.executable, "-m", "bench.serve_client", self.endpoint, *(["--bare"] if self.bare else [])],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         text=True,
@@ -123,31 +123,72 @@ class Clients:
             stop_process(proc, grace=10)
 
 
+class BareFlight:
+    """`bench.bare_flight`: the same table in a bare pyarrow Flight server."""
+
+    def __init__(self, metadata_loc: str) -> None:
+        self.metadata_loc = metadata_loc
+
+    def __enter__(self) -> BareFlight:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.bare_flight", self.metadata_loc],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=_child_env(),
+        )
+        try:
+            line = read_line(self.proc, time.monotonic() + CHILD_TIMEOUT_SECONDS, "bare Flight server")
+            self.endpoint = f"grpc://127.0.0.1:{int(line.split()[1])}"
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        stop_process(self.proc, grace=10)
+
+
 def run(cache: CacheProcess, rows: int, nodes: int, clients: int, repeats: int, progress) -> CaseResult:
     result = CaseResult("serve", "doget", rows, nodes, clients)
     loop_seconds: list[float] = []
     get_seconds: list[float] = []
-    with Clients(cache.endpoint, clients) as procs:
+    bare_seconds: list[float] = []
+    with (
+        Clients(cache.endpoint, clients) as procs,
+        BareFlight(cache.metadata_loc) as bare_server,
+        Clients(bare_server.endpoint, clients, bare=True) as bare_procs,
+    ):
         for _ in range(repeats):
             reads = procs.read_once()
             nbytes = int(reads[0]["bytes"])
             if any(int(r["rows"]) != rows for r in reads):
                 raise RuntimeError(f"a serve client read {[r['rows'] for r in reads]} rows, expected {rows}")
             wall = max(r["end"] for r in reads) - min(r["start"] for r in reads)
+            bare = bare_procs.read_once()
+            bare_wall = max(r["end"] for r in bare) - min(r["start"] for r in bare)
             loop = loopback_seconds(nbytes, clients)
             get_seconds.append(wall)
             loop_seconds.append(loop)
+            bare_seconds.append(bare_wall)
             result.add("seconds", wall)
             result.add("rows_per_s", rows * clients / wall)
             result.add("gb_per_s", gb(nbytes * clients / wall))
             result.add("loopback_gb_per_s", gb(nbytes * clients / loop))
+            result.add("bare_flight_gb_per_s", gb(int(bare[0]["bytes"]) * clients / bare_wall))
             result.add("bytes_per_client", nbytes)
     # Throughput ratio = inverse time ratio, taken per repeat.
     for r in paired_ratio(loop_seconds, get_seconds):
         result.add("ratio_to_loopback", r)
+    for r in paired_ratio(bare_seconds, get_seconds):
+        result.add("ratio_to_bare_flight", r)
     f = result.as_dict()["figures"]
     progress(
         f"serve rows={rows:,} nodes={nodes} clients={clients}: {f['gb_per_s']['median']:.2f} GB/s, "
-        f"loopback {f['loopback_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_loopback']['median']:.0%})"
+        f"loopback {f['loopback_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_loopback']['median']:.0%}), "
+        f"bare pyarrow Flight {f['bare_flight_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_bare_flight']['median']:.0%})"
     )
     return result
