@@ -24,7 +24,7 @@ from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_propert
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
 from kubeflow_data_cache.service import LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
 from kubeflow_data_cache.sharding import node_rows
-from kubeflow_data_cache.store import NodeStore
+from kubeflow_data_cache.store import NodeStore, warm_reader
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,10 @@ class DataNode(flight.FlightServerBase):
     @staticmethod
     def _open(metadata_location: str):
         table = open_table(metadata_location, s3_properties_from_env())
-        return table, arrow_schema(table), scan_tasks(table, metadata_location)
+        tasks = scan_tasks(table, metadata_location)
+        if tasks:
+            warm_reader(table, next(iter(tasks.values())))
+        return table, arrow_schema(table), tasks
 
     def _register_loop(self) -> None:
         """Register with the head, then keep re-registering so a restarted head finds us again."""

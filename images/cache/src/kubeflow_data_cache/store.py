@@ -7,6 +7,7 @@ batch involved.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -48,6 +49,18 @@ def compact(batches: deque[pa.RecordBatch]) -> list[pa.RecordBatch]:
 def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A slice keeps its parent's whole buffers alive; copy partial slices so they don't."""
     return batch.take(pa.array(np.arange(batch.num_rows, dtype=np.int64)))
+
+
+def warm_reader(table, task) -> None:
+    """Read one batch of one file and drop it. The first Parquet read in a process sets up
+    the reader stack (hundreds of ms); doing it while the cluster forms keeps it out of the load.
+    A failure here is left for the real read to report."""
+    from pyiceberg.expressions import AlwaysTrue
+    from pyiceberg.io.pyarrow import ArrowScan
+
+    with contextlib.suppress(Exception):
+        batches = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue()).to_record_batches([task])
+        next(iter(batches), None)
 
 
 def read_piece(table, task, piece: Piece) -> list[pa.RecordBatch]:
