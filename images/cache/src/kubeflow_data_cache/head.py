@@ -170,6 +170,7 @@ class Head(flight.FlightServerBase):
                 s.get("generation") == self.generation for s in self.node_status.values()
             ):
                 return
+            self._reload_restarted()  # a node that restarted mid-load starts over, not never
             if time.monotonic() > deadline:
                 raise DataCacheError(
                     f"the load did not finish within {self.cfg.startup_timeout:.0f}s "
@@ -177,21 +178,24 @@ class Head(flight.FlightServerBase):
                 )
             self._stop.wait(LOAD_POLL_SECONDS)
 
+    def _reload_restarted(self) -> None:
+        """Re-send the assignment to any data node that restarted and lost its rows."""
+        lost = [
+            k
+            for k, s in self.node_status.items()
+            if s.get("state") not in ("unreachable", FAILED) and s.get("generation") != self.generation
+        ]
+        for node in lost:
+            log.warning("data node %d restarted; sending its assignment again", node)
+            try:
+                self._send_load(node)
+            except Exception as err:
+                log.warning("could not reload data node %d: %s", node, err)
+
     def _supervise(self) -> None:
-        """Re-send the assignment to a data node that restarted and lost its rows."""
         while not self._stop.wait(SUPERVISE_POLL_SECONDS):
             self._poll_nodes()
-            lost = [
-                k
-                for k, s in self.node_status.items()
-                if s.get("state") != "unreachable" and s.get("generation") != self.generation
-            ]
-            for node in lost:
-                log.warning("data node %d restarted; sending its assignment again", node)
-                try:
-                    self._send_load(node)
-                except Exception as err:
-                    log.warning("could not reload data node %d: %s", node, err)
+            self._reload_restarted()
 
     # --- Flight ------------------------------------------------------------------------------
     def _request(self, descriptor: flight.FlightDescriptor) -> protocol.ShardRequest:
