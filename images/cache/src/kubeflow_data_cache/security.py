@@ -31,10 +31,6 @@ def call_options(token: str | None, timeout: float | None = None) -> flight.Flig
     return flight.FlightCallOptions(headers=headers, timeout=timeout)
 
 
-class _TokenMiddleware(flight.ServerMiddleware):
-    pass
-
-
 class TokenAuthFactory(flight.ServerMiddlewareFactory):
     """Refuses any call whose ``authorization`` header is not ``Bearer <token>``."""
 
@@ -49,7 +45,7 @@ class TokenAuthFactory(flight.ServerMiddlewareFactory):
             raise flight.FlightUnauthenticatedError(
                 "missing or wrong bearer token: pass the cache's token (DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE)"
             )
-        return _TokenMiddleware()
+        return None  # accepted; nothing to keep for the rest of the call
 
 
 def tls_certificates(cert_file: str | None, key_file: str | None) -> list[tuple[bytes, bytes]]:

@@ -6,7 +6,6 @@ import functools
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -164,7 +163,3 @@ class HealthServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def deadline_after(seconds: float) -> float:
-    return time.monotonic() + seconds
