@@ -26,24 +26,35 @@ MOTO_STOP_TIMEOUT_SECONDS = 10.0
 MOTO_REGION = "us-east-1"
 
 
+def read_descriptor(
+    location: str,
+    descriptor: flight.FlightDescriptor,
+    options: flight.FlightCallOptions | None = None,
+    tls_root_certs: bytes | None = None,
+) -> tuple[flight.FlightInfo, pa.Table]:
+    """What an upstream client does for one flight: GetFlightInfo on the head, then DoGet on each
+    endpoint's own location. Returns the FlightInfo and the rows (an empty table for no endpoints)."""
+    kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+    options = options or flight.FlightCallOptions()
+    info = flight.FlightClient(location, **kwargs).get_flight_info(descriptor, options)
+    tables = [
+        flight.FlightClient(endpoint.locations[0].uri.decode(), **kwargs).do_get(endpoint.ticket, options).read_all()
+        for endpoint in info.endpoints
+    ]
+    return info, (pa.concat_tables(tables) if tables else info.schema.empty_table())
+
+
 def read_path_shards(
     location: str,
     total: int = 1,
     options: flight.FlightCallOptions | None = None,
     tls_root_certs: bytes | None = None,
 ) -> pa.Table:
-    """Every shard the way an upstream client reads it: GetFlightInfo(PATH [i, total]) on the head,
-    then DoGet on each endpoint's own location. Returns all rows of all shards."""
-    kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
-    options = options or flight.FlightCallOptions()
-    tables = []
-    for index in range(total):
-        descriptor = flight.FlightDescriptor.for_path(str(index), str(total))
-        info = flight.FlightClient(location, **kwargs).get_flight_info(descriptor, options)
-        for endpoint in info.endpoints:
-            node = flight.FlightClient(endpoint.locations[0].uri.decode(), **kwargs)
-            tables.append(node.do_get(endpoint.ticket, options).read_all())
-    return pa.concat_tables(tables)
+    """Every shard the way an upstream client reads it (PATH [i, total]); all rows of all shards."""
+    return pa.concat_tables(
+        read_descriptor(location, flight.FlightDescriptor.for_path(str(i), str(total)), options, tls_root_certs)[1]
+        for i in range(total)
+    )
 
 
 @dataclass(frozen=True)

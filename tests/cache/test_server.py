@@ -11,20 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kubeflow_data_cache.protocol import ShardRequest, Ticket
+from tests.cache.conftest import read_descriptor
 from tests.conftest import running_cache
 
 
 def read_path_shard(endpoint: str, index: int, total: int) -> tuple[flight.FlightInfo, pa.Table]:
     """Exactly what an upstream client does: PATH [index, total], then DoGet on each endpoint."""
-    info = flight.FlightClient(endpoint).get_flight_info(flight.FlightDescriptor.for_path(str(index), str(total)))
-    tables = [flight.FlightClient(ep.locations[0].uri.decode()).do_get(ep.ticket).read_all() for ep in info.endpoints]
-    return info, (pa.concat_tables(tables) if tables else info.schema.empty_table())
+    return read_descriptor(endpoint, flight.FlightDescriptor.for_path(str(index), str(total)))
 
 
 def read_cmd_shard(endpoint: str, req: ShardRequest) -> tuple[flight.FlightInfo, pa.Table]:
-    info = flight.FlightClient(endpoint).get_flight_info(flight.FlightDescriptor.for_command(req.to_json()))
-    tables = [flight.FlightClient(ep.locations[0].uri.decode()).do_get(ep.ticket).read_all() for ep in info.endpoints]
-    return info, (pa.concat_tables(tables) if tables else info.schema.empty_table())
+    return read_descriptor(endpoint, flight.FlightDescriptor.for_command(req.to_json()))
 
 
 def action(endpoint: str, name: str, body: bytes = b"") -> list[bytes]:
