@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -124,6 +125,13 @@ def test_status_list_flights_and_schema(small_cache, small_table):
     assert status["state"] == "ready" and status["rows"] == small_table.rows
     assert [n["rows"] for n in status["nodes"]] == [5000, 5000]
     assert all(n["resident_bytes"] > 0 for n in status["nodes"])
+    # Data nodes load through the pool allocator.py picks (unless the environment names one).
+    try:
+        pa.jemalloc_memory_pool()
+        wanted = os.environ.get("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+    except NotImplementedError:  # a build without jemalloc keeps its default
+        wanted = pa.default_memory_pool().backend_name
+    assert [n["memory_pool"] for n in status["nodes"]] == [wanted, wanted]
     client = flight.FlightClient(small_cache.endpoint)
     (listed,) = list(client.list_flights())
     assert listed.total_records == small_table.rows

@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level, role)
     try:
         if args.command in ("head", "worker"):
+            if args.command == "worker":
+                from kubeflow_data_cache.allocator import configure_data_node
+
+                configure_data_node()  # before pyarrow loads: it reads the pool choice once
             from kubeflow_data_cache.config import build_config
             from kubeflow_data_cache.runner import run_node
 

@@ -309,6 +309,7 @@ class Head(flight.FlightServerBase):
                     "rows": s.get("rows", 0),
                     "bytes": s.get("bytes", 0),
                     "resident_bytes": s.get("resident_bytes"),
+                    "memory_pool": s.get("memory_pool"),
                     "load_seconds": s.get("load_seconds"),
                     "error": s.get("error"),
                 }

@@ -196,6 +196,7 @@ class DataNode(flight.FlightServerBase):
                 else {}
             ),
             "resident_bytes": resident_bytes(),
+            "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,
             "load_seconds": round(self.load_seconds, 3),
         }

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.constants import STORE_CHUNK_BYTES, STORE_CHUNK_ROWS
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
 from kubeflow_data_cache.plan import Piece
@@ -131,7 +133,7 @@ class NodeStore:
         batches = deque(b.cast(schema) if b.schema != schema else b for part in results for b in part)
         del results
         store = cls(schema, compact(batches))
-        # The allocator keeps Parquet decode buffers cached; give them back to the OS.
+        # Give cached decode buffers back to the OS (immediate under the data node's jemalloc).
         pa.default_memory_pool().release_unused()
         return store
 
@@ -160,8 +162,10 @@ class NodeStore:
         """Rows at the given local positions, in that order: one gather per stored chunk touched."""
         if len(rows) == 0:
             return pa.RecordBatch.from_pylist([], schema=self.project(columns))
+        # Gather outputs live for one batch each: a pool that keeps its pages (allocator.py).
+        pool = serve_pool()
         if len(self.batches) == 1:
-            return self._select(self.batches[0], columns).take(pa.array(rows))
+            return pc.take(self._select(self.batches[0], columns), pa.array(rows), memory_pool=pool)
         which = np.searchsorted(self.offsets, rows, side="right") - 1
         # A stable sort on small chunk numbers is a radix sort: O(n), order kept inside a chunk.
         order = np.argsort(which.astype(np.int32), kind="stable")
@@ -170,12 +174,13 @@ class NodeStore:
         for i in np.flatnonzero(counts):
             sel = order[pos : pos + counts[i]]
             pos += counts[i]
-            parts.append(self._select(self.batches[i], columns).take(pa.array(rows[sel] - self.offsets[i])))
+            local = pa.array(rows[sel] - self.offsets[i])
+            parts.append(pc.take(self._select(self.batches[i], columns), local, memory_pool=pool))
         if len(parts) == 1:
             return parts[0]
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-        return pa.concat_batches(parts).take(pa.array(inverse))
+        return pc.take(pa.concat_batches(parts, memory_pool=pool), pa.array(inverse), memory_pool=pool)
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
         """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers."""
