@@ -81,7 +81,7 @@ SMOKE = replace(
     headline_rows=3_000,
     repeats=1,
     load_repeats=1,
-    cold_process=False,
+    cold_process=True,  # one fresh interpreter: the fresh-call figure is part of the machinery
     s3_load=False,
 )
 

@@ -44,6 +44,13 @@ def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
             "pct",
         ),
         ("data node (resident - baseline) / Arrow bytes", med(mem, "overhead_ratio"), "<=", 1.3, "x"),
+        (
+            "load: head planning-to-ready / to_arrow() call in a fresh process",
+            med(load, "ratio_head_to_fresh_call"),
+            "<=",
+            1.3,
+            "x",
+        ),
         ("load: head planning-to-ready / warm to_arrow()", med(load, "ratio_head_to_warm"), "<=", 1.3, "x"),
         ("load: spawn-to-READY / cold-process to_arrow()", med(load, "ratio_wall_to_cold"), "<=", 1.3, "x"),
         ("load from S3: head / warm to_arrow()", med(s3_load, "ratio_head_to_warm"), "<=", 1.3, "x"),
@@ -106,6 +113,11 @@ def _row(case: dict[str, Any]) -> list[str]:
             ratio += (
                 f"; READY {med(case, 'ready_wall_seconds'):.1f}s = {_fmt_ratio(med(case, 'ratio_wall_to_cold'))} "
                 f"cold {med(case, 'to_arrow_cold_seconds'):.1f}s"
+            )
+        if med(case, "ratio_head_to_fresh_call") is not None:
+            ratio += (
+                f"; head = {_fmt_ratio(med(case, 'ratio_head_to_fresh_call'))} "
+                f"fresh call {med(case, 'to_arrow_fresh_call_seconds'):.2f}s"
             )
     elif kind == "memory":
         ratio = f"(RSS - baseline) / Arrow = {_fmt_ratio(med(case, 'overhead_ratio'))}"
