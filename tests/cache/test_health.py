@@ -109,3 +109,14 @@ def test_served_rows_are_counted(cluster, small_table):
     assert 'data_cache_requests_total{method="DoGet"} 1.0' in metrics
     head_metrics = get(head_health.port, "/metrics")[1]
     assert 'data_cache_requests_total{method="get_flight_info"} 1.0' in head_metrics
+
+
+def test_nodes_report_their_load_without_waiting_for_the_poll(cluster, small_table, monkeypatch):
+    """A node re-registers the moment its load ends, which wakes the head: with the fallback
+    poll stretched to a minute, the head is still ready within seconds."""
+    import kubeflow_data_cache.head as head_module
+
+    monkeypatch.setattr(head_module, "LOAD_POLL_SECONDS", 60.0)
+    _, head_health, _, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200, timeout=30)
+    assert json.loads(get(head_health.port, "/status")[1])["rows"] == small_table.rows

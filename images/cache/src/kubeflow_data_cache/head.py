@@ -51,6 +51,8 @@ class Head(flight.FlightServerBase):
         self._filter_counts: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set by every registration (nodes re-register when their load ends): wakes the waits below.
+        self._nodes_changed = threading.Event()
         self._clients: dict[str, flight.FlightClient] = {}
         for name in ("do_action", "get_flight_info", "get_schema", "list_flights"):
             setattr(self, name, flight_errors(self.metrics, name)(getattr(self, name)))
@@ -95,6 +97,7 @@ class Head(flight.FlightServerBase):
 
     def stop(self) -> None:
         self._stop.set()
+        self._nodes_changed.set()
         self.shutdown()
 
     def _run(self) -> None:
@@ -143,7 +146,13 @@ class Head(flight.FlightServerBase):
                     f"{self.cfg.startup_timeout:.0f}s; check the data node pods' logs"
                 )
             self.lifecycle.set("waiting", f"{len(self.registered)}/{want} data nodes registered")
-            self._stop.wait(LOAD_POLL_SECONDS)
+            self._wait_for_news()
+
+    def _wait_for_news(self) -> None:
+        """Until a node registers or reports its load done, or LOAD_POLL_SECONDS pass (the poll
+        stays the fallback: a lost registration costs a poll interval, not the load)."""
+        self._nodes_changed.wait(LOAD_POLL_SECONDS)
+        self._nodes_changed.clear()
 
     def _poll_nodes(self) -> None:
         def one(node: int) -> tuple[int, dict[str, Any]]:
@@ -176,7 +185,7 @@ class Head(flight.FlightServerBase):
                     f"the load did not finish within {self.cfg.startup_timeout:.0f}s "
                     f"({ready}/{self.cfg.data_nodes} data nodes ready)"
                 )
-            self._stop.wait(LOAD_POLL_SECONDS)
+            self._wait_for_news()
 
     def _reload_restarted(self) -> None:
         """Re-send the assignment to any data node that restarted and lost its rows."""
@@ -292,6 +301,7 @@ class Head(flight.FlightServerBase):
             raise BadRequestError(f"data node index {index} is out of range [0, {self.cfg.data_nodes})")
         previous = self.registered.get(index)
         self.registered[index] = {"location": location, "memory_limit": body.get("memory_limit")}
+        self._nodes_changed.set()
         if previous is None or previous["location"] != location:
             log.info("data node %d registered at %s", index, location)
             with self._lock:

@@ -53,6 +53,8 @@ class DataNode(flight.FlightServerBase):
         self._tables: dict[str, Future] = {}
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open")
         self._stop = threading.Event()
+        # Set when the load ends (either way): re-register at once so the head need not poll for it.
+        self._wake_register = threading.Event()
         self._registered = threading.Event()
         wrap = lambda name: flight_errors(self.metrics, name)  # noqa: E731
         self.do_action = wrap("DoAction")(self.do_action)
@@ -120,10 +122,12 @@ class DataNode(flight.FlightServerBase):
                     )
                     return
                 delay = min(delay * 2, REGISTER_INTERVAL_SECONDS)
-            self._stop.wait(delay)
+            self._wake_register.wait(delay)
+            self._wake_register.clear()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake_register.set()
         self.shutdown()
 
     # --- loading -----------------------------------------------------------------------------
@@ -158,6 +162,7 @@ class DataNode(flight.FlightServerBase):
                 raise TableLoadError(f"read {store.num_rows} rows, expected {expected}")
         except Exception as err:
             self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+            self._wake_register.set()
             return
         with self._load_lock:
             if self.generation != body["generation"]:
@@ -169,6 +174,7 @@ class DataNode(flight.FlightServerBase):
         self.metrics.load_seconds.set(self.load_seconds)
         self.metrics.ready.set(1)
         self.lifecycle.set(READY, f"{store.num_rows} rows loaded")
+        self._wake_register.set()
         log.info(
             "data node %d ready: %d rows, %.1f MiB in %.2fs (resident %.1f MiB)",
             self.cfg.node_index,
