@@ -23,8 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--smoke", dest="grid", action="store_const", const="smoke", help="tiny, for the tests")
     parser.set_defaults(grid="quick")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results", help="results folder")
-    parser.add_argument("--no-readme", action="store_true", help="do not rewrite README's performance table")
-    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-readme",
+        action="store_true",
+        help="leave the tables alone (README's quick one, docs/benchmarks.md's full one)",
+    )
+    parser.add_argument("--readme", type=Path, help=argparse.SUPPRESS)
     return parser
 
 
@@ -41,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         progress("interrupted: every process the run started has been stopped")
         return 130
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    # Only a real grid replaces latest.json/png; a smoke run never overwrites them.
-    latest = cfg.name != "smoke"
+    # Only a real grid replaces its latest.json/png (full-latest.* for the full grid); smoke never does.
+    latest = report.latest_name(cfg.name) if cfg.name != "smoke" else None
     json_path = report.write_json(result, args.out, stamp, latest)
     png_path = report.write_png(result, args.out, stamp, latest)
     progress(f"wrote {json_path} and {png_path} in {result['duration_seconds']:.0f}s")
@@ -53,11 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"target {h['figure']}: {measured} ({h['target']}): {met}")
     if args.no_readme:
         return 0
-    if report.update_readme(args.readme, block):
-        progress(f"updated the performance table in {args.readme}")
+    # The quick grid's table is README's performance section; the full grid's is in docs/benchmarks.md.
+    full = cfg.name == "full"
+    target = args.readme or REPO_ROOT / ("docs/benchmarks.md" if full else "README.md")
+    markers = (report.FULL_START_MARKER, report.FULL_END_MARKER) if full else (report.START_MARKER, report.END_MARKER)
+    if report.update_readme(target, block, *markers):
+        progress(f"updated the performance table in {target}")
     else:
         print(block)
-        progress(f"{args.readme} has no {report.START_MARKER} ... {report.END_MARKER} markers: table printed above")
+        progress(f"{target} has no {markers[0]} ... {markers[1]} markers: table printed above")
     return 0
 
 

@@ -9,6 +9,16 @@ from typing import Any
 
 START_MARKER = "<!-- bench:start -->"
 END_MARKER = "<!-- bench:end -->"
+# The full grid's table lives in docs/benchmarks.md, between its own markers.
+FULL_START_MARKER = "<!-- bench-full:start -->"
+FULL_END_MARKER = "<!-- bench-full:end -->"
+
+
+def latest_name(grid: str) -> str:
+    """The committed copy of a grid's newest run: latest.* (quick), full-latest.* (full)."""
+    return "latest" if grid == "quick" else f"{grid}-latest"
+
+
 TABLE_COLUMNS = ("case", "variant", "rows", "nodes", "clients", "rows/s", "GB/s", "ratio", "memory")
 MiB = 2**20
 
@@ -168,7 +178,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"Produced by `{command}` ({cfg['name']} grid) on {result['created']}: {m['cpus']} CPUs ({m['cpu_model']}), "
         f"{m['memory_bytes'] / 2**30:.0f} GiB, load average {m['load_average_start'][0]:.1f} at the start, "
         f"commit {m.get('git_commit') or 'unknown'}. Medians of {cfg['repeats']} repeats "
-        f"({cfg['load_repeats']} cluster starts per load figure); min/max in `bench/results/latest.json`. "
+        f"({cfg['load_repeats']} cluster starts per load figure); min/max in `bench/results/{latest_name(cfg['name'])}.json`. "
         f"Headline: {cfg['headline_rows']:,} rows, {cfg['epoch_nodes']} data node(s), batch {cfg['batch_size']}, "
         f"columns {', '.join(cfg['columns'])}.",
         "",
@@ -179,33 +189,33 @@ def markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(parts)
 
 
-def update_readme(readme: Path, block: str) -> bool:
-    """Replace only the text between the bench markers; False (nothing written) without them."""
+def update_readme(readme: Path, block: str, start_marker: str = START_MARKER, end_marker: str = END_MARKER) -> bool:
+    """Replace only the text between the markers; False (nothing written) without them."""
     if not readme.exists():
         return False
     text = readme.read_text()
-    start, end = text.find(START_MARKER), text.find(END_MARKER)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return False
-    new = text[: start + len(START_MARKER)] + "\n" + block.strip() + "\n" + text[end:]
+    new = text[: start + len(start_marker)] + "\n" + block.strip() + "\n" + text[end:]
     readme.write_text(new)
     return True
 
 
-def write_json(result: dict[str, Any], out_dir: Path, stamp: str, latest: bool) -> Path:
+def write_json(result: dict[str, Any], out_dir: Path, stamp: str, latest: str | None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     if latest:
-        shutil.copyfile(path, out_dir / "latest.json")
+        shutil.copyfile(path, out_dir / f"{latest}.json")
     return path
 
 
-def write_png(result: dict[str, Any], out_dir: Path, stamp: str, latest: bool) -> Path:
+def write_png(result: dict[str, Any], out_dir: Path, stamp: str, latest: str | None) -> Path:
     from bench.plot import plot
 
     path = out_dir / f"{stamp}.png"
     plot(result, path, headline(result))
     if latest:
-        shutil.copyfile(path, out_dir / "latest.png")
+        shutil.copyfile(path, out_dir / f"{latest}.png")
     return path

@@ -33,7 +33,7 @@ def smoke_result() -> dict:
 
 
 def test_every_case_runs_with_positive_figures(smoke_result, tmp_path):
-    data = json.loads(report.write_json(smoke_result, tmp_path, "smoke", latest=False).read_text())
+    data = json.loads(report.write_json(smoke_result, tmp_path, "smoke", latest=None).read_text())
     seen = {(c["case"], c["variant"], c["shuffled"]) for c in data["cases"]}
     expected = {("memory-baseline", "idle-node", None), ("serve", "doget", False), ("load", "cache", None)}
     expected |= {("memory", "data-node", None)}
@@ -75,7 +75,7 @@ def test_core_figures_are_present(smoke_result):
 
 
 def test_png_is_written(smoke_result, tmp_path):
-    path = report.write_png(smoke_result, tmp_path, "smoke", latest=False)
+    path = report.write_png(smoke_result, tmp_path, "smoke", latest=None)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -102,3 +102,16 @@ def test_readme_without_markers_is_left_alone(smoke_result, tmp_path):
     assert not report.update_readme(readme, report.markdown(smoke_result, "make bench"))
     assert readme.read_text() == "# Title\nno markers here\n"
     assert not report.update_readme(tmp_path / "missing.md", "x")
+
+
+def test_full_grid_keeps_its_own_latest_files_and_table(smoke_result, tmp_path):
+    assert report.latest_name("quick") == "latest" and report.latest_name("full") == "full-latest"
+    report.write_json(smoke_result, tmp_path, "stamp", latest=report.latest_name("full"))
+    assert (tmp_path / "full-latest.json").exists() and not (tmp_path / "latest.json").exists()
+
+    doc = tmp_path / "benchmarks.md"
+    quick = f"{report.START_MARKER}\nquick table\n{report.END_MARKER}"
+    doc.write_text(f"# Benchmarks\n{quick}\n{report.FULL_START_MARKER}\nold\n{report.FULL_END_MARKER}\n")
+    assert report.update_readme(doc, "new full table", report.FULL_START_MARKER, report.FULL_END_MARKER)
+    text = doc.read_text()
+    assert "new full table" in text and "old" not in text and quick in text  # the quick table is untouched
