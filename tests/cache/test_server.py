@@ -111,6 +111,17 @@ def test_bad_and_stale_tickets(small_cache):
     assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
 
 
+def test_node_count_action_needs_a_filter(small_cache):
+    """The head's internal `count` call on a data node: a missing or empty filter is refused,
+    not read as the predicate "None"."""
+    status = json.loads(action(small_cache.endpoint, "status")[0])
+    node = status["nodes"][0]["location"]
+    for body in (b"", b"{}", b'{"filter": ""}', b'{"filter": 3}'):
+        with pytest.raises(pa.ArrowInvalid, match="count needs"):
+            action(node, "count", body)
+    assert json.loads(action(node, "count", b'{"filter": "id >= 0"}')[0]) == {"rows": status["nodes"][0]["rows"]}
+
+
 def test_unknown_calls_are_unimplemented(small_cache):
     with pytest.raises(pa.ArrowNotImplementedError, match="not implemented"):
         action(small_cache.endpoint, "drop-everything")

@@ -17,7 +17,7 @@ import pyarrow.flight as flight
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.config import NodeConfig
 from kubeflow_data_cache.constants import REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
-from kubeflow_data_cache.errors import ClusterFormationError, StaleTicketError, TableLoadError
+from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, StaleTicketError, TableLoadError
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
@@ -215,9 +215,11 @@ class DataNode(flight.FlightServerBase):
             self._start_load(parse_action_body(action))
             return [b"{}"]
         if action.type == protocol.ACTION_COUNT:
-            body = parse_action_body(action)
+            predicate = parse_action_body(action).get("filter")
+            if not isinstance(predicate, str) or not predicate.strip():
+                raise BadRequestError('count needs {"filter": "<SQL predicate>"}')
             self.lifecycle.require_ready()
-            return [json.dumps({"rows": len(self.filters.rows(str(body.get("filter"))))}).encode()]
+            return [json.dumps({"rows": len(self.filters.rows(predicate))}).encode()]
         raise NotImplementedError(f"action {action.type!r} is not implemented by data nodes")
 
     def list_actions(self, context):
