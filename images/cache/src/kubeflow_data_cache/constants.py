@@ -22,7 +22,9 @@ TERMINATION_LOG = "/dev/termination-log"
 
 # What the interpreter, pyarrow and pyiceberg take before any data is loaded.
 BASELINE_MEMORY_BYTES = 400 << 20
-# A data node keeps its rows in chunks of at most this many rows / bytes: few chunks make
-# shuffled gathers fast; the byte bound keeps 32-bit string offsets far from overflowing.
-STORE_CHUNK_ROWS = 1 << 20
-STORE_CHUNK_BYTES = 256 << 20
+# A data node merges its rows into as few chunks as possible (one gather per chunk is what makes
+# shuffled reads fast); a chunk's variable-width columns (strings, lists) stay under this many
+# bytes each, far from the 2 GiB their 32-bit offsets allow.
+STORE_CHUNK_VARIABLE_BYTES = 1 << 30
+# Shuffled or filtered DoGet: batches gathered ahead of the one being sent (bounded memory).
+READAHEAD_BATCHES = 4

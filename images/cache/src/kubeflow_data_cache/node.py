@@ -16,11 +16,12 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.config import NodeConfig
-from kubeflow_data_cache.constants import REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
+from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
 from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, StaleTicketError, TableLoadError
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
+from kubeflow_data_cache.readahead import readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
 from kubeflow_data_cache.service import LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
 from kubeflow_data_cache.sharding import node_rows
@@ -243,17 +244,18 @@ class DataNode(flight.FlightServerBase):
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
         parts = node_rows(t.offset, held, t.total, req)
-        if matches is not None:
-            parts = [matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts]
-        if all(isinstance(p, range) for p in parts):
+        if matches is None and not req.shuffle:
             # Row ranges are zero-copy slices: hand them to Flight's C++ writer as one table, so
             # no Python runs per batch on the hot, unshuffled path.
             slices = list(store.iter_rows(parts, req.batch_size, req.columns))
             self.metrics.rows_served.inc(sum(b.num_rows for b in slices))
             self.metrics.bytes_served.inc(sum(b.nbytes for b in slices))
             return flight.RecordBatchStream(pa.Table.from_batches(slices, schema=schema))
-        # Gathers (shuffled or filtered) are computed batch by batch as the client reads.
-        return flight.GeneratorStream(schema, self._counted(store.iter_rows(parts, req.batch_size, req.columns)))
+        if matches is not None:  # positions among the matching rows -> local row numbers
+            parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
+        # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.
+        batches = readahead(store.iter_rows(parts, req.batch_size, req.columns), READAHEAD_BATCHES, "gather")
+        return flight.GeneratorStream(schema, self._counted(batches))
 
     def _counted(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:

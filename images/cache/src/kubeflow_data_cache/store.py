@@ -19,32 +19,54 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kubeflow_data_cache.allocator import serve_pool
-from kubeflow_data_cache.constants import STORE_CHUNK_BYTES, STORE_CHUNK_ROWS
+from kubeflow_data_cache.constants import STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
 from kubeflow_data_cache.plan import Piece
 
 log = logging.getLogger(__name__)
 
 
-def compact(batches: deque[pa.RecordBatch]) -> list[pa.RecordBatch]:
-    """Merge the reader's small batches into chunks of up to STORE_CHUNK_ROWS rows.
+def _variable_bytes(batch: pa.RecordBatch) -> int:
+    """The largest size among the batch's non-primitive columns (strings, lists, structs...)."""
+    sizes = [col.nbytes for col in batch.columns if not pa.types.is_primitive(col.type)]
+    return max(sizes, default=0)
 
-    A shuffled read gathers rows; one gather from one chunk is several times faster than
-    gathers across many small batches. Chunks are merged one at a time and their sources
-    dropped as we go, so the extra memory is one chunk, never a second copy of the table.
+
+def _merge(group: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
+    """One batch from ``group``, merged a column at a time: each source column is released as
+    soon as its copy exists, so the extra memory is one column, not a second copy of the rows."""
+    if len(group) == 1:
+        return group.pop()
+    table = pa.Table.from_batches(group, schema=schema)
+    group.clear()
+    sources = table.columns
+    del table
+    merged = []
+    for i in range(len(sources)):
+        merged.append(sources[i].combine_chunks())
+        sources[i] = None  # the last reference to the source chunks of this column
+    return pa.RecordBatch.from_arrays(merged, schema=schema)
+
+
+def compact(
+    batches: deque[pa.RecordBatch], schema: pa.Schema, variable_limit: int = STORE_CHUNK_VARIABLE_BYTES
+) -> list[pa.RecordBatch]:
+    """Merge the reader's batches into as few chunks as the 32-bit offsets of variable-width
+    columns allow (one chunk for a numeric table, however large).
+
+    A shuffled read gathers rows, and a gather from one chunk is several times faster than the
+    same gather across chunks (5M rows: ~5x for numeric columns). Chunks are merged one at a
+    time and their sources dropped as we go.
     """
     out: list[pa.RecordBatch] = []
     while batches:
-        group, rows, nbytes = [], 0, 0
-        while batches and (
-            not group
-            or (rows + batches[0].num_rows <= STORE_CHUNK_ROWS and nbytes + batches[0].nbytes <= STORE_CHUNK_BYTES)
-        ):
+        group, variable = [], 0
+        while batches and (not group or variable + _variable_bytes(batches[0]) <= variable_limit):
             batch = batches.popleft()
             group.append(batch)
-            rows, nbytes = rows + batch.num_rows, nbytes + batch.nbytes
-        out.append(group[0] if len(group) == 1 else pa.concat_batches(group))
-        del group
+            variable += _variable_bytes(batch)
+        del batch
+        out.append(_merge(group, schema))
     return out
 
 
@@ -132,7 +154,7 @@ class NodeStore:
             results = list(pool.map(read, pieces))
         batches = deque(b.cast(schema) if b.schema != schema else b for part in results for b in part)
         del results
-        store = cls(schema, compact(batches))
+        store = cls(schema, compact(batches, schema))
         # Give cached decode buffers back to the OS (immediate under the data node's jemalloc).
         pa.default_memory_pool().release_unused()
         return store
@@ -183,10 +205,25 @@ class NodeStore:
         return pc.take(pa.concat_batches(parts, memory_pool=pool), pa.array(inverse), memory_pool=pool)
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
-        """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers."""
+        """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers of
+        exactly ``batch_rows`` rows (but the last), however the arrays are cut."""
+        pending: list[np.ndarray] = []
+        held = 0
         for part in parts:
             if isinstance(part, range):
+                if held:
+                    yield self.take(np.concatenate(pending), columns)
+                    pending, held = [], 0
                 yield from self.slices(part.start, part.stop, batch_rows, columns)
-            else:
-                for start in range(0, len(part), batch_rows):
-                    yield self.take(part[start : start + batch_rows], columns)
+                continue
+            pending.append(part)
+            held += len(part)
+            if held < batch_rows:
+                continue
+            rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
+            full = held // batch_rows * batch_rows
+            for start in range(0, full, batch_rows):
+                yield self.take(rows[start : start + batch_rows], columns)
+            pending, held = ([rows[full:]], held - full) if held > full else ([], 0)
+        if held:
+            yield self.take(np.concatenate(pending), columns)

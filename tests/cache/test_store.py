@@ -1,0 +1,80 @@
+"""A data node's store: how loaded batches are merged, and how rows are served from them."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kubeflow_data_cache.errors import BadRequestError
+from kubeflow_data_cache.store import NodeStore, compact
+
+SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float32()), ("text", pa.string())])
+
+
+def batches(sizes: list[int]) -> list[pa.RecordBatch]:
+    out, start = [], 0
+    for n in sizes:
+        ids = np.arange(start, start + n, dtype=np.int64)
+        out.append(pa.record_batch([ids, ids.astype(np.float32), pa.array([f"row-{i}" for i in ids])], schema=SCHEMA))
+        start += n
+    return out
+
+
+def test_a_numeric_table_becomes_one_chunk_however_many_batches():
+    numeric = pa.schema([SCHEMA.field("id"), SCHEMA.field("x")])
+    source = [b.select(["id", "x"]) for b in batches([1000] * 40)]
+    (chunk,) = compact(deque(source), numeric)
+    assert chunk.num_rows == 40_000 and chunk.column("id").to_numpy().tolist() == list(range(40_000))
+
+
+def test_string_columns_keep_each_chunk_under_the_offset_limit():
+    source = batches([1000] * 10)
+    per_batch = max(b.column("text").nbytes for b in source)
+    chunks = compact(deque(source), SCHEMA, variable_limit=3 * per_batch)
+    assert [c.num_rows for c in chunks] == [3000, 3000, 3000, 1000]
+    assert all(c.column("text").nbytes <= 3 * per_batch for c in chunks)
+    assert pa.Table.from_batches(chunks).column("text").to_pylist() == [f"row-{i}" for i in range(10_000)]
+
+
+def test_a_batch_over_the_limit_stands_alone_rather_than_failing():
+    chunks = compact(deque(batches([10, 5000, 10])), SCHEMA, variable_limit=1)
+    assert [c.num_rows for c in chunks] == [10, 5000, 10]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    limit_batches=st.integers(1, 5),
+    rows=st.data(),
+    batch_rows=st.integers(1, 500),
+)
+def test_gathers_and_slices_match_the_rows_whatever_the_chunks(sizes, limit_batches, rows, batch_rows):
+    source = batches(sizes)
+    limit = limit_batches * max(1, max(b.column("text").nbytes for b in source))
+    store = NodeStore(SCHEMA, compact(deque(source), SCHEMA, variable_limit=limit))
+    total = sum(sizes)
+    assert store.num_rows == total
+    if not total:
+        return
+    picked = np.asarray(rows.draw(st.permutations(range(total))), dtype=np.int64)
+    # Index arrays cut anywhere come back as batches of exactly batch_rows (but the last).
+    cuts = sorted(rows.draw(st.lists(st.integers(0, total), max_size=4)))
+    parts = [picked[a:b] for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+    served = list(store.iter_rows(parts, batch_rows, ("id", "text")))
+    assert [b.num_rows for b in served[:-1]] == [batch_rows] * (len(served) - 1)
+    got = pa.Table.from_batches(served)
+    assert got.column("id").to_pylist() == picked.tolist()
+    assert got.column("text").to_pylist() == [f"row-{i}" for i in picked]
+    sliced = pa.Table.from_batches(list(store.iter_rows([range(0, total)], batch_rows, None)))
+    assert sliced.column("id").to_pylist() == list(range(total))
+
+
+def test_unknown_columns_are_refused_with_the_table_columns():
+    store = NodeStore(SCHEMA, batches([5]))
+    with pytest.raises(BadRequestError, match=r"unknown column\(s\) \['nope'\]"):
+        store.project(("nope",))
