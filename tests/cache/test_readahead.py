@@ -1,4 +1,4 @@
-"""readahead: items in order, errors where they happened, a bounded queue, and a producer that
+"""Readahead: items in order, errors where they happened, a bounded queue, and a producer that
 stops when the consumer goes away (a client that disconnects mid-stream)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from kubeflow_data_cache.readahead import readahead
+from kubeflow_data_cache.readahead import Readahead
 
 
 def test_items_come_in_order():
-    assert list(readahead(iter(range(1000)), depth=3)) == list(range(1000))
+    assert list(Readahead(iter(range(1000)), depth=3)) == list(range(1000))
 
 
 def test_a_failure_is_raised_after_the_items_before_it():
@@ -22,7 +22,7 @@ def test_a_failure_is_raised_after_the_items_before_it():
 
     got = []
     with pytest.raises(ValueError, match="bad row group"):
-        for item in readahead(source(), depth=2):
+        for item in Readahead(source(), depth=2):
             got.append(item)
     assert got == list(range(5))
 
@@ -35,7 +35,7 @@ def test_the_producer_runs_at_most_depth_items_ahead():
             produced.append(i)
             yield i
 
-    stream = readahead(source(), depth=3)
+    stream = Readahead(source(), depth=3)
     assert next(stream) == 0
     time.sleep(0.3)  # time for the producer to run as far ahead as it may
     # The item handed out, `depth` queued, and one more in the producer's hands waiting for room.
@@ -55,7 +55,7 @@ def test_closing_early_stops_the_producer_thread():
         finally:
             finished.set()
 
-    stream = readahead(source(), depth=2, name="test-readahead")
+    stream = Readahead(source(), depth=2, name="test-readahead")
     assert next(stream) == 0
     stream.close()
     deadline = time.monotonic() + 10
@@ -67,4 +67,20 @@ def test_closing_early_stops_the_producer_thread():
 
 def test_depth_must_be_positive():
     with pytest.raises(ValueError, match="depth should be >= 1"):
-        list(readahead(iter([1]), depth=0))
+        list(Readahead(iter([1]), depth=0))
+
+
+def test_closing_one_never_read_stops_its_producer_too():
+    finished = threading.Event()
+
+    def source():
+        try:
+            yield from range(10**9)
+        finally:
+            finished.set()
+
+    stream = Readahead(source(), depth=1, name="never-read")
+    time.sleep(0.1)  # started at once: it fills its one slot and waits for room
+    stream.close()
+    assert finished.wait(10)
+    assert list(stream) == []

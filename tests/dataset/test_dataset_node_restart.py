@@ -123,17 +123,22 @@ def test_restarted_node_resumes_the_stream_without_repeating_rows(cluster, caplo
 def test_restarted_head_reloads_the_nodes_and_old_tickets_are_renewed(cluster, caplog):
     caplog.set_level(logging.INFO, logger="kubeflow_data_cache.client")
     client = CacheClient(cluster.endpoint, deadline_seconds=60, generic_options=[("grpc.http2.bdp_probe", 0)])
-    batches = client.read_shard(ShardRequest(columns=("id",), batch_size=1000), interleave=False)
+    request = ShardRequest(columns=("id",), batch_size=1000)
+    batches = client.read_shard(request, interleave=False)
     ids = [next(batches).column("id").to_numpy() for _ in range(3)]
-    # A new head is a new load generation: the nodes reload under it, and node 1's ticket (not
-    # used yet) is stale by the time the client opens it.
+    unused = client.get_flight_info(request).endpoints[1]  # a ticket of this load, not opened yet
+    # A new head is a new load generation: the nodes reload under it. Streams already open go on;
+    # a ticket from before is stale by the time it is used, and is renewed through the head.
     cluster.restart_head()
     cluster.wait_ready()
     ids += [b.column("id").to_numpy() for b in batches]
-
     got = np.concatenate(ids)
     assert len(got) == ROWS and np.array_equal(np.sort(got), np.arange(ROWS))
+
+    renewed = np.concatenate([b.column("id").to_numpy() for b in client.read_endpoint(request, unused)])
     assert any("is stale" in r.getMessage() for r in caplog.records)
+    node1 = cluster.wait_ready()["nodes"][1]["rows"]
+    assert len(renewed) == node1 and len(np.unique(renewed)) == node1
 
 
 def test_node_that_stays_down_is_named(cluster):

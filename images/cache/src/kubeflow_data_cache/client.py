@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ from kubeflow_data_cache.errors import (
     NotReadyError,
 )
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket
+from kubeflow_data_cache.readahead import Readahead
 
 __all__ = [
     "DEFAULT_DEADLINE_SECONDS",
@@ -51,6 +53,9 @@ BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 # A restarted data node rejects old tickets; ask the head again at most this often per stream.
 MAX_REPLANS = 3
+# Batches each endpoint stream reads ahead in its own thread, so all of a shard's data nodes send
+# at once while the consumer converts (bounded memory per stream).
+STREAM_READAHEAD_BATCHES = 2
 
 ENDPOINT_HINT = "set DATA_CACHE_ENDPOINT (or the dataset's endpoint argument) to the cache's grpc:// address"
 TOKEN_HINT = "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or the token argument) to the cache's token"
@@ -105,10 +110,15 @@ class CacheClient:
         self._generic_options = generic_options  # gRPC channel arguments, for tuning
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
+        self._lock = threading.Lock()
 
     # -- connections -------------------------------------------------------------------------
 
     def _client(self, location: str) -> flight.FlightClient:
+        with self._lock:  # endpoint streams open connections from their readahead threads
+            return self._client_locked(location)
+
+    def _client_locked(self, location: str) -> flight.FlightClient:
         client = self._clients.get(location)
         if client is None:
             if _inherited_open_clients:
@@ -229,9 +239,14 @@ class CacheClient:
         different nodes as they would in the shuffled order. The unit does not depend on how a node
         cuts its batches, so the order is the same on every read (resume relies on that). Without
         ``interleave`` the streams are read one after the other (table order when unshuffled).
+        Either way every stream is open at once, each read up to STREAM_READAHEAD_BATCHES ahead
+        in its own thread, so all the shard's data nodes send while the caller converts.
         """
         info = self.get_flight_info(request)
-        streams = [self._endpoint_batches(request, endpoint) for endpoint in info.endpoints]
+        streams = [
+            Readahead(self.read_endpoint(request, endpoint), STREAM_READAHEAD_BATCHES, f"cache-stream-{i}")
+            for i, endpoint in enumerate(info.endpoints)
+        ]
         try:
             if interleave:
                 yield from round_robin(streams, request.block_size)
@@ -242,8 +257,9 @@ class CacheClient:
             for stream in streams:
                 stream.close()
 
-    def _endpoint_batches(self, request: ShardRequest, endpoint: flight.FlightEndpoint) -> Iterator[pa.RecordBatch]:
-        """One endpoint's batches; a broken stream is reopened and the rows already seen skipped.
+    def read_endpoint(self, request: ShardRequest, endpoint: flight.FlightEndpoint) -> Iterator[pa.RecordBatch]:
+        """One endpoint of ``get_flight_info(request)``, read in this thread: its batches; a broken
+        stream is reopened and the rows already seen skipped.
 
         The same ticket yields the same rows in the same order, so skipping ``received`` rows of
         the new stream neither repeats nor loses a row. A data node that restarted (and reloaded

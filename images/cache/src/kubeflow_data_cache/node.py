@@ -21,7 +21,7 @@ from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, S
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
-from kubeflow_data_cache.readahead import readahead
+from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
 from kubeflow_data_cache.service import LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
 from kubeflow_data_cache.sharding import node_rows
@@ -254,11 +254,14 @@ class DataNode(flight.FlightServerBase):
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.
-        batches = readahead(store.iter_rows(parts, req.batch_size, req.columns), READAHEAD_BATCHES, "gather")
+        batches = Readahead(store.iter_rows(parts, req.batch_size, req.columns), READAHEAD_BATCHES, "gather")
         return flight.GeneratorStream(schema, self._counted(batches))
 
-    def _counted(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            self.metrics.rows_served.inc(batch.num_rows)
-            self.metrics.bytes_served.inc(batch.nbytes)
-            yield batch
+    def _counted(self, batches: Readahead) -> Iterator[pa.RecordBatch]:
+        try:
+            for batch in batches:
+                self.metrics.rows_served.inc(batch.num_rows)
+                self.metrics.bytes_served.inc(batch.nbytes)
+                yield batch
+        finally:  # the client went away mid-stream: stop gathering ahead for it
+            batches.close()

@@ -26,49 +26,58 @@ class _End:
         self.error = error
 
 
-def readahead(source: Iterator[T], depth: int, name: str = "readahead") -> Iterator[T]:
+class Readahead(Iterator[T]):
     """Yield ``source``'s items in order, computing up to ``depth`` of them ahead.
 
-    An exception in ``source`` is raised here, in the consumer, after the items before it.
-    Closing this generator early (a client that disconnects) stops the producer thread.
+    The producer thread starts at once, not at the first ``next``, so several streams wrapped
+    together all start working. An exception in ``source`` is raised here, in the consumer, after
+    the items before it. ``close()`` (also on a never-read one: a client that disconnects) stops
+    the producer and closes ``source``.
     """
-    if depth < 1:
-        raise ValueError(f"depth should be >= 1, got {depth}")
-    items: queue.Queue = queue.Queue(maxsize=depth)
-    stopped = threading.Event()
 
-    def put(item: object) -> bool:
-        while not stopped.is_set():
+    def __init__(self, source: Iterator[T], depth: int, name: str = "readahead") -> None:
+        if depth < 1:
+            raise ValueError(f"depth should be >= 1, got {depth}")
+        self._items: queue.Queue = queue.Queue(maxsize=depth)
+        self._stopped = threading.Event()
+        self._done = False
+        threading.Thread(target=self._produce, args=(source,), name=name, daemon=True).start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stopped.is_set():
             try:
-                items.put(item, timeout=_PUT_POLL_SECONDS)
+                self._items.put(item, timeout=_PUT_POLL_SECONDS)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def produce() -> None:
+    def _produce(self, source: Iterator[T]) -> None:
         try:
             for item in source:
-                if not put(item):
+                if not self._put(item):
                     return
         except BaseException as err:  # handed to the consumer, which raises it
-            put(_End(err))
+            self._put(_End(err))
             return
         finally:
             close = getattr(source, "close", None)
             if close is not None:  # a generator source runs its cleanup now, not at GC
                 close()
-        put(_End())
+        self._put(_End())
 
-    thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = items.get()
-            if isinstance(item, _End):
-                if item.error is not None:
-                    raise item.error
-                return
-            yield item
-    finally:
-        stopped.set()
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        item = self._items.get()
+        if isinstance(item, _End):
+            self._done = True
+            self.close()
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._done = True
+        self._stopped.set()
