@@ -76,3 +76,19 @@ def test_operator_setting_wins():
 def test_serve_pool_is_a_separate_pool_when_available():
     pool = serve_pool()
     assert pool.backend_name in ("mimalloc", pa.default_memory_pool().backend_name)
+
+
+def test_client_malloc_tuning_is_on_by_default_and_can_be_turned_off(monkeypatch):
+    import ctypes
+
+    import kubeflow_data_cache.allocator as allocator
+
+    try:
+        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
+    except AttributeError:
+        pytest.skip("not glibc: the tuning does not apply")
+    monkeypatch.setattr(allocator, "_client_tuned", None)
+    assert allocator.tune_client_malloc({"DATA_CACHE_TUNE_MALLOC": "0"}) is False
+    monkeypatch.setattr(allocator, "_client_tuned", None)
+    assert allocator.tune_client_malloc({}) is True
+    assert allocator.tune_client_malloc({"DATA_CACHE_TUNE_MALLOC": "0"}) is True  # once per process

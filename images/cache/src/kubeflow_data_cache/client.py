@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from kubeflow_data_cache.allocator import tune_client_malloc
 from kubeflow_data_cache.errors import (
     BadRequestError,
     CacheAuthError,
@@ -111,6 +112,7 @@ class CacheClient:
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
         self._lock = threading.Lock()
+        tune_client_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -239,14 +241,14 @@ class CacheClient:
         different nodes as they would in the shuffled order. The unit does not depend on how a node
         cuts its batches, so the order is the same on every read (resume relies on that). Without
         ``interleave`` the streams are read one after the other (table order when unshuffled).
-        Either way every stream is open at once, each read up to STREAM_READAHEAD_BATCHES ahead
-        in its own thread, so all the shard's data nodes send while the caller converts.
+        Either way, with several endpoints every stream is open at once, each read up to
+        STREAM_READAHEAD_BATCHES ahead in its own thread, so all the shard's data nodes send
+        while the caller converts.
         """
         info = self.get_flight_info(request)
-        streams = [
-            Readahead(self.read_endpoint(request, endpoint), STREAM_READAHEAD_BATCHES, f"cache-stream-{i}")
-            for i, endpoint in enumerate(info.endpoints)
-        ]
+        streams: list[Iterator[pa.RecordBatch]] = [self.read_endpoint(request, e) for e in info.endpoints]
+        if len(streams) > 1:  # one stream alone has nothing to overlap with; the thread hop costs ~10%
+            streams = [Readahead(s, STREAM_READAHEAD_BATCHES, f"cache-stream-{i}") for i, s in enumerate(streams)]
         try:
             if interleave:
                 yield from round_robin(streams, request.block_size)
@@ -255,7 +257,7 @@ class CacheClient:
                     yield from stream
         finally:
             for stream in streams:
-                stream.close()
+                stream.close()  # a generator or a Readahead: both stop their stream
 
     def read_endpoint(self, request: ShardRequest, endpoint: flight.FlightEndpoint) -> Iterator[pa.RecordBatch]:
         """One endpoint of ``get_flight_info(request)``, read in this thread: its batches; a broken
