@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 from pyiceberg.table import StaticTable
 
+from kubeflow_data_cache.allocator import tune_glibc_malloc
+
 BATCH_ROWS = 65536
 
 
@@ -27,6 +29,7 @@ class BareServer(flight.FlightServerBase):
 
 
 def main(argv: list[str]) -> int:
+    tune_glibc_malloc()  # as a data node does: the comparison is about the servers' own work
     server = BareServer(StaticTable.from_metadata(argv[0]).scan().to_arrow())
     print(f"ready {server.port}", flush=True)
     threading.Thread(target=server.serve, daemon=True).start()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from kubeflow_data_cache.allocator import tune_client_malloc
+from kubeflow_data_cache.allocator import tune_glibc_malloc
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.protocol import ShardRequest
 
@@ -43,7 +43,7 @@ def serve_requests(read: Callable[[], Iterator[pa.RecordBatch]]) -> None:
 
 def main(argv: list[str]) -> int:
     if "--bare" in argv:
-        tune_client_malloc()  # the same client-side setting CacheClient makes: compare servers
+        tune_glibc_malloc()  # the same client-side setting CacheClient makes: compare servers
         bare = flight.FlightClient(argv[0])
         bare.wait_for_available(timeout=30)
         serve_requests(lambda: (chunk.data for chunk in bare.do_get(flight.Ticket(b"table"))))

@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("head", "worker"):
             if args.command == "worker":
-                from kubeflow_data_cache.allocator import configure_data_node
+                from kubeflow_data_cache.allocator import configure_data_node, tune_glibc_malloc
 
                 configure_data_node()  # before pyarrow loads: it reads the pool choice once
+                tune_glibc_malloc()  # gRPC's send buffers reused, not mapped per batch
             from kubeflow_data_cache.config import build_config
             from kubeflow_data_cache.runner import run_node
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from kubeflow_data_cache.allocator import tune_client_malloc
+from kubeflow_data_cache.allocator import tune_glibc_malloc
 from kubeflow_data_cache.errors import (
     BadRequestError,
     CacheAuthError,
@@ -112,7 +112,7 @@ class CacheClient:
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
         self._lock = threading.Lock()
-        tune_client_malloc()  # once per process: received batches reuse buffers (allocator.py)
+        tune_glibc_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
     # -- connections -------------------------------------------------------------------------
 
