@@ -80,6 +80,15 @@ def test_override_hook_converts_whole_record_batches(cache):
     assert len(Features.calls) < len(batches) / 10
 
 
+def test_a_hook_that_changes_the_row_count_is_named(cache):
+    class Pairs(DataCacheDataset):
+        def from_arrow_rb_to_tensor(self, batch):
+            return {"x": torch.zeros(batch.num_rows * 2)}  # one value per pair of rows: wrong
+
+    with pytest.raises(ValueError, match=r"from_arrow_rb_to_tensor returned \{'x': \d+\} rows for a \d+-row batch"):
+        next(iter(Pairs(cache.endpoint, batch_size=10, columns=["label"])))
+
+
 def test_forked_worker_fails_clearly_when_the_parent_holds_a_connection(cache):
     parent = CacheClient(cache.endpoint)
     assert parent.status()["state"] == "ready"  # an open gRPC channel in this process
