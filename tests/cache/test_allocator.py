@@ -87,8 +87,8 @@ def test_client_malloc_tuning_is_on_by_default_and_can_be_turned_off(monkeypatch
         ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
     except AttributeError:
         pytest.skip("not glibc: the tuning does not apply")
-    monkeypatch.setattr(allocator, "_client_tuned", None)
+    monkeypatch.setattr(allocator, "_glibc_tuned", None)
     assert allocator.tune_glibc_malloc({"DATA_CACHE_TUNE_MALLOC": "0"}) is False
-    monkeypatch.setattr(allocator, "_client_tuned", None)
+    monkeypatch.setattr(allocator, "_glibc_tuned", None)
     assert allocator.tune_glibc_malloc({}) is True
     assert allocator.tune_glibc_malloc({"DATA_CACHE_TUNE_MALLOC": "0"}) is True  # once per process

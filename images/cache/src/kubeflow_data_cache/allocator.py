@@ -60,9 +60,9 @@ def serve_pool():
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-CLIENT_MMAP_THRESHOLD = 32 << 20
-CLIENT_TRIM_THRESHOLD = 128 << 20
-_client_tuned: bool | None = None
+GLIBC_MMAP_THRESHOLD = 32 << 20
+GLIBC_TRIM_THRESHOLD = 128 << 20
+_glibc_tuned: bool | None = None
 
 
 def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
@@ -76,11 +76,11 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
     do not go through glibc (see above). glibc only, once per process;
     ``DATA_CACHE_TUNE_MALLOC=0`` leaves malloc alone. Returns whether the settings are in effect.
     """
-    global _client_tuned
-    if _client_tuned is not None:
-        return _client_tuned
+    global _glibc_tuned
+    if _glibc_tuned is not None:
+        return _glibc_tuned
     environ = os.environ if environ is None else environ
-    _client_tuned = False
+    _glibc_tuned = False
     if environ.get("DATA_CACHE_TUNE_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     try:
@@ -89,8 +89,8 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    _client_tuned = bool(mallopt(_M_MMAP_THRESHOLD, CLIENT_MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, CLIENT_TRIM_THRESHOLD)
+    _glibc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
     )
-    log.debug("glibc malloc tuned for cache reads: %s", _client_tuned)
-    return _client_tuned
+    log.debug("glibc malloc tuned for gRPC buffers: %s", _glibc_tuned)
+    return _glibc_tuned

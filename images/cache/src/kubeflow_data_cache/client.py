@@ -118,27 +118,24 @@ class CacheClient:
 
     def _client(self, location: str) -> flight.FlightClient:
         with self._lock:  # endpoint streams open connections from their readahead threads
-            return self._client_locked(location)
-
-    def _client_locked(self, location: str) -> flight.FlightClient:
-        client = self._clients.get(location)
-        if client is None:
-            if _inherited_open_clients:
-                raise ForkedConnectionError(
-                    f"this process was forked while its parent held {_inherited_open_clients} open cache "
-                    "client(s) (a DataLoader started its workers while the main process had a CacheClient or a "
-                    "half-read DataCacheDataset iterator); gRPC cannot be used after such a fork. Finish or "
-                    "close() them before iterating the DataLoader, or pass multiprocessing_context='forkserver'"
-                )
-            kwargs: dict[str, Any] = {}
-            if self._tls_root_certs is not None:
-                kwargs["tls_root_certs"] = self._tls_root_certs
-            if self._generic_options:
-                kwargs["generic_options"] = self._generic_options
-            client = flight.FlightClient(location, **kwargs)
-            self._clients[location] = client
-            _OPEN_CLIENTS.add(self)
-        return client
+            client = self._clients.get(location)
+            if client is None:
+                if _inherited_open_clients:
+                    raise ForkedConnectionError(
+                        f"this process was forked while its parent held {_inherited_open_clients} open cache "
+                        "client(s) (a DataLoader started its workers while the main process had a CacheClient or a "
+                        "half-read DataCacheDataset iterator); gRPC cannot be used after such a fork. Finish or "
+                        "close() them before iterating the DataLoader, or pass multiprocessing_context='forkserver'"
+                    )
+                kwargs: dict[str, Any] = {}
+                if self._tls_root_certs is not None:
+                    kwargs["tls_root_certs"] = self._tls_root_certs
+                if self._generic_options:
+                    kwargs["generic_options"] = self._generic_options
+                client = flight.FlightClient(location, **kwargs)
+                self._clients[location] = client
+                _OPEN_CLIENTS.add(self)
+            return client
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
         return flight.FlightCallOptions(timeout=timeout, headers=self._headers)
