@@ -245,23 +245,23 @@ class DataNode(flight.FlightServerBase):
             )
         parts = node_rows(t.offset, held, t.total, req)
         if matches is None and not req.shuffle:
-            # Row ranges are zero-copy slices: hand them to Flight's C++ writer as one table, so
-            # no Python runs per batch on the hot, unshuffled path.
-            slices = list(store.iter_rows(parts, req.batch_size, req.columns))
-            self.metrics.rows_served.inc(sum(b.num_rows for b in slices))
-            self.metrics.bytes_served.inc(sum(b.nbytes for b in slices))
-            return flight.RecordBatchStream(pa.Table.from_batches(slices, schema=schema))
+            # Row ranges are slices, cut as Flight's C++ writer pulls them: its own thread, no
+            # readahead, and only the batch in flight holds rebased offsets (offsets.py).
+            slices = self._counted(store.iter_rows(parts, req.batch_size, req.columns))
+            return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, slices))
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.
         batches = Readahead(store.iter_rows(parts, req.batch_size, req.columns), READAHEAD_BATCHES, "gather")
         return flight.GeneratorStream(schema, self._counted(batches))
 
-    def _counted(self, batches: Readahead) -> Iterator[pa.RecordBatch]:
+    def _counted(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         try:
             for batch in batches:
                 self.metrics.rows_served.inc(batch.num_rows)
                 self.metrics.bytes_served.inc(batch.nbytes)
                 yield batch
-        finally:  # the client went away mid-stream: stop gathering ahead for it
-            batches.close()
+        finally:  # the client went away mid-stream: stop a Readahead gathering ahead for it
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
