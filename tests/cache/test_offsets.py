@@ -10,7 +10,7 @@ import pyarrow.ipc as ipc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kubeflow_data_cache.offsets import rebase, zero_based
+from kubeflow_data_cache.offsets import has_offsets, rebase, zero_based
 
 ROWS = 3000
 
@@ -96,3 +96,11 @@ def test_a_batch_with_nothing_to_rebase_is_returned_as_it_is():
     assert zero_based(source) is source
     numeric = source.select(["id"]).slice(100, 50)
     assert zero_based(numeric) is numeric
+
+
+def test_only_types_with_offsets_take_the_rebasing_path():
+    schema = table(with_nulls=False).schema
+    assert [f.name for f in schema if has_offsets(f.type)] == ["text", "blob", "ints", "words", "pair"]
+    assert has_offsets(schema)
+    numeric = pa.schema([("id", pa.int64()), ("v", pa.list_(pa.float32(), 4)), ("s", pa.struct([("n", pa.int8())]))])
+    assert not has_offsets(numeric)

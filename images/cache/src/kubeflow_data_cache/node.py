@@ -20,6 +20,7 @@ from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_S
 from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, StaleTicketError, TableLoadError
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
+from kubeflow_data_cache.offsets import has_offsets
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
@@ -245,10 +246,17 @@ class DataNode(flight.FlightServerBase):
             )
         parts = node_rows(t.offset, held, t.total, req)
         if matches is None and not req.shuffle:
-            # Row ranges are slices, cut as Flight's C++ writer pulls them: its own thread, no
-            # readahead, and only the batch in flight holds rebased offsets (offsets.py).
-            slices = self._counted(store.iter_rows(parts, req.batch_size, req.columns))
-            return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, slices))
+            slices = store.iter_rows(parts, req.batch_size, req.columns)
+            if has_offsets(schema):
+                # Slices with rebased offsets (offsets.py) are cut as Flight's writer pulls them,
+                # so only the batch in flight holds a rebased copy.
+                return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, self._counted(slices)))
+            # Fixed-width columns: zero-copy slices handed to Flight's C++ writer as one table,
+            # so no Python runs per batch on the hot path.
+            batches = list(slices)
+            self.metrics.rows_served.inc(sum(b.num_rows for b in batches))
+            self.metrics.bytes_served.inc(sum(b.nbytes for b in batches))
+            return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.

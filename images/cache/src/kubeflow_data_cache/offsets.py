@@ -23,6 +23,15 @@ _BINARY_LIKE = {
 }
 
 
+def has_offsets(typ: pa.DataType | pa.Schema) -> bool:
+    """Whether slices of this type (or of any column of this schema) can need rebasing."""
+    if isinstance(typ, pa.Schema):
+        return any(has_offsets(field.type) for field in typ)
+    if typ in _BINARY_LIKE or _is_list(typ):
+        return True
+    return pa.types.is_struct(typ) and any(has_offsets(typ.field(i).type) for i in range(typ.num_fields))
+
+
 def zero_based(batch: pa.RecordBatch) -> pa.RecordBatch:
     """The same rows, with every string, binary and list column (also inside lists and structs)
     rebuilt so that its offsets start at 0. Other columns are kept as they are."""
