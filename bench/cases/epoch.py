@@ -2,7 +2,7 @@
 
 Every method ends in the same place: dicts of ``batch_size``-row tensors of the numeric
 columns, consumed by the same loop. The direct readers load the projected columns, convert each
-column to a tensor once with the cache's own ``column_to_tensor`` and slice (the cheapest
+column to a tensor once with the cache's own ``column_to_tensor`` (no copy) and slice (the cheapest
 honest conversion; shuffled: one torch.randperm gather, a stronger shuffle than the cache's
 block shuffle). Methods alternate within each repeat, so machine load drifts hit all alike.
 """
@@ -28,7 +28,10 @@ PYICEBERG_S3 = "pyiceberg-s3"
 
 def tensor_batches(table: pa.Table, batch_size: int, shuffle: bool, seed: int) -> Iterator[dict[str, torch.Tensor]]:
     """The direct readers' conversion: one tensor per column, optionally permuted, sliced."""
-    tensors = {name: column_to_tensor(name, table.column(name).combine_chunks()) for name in table.column_names}
+    # copy=False as DataCacheDataset does: a freshly read table is the reader's alone.
+    tensors = {
+        name: column_to_tensor(name, table.column(name).combine_chunks(), copy=False) for name in table.column_names
+    }
     if shuffle:
         perm = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed))
         tensors = {name: t[perm] for name, t in tensors.items()}

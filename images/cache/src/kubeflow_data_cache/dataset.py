@@ -224,6 +224,22 @@ class DataCacheDataset(IterableDataset):
         pending: list[pa.RecordBatch] = []
         pending_rows = 0
         for rb in record_batches:
+            if rb.num_rows == 0:
+                continue
+            if rb.num_rows >= target:
+                # A whole transfer batch is converted on its own: no concat copies it. A short tail
+                # before it (where one node's stream ended) is completed with its first rows.
+                if pending_rows:
+                    need = -pending_rows % size
+                    pending.append(rb.slice(0, need))
+                    yield from self._slices(_concat(pending), size)
+                    rb, pending, pending_rows = rb.slice(need), [], 0
+                full = rb.num_rows // size * size
+                if full:
+                    yield from self._slices(rb.slice(0, full), size)
+                if full < rb.num_rows:
+                    pending, pending_rows = [rb.slice(full)], rb.num_rows - full
+                continue
             pending.append(rb)
             pending_rows += rb.num_rows
             if pending_rows < target:
@@ -273,7 +289,11 @@ class DataCacheDataset(IterableDataset):
         Override to tokenize or reshape. Return a dict or tuple of tensors, numpy arrays or
         lists whose first dimension is the row: the result is sliced into ``batch_size`` rows.
         """
-        return {name: column_to_tensor(name, col) for name, col in zip(batch.schema.names, batch.columns, strict=True)}
+        # The batch is this reader's own (received, or a fresh concat): tensors may share its memory.
+        return {
+            name: column_to_tensor(name, col, copy=False)
+            for name, col in zip(batch.schema.names, batch.columns, strict=True)
+        }
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -360,11 +380,17 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
     )
 
 
-def column_to_tensor(name: str, col: pa.Array) -> torch.Tensor | list[str]:
-    """One column as a tensor (lists of equal length as 2-D, one copy) or, for strings, a list of str.
+def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tensor | list[str]:
+    """One column as a tensor (lists of equal length as 2-D) or, for strings, a list of str.
 
     Iceberg has no fixed-size list type, so a fixed-size list written to a table reads back as a
     variable list: any list column whose rows all have the same length becomes a 2-D tensor.
+
+    With ``copy`` (the default) the tensor owns a copy of the values, so writing to it can never
+    touch Arrow memory that others share or that is read-only (a memory-mapped file). Without it,
+    integer and floating columns with no nulls become tensors over the Arrow buffer itself, for
+    a batch the caller owns outright, such as one just received from the cache; the tensor keeps
+    the buffer alive. Booleans (bit-packed) and columns with nulls are always converted.
     """
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
@@ -373,7 +399,7 @@ def column_to_tensor(name: str, col: pa.Array) -> torch.Tensor | list[str]:
         if col.null_count:
             raise ValueError(f"column {name!r} has null lists; fill them in from_arrow_rb_to_tensor")
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
-        inner = column_to_tensor(name, col.flatten())
+        inner = column_to_tensor(name, col.flatten(), copy)
         assert isinstance(inner, torch.Tensor)
         return inner.reshape(len(col), width, *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
@@ -382,7 +408,9 @@ def column_to_tensor(name: str, col: pa.Array) -> torch.Tensor | list[str]:
                 f"column {name!r} ({t}) has {col.null_count} null value(s); filter them out or override "
                 "from_arrow_rb_to_tensor to fill them"
             )
-        # writable=True copies once: tensors must not alias Arrow's immutable buffers.
+        if not copy and col.null_count == 0 and not pa.types.is_boolean(t):
+            return torch.from_dlpack(col)  # a view of the Arrow buffer; it keeps the buffer alive
+        # writable=True copies once: the tensor must not alias Arrow's immutable buffers.
         return torch.from_numpy(col.to_numpy(zero_copy_only=False, writable=True))
     raise TypeError(
         f"column {name!r} has type {t}, which has no default tensor conversion; leave it out with "
