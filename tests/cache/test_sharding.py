@@ -104,3 +104,22 @@ def test_shuffled_positions_are_consistent_across_ranges():
     whole = order.rows(0, 10_007)
     for lo, hi in [(0, 1), (99, 101), (5000, 10_007), (10_006, 10_007), (1234, 5678)]:
         assert np.array_equal(order.rows(lo, hi), whole[lo:hi])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    total=st.integers(1, 5000),
+    block=st.integers(1, 700),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_a_nodes_rows_are_the_orders_rows_in_its_range(total, block, shuffle, data):
+    """rows_in skips whole blocks outside a node's range: it must equal filtering the full order."""
+    order = EpochOrder(total, ShardRequest(shuffle=shuffle, seed=5, epoch=1, block_size=block))
+    lo = data.draw(st.integers(0, total))
+    hi = data.draw(st.integers(lo, total))
+    row_lo = data.draw(st.integers(0, total))
+    row_hi = data.draw(st.integers(row_lo, total))
+    rows = order.rows(lo, hi)
+    expected = rows[(rows >= row_lo) & (rows < row_hi)]
+    assert np.array_equal(order.rows_in(lo, hi, row_lo, row_hi), expected)

@@ -83,6 +83,21 @@ class EpochOrder:
     def _rotation(self, blocks: np.ndarray) -> np.ndarray:
         return (_keys(blocks, self.seed, self.epoch, 4) % np.uint64(self.block)).astype(np.int64)
 
+    def _rotated(self, blocks: np.ndarray) -> np.ndarray:
+        """``(in_block + rotation) % block`` for each block: row offsets within the block, 2-D.
+
+        Both terms are below ``block``, so the modulo is "subtract ``block`` where the sum
+        reached it", done as an unsigned minimum (a sum below ``block`` wraps to a huge value
+        when ``block`` is subtracted). In 32 bits while sums fit, this is ~7x faster than an
+        int64 ``%``, which had been a third of a shuffled read's time.
+        """
+        small = self.block < 1 << 30
+        signed, unsigned = (np.int32, np.uint32) if small else (np.int64, np.uint64)
+        rows = self.in_block.astype(signed) + self._rotation(blocks).astype(signed)[:, None]
+        view = rows.view(unsigned)
+        np.minimum(view, view - unsigned(self.block), out=view)
+        return rows
+
     def _blocks(self, lo: int, hi: int) -> tuple[int, int]:
         """Indices (into the permuted block order) of the blocks covering positions [lo, hi)."""
         first = int(np.searchsorted(self.starts, lo, side="right")) - 1
@@ -93,26 +108,50 @@ class EpochOrder:
         """Virtual row ids at positions ``[lo, hi)``, in order."""
         if not self.shuffle:
             return np.arange(lo, hi, dtype=np.int64)
-        if hi <= lo:
+        return self.rows_in(lo, hi, 0, self.total)
+
+    def rows_in(self, lo: int, hi: int, row_lo: int, row_hi: int) -> np.ndarray:
+        """The virtual rows in ``[row_lo, row_hi)`` among those at positions ``[lo, hi)``, in order.
+
+        A data node asks for its own rows only. Blocks are runs of consecutive rows, so a node's
+        rows fill whole blocks but for at most one at each end of its range: blocks outside it
+        are skipped before their rows are computed, and each node does 1/N of the work.
+        """
+        if not self.shuffle:
+            return np.arange(max(lo, row_lo), max(min(hi, row_hi), max(lo, row_lo)), dtype=np.int64)
+        if hi <= lo or row_hi <= row_lo:
             return np.empty(0, dtype=np.int64)
         first, last = self._blocks(lo, hi)
         blocks = self.order[first : last + 1]
         sizes = self.sizes[first : last + 1]
+        begin = blocks * self.block
+        keep = (begin < row_hi) & (begin + sizes > row_lo)
+        if not keep.any():
+            return np.empty(0, dtype=np.int64)
+        rows = self._block_rows(blocks[keep], sizes[keep])
+        # Positions [lo, hi) may start inside the first block and end inside the last one.
+        head = lo - int(self.starts[first]) if keep[0] else 0
+        tail = int(self.starts[last + 1]) - hi if keep[-1] else 0
+        rows = rows[head : len(rows) - tail]
+        if keep.all() and row_lo <= int(begin.min()) and int((begin + sizes).max()) <= row_hi:
+            return rows  # every block lies within the range: nothing to cut
+        return rows[(rows >= row_lo) & (rows < row_hi)]
+
+    def _block_rows(self, blocks: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """All rows of ``blocks`` (in that order), each block in its own shuffled order."""
         full = sizes == self.block
         # Full blocks as one 2-D array: one shared in-block permutation, rotated by a per-block
         # amount, so each block's order differs without an argsort per block.
-        rows = blocks[full][:, None] * self.block + (self.in_block + self._rotation(blocks[full])[:, None]) % self.block
+        rows = blocks[full][:, None] * self.block + self._rotated(blocks[full])
         if full.all():
-            ordered = rows.reshape(-1)
-        else:  # the table's last block is the only short one
-            short = int(np.flatnonzero(~full)[0])
-            start = int(blocks[short]) * self.block
-            tail = start + np.argsort(_keys(np.arange(int(sizes[short]), dtype=np.int64), self.seed, self.epoch, 3))
-            flat = rows.reshape(-1)
-            cut = short * self.block  # the full blocks before the short one
-            ordered = np.concatenate((flat[:cut], tail, flat[cut:]))
-        skip = lo - int(self.starts[first])
-        return ordered[skip : skip + (hi - lo)]
+            return rows.reshape(-1)
+        # The table's last block is the only short one.
+        short = int(np.flatnonzero(~full)[0])
+        start = int(blocks[short]) * self.block
+        tail = start + np.argsort(_keys(np.arange(int(sizes[short]), dtype=np.int64), self.seed, self.epoch, 3))
+        flat = rows.reshape(-1)
+        cut = short * self.block  # the full blocks before the short one
+        return np.concatenate((flat[:cut], tail, flat[cut:]))
 
     def row_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """Ranges of virtual rows that positions [lo, hi) may touch (whole blocks when shuffled)."""
@@ -165,7 +204,6 @@ def node_rows(node_offset: int, node_total: int, total: int, req: ShardRequest) 
     window = max(1, req.batch_size) * ORDER_WINDOW_BATCHES
     for lo, hi in shard_ranges(total, req):
         for start in range(lo, hi, window):
-            ids = order.rows(start, min(hi, start + window))
-            mine = ids[(ids >= lo_node) & (ids < hi_node)] - node_offset
+            mine = order.rows_in(start, min(hi, start + window), lo_node, hi_node)
             if len(mine):
-                yield mine
+                yield mine - node_offset
