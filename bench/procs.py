@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.config import MOTO_START_SECONDS, READY_TIMEOUT_SECONDS, S3_BUCKET, S3_CREDENTIALS
+from kubeflow_data_cache.processes import stop_processes
 
 STOP_GRACE_SECONDS = 20.0
 # A node logs "<role> serving Flight at <uri> (bind ...), health at :<port>" once it listens.
@@ -35,15 +35,9 @@ def free_port() -> int:
 
 
 def stop_process(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM, then SIGKILL to its whole session if it outlives ``grace``."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=grace)
+    """SIGTERM (the process stops its own children), then SIGKILL to its whole session if it
+    outlives ``grace``, or if anything of its session outlives it."""
+    stop_processes([proc], grace, kill_group=True)
 
 
 def read_line(proc: subprocess.Popen, deadline: float, what: str) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.sample import create_sample_table
 
 HERE = Path(__file__).resolve().parent
@@ -83,15 +84,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         with suppress(psutil.Error):
             descendants += psutil.Process(proc.pid).children(recursive=True)
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
-    for proc in procs:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_processes(procs, STOP_TIMEOUT_SECONDS, term_group=True, kill_group=True)
     _, alive = psutil.wait_procs(descendants, timeout=max(0.1, deadline - time.monotonic()))
     for child in alive:
         with suppress(psutil.Error):

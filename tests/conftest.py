@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.sample import SampleTable, create_sample_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,13 +71,8 @@ class LocalCache:
         return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        # `data-cache local` stops its nodes on SIGTERM; SIGKILL sweeps its session after.
+        stop_processes([self.proc], 20, kill_group=True)
         with contextlib.suppress(ValueError, OSError):
             self.stderr = self.read_stderr()
         return self.proc.returncode

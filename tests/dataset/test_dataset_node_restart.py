@@ -8,12 +8,9 @@ and replaced while the head keeps serving.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
 
 import numpy as np
 import pytest
@@ -21,6 +18,7 @@ import pytest
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset
 from kubeflow_data_cache.errors import CacheUnavailableError
+from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.protocol import ShardRequest
 from tests.conftest import free_port
 
@@ -80,16 +78,7 @@ class Cluster:
 
 def stop_groups(procs: list[subprocess.Popen]) -> None:
     """SIGTERM every process group at once; SIGKILL what outlives the grace period."""
-    for proc in procs:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_SECONDS
-    for proc in procs:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=STOP_SECONDS)
+    stop_processes(procs, STOP_SECONDS, term_group=True, kill_group=True)
 
 
 @pytest.fixture(scope="module")

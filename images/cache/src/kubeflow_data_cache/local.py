@@ -14,6 +14,7 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.memory import available_cpus
+from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.security import call_options, client_for, load_token, tls_certificates
 
 log = logging.getLogger(__name__)
@@ -99,16 +100,8 @@ class LocalCluster:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # The nodes share this process's group: signal each one, never the group.
+        stop_processes((proc for _, proc in self.procs), STOP_GRACE_SECONDS)
 
 
 def run_local(cluster: LocalCluster) -> int:

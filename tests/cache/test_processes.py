@@ -1,0 +1,111 @@
+"""stop_processes: real child processes, stopped politely when they listen, by force when not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from kubeflow_data_cache.processes import stop_processes
+
+# A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
+# first starts a grandchild in its group (printing its pid) that ignores SIGTERM.
+CHILD = """
+import signal, subprocess, sys, time
+if "ignore" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if "spawn" in sys.argv:
+    g = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    g.stdout.readline()
+    print(g.pid, flush=True)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def start(*flags: str, session: bool = False) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *flags], stdout=subprocess.PIPE, text=True, start_new_session=session
+    )
+
+
+def wait_ready(proc: subprocess.Popen) -> str:
+    """The child's first line before "ready" (the grandchild's pid), or "". A child that dies
+    first ends its output, which fails the test instead of waiting forever."""
+    lines = []
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            return lines[0] if lines else ""
+        lines.append(line.strip())
+    raise AssertionError(f"the child exited with {proc.wait(timeout=10)} before it was ready: {lines}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone but for its exit code
+
+
+def test_processes_that_listen_stop_on_sigterm_without_waiting_the_grace():
+    procs = [start(), start()]
+    for proc in procs:
+        wait_ready(proc)
+    started = time.monotonic()
+    stop_processes(procs, grace=30)
+    assert time.monotonic() - started < 10
+    assert all(proc.returncode == -15 for proc in procs)
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace():
+    proc = start("ignore")
+    wait_ready(proc)
+    started = time.monotonic()
+    stop_processes([proc], grace=1)
+    assert 0.9 <= time.monotonic() - started < 10
+    assert proc.returncode == -9
+
+
+def test_kill_group_sweeps_what_outlives_the_groups_leader():
+    proc = start("spawn", session=True)
+    grandchild = int(wait_ready(proc))
+    stop_processes([proc], grace=1, kill_group=True)
+    assert proc.returncode == -15  # the leader listened...
+    deadline = time.monotonic() + 10
+    while alive(grandchild) and time.monotonic() < deadline:  # ...its child, reparented, is killed
+        time.sleep(0.05)
+    assert not alive(grandchild)
+
+
+def test_term_group_reaches_every_member_of_the_group():
+    proc = start("spawn", session=True)
+    grandchild = int(wait_ready(proc))
+    stop_processes([proc], grace=1, term_group=True)
+    # The grandchild ignores SIGTERM, so without kill_group it survives: signalled, not killed.
+    try:
+        assert alive(grandchild)
+    finally:
+        os.kill(grandchild, 9)
+
+
+def test_already_finished_processes_are_fine():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stop_processes([proc], grace=1)
+    assert proc.returncode == 0
+
+
+def test_without_kill_group_only_the_process_itself_is_killed():
+    proc = start("spawn", "ignore", session=True)
+    grandchild = int(wait_ready(proc))
+    try:
+        stop_processes([proc], grace=0.5)
+        assert proc.returncode == -9
+        assert alive(grandchild)
+    finally:
+        os.kill(grandchild, 9)
