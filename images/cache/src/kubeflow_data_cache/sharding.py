@@ -153,16 +153,16 @@ class EpochOrder:
         cut = short * self.block  # the full blocks before the short one
         return np.concatenate((flat[:cut], tail, flat[cut:]))
 
-    def row_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Ranges of virtual rows that positions [lo, hi) may touch (whole blocks when shuffled)."""
+    def row_spans(self, lo: int, hi: int) -> np.ndarray:
+        """Ranges ``[start, stop)`` of virtual rows (one per row, shape ``(n, 2)``) that positions
+        [lo, hi) may touch: whole blocks when shuffled."""
         if not self.shuffle:
-            return [(lo, hi)] if hi > lo else []
+            return np.array([[lo, hi]] if hi > lo else [], dtype=np.int64).reshape(-1, 2)
         if hi <= lo:
-            return []
+            return np.empty((0, 2), dtype=np.int64)
         first, last = self._blocks(lo, hi)
-        blocks = self.order[first : last + 1]
-        sizes = self.sizes[first : last + 1]
-        return [(int(b) * self.block, int(b) * self.block + int(s)) for b, s in zip(blocks, sizes, strict=True)]
+        begin = self.order[first : last + 1] * self.block
+        return np.stack((begin, begin + self.sizes[first : last + 1]), axis=1)
 
 
 def nodes_for_shard(node_offsets: list[int], total: int, req: ShardRequest) -> list[int]:
@@ -173,7 +173,7 @@ def nodes_for_shard(node_offsets: list[int], total: int, req: ShardRequest) -> l
     nodes = len(node_offsets) - 1
     hit = np.zeros(nodes + 1, dtype=np.int64)
     for lo, hi in shard_ranges(total, req):
-        spans = np.asarray(order.row_spans(lo, hi), dtype=np.int64).reshape(-1, 2)
+        spans = order.row_spans(lo, hi)
         if not len(spans):
             continue
         first = np.searchsorted(bounds, spans[:, 0], side="right") - 1
