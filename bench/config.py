@@ -33,6 +33,9 @@ class BenchConfig:
     headline_rows: int
     repeats: int  # serve and epoch repeats (cheap: the cluster is up)
     load_repeats: int  # cluster starts per (size, nodes): each is one load measurement
+    # Serve: each timed repeat reads the whole table enough times to move this much per client.
+    # One 2M-row read lasts ~50 ms here, short enough for scheduler noise to swing it by half.
+    serve_repeat_bytes: int = 256 << 20
     cold_process: bool = True  # also time pyiceberg to_arrow() in a fresh interpreter
     s3_load: bool = True  # also start a cache over the S3 table (one more cluster start per repeat)
     batch_size: int = BATCH_SIZE
@@ -81,6 +84,7 @@ SMOKE = replace(
     headline_rows=3_000,
     repeats=1,
     load_repeats=1,
+    serve_repeat_bytes=0,  # one pass: the smoke grid checks the machinery, not the rate
     cold_process=True,  # one fresh interpreter: the fresh-call figure is part of the machinery
     s3_load=False,
 )

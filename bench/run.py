@@ -31,7 +31,7 @@ def _cluster_cases(
         status = cache.status()
         memory.record(mem, status, baseline_bytes)
         for clients in cfg.clients:
-            results.append(serve.run(cache, table.rows, nodes, clients, cfg.repeats, progress))
+            results.append(serve.run(cache, table.rows, nodes, clients, cfg.repeats, cfg.serve_repeat_bytes, progress))
         if table.rows in cfg.epoch_sizes and nodes == cfg.epoch_nodes:
             s3 = tables.s3(table.rows) if table.rows in cfg.s3_sizes else None
             results += epoch.run(cache.endpoint, table, s3, nodes, cfg.repeats, cfg.batch_size, cfg.columns, progress)

@@ -2,10 +2,11 @@
 
 With ``--bare`` it reads a `bench.bare_flight` server with a plain pyarrow FlightClient instead.
 
-Prints ``ready`` once imported and connected, then for each ``go`` line on stdin reads the
-whole table (shard 0 of 1, all columns) with CacheClient and prints one JSON line: rows,
-Arrow bytes received, and wall-clock start and end (time.time, comparable across processes).
-Imports and connection set-up stay outside the timing; a real trainer pays them once.
+Prints ``ready`` once imported and connected, then for each ``go N`` line on stdin reads the
+whole table (shard 0 of 1, all columns) N times in a row with CacheClient and prints one JSON
+line: rows and Arrow bytes of one pass (the same for every pass, or it fails), N, and the
+wall-clock start and end of all N (time.time, comparable across processes). Imports and
+connection set-up stay outside the timing; a real trainer pays them once.
 """
 
 from __future__ import annotations
@@ -23,22 +24,29 @@ from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.protocol import ShardRequest
 
 
-def timed(batches: Iterator[pa.RecordBatch]) -> dict[str, float]:
-    rows = nbytes = 0
+def timed(read: Callable[[], Iterator[pa.RecordBatch]], passes: int) -> dict[str, float]:
+    counts = []
     start = time.time()
-    for batch in batches:
-        rows += batch.num_rows
-        nbytes += batch.nbytes
-    return {"rows": rows, "bytes": nbytes, "start": start, "end": time.time()}
+    for _ in range(passes):
+        rows = nbytes = 0
+        for batch in read():
+            rows += batch.num_rows
+            nbytes += batch.nbytes
+        counts.append((rows, nbytes))
+    end = time.time()
+    if len(set(counts)) != 1:
+        raise RuntimeError(f"passes over the same table differ: {counts}")
+    return {"rows": counts[0][0], "bytes": counts[0][1], "passes": passes, "start": start, "end": end}
 
 
 def serve_requests(read: Callable[[], Iterator[pa.RecordBatch]]) -> None:
-    """One timed read per ``go`` line on stdin, until anything else or EOF."""
+    """One timed series of reads per ``go N`` line on stdin, until anything else or EOF."""
     print("ready", flush=True)
     for line in sys.stdin:
-        if line.strip() != "go":
+        words = line.split()
+        if len(words) != 2 or words[0] != "go":
             break
-        print(json.dumps(timed(read())), flush=True)
+        print(json.dumps(timed(read, int(words[1]))), flush=True)
 
 
 def main(argv: list[str]) -> int:

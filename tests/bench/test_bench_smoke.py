@@ -19,6 +19,7 @@ if str(REPO_ROOT) not in sys.path:  # `bench` lives at the repo root, outside th
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import report  # noqa: E402
+from bench.cases.serve import serve_passes  # noqa: E402
 from bench.config import SMOKE  # noqa: E402
 from bench.run import run  # noqa: E402
 
@@ -56,6 +57,7 @@ def test_every_case_runs_with_positive_figures(smoke_result, tmp_path):
 def test_core_figures_are_present(smoke_result):
     serve = report.find(smoke_result, case="serve")
     assert {"rows_per_s", "gb_per_s", "loopback_gb_per_s", "ratio_to_loopback"} <= serve["figures"].keys()
+    assert serve["figures"]["passes"]["median"] == 1  # the smoke grid asks for one pass per repeat
     load = report.find(smoke_result, case="load", source="file")
     assert {
         "head_load_seconds",
@@ -115,3 +117,10 @@ def test_full_grid_keeps_its_own_latest_files_and_table(smoke_result, tmp_path):
     assert report.update_readme(doc, "new full table", report.FULL_START_MARKER, report.FULL_END_MARKER)
     text = doc.read_text()
     assert "new full table" in text and "old" not in text and quick in text  # the quick table is untouched
+
+
+def test_serve_repeats_read_the_table_enough_times_to_move_the_asked_bytes():
+    assert serve_passes(table_bytes=100, repeat_bytes=0) == 1
+    assert serve_passes(table_bytes=100, repeat_bytes=100) == 1
+    assert serve_passes(table_bytes=100, repeat_bytes=101) == 2
+    assert serve_passes(table_bytes=117 << 20, repeat_bytes=256 << 20) == 3
