@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -263,13 +263,11 @@ class DataNode(flight.FlightServerBase):
         batches = Readahead(store.iter_rows(parts, req.batch_size, req.columns), READAHEAD_BATCHES, "gather")
         return flight.GeneratorStream(schema, self._counted(batches))
 
-    def _counted(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def _counted(self, batches: Readahead | Generator[pa.RecordBatch, None, None]) -> Iterator[pa.RecordBatch]:
         try:
             for batch in batches:
                 self.metrics.rows_served.inc(batch.num_rows)
                 self.metrics.bytes_served.inc(batch.nbytes)
                 yield batch
-        finally:  # the client went away mid-stream: stop a Readahead gathering ahead for it
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
+        finally:  # the client went away mid-stream: stop the source (a Readahead gathering ahead)
+            batches.close()

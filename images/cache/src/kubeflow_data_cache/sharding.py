@@ -118,7 +118,8 @@ class EpochOrder:
         are skipped before their rows are computed, and each node does 1/N of the work.
         """
         if not self.shuffle:
-            return np.arange(max(lo, row_lo), max(min(hi, row_hi), max(lo, row_lo)), dtype=np.int64)
+            first_row, end_row = max(lo, row_lo), min(hi, row_hi)
+            return np.arange(first_row, max(first_row, end_row), dtype=np.int64)
         if hi <= lo or row_hi <= row_lo:
             return np.empty(0, dtype=np.int64)
         first, last = self._blocks(lo, hi)
