@@ -52,12 +52,11 @@ def test_a_batch_over_the_limit_stands_alone_rather_than_failing():
     limit_batches=st.integers(1, 5),
     rows=st.data(),
     batch_rows=st.integers(1, 500),
-    threads=st.integers(1, 3),
 )
-def test_gathers_and_slices_match_the_rows_whatever_the_chunks(sizes, limit_batches, rows, batch_rows, threads):
+def test_gathers_and_slices_match_the_rows_whatever_the_chunks(sizes, limit_batches, rows, batch_rows):
     source = batches(sizes)
     limit = limit_batches * max(1, max(b.column("text").nbytes for b in source))
-    store = NodeStore(SCHEMA, compact(deque(source), SCHEMA, variable_limit=limit, threads=threads))
+    store = NodeStore(SCHEMA, compact(deque(source), SCHEMA, variable_limit=limit))
     total = sum(sizes)
     assert store.num_rows == total
     if not total:

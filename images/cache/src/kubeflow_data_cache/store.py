@@ -33,36 +33,24 @@ def _variable_bytes(batch: pa.RecordBatch) -> int:
     return max(sizes, default=0)
 
 
-def _merge(group: list[pa.RecordBatch], schema: pa.Schema, threads: int = 1) -> pa.RecordBatch:
-    """One batch from ``group``, merged a column at a time (``threads`` columns at once): each
-    source column is released as soon as its copy exists, so the extra memory is ``threads``
-    columns, not a second copy of the rows. The copies release the GIL, so columns merge in
-    parallel (2 threads: ~30% less time on the project's test machine)."""
+def _merge(group: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
+    """One batch from ``group``, merged a column at a time: each source column is released as
+    soon as its copy exists, so the extra memory is one column, not a second copy of the rows."""
     if len(group) == 1:
         return group.pop()
     table = pa.Table.from_batches(group, schema=schema)
     group.clear()
     sources = table.columns
     del table
-
-    def merge_column(i: int) -> pa.Array:
-        merged = sources[i].combine_chunks()
+    merged = []
+    for i in range(len(sources)):
+        merged.append(sources[i].combine_chunks())
         sources[i] = None  # the last reference to the source chunks of this column
-        return merged
-
-    if threads <= 1 or len(sources) == 1:
-        merged = [merge_column(i) for i in range(len(sources))]
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compact") as pool:
-            merged = list(pool.map(merge_column, range(len(sources))))
     return pa.RecordBatch.from_arrays(merged, schema=schema)
 
 
 def compact(
-    batches: deque[pa.RecordBatch],
-    schema: pa.Schema,
-    variable_limit: int = STORE_CHUNK_VARIABLE_BYTES,
-    threads: int = 1,
+    batches: deque[pa.RecordBatch], schema: pa.Schema, variable_limit: int = STORE_CHUNK_VARIABLE_BYTES
 ) -> list[pa.RecordBatch]:
     """Merge the reader's batches into as few chunks as the 32-bit offsets of variable-width
     columns allow (one chunk for a numeric table, however large).
@@ -79,7 +67,7 @@ def compact(
             group.append(batch)
             variable += _variable_bytes(batch)
         del batch
-        out.append(_merge(group, schema, threads))
+        out.append(_merge(group, schema))
     return out
 
 
@@ -167,7 +155,7 @@ class NodeStore:
             results = list(pool.map(read, pieces))
         batches = deque(b.cast(schema) if b.schema != schema else b for part in results for b in part)
         del results
-        store = cls(schema, compact(batches, schema, threads=max(1, threads)))
+        store = cls(schema, compact(batches, schema))
         # Give cached decode buffers back to the OS (immediate under the data node's jemalloc).
         pa.default_memory_pool().release_unused()
         return store
