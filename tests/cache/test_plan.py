@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,7 +14,14 @@ from hypothesis import strategies as st
 from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.memory import check_fits, parse_bytes
-from kubeflow_data_cache.plan import assign_rows, open_table, plan_table, s3_properties_from_env
+from kubeflow_data_cache.plan import (
+    assign_rows,
+    estimated_load_peak_bytes,
+    estimated_node_bytes,
+    open_table,
+    plan_table,
+    s3_properties_from_env,
+)
 from kubeflow_data_cache.sample import create_sample_table, make_catalog
 from kubeflow_data_cache.store import NodeStore
 
@@ -58,14 +69,48 @@ def test_loaded_rows_match_the_plan_and_the_estimate_is_close(table_factory):
 
 
 def test_memory_refusal_names_the_fix():
-    need = [3 << 30, 3 << 30]
+    need, peak = [3 << 30, 3 << 30], [4 << 30, 4 << 30]
     with pytest.raises(MemoryBudgetError) as err:
-        check_fits(need, [(1 << 30) + BASELINE_MEMORY_BYTES] * 2)
+        check_fits(need, peak, [(1 << 30) + BASELINE_MEMORY_BYTES] * 2)
     message = str(err.value)
-    assert "use at least 6 data nodes (CLUSTER_SIZE=7)" in message
+    assert "use at least 8 data nodes (CLUSTER_SIZE=9)" in message
+    assert "4.00 GiB at its peak while loading" in message
     assert "WORKER_MEM" in message
-    check_fits(need, [None, None])  # no budget known: nothing to refuse
-    check_fits(need, [(4 << 30) + BASELINE_MEMORY_BYTES] * 2)
+    check_fits(need, peak, [None, None])  # no budget known: nothing to refuse
+    check_fits(need, peak, [(4 << 30) + BASELINE_MEMORY_BYTES] * 2)
+
+
+def test_a_share_that_fits_but_whose_load_peak_does_not_is_refused():
+    """Room for the rows but not for the copy of the column being merged: refused up front,
+    not OOM-killed half way through the load."""
+    with pytest.raises(MemoryBudgetError, match="at its peak while loading"):
+        check_fits([3 << 30], [(3 << 30) + (1 << 29)], [(3 << 30) + (1 << 28) + BASELINE_MEMORY_BYTES])
+
+
+def test_the_load_peak_estimate_covers_a_real_loads_peak(table_factory):
+    """A fresh process loads the table as a data node would; its Arrow pool's peak (everything the
+    load held at once) stays within the estimate the head checks before it sends the load."""
+    table = table_factory(60_000, 3)
+    _, plan, _ = planned(table)
+    (assignment,) = assign_rows(plan, 1)
+    script = (
+        "import json, sys, pyarrow as pa\n"
+        "from kubeflow_data_cache.plan import assign_rows, open_table, plan_table\n"
+        "from kubeflow_data_cache.store import NodeStore\n"
+        "t = open_table(sys.argv[1]); plan, tasks = plan_table(t, sys.argv[1])\n"
+        "(a,) = assign_rows(plan, 1)\n"
+        "pool = pa.default_memory_pool(); before = pool.bytes_allocated()\n"
+        "store = NodeStore.load(t, tasks, plan.schema, list(a.pieces), 1)\n"
+        "print(json.dumps({'peak': pool.max_memory() - before, 'rows_bytes': store.nbytes}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, table.metadata_location], capture_output=True, text=True, timeout=120, check=True
+    )
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    estimate = estimated_load_peak_bytes(plan, assignment)
+    assert measured["peak"] > measured["rows_bytes"]  # the merge really holds more than the rows
+    assert measured["peak"] <= estimate
+    assert estimate > estimated_node_bytes(plan, assignment)
 
 
 @pytest.mark.parametrize(("text", "value"), [("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024)])

@@ -22,6 +22,7 @@ from kubeflow_data_cache.node import server_kwargs
 from kubeflow_data_cache.plan import (
     TablePlan,
     assign_rows,
+    estimated_load_peak_bytes,
     estimated_node_bytes,
     open_table,
     plan_table,
@@ -115,6 +116,7 @@ class Head(flight.FlightServerBase):
             assignments = assign_rows(plan, self.cfg.data_nodes)
             check_fits(
                 [estimated_node_bytes(plan, a) for a in assignments],
+                [estimated_load_peak_bytes(plan, a) for a in assignments],
                 [self.registered[k].get("memory_limit") for k in range(self.cfg.data_nodes)],
             )
             self.plan, self.assignments = plan, assignments

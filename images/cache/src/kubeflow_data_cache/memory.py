@@ -72,12 +72,17 @@ def _fmt(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def check_fits(need_per_node: list[int], budgets: list[int | None]) -> None:
-    """Refuse a load that would not fit, saying how many nodes or how much memory it needs."""
+def check_fits(need_per_node: list[int], peak_per_node: list[int], budgets: list[int | None]) -> None:
+    """Refuse a load that would not fit, saying how many nodes or how much memory it needs.
+
+    ``need_per_node`` is each node's rows once loaded, ``peak_per_node`` the most it holds while
+    loading (plan.estimated_load_peak_bytes): the peak is what must fit, or the node is
+    OOM-killed half way through its load.
+    """
     over = [
-        (node, need, usable_bytes(budget))
-        for node, (need, budget) in enumerate(zip(need_per_node, budgets, strict=True))
-        if budget is not None and need > (usable_bytes(budget) or 0)
+        (node, need, peak, usable_bytes(budget))
+        for node, (need, peak, budget) in enumerate(zip(need_per_node, peak_per_node, budgets, strict=True))
+        if budget is not None and peak > (usable_bytes(budget) or 0)
     ]
     if not over:
         return
@@ -85,9 +90,10 @@ def check_fits(need_per_node: list[int], budgets: list[int | None]) -> None:
     nodes = len(need_per_node)
     known = [usable_bytes(b) for b in budgets if b is not None]
     usable = min(known) if known else 0
-    needed_nodes = -(-total // usable) if usable else None
-    need_max = max(need_per_node)
-    node, need, have = over[0]
+    # More nodes shrink each share and its largest column alike: scale by the summed peaks.
+    needed_nodes = -(-sum(peak_per_node) // usable) if usable else None
+    peak_max = max(peak_per_node)
+    node, need, peak, have = over[0]
     advice = (
         f"use at least {needed_nodes} data nodes (CLUSTER_SIZE={needed_nodes + 1})"
         if needed_nodes
@@ -95,8 +101,9 @@ def check_fits(need_per_node: list[int], budgets: list[int | None]) -> None:
     )
     raise MemoryBudgetError(
         f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics); "
-        f"data node {node} would hold {_fmt(need)} but can use {_fmt(have or 0)} "
+        f"data node {node} would hold {_fmt(need)}, {_fmt(peak)} at its peak while loading (it merges "
+        f"a column at a time), but can use {_fmt(have or 0)} "
         f"(its limit minus {_fmt(BASELINE_MEMORY_BYTES)} for the interpreter). "
         f"With {nodes} data node(s), {advice}, or give each data node at least "
-        f"{_fmt(need_max + BASELINE_MEMORY_BYTES)} (WORKER_MEM / --memory-limit)"
+        f"{_fmt(peak_max + BASELINE_MEMORY_BYTES)} (WORKER_MEM / --memory-limit)"
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX
+from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,12 @@ class FilePlan:
 
     path: str
     rows: int
-    estimated_bytes: int
+    column_bytes: tuple[int, ...]  # estimated Arrow bytes of each column, in schema order
     has_deletes: bool
+
+    @property
+    def estimated_bytes(self) -> int:
+        return sum(self.column_bytes)
 
 
 @dataclass(frozen=True)
@@ -143,13 +147,13 @@ def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:
     return rows * 32  # no statistics: a generous guess per value
 
 
-def estimate_file_bytes(data_file, schema: pa.Schema, field_ids: list[int], rows: int) -> int:
-    """Arrow bytes of a file's rows, from manifest statistics (no data is read)."""
+def estimate_column_bytes(data_file, schema: pa.Schema, field_ids: list[int], rows: int) -> tuple[int, ...]:
+    """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read)."""
     sizes = data_file.column_sizes or {}
-    total = 0
-    for field, field_id in zip(schema, field_ids, strict=True):
-        total += _field_estimate(field, rows, sizes.get(field_id))
-    return int(total * ARROW_OVERHEAD)
+    return tuple(
+        int(_field_estimate(field, rows, sizes.get(field_id)) * ARROW_OVERHEAD)
+        for field, field_id in zip(schema, field_ids, strict=True)
+    )
 
 
 def _count_after_deletes(table, task) -> int:
@@ -242,7 +246,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     for path, task in tasks.items():
         deletes = task.delete_files or set()
         rows = _count_after_deletes(table, task) if deletes else task.file.record_count
-        files.append(FilePlan(path, rows, estimate_file_bytes(task.file, schema, field_ids, rows), bool(deletes)))
+        files.append(FilePlan(path, rows, estimate_column_bytes(task.file, schema, field_ids, rows), bool(deletes)))
     snapshot = table.current_snapshot()
     plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
     log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)
@@ -267,10 +271,28 @@ def assign_rows(plan: TablePlan, data_nodes: int) -> list[NodeAssignment]:
     return assignments
 
 
-def estimated_node_bytes(plan: TablePlan, assignment: NodeAssignment) -> int:
+def _node_column_bytes(plan: TablePlan, assignment: NodeAssignment) -> list[int]:
     by_path = {f.path: f for f in plan.files}
-    total = 0
+    columns = [0] * len(plan.schema)
     for piece in assignment.pieces:
         f = by_path[piece.path]
-        total += f.estimated_bytes * (piece.stop - piece.start) // max(f.rows, 1)
-    return total
+        for i, nbytes in enumerate(f.column_bytes):
+            columns[i] += nbytes * (piece.stop - piece.start) // max(f.rows, 1)
+    return columns
+
+
+def estimated_node_bytes(plan: TablePlan, assignment: NodeAssignment) -> int:
+    """The node's rows in memory once loaded."""
+    return sum(_node_column_bytes(plan, assignment))
+
+
+def estimated_load_peak_bytes(plan: TablePlan, assignment: NodeAssignment) -> int:
+    """The node's rows plus what loading holds on top of them at its peak: merging the loaded
+    batches into one chunk copies a column at a time (store.compact), so the largest column
+    (or, for a non-primitive one, its largest chunk: STORE_CHUNK_VARIABLE_BYTES) exists twice."""
+    columns = _node_column_bytes(plan, assignment)
+    in_flight = [
+        nbytes if pa.types.is_primitive(field.type) else min(nbytes, STORE_CHUNK_VARIABLE_BYTES)
+        for field, nbytes in zip(plan.schema, columns, strict=True)
+    ]
+    return sum(columns) + max(in_flight, default=0)
