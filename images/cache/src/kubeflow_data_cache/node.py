@@ -20,7 +20,7 @@ from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_S
 from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, StaleTicketError, TableLoadError
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
-from kubeflow_data_cache.offsets import has_offsets
+from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
@@ -250,7 +250,8 @@ class DataNode(flight.FlightServerBase):
             if has_offsets(schema):
                 # Slices with rebased offsets (offsets.py) are cut as Flight's writer pulls them,
                 # so only the batch in flight holds a rebased copy.
-                return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, self._counted(slices)))
+                rebased = (zero_based(batch) for batch in slices)
+                return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, self._counted(rebased)))
             # Fixed-width columns: zero-copy slices handed to Flight's C++ writer as one table,
             # so no Python runs per batch on the hot path.
             batches = list(slices)

@@ -21,7 +21,6 @@ import pyarrow.compute as pc
 from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.constants import STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
-from kubeflow_data_cache.offsets import zero_based
 from kubeflow_data_cache.plan import Piece
 
 log = logging.getLogger(__name__)
@@ -172,14 +171,13 @@ class NodeStore:
         return batch if columns is None else batch.select(list(columns))
 
     def slices(self, lo: int, hi: int, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
-        """Rows ``[lo, hi)`` as slices of at most ``batch_rows`` rows: zero-copy, but for the
-        offsets of variable-width columns, rebased to start at 0 (see ``zero_based``)."""
+        """Rows ``[lo, hi)`` as zero-copy slices of at most ``batch_rows`` rows."""
         pos = lo
         while pos < hi:
             i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
             start = pos - int(self.offsets[i])
             n = min(hi - pos, self.batches[i].num_rows - start, batch_rows)
-            yield zero_based(self._select(self.batches[i].slice(start, n), columns))
+            yield self._select(self.batches[i].slice(start, n), columns)
             pos += n
 
     def take(self, rows: np.ndarray, columns) -> pa.RecordBatch:
