@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from kubeflow_data_cache import fork_guard
 from kubeflow_data_cache.allocator import tune_glibc_malloc
 from kubeflow_data_cache.errors import (
     BadRequestError,
@@ -69,21 +68,6 @@ _AUTH = (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError)
 T = TypeVar("T")
 
 
-# gRPC does not survive fork() while a channel is open: a forked child (typically a DataLoader
-# worker) that then uses gRPC hangs. Track the clients with open channels so that such a child
-# fails at once with the fix instead of hanging.
-_OPEN_CLIENTS: weakref.WeakSet[CacheClient] = weakref.WeakSet()
-_inherited_open_clients = 0
-
-
-def _after_fork_in_child() -> None:
-    global _inherited_open_clients
-    _inherited_open_clients = len(_OPEN_CLIENTS)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def _reason(err: BaseException) -> str:
     """The server's message without pyarrow's appended traceback and gRPC debug context."""
     return str(err).split(". Detail:", 1)[0].split(". gRPC client debug context:", 1)[0].strip()
@@ -120,13 +104,7 @@ class CacheClient:
         with self._lock:  # endpoint streams open connections from their readahead threads
             client = self._clients.get(location)
             if client is None:
-                if _inherited_open_clients:
-                    raise ForkedConnectionError(
-                        f"this process was forked while its parent held {_inherited_open_clients} open cache "
-                        "client(s) (a DataLoader started its workers while the main process had a CacheClient or a "
-                        "half-read DataCacheDataset iterator); gRPC cannot be used after such a fork. Finish or "
-                        "close() them before iterating the DataLoader, or pass multiprocessing_context='forkserver'"
-                    )
+                fork_guard.check_usable()  # a forked child: fail with the fix rather than hang
                 kwargs: dict[str, Any] = {}
                 if self._tls_root_certs is not None:
                     kwargs["tls_root_certs"] = self._tls_root_certs
@@ -134,17 +112,19 @@ class CacheClient:
                     kwargs["generic_options"] = self._generic_options
                 client = flight.FlightClient(location, **kwargs)
                 self._clients[location] = client
-                _OPEN_CLIENTS.add(self)
+                fork_guard.opened(self)
             return client
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
         return flight.FlightCallOptions(timeout=timeout, headers=self._headers)
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-        _OPEN_CLIENTS.discard(self)
+        """Close every connection; a later call opens new ones."""
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+            fork_guard.closed(self)
 
     def __enter__(self) -> CacheClient:
         return self
@@ -337,6 +317,86 @@ class CacheClient:
         raise BadRequestError(
             f"data node {was.node} ({location}) reloaded with other rows for this shard; start the epoch again"
         )
+
+
+class KeptClient:
+    """One CacheClient kept by its owner (a DataCacheDataset) from one read to the next.
+
+    A new client per epoch opens a new connection to the head and to every data node, and a fresh
+    connection is slow to start: on loopback that was about a third of an unshuffled 2M-row
+    epoch's transfer time (docs/dataset.md). The kept client is shared by the owner's concurrent
+    reads; one that no read uses is closed before this process forks (fork_guard.py). A forked
+    child never uses or closes its parent's client: it makes its own. Pickling (spawn and
+    forkserver DataLoader workers) drops the client.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._client: CacheClient | None = None
+        self._settings: tuple[Any, ...] | None = None
+        self._reads = 0
+        fork_guard.keep(self)
+
+    @contextmanager
+    def lease(
+        self, endpoint: str, token: str | None, tls_root_certs: bytes | None, deadline_seconds: float
+    ) -> Iterator[CacheClient]:
+        """The kept client for these settings (a new one when they changed), for one read."""
+        settings = (endpoint, token, tls_root_certs, deadline_seconds)
+        with self._lock:
+            if self._settings != settings and not self._reads:
+                if self._client is not None:
+                    self._client.close()
+                self._client, self._settings = CacheClient(*settings), settings
+            kept = self._settings == settings
+            if kept:
+                client = self._client
+                self._reads += 1
+        if not kept:  # the settings changed while another read uses the kept client
+            with CacheClient(*settings) as client:
+                yield client
+            return
+        try:
+            yield client
+        finally:
+            with self._lock:
+                self._reads -= 1
+
+    def close_if_idle(self) -> None:
+        # Never block a fork: a keeper busy in another thread keeps its client (a child that
+        # then tries gRPC gets ForkedConnectionError, not a hang).
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self._reads and self._client is not None:
+                self._client.close()  # a closed CacheClient reconnects on its next call
+        finally:
+            self._lock.release()
+
+    def forked(self) -> None:
+        """In a forked child: forget the parent's client (kept referenced, never closed here:
+        its destructor would touch the parent's gRPC channels) and any lock a parent thread held."""
+        if self._client is not None:
+            _INHERITED.append(self._client)
+        self._lock = threading.Lock()
+        self._client, self._settings, self._reads = None, None, 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+            self._client, self._settings = None, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"client": None}  # not empty: pickle skips __setstate__ for a false state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
+
+# Clients a forked child inherited: kept referenced so that the child never runs their
+# destructors on its parent's gRPC channels.
+_INHERITED: list[CacheClient] = []
 
 
 def _is_stale(err: BaseException) -> bool:

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient
+from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, KeptClient
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
 
@@ -167,6 +167,8 @@ class DataCacheDataset(IterableDataset):
             block_size=block_size,
         )
         self._epoch = 0
+        # One connection to the cache, kept from epoch to epoch (client.KeptClient).
+        self._connection = KeptClient()
         self._progress: _Progress | None = None
         self._resume: dict[str, Any] | None = None
 
@@ -186,6 +188,10 @@ class DataCacheDataset(IterableDataset):
             self._resume = None  # a saved position belongs to its own epoch only
         self._epoch = epoch
 
+    def close(self) -> None:
+        """Close the connection kept between epochs (the next iteration opens a new one)."""
+        self._connection.close()
+
     def shard_request(self, world: World) -> ShardRequest:
         """The request this reader sends for the current epoch."""
         return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=self._epoch)
@@ -203,15 +209,12 @@ class DataCacheDataset(IterableDataset):
         return self._stream(request, skip, self._progress)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress) -> Iterator[Any]:
-        client = CacheClient(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds)
-        try:
+        with self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds) as client:
             record_batches = _skip_rows(client.read_shard(request, interleave=request.shuffle), skip)
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
                 yield batch
-        finally:
-            client.close()
 
     def _rebatch(self, record_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[Any, int]]:
         """Group record batches into runs of ~CONVERT_ROWS, convert each run once, slice it.

@@ -1,0 +1,112 @@
+"""Keep fork() from leaving a DataLoader worker hung in gRPC.
+
+gRPC does not survive fork() while it is running: a child forked while its parent has an open
+channel, or in the moments after the last one closed while gRPC's own threads wind down, can
+block forever in its first gRPC call. DataLoader workers are forked children (the default start
+method on Linux), so this module:
+
+* before a fork, closes the cache clients no read is using (kept ones, see client.KeptClient) and
+  gives gRPC's threads up to FORK_QUIESCE_SECONDS to end;
+* in the child, remembers what was still open or running at the fork, so that the child's first
+  cache call raises ForkedConnectionError with the fix instead of hanging.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+import weakref
+from typing import Protocol
+
+from kubeflow_data_cache.errors import ForkedConnectionError
+
+# How long a fork waits for gRPC's threads to end once every client is closed: they end within
+# milliseconds of the last close, so this bound is only met when something else runs gRPC.
+FORK_QUIESCE_SECONDS = 2.0
+_POLL_SECONDS = 0.005
+# The names gRPC gives its threads in the pyarrow build this package pins (a test checks that
+# they appear while a client is open, so a rename in a later build shows up there).
+GRPC_THREAD_PREFIXES = ("event_engine", "grpc_", "lifeguard", "default-executo", "resolver-execu")
+
+
+class _Closable(Protocol):
+    def close_if_idle(self) -> None: ...
+
+    def forked(self) -> None: ...
+
+
+_open_clients: weakref.WeakSet = weakref.WeakSet()  # clients with an open channel
+_keepers: weakref.WeakSet = weakref.WeakSet()  # holders of clients kept between reads
+_inherited_clients = 0  # in a forked child: the parent's open clients at the fork
+_inherited_threads: list[str] = []  # in a forked child: the parent's gRPC threads at the fork
+_threads_at_fork: list[str] = []
+
+
+def grpc_threads() -> list[str]:
+    """Names of this process's gRPC threads (Linux; elsewhere nothing is known: empty)."""
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            continue
+        if name.startswith(GRPC_THREAD_PREFIXES):
+            names.append(name)
+    return sorted(names)
+
+
+def opened(client: object) -> None:
+    _open_clients.add(client)
+
+
+def closed(client: object) -> None:
+    _open_clients.discard(client)
+
+
+def keep(keeper: _Closable) -> None:
+    _keepers.add(keeper)
+
+
+def check_usable() -> None:
+    """Raise ForkedConnectionError in a child forked while its parent's gRPC was in use."""
+    if _inherited_clients:
+        raise ForkedConnectionError(
+            f"this process was forked while its parent held {_inherited_clients} open cache client(s) (a "
+            "DataLoader started its workers while the main process had a CacheClient or a half-read "
+            "DataCacheDataset iterator); gRPC cannot be used after such a fork. Finish or close() them before "
+            "iterating the DataLoader, or pass multiprocessing_context='forkserver'"
+        )
+    if _inherited_threads:
+        raise ForkedConnectionError(
+            f"this process was forked while gRPC was still running in its parent (threads "
+            f"{', '.join(sorted(set(_inherited_threads)))} after {FORK_QUIESCE_SECONDS:.0f}s); gRPC cannot be used "
+            "after such a fork. Pass multiprocessing_context='forkserver' to the DataLoader"
+        )
+
+
+def _before_fork() -> None:
+    global _threads_at_fork
+    _threads_at_fork = []
+    for keeper in list(_keepers):
+        keeper.close_if_idle()
+    if _open_clients:
+        return  # the child refuses gRPC anyway (check_usable): no point waiting
+    deadline = time.monotonic() + FORK_QUIESCE_SECONDS
+    threads = grpc_threads()
+    while threads and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+        threads = grpc_threads()
+    _threads_at_fork = threads
+
+
+def _after_fork_in_child() -> None:
+    global _inherited_clients, _inherited_threads
+    _inherited_clients = len(_open_clients)
+    _inherited_threads = list(_threads_at_fork)
+    for keeper in list(_keepers):
+        keeper.forked()
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)

@@ -1,0 +1,154 @@
+"""The dataset keeps its connection from epoch to epoch, and that never breaks a fork.
+
+The checks that count sockets or fork run in a fresh interpreter: this test process holds other
+suites' datasets and servers, whose connections would be counted, and after which a forked
+child cannot use gRPC (test_dataset_loader.py).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kubeflow_data_cache.client import CacheClient, KeptClient
+
+SCRIPT_TIMEOUT_SECONDS = 180
+
+# Prints one JSON line: established connections per cache location after each step.
+CONNECTIONS_SCRIPT = """
+import json, sys, time, psutil
+from kubeflow_data_cache import fork_guard
+from kubeflow_data_cache.client import CacheClient
+threads_before = fork_guard.grpc_threads()
+from kubeflow_data_cache.dataset import DataCacheDataset
+from kubeflow_data_cache.protocol import ShardRequest
+
+endpoint = sys.argv[1]
+with CacheClient(endpoint) as probe:
+    nodes = sorted({e.locations[0].uri.decode() for e in probe.get_flight_info(ShardRequest()).endpoints})
+ports = {int(loc.rsplit(":", 1)[1]): loc for loc in [endpoint, *nodes]}
+
+def connections():
+    counts = {loc: 0 for loc in ports.values()}
+    for c in psutil.Process().net_connections(kind="tcp"):
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in ports:
+            counts[ports[c.raddr.port]] += 1
+    return counts
+
+ds = DataCacheDataset(endpoint, batch_size=500, columns=["id"], shuffle=True)
+seen = []
+for epoch in range(3):
+    ds.set_epoch(epoch)
+    ids = sorted(int(i) for b in ds for i in b["id"])
+    seen.append({"rows": len(ids), "distinct": len(set(ids)), "connections": connections()})
+threads_open = fork_guard.grpc_threads()
+ds.close()
+deadline = time.monotonic() + 10
+while (any(connections().values()) or fork_guard.grpc_threads()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({
+    "epochs": seen, "after_close": connections(), "nodes": len(nodes),
+    "threads": [threads_before, threads_open, fork_guard.grpc_threads()],
+}))
+"""
+
+# Reads in the main process, then through forked DataLoader workers (the default start method);
+# then holds a half-read iterator across a fork, which must fail with the fix, not hang.
+FORK_SCRIPT = """
+import json, sys, torch
+from torch.utils.data import DataLoader
+from kubeflow_data_cache.dataset import DataCacheDataset
+from kubeflow_data_cache.errors import ForkedConnectionError
+
+ds = DataCacheDataset(sys.argv[1], batch_size=700, columns=["id"])
+loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)
+out = {"main": [], "workers": []}
+for _ in range(3):  # a fork right after a read is the case that used to hang now and then
+    out["main"].append(sum(len(b["id"]) for b in ds))
+    ids = torch.cat([b["id"] for b in loader])
+    out["workers"].append([len(ids), len(torch.unique(ids))])
+half_read = iter(ds)
+next(half_read)
+try:
+    next(iter(loader))
+    out["busy_fork"] = "no error"
+except ForkedConnectionError as err:
+    out["busy_fork"] = str(err)
+print(json.dumps(out))
+"""
+
+
+def _run(script: str, endpoint: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), endpoint],
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_SECONDS,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cache(small_cache):
+    return small_cache
+
+
+def test_one_connection_per_location_is_kept_across_epochs_and_closed_on_close(cache):
+    got = _run(CONNECTIONS_SCRIPT, cache.endpoint)
+    assert got["nodes"] == 2
+    for epoch in got["epochs"]:
+        assert epoch["rows"] == epoch["distinct"] == 10_000
+        # The head and each data node: one connection each, the same one every epoch.
+        assert list(epoch["connections"].values()) == [1, 1, 1], epoch
+    assert not any(got["after_close"].values()), got["after_close"]
+    # fork_guard knows gRPC's threads by name: none before, some while connected, none after.
+    before, while_open, after = got["threads"]
+    assert before == [] and while_open and after == [], got["threads"]
+
+
+def test_forked_loader_workers_after_a_main_process_read(cache):
+    got = _run(FORK_SCRIPT, cache.endpoint)
+    assert got["main"] == [10_000] * 3
+    assert got["workers"] == [[10_000, 10_000]] * 3
+    # A read still in progress keeps its connection across the fork: the child says how to fix it.
+    assert "half-read DataCacheDataset iterator" in got["busy_fork"], got["busy_fork"]
+
+
+def _connected(client: CacheClient) -> bool:
+    return bool(client._clients)
+
+
+def test_kept_client_is_shared_by_reads_and_closed_only_when_idle():
+    keeper = KeptClient()
+    settings = ("grpc://127.0.0.1:1", None, None, 5.0)
+    with keeper.lease(*settings) as first:
+        first._client("grpc://127.0.0.1:1")  # channels connect lazily: no server needed
+        with keeper.lease(*settings) as second:
+            assert second is first  # concurrent reads share the kept client
+        with keeper.lease("grpc://127.0.0.1:2", None, None, 5.0) as other:
+            assert other is not first  # other settings while in use: a client of its own
+        keeper.close_if_idle()  # what a fork does now: the read in progress keeps its channels
+        assert _connected(first)
+    with keeper.lease(*settings) as again:
+        assert again is first  # the next read reuses it
+    keeper.close_if_idle()
+    assert not _connected(first)
+    with keeper.lease("grpc://127.0.0.1:2", None, None, 5.0) as changed:
+        assert changed is not first  # settings changed while idle: replaced
+
+
+def test_kept_client_pickles_without_its_connection():
+    keeper = KeptClient()
+    with keeper.lease("grpc://127.0.0.1:1", None, None, 5.0) as client:
+        client._client("grpc://127.0.0.1:1")
+    copy = pickle.loads(pickle.dumps(keeper))
+    with copy.lease("grpc://127.0.0.1:1", None, None, 5.0) as fresh:
+        assert fresh is not client and not _connected(fresh)
+    keeper.close()
+
