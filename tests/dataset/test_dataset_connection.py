@@ -151,4 +151,3 @@ def test_kept_client_pickles_without_its_connection():
     with copy.lease("grpc://127.0.0.1:1", None, None, 5.0) as fresh:
         assert fresh is not client and not _connected(fresh)
     keeper.close()
-
