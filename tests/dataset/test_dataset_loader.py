@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from copy import deepcopy
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +90,31 @@ def test_a_hook_that_changes_the_row_count_is_named(cache):
 
     with pytest.raises(ValueError, match=r"from_arrow_rb_to_tensor returned \{'x': \d+\} rows for a \d+-row batch"):
         next(iter(Pairs(cache.endpoint, batch_size=10, columns=["label"])))
+
+
+def test_persistent_workers_follow_set_epoch(cache):
+    def epoch_order(dataset, loader, epoch):
+        dataset.set_epoch(epoch)
+        ids = torch.cat([b["id"] for b in loader]).numpy()
+        assert np.array_equal(np.sort(ids), np.arange(ROWS))
+        return ids
+
+    ds = DataCacheDataset(cache.endpoint, batch_size=500, columns=["id"], shuffle=True, seed=5)
+    loader = DataLoader(ds, batch_size=None, persistent_workers=True, **WORKERS)
+    orders = [epoch_order(ds, loader, epoch) for epoch in range(3)]
+    # Workers started once, yet each epoch has its own order: the one new workers would read.
+    assert not np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[1], orders[2])
+    fresh = DataCacheDataset(cache.endpoint, batch_size=500, columns=["id"], shuffle=True, seed=5)
+    assert np.array_equal(epoch_order(fresh, DataLoader(fresh, batch_size=None, **WORKERS), 2), orders[2])
+
+
+def test_a_copy_of_the_dataset_has_its_own_epoch():
+    ds = DataCacheDataset("grpc://127.0.0.1:1", shuffle=True)
+    ds.set_epoch(4)
+    for copy in (pickle.loads(pickle.dumps(ds)), deepcopy(ds)):
+        assert copy.epoch == 4
+        copy.set_epoch(7)
+        assert ds.epoch == 4
 
 
 def test_forked_worker_fails_clearly_when_the_parent_holds_a_connection(cache):

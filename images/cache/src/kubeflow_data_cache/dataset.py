@@ -24,6 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, KeptClient
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
+from kubeflow_data_cache.shared_epoch import SharedEpoch
 
 __all__ = ["DataCacheDataset", "World", "default_endpoint"]
 
@@ -166,7 +167,7 @@ class DataCacheDataset(IterableDataset):
             even=self.even,
             block_size=block_size,
         )
-        self._epoch = 0
+        self._epoch = SharedEpoch()  # set_epoch reaches persistent DataLoader workers (shared_epoch.py)
         # One connection to the cache, kept from epoch to epoch (client.KeptClient).
         self._connection = KeptClient()
         self._progress: _Progress | None = None
@@ -178,7 +179,7 @@ class DataCacheDataset(IterableDataset):
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle order), like DistributedSampler.set_epoch."""
@@ -186,7 +187,7 @@ class DataCacheDataset(IterableDataset):
             raise ValueError(f"epoch should be a non-negative integer, got {epoch!r}")
         if self._resume is not None and self._resume["epoch"] != epoch:
             self._resume = None  # a saved position belongs to its own epoch only
-        self._epoch = epoch
+        self._epoch.value = epoch
 
     def close(self) -> None:
         """Close the connection kept between epochs (the next iteration opens a new one)."""
@@ -194,7 +195,7 @@ class DataCacheDataset(IterableDataset):
 
     def shard_request(self, world: World) -> ShardRequest:
         """The request this reader sends for the current epoch."""
-        return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=self._epoch)
+        return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=self.epoch)
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -205,7 +206,7 @@ class DataCacheDataset(IterableDataset):
         """Set up this reader's epoch now (so state_dict is right at once), then stream."""
         request = self.shard_request(world)
         skip = self._take_resume(world)
-        self._progress = _Progress(self._epoch, world.shard, world.num_shards, rows=skip)
+        self._progress = _Progress(self.epoch, world.shard, world.num_shards, rows=skip)
         return self._stream(request, skip, self._progress)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress) -> Iterator[Any]:
@@ -318,9 +319,9 @@ class DataCacheDataset(IterableDataset):
         """Where this reader is: epoch, shard and rows handed out (DataLoader workers: per worker)."""
         if self._resume is not None:
             return dict(self._resume)
-        progress = self._progress or _Progress(self._epoch, -1, -1)
-        if progress.epoch != self._epoch:
-            progress = _Progress(self._epoch, -1, -1)
+        progress = self._progress or _Progress(self.epoch, -1, -1)
+        if progress.epoch != self.epoch:
+            progress = _Progress(self.epoch, -1, -1)
         return {
             "version": STATE_VERSION,
             "epoch": progress.epoch,
@@ -338,12 +339,12 @@ class DataCacheDataset(IterableDataset):
         if changed:
             detail = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (now, saved) in changed.items())
             raise ValueError(f"the saved state was taken with other dataset settings ({detail})")
-        self._epoch = int(state["epoch"])
+        self._epoch.value = int(state["epoch"])
         self._resume = dict(state) if state["rows"] > 0 else None
 
     def _take_resume(self, world: World) -> int:
         state, self._resume = self._resume, None
-        if state is None or state["epoch"] != self._epoch:
+        if state is None or state["epoch"] != self.epoch:
             return 0
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
