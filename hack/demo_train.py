@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     dataset = DataCacheDataset(
         args.endpoint, batch_size=args.batch_size, columns=COLUMNS, shuffle=True, seed=args.seed, even=args.even_split
     )
-    loader = DataLoader(dataset, batch_size=None, num_workers=args.workers)
+    # Persistent workers keep their connections to the cache from epoch to epoch; set_epoch
+    # still reaches them (the dataset's epoch is shared with its workers).
+    loader = DataLoader(dataset, batch_size=None, num_workers=args.workers, persistent_workers=args.workers > 0)
     if rank == 0:
         readers = world * max(1, args.workers)
         print(f"training on {world} ranks x {max(1, args.workers)} loader workers = {readers} shards", flush=True)
