@@ -41,6 +41,9 @@ _keepers: weakref.WeakSet = weakref.WeakSet()  # holders of clients kept between
 _inherited_clients = 0  # in a forked child: the parent's open clients at the fork
 _inherited_threads: list[str] = []  # in a forked child: the parent's gRPC threads at the fork
 _threads_at_fork: list[str] = []
+# Whether this process ever opened a cache client: other gRPC users (grpcio) name their threads
+# alike, and a process that never ran Arrow's gRPC has nothing to wait for.
+_used = False
 
 
 def grpc_threads() -> list[str]:
@@ -58,6 +61,8 @@ def grpc_threads() -> list[str]:
 
 
 def opened(client: object) -> None:
+    global _used
+    _used = True
     _open_clients.add(client)
 
 
@@ -91,8 +96,8 @@ def _before_fork() -> None:
     _threads_at_fork = []
     for keeper in list(_keepers):
         keeper.close_if_idle()
-    if _open_clients:
-        return  # the child refuses gRPC anyway (check_usable): no point waiting
+    if not _used or _open_clients:
+        return  # nothing of ours ran; or the child refuses gRPC anyway (check_usable)
     deadline = time.monotonic() + FORK_QUIESCE_SECONDS
     threads = grpc_threads()
     while threads and time.monotonic() < deadline:
