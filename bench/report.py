@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -195,15 +196,21 @@ def markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(parts)
 
 
+def _marker_line(text: str, marker: str, after: int = 0) -> re.Match[str] | None:
+    """The marker on a line of its own: prose that quotes it (as docs/benchmarks.md does) is not one."""
+    return re.compile(rf"^{re.escape(marker)}[ \t]*$", re.MULTILINE).search(text, after)
+
+
 def update_readme(readme: Path, block: str, start_marker: str = START_MARKER, end_marker: str = END_MARKER) -> bool:
-    """Replace only the text between the markers; False (nothing written) without them."""
+    """Replace only the text between the marker lines; False (nothing written) without them."""
     if not readme.exists():
         return False
     text = readme.read_text()
-    start, end = text.find(start_marker), text.find(end_marker)
-    if start < 0 or end < start:
+    start = _marker_line(text, start_marker)
+    end = _marker_line(text, end_marker, start.end()) if start else None
+    if start is None or end is None:
         return False
-    new = text[: start + len(start_marker)] + "\n" + block.strip() + "\n" + text[end:]
+    new = text[: start.end()] + "\n" + block.strip() + "\n" + text[end.start() :]
     readme.write_text(new)
     return True
 

@@ -98,6 +98,14 @@ def test_readme_table_has_the_columns_and_stays_between_markers(smoke_result, tm
     assert "old table" not in text and block.strip() in text
 
 
+def test_markers_quoted_in_prose_are_not_the_table(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    prose = f"The table goes between `{report.FULL_START_MARKER}` and `{report.FULL_END_MARKER}` below.\n"
+    doc.write_text(f"{prose}\n{report.FULL_START_MARKER}\nold\n{report.FULL_END_MARKER}\n")
+    assert report.update_readme(doc, "new", report.FULL_START_MARKER, report.FULL_END_MARKER)
+    assert doc.read_text() == f"{prose}\n{report.FULL_START_MARKER}\nnew\n{report.FULL_END_MARKER}\n"
+
+
 def test_readme_without_markers_is_left_alone(smoke_result, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# Title\nno markers here\n")
