@@ -28,3 +28,8 @@ BASELINE_MEMORY_BYTES = 400 << 20
 STORE_CHUNK_VARIABLE_BYTES = 1 << 30
 # Shuffled or filtered DoGet: batches gathered ahead of the one being sent (bounded memory).
 READAHEAD_BATCHES = 4
+# A served batch holds the request's batch_size rows, but no more than this many bytes of the
+# requested columns: a gathering stream holds a few batches at a time, so with wide rows (a
+# 2 KiB embedding) and many concurrent readers, row-counted batches alone would let serving
+# memory grow far past what the memory check keeps aside (BASELINE_MEMORY_BYTES).
+SERVED_BATCH_MAX_BYTES = 4 << 20

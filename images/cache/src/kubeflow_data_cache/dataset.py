@@ -31,8 +31,10 @@ __all__ = ["DataCacheDataset", "World", "default_endpoint"]
 CACHE_PORT = 50051
 STATE_VERSION = 1
 # Rows converted per call of from_arrow_rb_to_tensor: large enough that per-call overhead
-# vanishes, small enough to bound the memory held between batches.
+# vanishes, small enough to bound the memory held between batches; with wide rows, fewer, so a
+# run holds about CONVERT_MAX_BYTES (but always at least one batch).
 CONVERT_ROWS = DEFAULT_BATCH_SIZE
+CONVERT_MAX_BYTES = 8 << 20
 
 
 def default_endpoint(env: dict[str, str] | None = None) -> str:
@@ -224,12 +226,15 @@ class DataCacheDataset(IterableDataset):
         every batch but the shard's last has exactly ``batch_size`` rows.
         """
         size = self.batch_size
-        target = max(size, CONVERT_ROWS // size * size)
+        target = 0  # set from the first batch's row width
         pending: list[pa.RecordBatch] = []
         pending_rows = 0
         for rb in record_batches:
             if rb.num_rows == 0:
                 continue
+            if not target:
+                row_bytes = max(1.0, rb.nbytes / rb.num_rows)
+                target = max(size, min(CONVERT_ROWS, int(CONVERT_MAX_BYTES // row_bytes)) // size * size)
             if rb.num_rows >= target:
                 # A whole transfer batch is converted on its own: no concat copies it. A short tail
                 # before it (where one node's stream ended) is completed with its first rows.

@@ -198,11 +198,7 @@ class DataNode(flight.FlightServerBase):
             "generation": self.generation,
             "rows": store.num_rows if store else 0,
             "bytes": store.nbytes if store else 0,
-            "column_bytes": (
-                {name: sum(b.column(i).nbytes for b in store.batches) for i, name in enumerate(store.schema.names)}
-                if store
-                else {}
-            ),
+            "column_bytes": dict(store.column_bytes) if store else {},
             "resident_bytes": resident_bytes(),
             "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,
@@ -245,8 +241,9 @@ class DataNode(flight.FlightServerBase):
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
         parts = node_rows(t.offset, held, t.total, req)
+        batch_rows = store.batch_rows(req.batch_size, req.columns)
         if matches is None and not req.shuffle:
-            slices = store.iter_rows(parts, req.batch_size, req.columns)
+            slices = store.iter_rows(parts, batch_rows, req.columns)
             if has_offsets(schema):
                 # Slices with rebased offsets (offsets.py) are cut as Flight's writer pulls them,
                 # so only the batch in flight holds a rebased copy.
@@ -261,7 +258,7 @@ class DataNode(flight.FlightServerBase):
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.
-        batches = Readahead(store.iter_rows(parts, req.batch_size, req.columns), READAHEAD_BATCHES, "gather")
+        batches = Readahead(store.iter_rows(parts, batch_rows, req.columns), READAHEAD_BATCHES, "gather")
         return flight.GeneratorStream(schema, self._counted(batches))
 
     def _counted(self, batches: Readahead | Generator[pa.RecordBatch, None, None]) -> Iterator[pa.RecordBatch]:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kubeflow_data_cache.allocator import serve_pool
-from kubeflow_data_cache.constants import STORE_CHUNK_VARIABLE_BYTES
+from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
 from kubeflow_data_cache.plan import Piece
 
@@ -125,7 +125,8 @@ class NodeStore:
         sizes = [b.num_rows for b in self.batches]
         self.offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
         self.num_rows = int(self.offsets[-1])
-        self.nbytes = sum(b.nbytes for b in self.batches)
+        self.column_bytes = {name: sum(b.column(i).nbytes for b in self.batches) for i, name in enumerate(schema.names)}
+        self.nbytes = sum(self.column_bytes.values())
 
     @classmethod
     def load(
@@ -166,6 +167,15 @@ class NodeStore:
         if unknown:
             raise BadRequestError(f"unknown column(s) {unknown}; the table has {self.schema.names}")
         return pa.schema([self.schema.field(c) for c in columns])
+
+    def batch_rows(
+        self, requested: int, columns: tuple[str, ...] | None, max_bytes: int = SERVED_BATCH_MAX_BYTES
+    ) -> int:
+        """Rows per served batch: ``requested``, or fewer where the columns' average row would
+        make a batch larger than ``max_bytes`` (at least one row)."""
+        names = self.schema.names if columns is None else columns
+        row_bytes = sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
+        return max(1, min(requested, int(max_bytes // row_bytes) if row_bytes else requested))
 
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))

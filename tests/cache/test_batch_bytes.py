@@ -1,0 +1,77 @@
+"""Wide rows: served batches and the dataset's conversion runs are bounded in bytes, not only rows.
+
+A 2 KiB embedding per row makes a 64K-row batch 128 MiB; a node gathering a few of those per
+concurrent reader, or a trainer converting one, would hold far more than anyone sized for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES
+from kubeflow_data_cache.dataset import CONVERT_MAX_BYTES, DataCacheDataset
+from kubeflow_data_cache.protocol import ShardRequest
+from kubeflow_data_cache.sample import make_catalog
+from tests.conftest import running_cache
+
+WIDTH = 512  # float32 values per row: 2 KiB
+ROWS_PER_FILE = 6_000
+FILES = 2
+ROWS = ROWS_PER_FILE * FILES
+
+
+@pytest.fixture(scope="module")
+def wide_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wide")
+    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
+    catalog.create_namespace("s")
+    table = None
+    for f in range(FILES):
+        ids = np.arange(f * ROWS_PER_FILE, (f + 1) * ROWS_PER_FILE, dtype=np.int64)
+        values = (np.repeat(ids[:, None], WIDTH, axis=1) + np.arange(WIDTH)).astype(np.float32)
+        data = pa.table(
+            {"id": pa.array(ids), "vec": pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), WIDTH)}
+        )
+        table = table or catalog.create_table("s.wide", schema=data.schema)
+        table.append(data)
+    with running_cache(catalog.load_table("s.wide").metadata_location, data_nodes=2) as cache:
+        yield cache
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_served_batches_stay_under_the_byte_cap(wide_cache, shuffle):
+    request = ShardRequest(shuffle=shuffle, seed=1, batch_size=65536)
+    ids, largest = [], 0
+    with CacheClient(wide_cache.endpoint) as client:
+        for batch in client.read_shard(request, interleave=False):
+            largest = max(largest, batch.nbytes)
+            ids.append(batch.column("id").to_numpy())
+    assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(ROWS))
+    # Each node holds 6,000 rows (12 MiB): batches of at most 4 MiB, and not needlessly small.
+    assert SERVED_BATCH_MAX_BYTES // 2 < largest <= SERVED_BATCH_MAX_BYTES
+
+
+class RecordingRuns(DataCacheDataset):
+    """Records the rows of every run handed to the conversion hook."""
+
+    runs: list[int]
+
+    def from_arrow_rb_to_tensor(self, batch):
+        self.runs.append(batch.num_rows)
+        return super().from_arrow_rb_to_tensor(batch)
+
+
+@pytest.mark.parametrize("batch_size", [1000, 5000])
+def test_conversion_runs_stay_under_the_byte_cap_but_hold_a_batch(wide_cache, batch_size):
+    ds = RecordingRuns(wide_cache.endpoint, batch_size=batch_size, shuffle=True)
+    ds.runs = []
+    batches = list(ds)
+    ids = np.concatenate([b["id"].numpy() for b in batches])
+    assert np.array_equal(np.sort(ids), np.arange(ROWS))
+    assert batches[0]["vec"].shape == (batch_size, WIDTH)
+    row_bytes = 8 + 4 * WIDTH  # id and the vector's values
+    # Runs of about CONVERT_MAX_BYTES (4,000 rows of 1000) or, when one batch is larger, one batch.
+    assert max(ds.runs) == max(batch_size, CONVERT_MAX_BYTES // row_bytes // batch_size * batch_size)
