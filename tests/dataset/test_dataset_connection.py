@@ -151,3 +151,18 @@ def test_kept_client_pickles_without_its_connection():
     with copy.lease("grpc://127.0.0.1:1", None, None, 5.0) as fresh:
         assert fresh is not client and not _connected(fresh)
     keeper.close()
+
+
+def test_kept_client_reconnects_after_a_long_idle():
+    keeper = KeptClient(idle_seconds=0.0)
+    settings = ("grpc://127.0.0.1:1", None, None, 5.0)
+    with keeper.lease(*settings) as client:
+        client._client("grpc://127.0.0.1:1")
+    with keeper.lease(*settings) as again:
+        assert again is client and not _connected(again)  # closed on the way in: it reconnects
+    fresh = KeptClient()  # the default: minutes
+    with fresh.lease(*settings) as client:
+        client._client("grpc://127.0.0.1:1")
+    with fresh.lease(*settings) as again:
+        assert _connected(again)
+    fresh.close()

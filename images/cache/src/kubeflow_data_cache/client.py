@@ -53,6 +53,10 @@ BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 # A restarted data node rejects old tickets; ask the head again at most this often per stream.
 MAX_REPLANS = 3
+# A kept connection idle longer than this (an evaluation phase, a long checkpoint) is replaced
+# by a fresh one at the next read: a new connection costs milliseconds, while an old one may have
+# been dropped silently by something on the way.
+KEPT_CLIENT_IDLE_SECONDS = 300.0
 # Batches each endpoint stream reads ahead in its own thread, so all of a shard's data nodes send
 # at once while the consumer converts (bounded memory per stream).
 STREAM_READAHEAD_BATCHES = 2
@@ -330,11 +334,13 @@ class KeptClient:
     forkserver DataLoader workers) drops the client.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle_seconds: float = KEPT_CLIENT_IDLE_SECONDS) -> None:
         self._lock = threading.Lock()
         self._client: CacheClient | None = None
         self._settings: tuple[Any, ...] | None = None
         self._reads = 0
+        self._idle_seconds = idle_seconds
+        self._last_used = time.monotonic()
         fork_guard.keep(self)
 
     @contextmanager
@@ -348,6 +354,8 @@ class KeptClient:
                 if self._client is not None:
                     self._client.close()
                 self._client, self._settings = CacheClient(*settings), settings
+            elif not self._reads and time.monotonic() - self._last_used > self._idle_seconds:
+                self._client.close()  # long idle: reconnect rather than trust an old connection
             kept = self._settings == settings
             if kept:
                 client = self._client
@@ -361,6 +369,7 @@ class KeptClient:
         finally:
             with self._lock:
                 self._reads -= 1
+                self._last_used = time.monotonic()
 
     def close_if_idle(self) -> None:
         # Never block a fork: a keeper busy in another thread keeps its client (a child that
@@ -388,10 +397,10 @@ class KeptClient:
             self._client, self._settings = None, None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"client": None}  # not empty: pickle skips __setstate__ for a false state
+        return {"idle_seconds": self._idle_seconds}  # never the client: it is this process's
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()
+        self.__init__(state["idle_seconds"])
 
 
 # Clients a forked child inherited: kept referenced so that the child never runs their
