@@ -16,8 +16,7 @@ from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoad
 from kubeflow_data_cache.memory import check_fits, parse_bytes
 from kubeflow_data_cache.plan import (
     assign_rows,
-    estimated_load_peak_bytes,
-    estimated_node_bytes,
+    estimated_node_memory,
     open_table,
     plan_table,
     s3_properties_from_env,
@@ -107,10 +106,10 @@ def test_the_load_peak_estimate_covers_a_real_loads_peak(table_factory):
         [sys.executable, "-c", script, table.metadata_location], capture_output=True, text=True, timeout=120, check=True
     )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    estimate = estimated_load_peak_bytes(plan, assignment)
+    loaded, estimate = estimated_node_memory(plan, assignment)
     assert measured["peak"] > measured["rows_bytes"]  # the merge really holds more than the rows
     assert measured["peak"] <= estimate
-    assert estimate > estimated_node_bytes(plan, assignment)
+    assert estimate > loaded
 
 
 @pytest.mark.parametrize(("text", "value"), [("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024)])

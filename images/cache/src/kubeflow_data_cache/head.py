@@ -22,8 +22,7 @@ from kubeflow_data_cache.node import server_kwargs
 from kubeflow_data_cache.plan import (
     TablePlan,
     assign_rows,
-    estimated_load_peak_bytes,
-    estimated_node_bytes,
+    estimated_node_memory,
     open_table,
     plan_table,
     s3_properties_from_env,
@@ -114,9 +113,10 @@ class Head(flight.FlightServerBase):
             self._wait_for_nodes(deadline)
             started = time.monotonic()
             assignments = assign_rows(plan, self.cfg.data_nodes)
+            memory = [estimated_node_memory(plan, a) for a in assignments]  # (loaded, peak) per node
             check_fits(
-                [estimated_node_bytes(plan, a) for a in assignments],
-                [estimated_load_peak_bytes(plan, a) for a in assignments],
+                [loaded for loaded, _ in memory],
+                [peak for _, peak in memory],
                 [self.registered[k].get("memory_limit") for k in range(self.cfg.data_nodes)],
             )
             self.plan, self.assignments = plan, assignments

@@ -76,7 +76,7 @@ def check_fits(need_per_node: list[int], peak_per_node: list[int], budgets: list
     """Refuse a load that would not fit, saying how many nodes or how much memory it needs.
 
     ``need_per_node`` is each node's rows once loaded, ``peak_per_node`` the most it holds while
-    loading (plan.estimated_load_peak_bytes): the peak is what must fit, or the node is
+    loading (plan.estimated_node_memory): the peak is what must fit, or the node is
     OOM-killed half way through its load.
     """
     over = [

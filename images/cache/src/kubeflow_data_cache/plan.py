@@ -281,18 +281,15 @@ def _node_column_bytes(plan: TablePlan, assignment: NodeAssignment) -> list[int]
     return columns
 
 
-def estimated_node_bytes(plan: TablePlan, assignment: NodeAssignment) -> int:
-    """The node's rows in memory once loaded."""
-    return sum(_node_column_bytes(plan, assignment))
-
-
-def estimated_load_peak_bytes(plan: TablePlan, assignment: NodeAssignment) -> int:
-    """The node's rows plus what loading holds on top of them at its peak: merging the loaded
-    batches into one chunk copies a column at a time (store.compact), so the largest column
-    (or, for a non-primitive one, its largest chunk: STORE_CHUNK_VARIABLE_BYTES) exists twice."""
+def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment) -> tuple[int, int]:
+    """The node's rows in memory once loaded, and the most it holds while loading: merging the
+    loaded batches into one chunk copies a column at a time (store.compact), so at the peak the
+    largest column (or, for a non-primitive one, its largest chunk: STORE_CHUNK_VARIABLE_BYTES)
+    exists twice."""
     columns = _node_column_bytes(plan, assignment)
     in_flight = [
         nbytes if pa.types.is_primitive(field.type) else min(nbytes, STORE_CHUNK_VARIABLE_BYTES)
         for field, nbytes in zip(plan.schema, columns, strict=True)
     ]
-    return sum(columns) + max(in_flight, default=0)
+    loaded = sum(columns)
+    return loaded, loaded + max(in_flight, default=0)
