@@ -21,16 +21,17 @@ FALLBACK_PERMISSIONS = [
 ]
 
 try:
-    from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
+    from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
 
     FROM_PACKAGE = True
 except ImportError:  # not installed in this environment
-    REQUIRED_PERMISSIONS = FALLBACK_PERMISSIONS
+    REQUIRED_PERMISSIONS, ADMISSION_PERMISSIONS = FALLBACK_PERMISSIONS, []
     FROM_PACKAGE = False
 
 
 def required():
-    needed = {tuple(p) for p in REQUIRED_PERMISSIONS}
+    """What the role must grant: the calls, and what admission asks of them."""
+    needed = {tuple(p) for p in [*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS]}
     assert needed, "REQUIRED_PERMISSIONS is empty"
     return needed
 

@@ -59,3 +59,37 @@ def test_certificate_secret_starts_empty_for_the_controller_to_fill(default_obje
     secret = one(default_objects, "Secret", "kubeflow-trainer-webhook-cert")
     assert secret["metadata"]["namespace"] == NAMESPACE
     assert not secret.get("data") and not secret.get("stringData")
+
+
+def selects(selector, labels) -> bool:
+    """Kubernetes' label selector semantics for matchLabels and In/NotIn/Exists/DoesNotExist."""
+    if selector is None:
+        return True
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def test_shipped_runtime_skips_the_validator_so_one_pass_installs_it(cache_objects):
+    """Helm 4 and `kubectl apply -k` create the validator before the controller serves it; with
+    failurePolicy Fail the runtime would be refused unless the validator leaves it out."""
+    chart_validator = one(cache_objects, "ValidatingWebhookConfiguration", VALIDATOR)
+    kustomize_validator = one(build_kustomize("overlays/manager"), "ValidatingWebhookConfiguration", VALIDATOR)
+    runtime = one(cache_objects, "ClusterTrainingRuntime", "torch-distributed-with-cache")
+    for validator in (chart_validator, kustomize_validator):
+        hooks = {h["name"]: h for h in validator["webhooks"]}
+        runtimes = hooks.pop("validator.clustertrainingruntime.trainer.kubeflow.org")
+        assert not selects(runtimes.get("objectSelector"), runtime["metadata"]["labels"])
+        assert selects(runtimes.get("objectSelector"), {"trainer.kubeflow.org/framework": "torch"})
+        # TrainJobs and namespaced runtimes are always validated.
+        assert all("objectSelector" not in h for h in hooks.values())

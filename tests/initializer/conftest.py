@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 
 from kubeflow_cache_initializer.main import main
-from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
+from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
 
 from .cluster_sim import CacheSim
 from .fake_k8s import TOKEN, FakeKube
@@ -19,7 +19,7 @@ from .object_schemas import validate_sent_object
 
 @pytest.fixture
 def fake() -> Iterator[FakeKube]:
-    with FakeKube(validate=validate_sent_object, allowed=set(REQUIRED_PERMISSIONS)) as server:
+    with FakeKube(validate=validate_sent_object, allowed={*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS}) as server:
         yield server
 
 

@@ -7,7 +7,9 @@ does not implement, 422 for bodies that fail validation (the schemas, names, own
 with more than one controller), one global resourceVersion, watches streaming
 ADDED/MODIFIED/DELETED from a resourceVersion (410 Gone once compacted), label and field
 selectors, and garbage collection by ownerReferences when an owner is deleted. Optionally it
-answers 403 to calls outside a set of (group, resource, verb).
+answers 403 to calls outside a set of (group, resource, verb), and then also to a patch that
+changes an object's ownerReferences without `delete` on it in that set, as the
+OwnerReferencesPermissionEnforcement admission plugin does.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ class FakeKube:
             callback(created)
         return created
 
-    def patch(self, plural: str, kind: str, ns: str, name: str, patch: dict, content_type: str) -> dict:
+    def patch(self, plural: str, kind: str, ns: str, name: str, patch: dict, content_type: str, group: str = "") -> dict:
         if content_type != "application/merge-patch+json":
             raise ApiFailure(415, "UnsupportedMediaType", f"the fake implements merge-patch only, got {content_type}")
         with self.cond:
@@ -193,6 +195,10 @@ class FakeKube:
                 raise ApiFailure(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": '
                                  "the object has been modified; please apply your changes to the latest version")  # fmt: skip
             updated = merge_patch(current, patch)
+            owners_changed = updated["metadata"].get("ownerReferences") != current["metadata"].get("ownerReferences")
+            if owners_changed and self.allowed is not None and (group, plural, "delete") not in self.allowed:
+                # As the OwnerReferencesPermissionEnforcement admission plugin answers (OpenShift).
+                raise ApiFailure(403, "Forbidden", f'{plural} "{name}" is forbidden: cannot set an ownerRef on a resource you can\'t delete')
             for field in ("name", "namespace", "uid", "creationTimestamp"):
                 if updated["metadata"].get(field) != current["metadata"].get(field):
                     raise ApiFailure(422, "Invalid", f"metadata.{field}: field is immutable")
@@ -311,7 +317,7 @@ class FakeKube:
         if verb == "create":
             return 201, self.create(plural, kind, ns, payload or {}), {}
         if verb == "patch":
-            return 200, self.patch(plural, kind, ns, name, payload or {}, headers.get("Content-Type", "")), {}
+            return 200, self.patch(plural, kind, ns, name, payload or {}, headers.get("Content-Type", ""), group), {}
         if verb == "delete":
             if payload and payload.get("kind") != "DeleteOptions":
                 raise ApiFailure(400, "BadRequest", "the body of a DELETE must be DeleteOptions")

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from kubeflow_cache_initializer import config
-from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
+from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "initializer.md"
 
@@ -24,6 +24,6 @@ def test_every_env_variable_read_is_documented():
 def test_every_required_permission_is_in_the_rbac_table():
     text = DOC.read_text()
     rows = [[cell.strip().strip("`") for cell in line.split("|")[1:4]] for line in text.splitlines() if "|" in line]
-    for group, resource, verb in REQUIRED_PERMISSIONS:
+    for group, resource, verb in [*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS]:
         (verbs,) = [v for g, r, v in rows if g == (group or '""') and resource in r.replace("`", "").split(", ")]
         assert verb in verbs.split(", "), (group, resource, verb)

@@ -9,7 +9,7 @@ checked against the same list in tests/chart/test_initializer_rbac.py.
 
 from __future__ import annotations
 
-from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
+from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
 
 from .support import NAMESPACE, add_train_job, initializer_env
 
@@ -37,9 +37,28 @@ def test_the_initializer_calls_exactly_the_required_permissions(fake, make_sim, 
     assert sorted(set(fake.calls)) == sorted(REQUIRED_PERMISSIONS)
 
 
+def test_joining_a_shared_cache_needs_delete_on_the_service_account_where_owners_are_enforced(
+    fake, make_sim, run_initializer
+):
+    """OwnerReferencesPermissionEnforcement asks `delete` of a patch that adds an owner: without
+    ADMISSION_PERMISSIONS the second TrainJob cannot join the shared cache."""
+    add_train_job(fake, "job-b")
+    add_train_job(fake, "job-c")
+    sim = make_sim("healthy")
+    shared = {"DATA_CACHE_SHARED": "true"}
+    assert run_initializer(initializer_env(sim, "job-b", **shared))[0] == 0
+    fake.allowed = set(REQUIRED_PERMISSIONS)
+    code, output = run_initializer(initializer_env(sim, "job-c", **shared))
+    assert code != 0
+    assert "can't delete" in output
+    fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS}
+    assert run_initializer(initializer_env(sim, "job-c", **shared))[0] == 0
+
+
 def test_required_permissions_are_well_formed():
     verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
     assert len(set(REQUIRED_PERMISSIONS)) == len(REQUIRED_PERMISSIONS)
-    for group, resource, verb in REQUIRED_PERMISSIONS:
+    assert not set(REQUIRED_PERMISSIONS) & set(ADMISSION_PERMISSIONS)
+    for group, resource, verb in [*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS]:
         assert isinstance(group, str) and resource.islower() and verb in verbs
     assert ("trainer.kubeflow.org", "trainjobs", "get") in REQUIRED_PERMISSIONS  # upstream's role lacks it

@@ -1,7 +1,8 @@
-"""Every (API group, resource, verb) the initializer calls: what its Role must grant.
+"""What the initializer's Role must grant: every (API group, resource, verb) it calls, plus the
+verbs admission control asks of those calls.
 
-The chart's and the kustomize manifests' cache-initializer roles are checked against this list,
-and the initializer's tests check that the calls it makes are exactly these.
+The chart's and the kustomize manifests' cache-initializer roles are checked against both lists,
+and the initializer's tests check that the calls it makes are exactly REQUIRED_PERMISSIONS.
 """
 
 REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
@@ -25,4 +26,12 @@ REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
     # The cache pods: ready count, hopeless states, the head's IP for its /status.
     ("", "pods", "list"),
     ("", "pods", "watch"),
+]
+
+# Not called, but required of the calls above where the OwnerReferencesPermissionEnforcement
+# admission plugin runs (OpenShift enables it): an update that changes an object's
+# ownerReferences needs `delete` on that object. Joining a shared cache adds the TrainJob to
+# the owners of the LeaderWorkerSet (delete is granted above) and of the ServiceAccount.
+ADMISSION_PERMISSIONS: list[tuple[str, str, str]] = [
+    ("", "serviceaccounts", "delete"),
 ]
