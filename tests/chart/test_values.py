@@ -30,11 +30,24 @@ def helm_cli():
         ({"webhook": {"failurePolicy": "Never"}}, r"/webhook/failurePolicy"),
         ({"manager": {"replicas": -1}}, r"/manager/replicas"),
         ({"managr": {}}, r"additional properties 'managr' not allowed"),
+        # A tag inside the repository would render repo:tag:tag.
+        ({"manager": {"image": {"repository": "ghcr.io/me/trainer:v2.1.0"}}}, r"/manager/image/repository"),
+        ({"dataCache": {"namespaces": None}}, r"/dataCache': missing property 'namespaces'"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_value(values, message):
     with pytest.raises(helm_python.HelmValuesError, match=message):
         render_chart(values)
+
+
+def test_a_registry_port_is_not_taken_for_a_tag():
+    objects = render_chart({"manager": {"image": {"repository": "localhost:5000/trainer"}}})
+    (deployment,) = [
+        o
+        for o in objects
+        if o["metadata"]["name"] == "kubeflow-trainer-controller-manager" and o["kind"] == "Deployment"
+    ]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "localhost:5000/trainer:v2.1.0"
 
 
 def test_every_value_has_a_comment():

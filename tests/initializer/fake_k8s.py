@@ -183,7 +183,9 @@ class FakeKube:
             callback(created)
         return created
 
-    def patch(self, plural: str, kind: str, ns: str, name: str, patch: dict, content_type: str, group: str = "") -> dict:
+    def patch(
+        self, plural: str, kind: str, ns: str, name: str, patch: dict, content_type: str, group: str = ""
+    ) -> dict:
         if content_type != "application/merge-patch+json":
             raise ApiFailure(415, "UnsupportedMediaType", f"the fake implements merge-patch only, got {content_type}")
         with self.cond:
@@ -198,7 +200,11 @@ class FakeKube:
             owners_changed = updated["metadata"].get("ownerReferences") != current["metadata"].get("ownerReferences")
             if owners_changed and self.allowed is not None and (group, plural, "delete") not in self.allowed:
                 # As the OwnerReferencesPermissionEnforcement admission plugin answers (OpenShift).
-                raise ApiFailure(403, "Forbidden", f'{plural} "{name}" is forbidden: cannot set an ownerRef on a resource you can\'t delete')
+                raise ApiFailure(
+                    403,
+                    "Forbidden",
+                    f'{plural} "{name}" is forbidden: cannot set an ownerRef on a resource you can\'t delete',
+                )
             for field in ("name", "namespace", "uid", "creationTimestamp"):
                 if updated["metadata"].get(field) != current["metadata"].get(field):
                     raise ApiFailure(422, "Invalid", f"metadata.{field}: field is immutable")

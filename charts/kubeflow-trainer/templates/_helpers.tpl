@@ -24,13 +24,11 @@
 
 {{/* Labels of every object; `component` is added per folder. */}}
 {{- define "trainer.labels" -}}
-helm.sh/chart: {{ include "trainer.chart" . }}
 {{ include "trainer.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-app.kubernetes.io/part-of: kubeflow
-{{- with .Values.commonLabels }}
-{{ toYaml . }}
+{{- $labels := dict "helm.sh/chart" (include "trainer.chart" .) "app.kubernetes.io/version" .Chart.AppVersion "app.kubernetes.io/managed-by" .Release.Service "app.kubernetes.io/part-of" "kubeflow" }}
+{{- /* commonLabels win over the chart's non-selector labels (part-of, version...): one key, one value. */}}
+{{- range $key, $value := merge (deepCopy (.Values.commonLabels | default dict)) $labels }}
+{{ $key }}: {{ $value | quote }}
 {{- end }}
 {{- end }}
 
@@ -50,4 +48,27 @@ capabilities:
     - ALL
 seccompProfile:
   type: RuntimeDefault
+{{- end }}
+
+{{/* Chart-wide rules the schema cannot express; each message names the fix. */}}
+{{- define "trainer.checks" -}}
+{{- range $key := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" }}
+{{- if hasKey $.Values.commonLabels $key }}
+{{- fail (printf "commonLabels cannot set %s: the chart sets it, and its Deployments and Services select pods by it; choose another key" $key) }}
+{{- end }}
+{{- end }}
+{{- if hasKey .Values.lws "install" }}
+{{- fail "lws.install is not a value of this chart (lws.* goes to the LeaderWorkerSet subchart as is): LeaderWorkerSet is installed with dataCache.enabled=true; to skip it, set dataCache.lws.install=false" }}
+{{- end }}
+{{- if not (.Files.Glob "crds/*.yaml") }}
+{{- fail "the chart's crds/ folder holds no CRDs, so the Trainer CRDs would not be installed: run `make sync-crds` (or hack/sync-crds.sh) in the source tree first; `helm dependency build` fetches the subcharts only" }}
+{{- end }}
+{{- if .Values.jobset.install }}
+{{- /* The JobSet subchart's fullname, as its _helpers.tpl builds it; its Services add 16 characters. */}}
+{{- $name := .Values.jobset.nameOverride | default "jobset" }}
+{{- $jobset := .Values.jobset.fullnameOverride | default (ternary .Release.Name (printf "%s-%s" .Release.Name $name) (contains $name .Release.Name)) }}
+{{- if gt (len $jobset) 47 }}
+{{- fail (printf "release name %q is too long: the JobSet subchart would name its Service %s-webhook-service, over Kubernetes' 63 characters; use a release name of at most 40 characters, or set jobset.fullnameOverride to at most 47" .Release.Name $jobset) }}
+{{- end }}
+{{- end }}
 {{- end }}

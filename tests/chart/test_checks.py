@@ -1,0 +1,66 @@
+"""templates/checks.yaml and the label helper: rules between values that the schema cannot state."""
+
+import shutil
+
+import helm_python
+import pytest
+import yaml
+
+from tests.chart.render import DATA_CACHE, prepared_chart, render_chart, render_chart_files
+
+SELECTED = {"Deployment", "Service"}
+
+
+@pytest.mark.parametrize("key", ["app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"])
+def test_common_labels_cannot_replace_what_selectors_use(key):
+    with pytest.raises(helm_python.HelmRenderError, match=f"commonLabels cannot set {key}"):
+        render_chart({"commonLabels": {key: "ml"}})
+
+
+def test_common_labels_replace_the_other_chart_labels_once():
+    """part-of is an admin's usual label: it replaces the chart's, and no key repeats (a repeated
+    key breaks kustomize post-renderers, and last-wins parsers would take either value)."""
+    values = {**DATA_CACHE, "commonLabels": {"app.kubernetes.io/part-of": "ml-platform", "team": "ml"}}
+    rendered = render_chart_files(values)
+    ours = 0
+    for path, text in rendered.items():
+        if "/charts/" in path or path.endswith("NOTES.txt"):
+            continue  # the subcharts label their own objects
+        for doc in yaml.compose_all(text):
+            if doc is None:
+                continue
+            labels = _mapping(_mapping(doc, "metadata"), "labels")
+            keys = [k.value for k, _ in labels.value]
+            assert len(keys) == len(set(keys)), (path, keys)
+            ours += 1
+    assert ours > 5
+    for obj in render_chart(values):
+        if obj["metadata"].get("labels", {}).get("helm.sh/chart", "").startswith("kubeflow-trainer-"):
+            assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "ml-platform"
+            assert obj["metadata"]["labels"]["team"] == "ml"
+
+
+def _mapping(node, key):
+    return next(v for k, v in node.value if k.value == key)
+
+
+def test_lws_install_is_refused_with_the_value_that_does_it():
+    with pytest.raises(helm_python.HelmRenderError, match=r"set dataCache\.lws\.install=false"):
+        render_chart({**DATA_CACHE, "lws": {"install": False}})
+
+
+def test_release_names_the_jobset_subchart_cannot_fit_are_refused():
+    render_chart(name="a" * 40)
+    render_chart(name="jobset-" + "a" * 40)  # the subchart does not repeat "jobset" then
+    with pytest.raises(helm_python.HelmRenderError, match="at most 40 characters"):
+        render_chart(name="a" * 41)
+    render_chart({"jobset": {"install": False}}, name="a" * 41)
+
+
+def test_a_chart_without_its_crds_is_refused(tmp_path):
+    """`helm dependency build` alone leaves crds/ empty: the install would lack the Trainer CRDs."""
+    chart = tmp_path / "kubeflow-trainer"
+    shutil.copytree(prepared_chart(), chart)
+    shutil.rmtree(chart / "crds")
+    with helm_python.Chart.load(chart) as loaded, pytest.raises(helm_python.HelmRenderError, match="make sync-crds"):
+        loaded.render({}, name="kubeflow-trainer", namespace="kubeflow-system", is_install=True)

@@ -1,0 +1,31 @@
+"""docs/install.md's recipes work as written: built here offline, as kubectl would build them."""
+
+import re
+import subprocess
+
+import yaml
+
+from tests.chart.render import REPO_ROOT, _parse, container, env_of, offline_manifest_tree, one, replicated_job
+
+DOC = REPO_ROOT / "docs" / "install.md"
+RUNTIME = "torch-distributed-with-cache"
+
+
+def doc_block(marker: str) -> str:
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S) if marker in b]
+    assert len(blocks) == 1, f"docs/install.md should hold one yaml block with {marker!r}"
+    return blocks[0]
+
+
+def test_the_image_overlay_retargets_both_images():
+    overlay = offline_manifest_tree() / "my-overlay"  # beside manifests/, as the doc's ../ assumes
+    overlay.mkdir(exist_ok=True)
+    kustomization = yaml.safe_load(doc_block("my-overlay/kustomization.yaml"))
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    built = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    runtime = one(_parse(built.stdout), "ClusterTrainingRuntime", RUNTIME)
+    init = replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"]
+    step = container(init, "dataset-initializer")
+    assert step["image"] == "registry.example/data-cache/initializer:v0.1.0"
+    assert env_of(step)["CACHE_IMAGE"]["value"] == "registry.example/data-cache/cache:v0.1.0"
