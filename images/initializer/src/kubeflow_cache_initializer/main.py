@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -59,5 +60,34 @@ def main(
     return 0
 
 
+_DESCRIPTION = """\
+Start (or join) the data cache of a TrainJob's Iceberg table and exit 0 once it serves.
+It runs as the dataset-initializer step of the torch-distributed-with-cache runtime and takes
+its settings from the environment, as the Kubeflow SDK's DataCacheInitializer sets them:
+
+  STORAGE_URI     cache://<schema>/<table>                     (required)
+  METADATA_LOC    the table's metadata.json (s3://, file://)   (required)
+  TRAIN_JOB_NAME  the TrainJob's name                          (required)
+  CACHE_IMAGE     the data cache image                         (required)
+  CLUSTER_SIZE, HEAD_CPU, HEAD_MEM, WORKER_CPU, WORKER_MEM, IAM_ROLE, DATA_CACHE_SHARED,
+  CACHE_READY_TIMEOUT_SECONDS, ...: see docs/initializer.md for every variable.
+
+Exit status: 0 the cache serves; 2 bad settings (every one named); 1 any other failure, with
+the reason in the log and the pod's termination message.
+"""
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The console script: options are for people (--help, --version); settings come from env."""
+    from kubeflow_cache_initializer import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cache-initializer", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.parse_args(argv)  # exits 2 on any argument: a setting passed as a flag would be ignored
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
