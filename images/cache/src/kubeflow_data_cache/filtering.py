@@ -29,12 +29,18 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
         batches.append(batch.append_column(ROW_COLUMN, rows))
     ctx = datafusion.SessionContext()
     ctx.register_record_batches("data", [batches])
+    table = ctx.table("data")
     try:
-        result = ctx.sql(f"SELECT {ROW_COLUMN} FROM data WHERE ({predicate})").to_arrow_table()
+        # Parsed as one expression over the table's own columns, never pasted into SQL text: a
+        # predicate like "x < 5) UNION ALL SELECT 0 --" cannot add rows, and the row-number
+        # column it may not see is not there to name.
+        columns = table.select(*store.schema.names)
+        condition = columns.parse_sql_expr(predicate)
+        result = table.filter(condition).select(ROW_COLUMN).to_arrow_table()
     except Exception as err:  # DataFusion raises one exception type for parse, plan and type errors
         message = str(err).splitlines()[0]
         raise BadRequestError(
-            f"invalid filter {predicate!r}: {message}. A filter is a SQL predicate over the table's "
+            f"invalid filter {predicate!r}: {message}. A filter is one SQL predicate over the table's "
             f'columns {store.schema.names}, e.g. "label = 3 AND feature_a > 0.5"'
         ) from None
     rows = result.column(0).to_numpy()

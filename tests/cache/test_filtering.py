@@ -1,0 +1,49 @@
+"""filtering.py: a filter is one SQL predicate over the table's columns, and nothing more."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kubeflow_data_cache.errors import BadRequestError
+from kubeflow_data_cache.filtering import ROW_COLUMN, matching_rows
+from kubeflow_data_cache.store import NodeStore
+
+
+@pytest.fixture(scope="module")
+def store():
+    schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
+    batches = [
+        pa.record_batch(
+            [pa.array(np.arange(start, start + 5)), pa.array([f"r{i})" for i in range(start, start + 5)])],
+            schema=schema,
+        )
+        for start in (0, 5)
+    ]
+    return NodeStore(schema, batches)
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [
+        ("id < 3", [0, 1, 2]),
+        ("id >= 8 OR name = 'r1)'", [1, 8, 9]),  # a parenthesis inside a string literal is data
+        ("(id = 2) AND (name LIKE 'r%')", [2]),
+        ("id IN (4, 6)", [4, 6]),
+    ],
+)
+def test_predicates_select_their_rows(store, predicate, rows):
+    assert matching_rows(store, predicate).tolist() == rows
+
+
+@pytest.mark.parametrize(
+    "predicate",
+    [
+        "id < 5) UNION ALL SELECT 0 --",  # would serve row 0 twice, and rows that are not there
+        "id < 3) UNION ALL SELECT __dc_row FROM data WHERE (id < 2",
+        "id < 2; DROP TABLE data",
+        f"{ROW_COLUMN} < 3",  # the internal row number is not a column of the table
+    ],
+)
+def test_anything_but_one_predicate_over_the_columns_is_refused(store, predicate):
+    with pytest.raises(BadRequestError, match="invalid filter"):
+        matching_rows(store, predicate)
