@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.protocol import ShardRequest
 from kubeflow_data_cache.sharding import EpochOrder, node_rows, nodes_for_shard, shard_ranges, shard_size
 
@@ -34,7 +36,7 @@ def rows_of_shard(total: int, nodes: int, req: ShardRequest) -> tuple[list[int],
     nodes=st.integers(1, 6),
     block=st.integers(1, 300),
     shuffle=st.booleans(),
-    seed=st.integers(0, 2**31),
+    seed=st.one_of(st.integers(0, 2**31), st.integers(2**44, 2**64 - 1)),  # microsecond-clock seeds too
     epoch=st.integers(0, 50),
 )
 def test_every_row_exactly_once_over_all_shards(total, shards, nodes, block, shuffle, seed, epoch):
@@ -86,11 +88,35 @@ def test_shuffle_is_deterministic_and_differs_by_epoch_and_seed():
     assert np.array_equal(np.sort(a), np.arange(50_000))
 
 
+def test_seed_and_epoch_never_stand_in_for_each_other():
+    """Shifted-and-xored fields once made seed 1 / epoch 0 equal seed 0 / epoch 2**18."""
+
+    def order(seed, epoch):
+        return EpochOrder(10_000, ShardRequest(shuffle=True, seed=seed, epoch=epoch)).rows(0, 10_000)
+
+    assert not np.array_equal(order(1, 0), order(0, 2**18))
+    assert not np.array_equal(order(0, 1), order(1, 0))
+    assert not np.array_equal(order(2**63, 0), order(0, 0))
+
+
+def test_seed_and_epoch_beyond_64_bits_are_refused():
+    for field in ("seed", "epoch"):
+        with pytest.raises(BadRequestError, match=f"'{field}' should be <= {2**64 - 1}"):
+            ShardRequest(**{field: 2**64})
+    ShardRequest(seed=2**64 - 1, epoch=2**64 - 1)
+
+
 def test_shuffle_quality():
     """The permutation must decorrelate position from row id, and mix neighbours apart."""
     total = 200_000
-    rows = EpochOrder(total, ShardRequest(shuffle=True, seed=1, block_size=1024)).rows(0, total)
-    assert abs(np.corrcoef(np.arange(total), rows)[0, 1]) < 0.02
+    blocks = total // 1024
+    orders = [EpochOrder(total, ShardRequest(shuffle=True, seed=s, block_size=1024)).rows(0, total) for s in range(20)]
+    # Position and row id are uncorrelated: for a random order of `blocks` blocks the correlation
+    # has a spread of ~1/sqrt(blocks) around 0, so its mean over 20 seeds stays within 3 spreads.
+    corr = [np.corrcoef(np.arange(total), rows)[0, 1] for rows in orders]
+    assert abs(np.mean(corr)) < 3 / np.sqrt(blocks * 20)
+    assert max(abs(c) for c in corr) < 5 / np.sqrt(blocks)
+    rows = orders[1]
     # Rows adjacent in the table land far apart: the median distance is a large fraction of the table.
     gaps = np.abs(np.diff(rows))
     assert np.median(gaps) < 1024  # in-block neighbours stay within a block...

@@ -21,6 +21,8 @@ PROTOCOL_VERSION = 1
 EVEN_MODES = ("drop", "pad")
 DEFAULT_BLOCK_SIZE = 1024
 DEFAULT_BATCH_SIZE = 65536
+# seed and epoch are hashed as unsigned 64-bit integers (sharding._keys).
+UINT64_MAX = 2**64 - 1
 MAX_BATCH_SIZE = 1 << 22
 
 # Actions served by the head and the data nodes (DoAction types).
@@ -35,10 +37,12 @@ def _require(cond: bool, message: str) -> None:
         raise BadRequestError(message)
 
 
-def _as_int(name: str, value: Any, minimum: int = 0) -> int:
+def _as_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequestError(f"'{name}' should be an integer, got {value!r}")
     _require(value >= minimum, f"'{name}' should be >= {minimum}, got {value}")
+    if maximum is not None:
+        _require(value <= maximum, f"'{name}' should be <= {maximum} (64 bits), got {value}")
     return value
 
 
@@ -69,8 +73,8 @@ class ShardRequest:
             self.shard < self.num_shards,
             f"shard index {self.shard} is out of range: it must be in [0, {self.num_shards})",
         )
-        _as_int("epoch", self.epoch, 0)
-        _as_int("seed", self.seed, 0)
+        _as_int("epoch", self.epoch, 0, UINT64_MAX)
+        _as_int("seed", self.seed, 0, UINT64_MAX)
         _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {self.shuffle!r}")
         _as_int("batch_size", self.batch_size, 1)
         _require(self.batch_size <= MAX_BATCH_SIZE, f"'batch_size' should be <= {MAX_BATCH_SIZE}")

@@ -33,8 +33,13 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _keys(ids: np.ndarray, seed: int, epoch: int, salt: int) -> np.ndarray:
-    base = _mix(np.array([(seed << 20) ^ (epoch << 2) ^ salt], dtype=np.uint64))
-    return _mix(ids.astype(np.uint64) ^ base)
+    # Each input is mixed in on its own (mix is a bijection), so no two (seed, epoch) pairs share
+    # a base by construction, as shifted-and-xored fields did (seed 1 / epoch 0 and seed 0 /
+    # epoch 2**18), and any seed or epoch below 2**64 fits (the protocol bounds them).
+    base = np.array([seed], dtype=np.uint64)
+    for part in (epoch, salt):
+        base = _mix(base) ^ np.uint64(part)
+    return _mix(ids.astype(np.uint64) ^ _mix(base))
 
 
 def shard_ranges(total: int, req: ShardRequest) -> list[tuple[int, int]]:
