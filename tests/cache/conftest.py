@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from tests.cache.inprocess import cluster  # noqa: F401 (a fixture, shared with every cache test)
 from tests.conftest import free_port
 
 MOTO_START_TIMEOUT_SECONDS = 30.0

@@ -15,6 +15,9 @@ LOAD_POLL_SECONDS = 0.05
 SUPERVISE_POLL_SECONDS = 5.0
 # Timeout of one internal Flight call between head and data nodes.
 RPC_TIMEOUT_SECONDS = 10.0
+# Tries of the head's `load` call to one data node before the load fails (a node that just
+# registered may not answer yet); the message then points at its advertised address.
+LOAD_SEND_ATTEMPTS = 3
 # After a failed load a node keeps answering /ready and /status with the reason this long
 # (so the initializer and `kubectl logs` can read it), then exits non-zero.
 FAILURE_GRACE_SECONDS = 30.0

@@ -15,7 +15,12 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.config import NodeConfig
-from kubeflow_data_cache.constants import LOAD_POLL_SECONDS, RPC_TIMEOUT_SECONDS, SUPERVISE_POLL_SECONDS
+from kubeflow_data_cache.constants import (
+    LOAD_POLL_SECONDS,
+    LOAD_SEND_ATTEMPTS,
+    RPC_TIMEOUT_SECONDS,
+    SUPERVISE_POLL_SECONDS,
+)
 from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, DataCacheError, NotReadyError
 from kubeflow_data_cache.memory import check_fits
 from kubeflow_data_cache.node import server_kwargs
@@ -28,7 +33,16 @@ from kubeflow_data_cache.plan import (
     s3_properties_from_env,
 )
 from kubeflow_data_cache.security import call_options, client_for
-from kubeflow_data_cache.service import FAILED, LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
+from kubeflow_data_cache.service import (
+    DEGRADED,
+    FAILED,
+    LOADING,
+    READY,
+    Lifecycle,
+    Metrics,
+    flight_errors,
+    parse_action_body,
+)
 from kubeflow_data_cache.sharding import nodes_for_shard, shard_size
 
 log = logging.getLogger(__name__)
@@ -87,6 +101,22 @@ class Head(flight.FlightServerBase):
             },
         )
 
+    def _send_load_or_explain(self, node: int) -> None:
+        """Send a node its assignment, a few tries; a node that registered but cannot be reached
+        at the address it gave is almost always a wrong advertised address."""
+        for attempt in range(1, LOAD_SEND_ATTEMPTS + 1):
+            try:
+                self._send_load(node)
+                return
+            except flight.FlightUnavailableError as err:
+                if attempt == LOAD_SEND_ATTEMPTS:
+                    raise ClusterFormationError(
+                        f"data node {node} registered at {self._location(node)} but does not answer there "
+                        f"({_first_line(err)}); the address it advertises (POD_IP, or --advertise-host) "
+                        "must be reachable from the head"
+                    ) from None
+                time.sleep(attempt)
+
     # --- formation and load ------------------------------------------------------------------
     def start(self) -> None:
         # Imported before the clock starts, as on the nodes.
@@ -121,7 +151,7 @@ class Head(flight.FlightServerBase):
             )
             self.plan, self.assignments = plan, assignments
             for node in range(self.cfg.data_nodes):
-                self._send_load(node)
+                self._send_load_or_explain(node)
             self._wait_for_loads(deadline)
         except Exception as err:
             self.lifecycle.fail(str(err) if isinstance(err, DataCacheError) else f"{type(err).__name__}: {err}")
@@ -169,6 +199,8 @@ class Head(flight.FlightServerBase):
 
     def _wait_for_loads(self, deadline: float) -> None:
         while True:
+            if self._stop.is_set():  # a stopped head must not keep re-sending assignments
+                raise ClusterFormationError("stopped")
             self._poll_nodes()
             failed = [(k, s) for k, s in self.node_status.items() if s.get("state") == FAILED]
             if failed:
@@ -176,7 +208,11 @@ class Head(flight.FlightServerBase):
                 raise DataCacheError(f"data node {k} ({self._location(k)}) failed to load: {s.get('error')}")
             ready = sum(1 for s in self.node_status.values() if s.get("state") == READY)
             rows = sum(s.get("rows", 0) for s in self.node_status.values())
-            self.lifecycle.set(LOADING, f"{ready}/{self.cfg.data_nodes} data nodes ready, {rows} rows loaded")
+            lost = self._unreachable()
+            self.lifecycle.set(
+                LOADING,
+                f"{ready}/{self.cfg.data_nodes} data nodes ready, {rows} rows loaded" + (f"; {lost}" if lost else ""),
+            )
             if ready == self.cfg.data_nodes and all(
                 s.get("generation") == self.generation for s in self.node_status.values()
             ):
@@ -185,7 +221,7 @@ class Head(flight.FlightServerBase):
             if time.monotonic() > deadline:
                 raise DataCacheError(
                     f"the load did not finish within {self.cfg.startup_timeout:.0f}s "
-                    f"({ready}/{self.cfg.data_nodes} data nodes ready)"
+                    f"({ready}/{self.cfg.data_nodes} data nodes ready" + (f"; {lost}" if lost else "") + ")"
                 )
             self._wait_for_news()
 
@@ -203,10 +239,44 @@ class Head(flight.FlightServerBase):
             except Exception as err:
                 log.warning("could not reload data node %d: %s", node, err)
 
+    def _unreachable(self) -> str:
+        """'data node 1 (grpc://...) unreachable: <why>' for each node the last poll could not reach."""
+        return "; ".join(
+            f"data node {k} ({self._location(k)}) unreachable: {s.get('error')}"
+            for k, s in sorted(self.node_status.items())
+            if s.get("state") == "unreachable"
+        )
+
     def _supervise(self) -> None:
+        """Keep the nodes loaded; while one is not (down, restarted, reloading, failed), the head
+        is DEGRADED: /ready answers 503 and GetFlightInfo UNAVAILABLE naming the node, so clients
+        retry instead of reading endpoints that cannot answer."""
         while not self._stop.wait(SUPERVISE_POLL_SECONDS):
             self._poll_nodes()
             self._reload_restarted()
+            self._update_health()
+
+    def _update_health(self) -> None:
+        missing = {
+            k: s
+            for k, s in sorted(self.node_status.items())
+            if s.get("state") != READY or s.get("generation") != self.generation
+        }
+        if missing:
+            why = "; ".join(
+                f"data node {k} ({self._location(k)}) {s.get('state')}" + (f": {s['error']}" if s.get("error") else "")
+                for k, s in missing.items()
+            )
+            if self.lifecycle.state == READY:
+                log.warning("not serving until every data node holds its rows again: %s", why)
+            self.metrics.ready.set(0)
+            self.lifecycle.set(DEGRADED, f"{why}; serving again once it is back and reloaded")
+        elif self.lifecycle.state == DEGRADED:
+            log.info("every data node holds its rows again; serving")
+            self.metrics.ready.set(1)
+            self.lifecycle.set(
+                READY, f"{sum(a.rows for a in self.assignments)} rows on {self.cfg.data_nodes} data node(s)"
+            )
 
     # --- Flight ------------------------------------------------------------------------------
     def _request(self, descriptor: flight.FlightDescriptor) -> protocol.ShardRequest:
@@ -339,3 +409,7 @@ class Head(flight.FlightServerBase):
             "load_seconds": round(self.load_seconds, 3),
             "nodes": nodes,
         }
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,62 @@ def server_kwargs(cfg: NodeConfig) -> dict[str, Any]:
     return kwargs
 
 
+class LoadSuperseded(Exception):
+    """A newer assignment arrived while loading: this load stops."""
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """The head's `load` action body, checked whole before the node acts on any of it."""
+
+    generation: str
+    metadata_location: str
+    snapshot_id: int | None
+    global_start: int
+    global_stop: int
+    pieces: tuple[Piece, ...]
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> LoadOrder:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise BadRequestError(f"load: {what}; this action is the head's, sent to data nodes it planned for")
+
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+        generation, location = body.get("generation"), body.get("metadata_location")
+        need(isinstance(generation, str) and generation != "", "'generation' should be a non-empty string")
+        need(isinstance(location, str) and location != "", "'metadata_location' should be a non-empty string")
+        snapshot = body.get("snapshot_id")
+        need(
+            snapshot is None or (isinstance(snapshot, int) and not isinstance(snapshot, bool)),
+            "'snapshot_id' should be an integer or null",
+        )
+        start, stop = body.get("global_start"), body.get("global_stop")
+        need(
+            integer(start) and integer(stop) and start <= stop,
+            "'global_start' <= 'global_stop' should be integers >= 0",
+        )
+        raw = body.get("pieces")
+        need(isinstance(raw, list), "'pieces' should be a list of {path, start, stop}")
+        pieces = []
+        for p in raw:
+            ok = (
+                isinstance(p, dict)
+                and isinstance(p.get("path"), str)
+                and integer(p.get("start"))
+                and integer(p.get("stop"))
+            )
+            need(ok and p["start"] <= p["stop"], f"piece {p!r} should be {{path, start, stop}} with 0 <= start <= stop")
+            pieces.append(Piece(p["path"], p["start"], p["stop"]))
+        need(
+            sum(p.stop - p.start for p in pieces) == stop - start,
+            "the pieces' rows should add up to global_stop - global_start",
+        )
+        return cls(generation, location, snapshot, start, stop, tuple(pieces))
+
+
 class DataNode(flight.FlightServerBase):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
         super().__init__(**server_kwargs(cfg))
@@ -52,6 +109,7 @@ class DataNode(flight.FlightServerBase):
         self.generation: str | None = None
         self.load_seconds = 0.0
         self._load_lock = threading.Lock()
+        self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open")
         self._stop = threading.Event()
@@ -134,40 +192,57 @@ class DataNode(flight.FlightServerBase):
 
     # --- loading -----------------------------------------------------------------------------
     def _start_load(self, body: dict[str, Any]) -> None:
-        generation = str(body["generation"])
+        order = LoadOrder.parse(body)  # before touching anything: a bad body changes nothing
         with self._load_lock:
-            if self.generation == generation:
+            if self.generation == order.generation:
                 return  # the head re-sent the same assignment: already loading or loaded
-            self.generation = generation
+            self.generation = order.generation
             self.store, self.filters = None, None
+            previous, self._load_thread = self._load_thread, None
+            self.metrics.ready.set(0)
             self.lifecycle.set(LOADING, "reading data files")
-        threading.Thread(target=self._load, args=(body,), name="load", daemon=True).start()
+            # A newer assignment (a restarted head) supersedes a load still running: that one
+            # stops at its next piece, and this one reads only once it has, so the node never
+            # holds two loads at once (the memory check counts one).
+            thread = threading.Thread(target=self._load, args=(order, previous), name="load", daemon=True)
+            self._load_thread = thread
+        thread.start()
 
-    def _load(self, body: dict[str, Any]) -> None:
+    def _current(self, order: LoadOrder) -> bool:
+        return self.generation == order.generation
+
+    def _load(self, order: LoadOrder, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()
         started = time.monotonic()
         try:
-            pieces = [Piece(p["path"], int(p["start"]), int(p["stop"])) for p in body["pieces"]]
-            table, schema, tasks = self._opened(body["metadata_location"]).result()
+            table, schema, tasks = self._opened(order.metadata_location).result()
             snapshot = table.current_snapshot()
-            if (snapshot.snapshot_id if snapshot else None) != body.get("snapshot_id"):
+            if (snapshot.snapshot_id if snapshot else None) != order.snapshot_id:
                 raise TableLoadError("the table's snapshot differs from the head's plan; restart the cache")
-            missing = [p.path for p in pieces if p.path not in tasks]
+            missing = [p.path for p in order.pieces if p.path not in tasks]
             if missing:
                 raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
 
             def progress(rows: int, nbytes: int) -> None:
+                if not self._current(order):
+                    raise LoadSuperseded()
                 self.lifecycle.set(LOADING, f"{rows} rows, {nbytes >> 20} MiB read")
 
-            store = NodeStore.load(table, tasks, schema, pieces, self.cfg.load_threads, progress)
-            expected = int(body["global_stop"]) - int(body["global_start"])
+            store = NodeStore.load(table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress)
+            expected = order.global_stop - order.global_start
             if store.num_rows != expected:
                 raise TableLoadError(f"read {store.num_rows} rows, expected {expected}")
+        except LoadSuperseded:
+            log.info("load %s stopped: a newer assignment arrived", order.generation)
+            return
         except Exception as err:
-            self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
-            self._wake_register.set()
+            if self._current(order):  # a superseded load's failure is not this node's state
+                self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+                self._wake_register.set()
             return
         with self._load_lock:
-            if self.generation != body["generation"]:
+            if not self._current(order):
                 return  # superseded by a newer assignment while loading
             self.store, self.filters = store, FilterCache(store)
             self.load_seconds = time.monotonic() - started

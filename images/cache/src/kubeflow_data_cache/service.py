@@ -21,6 +21,8 @@ from kubeflow_data_cache.memory import resident_bytes
 log = logging.getLogger(__name__)
 
 WAITING, LOADING, READY, FAILED = "waiting", "loading", "ready", "failed"
+# A head whose data node is unreachable or reloading: not ready until it is back (not final).
+DEGRADED = "degraded"
 
 
 class Lifecycle:

@@ -1,0 +1,108 @@
+"""A data node's `load` action: checked whole before it acts, and never two loads at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from kubeflow_data_cache.errors import BadRequestError
+from kubeflow_data_cache.node import LoadOrder
+from kubeflow_data_cache.store import NodeStore
+from tests.cache.inprocess import get, wait_for
+
+GOOD = {
+    "generation": "g1",
+    "metadata_location": "file:///t/metadata.json",
+    "snapshot_id": 7,
+    "global_start": 10,
+    "global_stop": 30,
+    "pieces": [{"path": "a.parquet", "start": 0, "stop": 5}, {"path": "b.parquet", "start": 3, "stop": 18}],
+}
+
+
+def test_a_well_formed_order_parses():
+    order = LoadOrder.parse(GOOD)
+    assert order.generation == "g1" and order.global_stop - order.global_start == 20
+    assert [(p.path, p.start, p.stop) for p in order.pieces] == [("a.parquet", 0, 5), ("b.parquet", 3, 18)]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"generation": None}, "'generation'"),
+        ({"pieces": None}, "'pieces'"),
+        ({"pieces": [{"path": "a.parquet", "start": 5, "stop": 1}]}, "0 <= start <= stop"),
+        ({"pieces": [{"path": "a.parquet", "start": 0, "stop": "5"}]}, "0 <= start <= stop"),
+        ({"global_stop": 5}, "'global_start' <= 'global_stop'"),
+        ({"global_stop": 31}, "add up"),
+        ({"snapshot_id": "7"}, "'snapshot_id'"),
+        ({"metadata_location": ""}, "'metadata_location'"),
+    ],
+)
+def test_a_malformed_order_is_refused_naming_the_field(change, message):
+    with pytest.raises(BadRequestError, match=message):
+        LoadOrder.parse({**GOOD, **change})
+
+
+def test_a_malformed_load_leaves_a_serving_node_as_it_was(cluster, small_table):
+    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    client = flight.FlightClient(node.location)
+    for body in (b'{"generation": "x"}', b"{}"):
+        with pytest.raises(pa.ArrowInvalid, match="load: "):
+            list(client.do_action(flight.Action("load", body)))
+    assert get(node_health.port, "/ready")[0] == 200
+    assert node.store is not None and node.store.num_rows == small_table.rows
+    status = json.loads(next(iter(client.do_action(flight.Action("status", b"")))).body.to_pybytes())
+    assert status["state"] == "ready" and status["generation"] == head.generation
+
+
+def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_table, monkeypatch):
+    """A restarted head re-sends the assignment with a new generation while the first load runs:
+    the first stops, the second reads only after it, so the node never holds two loads."""
+    real_load = NodeStore.load
+    spans: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def timed_load(*args, **kwargs):
+        start = time.monotonic()
+        try:
+            return real_load(*args, **kwargs)
+        finally:
+            with lock:
+                spans.append((start, time.monotonic()))
+
+    def slow_progress_load(table, tasks, schema, pieces, threads, progress=None):
+        def slow(rows, nbytes):
+            time.sleep(0.3)  # a long load: time for the new assignment to arrive
+            progress(rows, nbytes)
+
+        return timed_load(table, tasks, schema, pieces, threads, slow)
+
+    monkeypatch.setattr(NodeStore, "load", staticmethod(slow_progress_load))
+    head, _, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: node.lifecycle.state == "loading" and "rows" in node.lifecycle.detail)
+    first = node.generation
+    order = {
+        "generation": "restarted-head",
+        "metadata_location": head.plan.metadata_location,
+        "snapshot_id": head.plan.snapshot_id,
+        "global_start": head.assignments[0].global_start,
+        "global_stop": head.assignments[0].global_stop,
+        "pieces": [p.to_dict() for p in head.assignments[0].pieces],
+    }
+    head.stop()  # the old head is gone; the new one sends its own generation
+    list(flight.FlightClient(node.location).do_action(flight.Action("load", json.dumps(order).encode())))
+    wait_for(lambda: node.generation == "restarted-head" and node.lifecycle.state == "ready")
+    assert first != "restarted-head"
+    assert node.store.num_rows == small_table.rows
+    assert len(spans) == 2
+    (_, a_end), (b_start, _) = sorted(spans)
+    assert b_start >= a_end, "the second load started before the first one ended"
+    metrics = get(node_health.port, "/metrics")[1]
+    assert "data_cache_ready 1.0" in metrics
