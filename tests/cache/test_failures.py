@@ -59,6 +59,9 @@ def test_memory_budget_refusal_says_what_is_needed(table_factory):
     code, stderr = failed_local(table.metadata_location, "--memory-limit", "400.5Mi")
     assert code == 1
     assert "needs about" in stderr and "use at least" in stderr and "data nodes" in stderr
+    # Under `local`, the advice names its own flags, and small sizes read in MiB, not "0.00 GiB".
+    assert "(--data-nodes " in stderr and "(--memory-limit)" in stderr and "CLUSTER_SIZE" not in stderr
+    assert "can use 0.5 MiB" in stderr
 
 
 @pytest.mark.parametrize(

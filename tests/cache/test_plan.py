@@ -79,6 +79,17 @@ def test_memory_refusal_names_the_fix():
     check_fits(need, peak, [(4 << 30) + BASELINE_MEMORY_BYTES] * 2)
 
 
+def test_memory_refusal_under_local_names_its_flags_in_mib():
+    """`data-cache local` budgets are small and set by its own flags, not a pod's knobs."""
+    with pytest.raises(MemoryBudgetError) as err:
+        check_fits([3 << 20], [4 << 20], [(1 << 20) + BASELINE_MEMORY_BYTES], local=True)
+    message = str(err.value)
+    assert "use at least 4 data nodes (--data-nodes 4)" in message
+    assert "4.0 MiB at its peak while loading" in message and "can use 1.0 MiB" in message
+    assert "(--memory-limit)" in message
+    assert "0.00 GiB" not in message and "CLUSTER_SIZE" not in message and "WORKER_MEM" not in message
+
+
 def test_a_share_that_fits_but_whose_load_peak_does_not_is_refused():
     """Room for the rows but not for the copy of the column being merged: refused up front,
     not OOM-killed half way through the load."""
@@ -125,6 +136,12 @@ def test_parse_bytes_rejects_garbage():
 def test_missing_metadata_names_the_variable(tmp_path):
     with pytest.raises(TableLoadError, match="METADATA_LOC .* does not exist"):
         open_table(str(tmp_path / "nope.metadata.json"))
+
+
+def test_a_directory_is_not_called_missing(tmp_path):
+    for location in (str(tmp_path), f"file://{tmp_path}"):
+        with pytest.raises(TableLoadError, match="is a directory: METADATA_LOC must be a table's metadata.json file"):
+            open_table(location)
 
 
 def test_internal_column_names_are_refused(tmp_path):

@@ -109,3 +109,27 @@ def test_without_kill_group_only_the_process_itself_is_killed():
         assert alive(grandchild)
     finally:
         os.kill(grandchild, 9)
+
+
+# A parent that starts a sleeping child with die_with_parent, prints its pid, then sleeps.
+PARENT = """
+import subprocess, sys, time
+from kubeflow_data_cache.processes import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=die_with_parent())
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_die_with_parent_stops_the_child_when_its_parent_is_sigkilled():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        stop_processes([parent], grace=1, kill_group=True)  # sweeps the child if it outlived the parent

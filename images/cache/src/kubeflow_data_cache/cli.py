@@ -7,9 +7,9 @@ import logging
 import os
 import sys
 
-from kubeflow_data_cache.errors import DataCacheError
+from kubeflow_data_cache.errors import ConfigError, DataCacheError
 
-log = logging.getLogger("kubeflow_data_cache")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
@@ -25,19 +25,33 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the token (env DATA_CACHE_TOKEN_FILE)")
     p.add_argument("--tls-cert", help="TLS certificate file (env DATA_CACHE_TLS_CERT)")
     p.add_argument("--tls-key", help="TLS private key file (env DATA_CACHE_TLS_KEY)")
-    p.add_argument("--startup-timeout", type=float, help="seconds to form the cluster and load (default 600)")
-    p.add_argument("--failure-grace", type=float, help="seconds to keep reporting a failed load before exiting")
-    p.add_argument("--load-threads", type=int, help="parallel file reads (default: CPU count)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        help="seconds to form the cluster and load (env DATA_CACHE_STARTUP_TIMEOUT_SECONDS, default 600)",
+    )
+    p.add_argument(
+        "--failure-grace",
+        type=float,
+        help="seconds to keep reporting a failed load before exiting (env DATA_CACHE_FAILURE_GRACE_SECONDS, default 30)",
+    )
+    p.add_argument("--load-threads", type=int, help="parallel file reads (env LOAD_THREADS, default the CPU count)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="data-cache", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("LOG_LEVEL", "INFO"),
+        help=f"one of {', '.join(LOG_LEVELS)} (env LOG_LEVEL, default INFO)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     head = sub.add_parser("head", help="run the head (LeaderWorkerSet leader)")
     _node_flags(head)
-    head.add_argument("--data-nodes", type=int, help="data nodes to expect (default LWS_GROUP_SIZE - 1)")
+    head.add_argument(
+        "--data-nodes", type=int, help="data nodes to expect (env DATA_NODES, default LWS_GROUP_SIZE - 1)"
+    )
 
     worker = sub.add_parser("worker", help="run a data node (LeaderWorkerSet worker)")
     _node_flags(worker)
@@ -46,13 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     local = sub.add_parser("local", help="run a head and N data nodes on this machine")
     local.add_argument(
-        "--metadata-loc", default=os.environ.get("METADATA_LOC"), required="METADATA_LOC" not in os.environ
+        "--metadata-loc",
+        default=os.environ.get("METADATA_LOC"),
+        required="METADATA_LOC" not in os.environ,
+        help="the table's metadata.json: s3://, s3a://, file:// or a path (default env METADATA_LOC)",
     )
-    local.add_argument("--data-nodes", type=int, default=2)
-    local.add_argument("--port", type=int, default=50051)
-    local.add_argument("--host", default="127.0.0.1")
-    local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi")
-    local.add_argument("--startup-timeout", type=float, default=300.0)
+    local.add_argument("--data-nodes", type=int, default=2, help="data node processes to start (default 2)")
+    local.add_argument(
+        "--port", type=int, default=50051, help="the head's Flight port (default 50051; 0 picks a free one)"
+    )
+    local.add_argument(
+        "--host", default="127.0.0.1", help="address every process binds and advertises (default 127.0.0.1)"
+    )
+    local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi (default the cgroup limit)")
+    local.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to start and load before giving up (default 300)"
+    )
 
     sample = sub.add_parser("sample-table", help="write a sample Iceberg table and print its metadata location")
     sample.add_argument("--warehouse", required=True, help="warehouse folder (or s3://bucket/prefix)")
@@ -65,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(level: str, role: str) -> None:
     logging.basicConfig(
-        level=level.upper(),
+        level=level,
         stream=sys.stderr,
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
     )
@@ -74,11 +97,18 @@ def _setup_logging(level: str, role: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"`LOG_LEVEL` (--log-level) should be one of {', '.join(LOG_LEVELS)}, got {raw!r}")
+    return level
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
-    _setup_logging(args.log_level, role)
     try:
+        _setup_logging(_log_level(args.log_level), role)
         if args.command in ("head", "worker"):
             if args.command == "worker":
                 from kubeflow_data_cache.allocator import configure_data_node, tune_glibc_malloc
@@ -105,6 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         print(table.metadata_location)
         return 0
     except DataCacheError as err:
-        log.error("%s", err)
+        # Printed once: logging it as well showed every config error twice.
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 
 from kubeflow_data_cache import constants
@@ -46,28 +49,96 @@ class NodeConfig:
         return f"{self.scheme}://{self.advertise_host}:{port}"
 
 
+def label(var: str, flag: str | None = None) -> str:
+    """How messages name a setting: its env variable, and its flag where the two differ."""
+    return f"`{var}` ({flag})" if flag else f"`{var}`"
+
+
 def _int(name: str, raw: str | int | None, default: int, minimum: int = 0) -> int:
     if raw is None or raw == "":
         return default
     try:
         value = int(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"`{name}` should be an integer, got {raw!r}") from None
+        raise ConfigError(f"{name} should be an integer, got {raw!r}") from None
     if value < minimum:
-        raise ConfigError(f"`{name}` should be >= {minimum}, got {value}")
+        raise ConfigError(f"{name} should be >= {minimum}, got {value}")
     return value
 
 
-def _float(name: str, raw: str | float | None, default: float) -> float:
+def port_setting(name: str, raw: str | int | None, default: int) -> int:
+    """A TCP port, 0 (any free one) to 65535: checked here rather than by a traceback from the bind."""
+    value = _int(name, raw, default)
+    if value > 65535:
+        raise ConfigError(f"{name} should be a port number from 0 to 65535, got {value}")
+    return value
+
+
+def seconds_setting(name: str, raw: str | float | None, default: float) -> float:
+    """A finite number of seconds > 0: ``nan`` and ``inf`` parse as floats but would turn a
+    deadline off (every comparison with nan is false), so they are refused like 0."""
     if raw is None or raw == "":
         return default
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"`{name}` should be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"`{name}` should be > 0, got {value}")
+        raise ConfigError(f"{name} should be a number of seconds, got {raw!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} should be a finite number of seconds > 0, got {raw!r}")
     return value
+
+
+def tls_setting(
+    cert_file: str | None,
+    key_file: str | None,
+    cert_name: str = label("DATA_CACHE_TLS_CERT", "--tls-cert"),
+    key_name: str = label("DATA_CACHE_TLS_KEY", "--tls-key"),
+) -> list[tuple[bytes, bytes]]:
+    """The certificate and key, checked now: gRPC would fail only later, with pages of traceback."""
+    tls = tls_certificates(cert_file, key_file)
+    if not tls:
+        return tls
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_file)
+    except ssl.SSLError:
+        raise ConfigError(
+            f"{cert_name} {cert_file!r} holds no PEM certificate: point it at the certificate file "
+            "(-----BEGIN CERTIFICATE-----)"
+        ) from None
+    try:
+        # A password callback that gives none: an encrypted key fails here instead of prompting.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=lambda: b"")
+    except ssl.SSLError as err:
+        # OpenSSL names some reasons (KEY_VALUES_MISMATCH); a garbage or encrypted key is just "PEM lib".
+        reason = f" ({err.reason.lower().replace('_', ' ')})" if err.reason and err.reason != "PEM_LIB" else ""
+        raise ConfigError(
+            f"{key_name} {key_file!r} is not an unencrypted PEM private key of the certificate "
+            f"{cert_file!r}{reason}: point it at that certificate's key"
+        ) from None
+    return tls
+
+
+def claim_port(host: str, port: int, port_name: str, host_name: str) -> int:
+    """Fail, naming the setting, when ``host:port`` cannot be bound (something listens there);
+    return the port, or for 0 the free one the OS picked. Checked before a server starts: gRPC
+    reports a taken port only as "Server did not start properly", after its own log lines, and
+    a client polling that port would talk to whatever listens there."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC does: a port whose old connections linger in TIME_WAIT is free to reuse.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+            return probe.getsockname()[1]
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} on {host} is already in use: stop what listens there or pick another "
+                f"port with {port_name}"
+            ) from None
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror or err}): check {host_name}") from None
 
 
 def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> NodeConfig:
@@ -84,9 +155,11 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             "`METADATA_LOC` is required: the table's metadata.json (s3://, s3a://, file:// or a path), "
             "set by the env METADATA_LOC or --metadata-loc"
         )
-    flight_port = _int("FLIGHT_PORT", pick("port", "FLIGHT_PORT"), constants.FLIGHT_PORT)
-    health_port = _int("HEALTH_PORT", pick("health_port", "HEALTH_PORT"), constants.HEALTH_PORT)
-    tls = tls_certificates(pick("tls_cert", "DATA_CACHE_TLS_CERT"), pick("tls_key", "DATA_CACHE_TLS_KEY"))
+    flight_port = port_setting(label("FLIGHT_PORT", "--port"), pick("port", "FLIGHT_PORT"), constants.FLIGHT_PORT)
+    health_port = port_setting(
+        label("HEALTH_PORT", "--health-port"), pick("health_port", "HEALTH_PORT"), constants.HEALTH_PORT
+    )
+    tls = tls_setting(pick("tls_cert", "DATA_CACHE_TLS_CERT"), pick("tls_key", "DATA_CACHE_TLS_KEY"))
     scheme = "grpc+tls" if tls else "grpc"
 
     data_nodes = 0
@@ -95,9 +168,9 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     if role == "head":
         explicit = pick("data_nodes", "DATA_NODES")
         if explicit is not None:
-            data_nodes = _int("--data-nodes", explicit, 1, minimum=1)
+            data_nodes = _int(label("DATA_NODES", "--data-nodes"), explicit, 1, minimum=1)
         elif env.get("LWS_GROUP_SIZE"):
-            data_nodes = _int("LWS_GROUP_SIZE", env["LWS_GROUP_SIZE"], 2, minimum=2) - 1
+            data_nodes = _int(label("LWS_GROUP_SIZE"), env["LWS_GROUP_SIZE"], 2, minimum=2) - 1
         else:
             raise ConfigError(
                 "the head needs the number of data nodes: run it in a LeaderWorkerSet (LWS_GROUP_SIZE) "
@@ -106,9 +179,9 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     else:
         explicit = flags.get("index")
         if explicit is not None:
-            node_index = _int("--index", explicit, 0)
+            node_index = _int(label("--index"), explicit, 0)
         elif env.get("LWS_WORKER_INDEX"):
-            node_index = _int("LWS_WORKER_INDEX", env["LWS_WORKER_INDEX"], 1, minimum=1) - 1
+            node_index = _int(label("LWS_WORKER_INDEX"), env["LWS_WORKER_INDEX"], 1, minimum=1) - 1
         else:
             raise ConfigError("a data node needs its index: LWS_WORKER_INDEX (set by LWS) or --index N")
         head_location = flags.get("head") or ""
@@ -138,16 +211,18 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         memory_limit=memory_limit,
         token=load_token(pick("token", "DATA_CACHE_TOKEN"), pick("token_file", "DATA_CACHE_TOKEN_FILE")),
         tls=tls,
-        startup_timeout=_float(
-            "DATA_CACHE_STARTUP_TIMEOUT_SECONDS",
+        startup_timeout=seconds_setting(
+            label("DATA_CACHE_STARTUP_TIMEOUT_SECONDS", "--startup-timeout"),
             pick("startup_timeout", "DATA_CACHE_STARTUP_TIMEOUT_SECONDS"),
             constants.STARTUP_TIMEOUT_SECONDS,
         ),
-        failure_grace=_float(
-            "DATA_CACHE_FAILURE_GRACE_SECONDS",
+        failure_grace=seconds_setting(
+            label("DATA_CACHE_FAILURE_GRACE_SECONDS", "--failure-grace"),
             pick("failure_grace", "DATA_CACHE_FAILURE_GRACE_SECONDS"),
             constants.FAILURE_GRACE_SECONDS,
         ),
-        load_threads=_int("LOAD_THREADS", pick("load_threads", "LOAD_THREADS"), available_cpus(), minimum=1),
+        load_threads=_int(
+            label("LOAD_THREADS", "--load-threads"), pick("load_threads", "LOAD_THREADS"), available_cpus(), minimum=1
+        ),
         termination_log=env.get("TERMINATION_LOG", constants.TERMINATION_LOG),
     )

@@ -12,10 +12,11 @@ import time
 
 import pyarrow.flight as flight
 
-from kubeflow_data_cache import protocol
-from kubeflow_data_cache.memory import available_cpus
-from kubeflow_data_cache.processes import stop_processes
-from kubeflow_data_cache.security import call_options, client_for, load_token, tls_certificates
+from kubeflow_data_cache import constants, protocol
+from kubeflow_data_cache.config import claim_port, label, port_setting, seconds_setting, tls_setting
+from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
+from kubeflow_data_cache.processes import die_with_parent, stop_processes
+from kubeflow_data_cache.security import call_options, client_for, load_token
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +38,44 @@ class LocalCluster:
         startup_timeout: float = 120.0,
         extra_args: tuple[str, ...] = (),
     ):
-        self.metadata_loc, self.data_nodes, self.port, self.host = metadata_loc, data_nodes, port, host
+        # Checked before any process starts: a bad value would otherwise show only as a node's exit code.
+        self.port = port_setting(label("--port"), port, constants.FLIGHT_PORT)
+        self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
+        if memory_limit:
+            parse_bytes(memory_limit, "--memory-limit")
+        self.metadata_loc, self.data_nodes, self.host = metadata_loc, data_nodes, host
         self.memory_limit = memory_limit
-        self.startup_timeout = startup_timeout
         self.extra_args = extra_args
         self.procs: list[tuple[str, subprocess.Popen]] = []
         # The nodes read these settings from the env they inherit; we need them to poll the head.
         env = os.environ
         self.token = load_token(env.get("DATA_CACHE_TOKEN"), env.get("DATA_CACHE_TOKEN_FILE"))
-        tls = tls_certificates(env.get("DATA_CACHE_TLS_CERT"), env.get("DATA_CACHE_TLS_KEY"))
+        tls = tls_setting(
+            env.get("DATA_CACHE_TLS_CERT"),
+            env.get("DATA_CACHE_TLS_KEY"),
+            label("DATA_CACHE_TLS_CERT"),
+            label("DATA_CACHE_TLS_KEY"),
+        )
         self.tls_root_certs = tls[0][0] if tls else None  # one cluster, one certificate (NodeConfig)
-        self.location = f"{'grpc+tls' if tls else 'grpc'}://{host}:{port}"
+        self.scheme = "grpc+tls" if tls else "grpc"
+
+    @property
+    def location(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self) -> None:
+        # A taken port is refused now: the head would fail to bind it while wait_ready talked to
+        # whatever listens there, and another cache there answers "ready". Port 0 becomes a free
+        # port picked here, so that the READY line can name it.
+        self.port = claim_port(self.host, self.port, label("--port"), label("--host"))
+        # The nodes' memory refusal names our flags; each node gets SIGTERM if we die, even by SIGKILL.
+        env = {**os.environ, LOCAL_ENV: "1"}
+        preexec = die_with_parent()
         common = ["--host", self.host, "--advertise-host", self.host, "--health-port", "0", "--failure-grace", "1"]
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
         head += ["--port", str(self.port), *common]
-        self.procs.append(("head", subprocess.Popen(head)))
+        self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec)))
         # The nodes share this machine's CPUs; each reads with its share of them.
         threads = str(max(1, available_cpus() // self.data_nodes))
         for k in range(self.data_nodes):
@@ -62,7 +83,7 @@ class LocalCluster:
             worker += ["--metadata-loc", self.metadata_loc, "--load-threads", threads]
             if self.memory_limit:
                 worker += ["--memory-limit", self.memory_limit]
-            self.procs.append((f"data node {k}", subprocess.Popen(worker)))
+            self.procs.append((f"data node {k}", subprocess.Popen(worker, env=env, preexec_fn=preexec)))
 
     def _dead(self) -> str | None:
         for name, proc in self.procs:
@@ -76,6 +97,10 @@ class LocalCluster:
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
         while True:
+            # Before asking the head: a status from a port whose head is gone is not ours.
+            dead = self._dead()
+            if dead:
+                raise RuntimeError(f"{dead} before the cache was ready")
             try:
                 raw = list(client.do_action(flight.Action(protocol.ACTION_STATUS, b""), call_options(self.token, 5)))
                 status = json.loads(raw[0].body.to_pybytes())
@@ -89,9 +114,6 @@ class LocalCluster:
                 raise RuntimeError("stopped by a signal before the cache was ready")
             if status.get("state") == "failed":
                 raise RuntimeError(status.get("error") or "the load failed")
-            dead = self._dead()
-            if dead:
-                raise RuntimeError(f"{dead} before the cache was ready")
             if status.get("detail") != last_detail:
                 last_detail = status.get("detail")
                 log.info("cache %s: %s", status.get("state"), last_detail)
@@ -112,8 +134,8 @@ def run_local(cluster: LocalCluster) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster.start()
     try:
+        cluster.start()  # inside the try: nodes started before a failure are stopped too
         status = cluster.wait_ready(lambda: stopping["signal"] is not None)
         for node in status.get("nodes", []):
             log.info(

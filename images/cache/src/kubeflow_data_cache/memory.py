@@ -31,7 +31,11 @@ def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
     if not match:
         raise ConfigError(f"`{name}` should be a byte count such as 4Gi, 512Mi or 1073741824, got {text!r}")
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
+    value = int(float(number) * _UNITS[(unit or "").lower()])
+    # 0 means "no limit given" (the cgroup limit applies); a fraction of a byte is a typo, not that.
+    if value == 0 and float(number) > 0:
+        raise ConfigError(f"`{name}` {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
+    return value
 
 
 def container_memory_limit() -> int | None:
@@ -69,16 +73,29 @@ def usable_bytes(budget: int | None) -> int | None:
 
 
 def _fmt(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    # Small budgets (a laptop's `local`) would all read "0.00 GiB".
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def check_fits(need_per_node: list[int], peak_per_node: list[int], budgets: list[int | None]) -> None:
+# Set by `data-cache local` in its nodes' env: the refusal then names its flags, not the pod's knobs.
+LOCAL_ENV = "DATA_CACHE_LOCAL"
+
+
+def under_local() -> bool:
+    return os.environ.get(LOCAL_ENV) == "1"
+
+
+def check_fits(
+    need_per_node: list[int], peak_per_node: list[int], budgets: list[int | None], local: bool | None = None
+) -> None:
     """Refuse a load that would not fit, saying how many nodes or how much memory it needs.
 
     ``need_per_node`` is each node's rows once loaded, ``peak_per_node`` the most it holds while
     loading (plan.estimated_node_memory): the peak is what must fit, or the node is
-    OOM-killed half way through its load.
+    OOM-killed half way through its load. ``local`` (default: run by `data-cache local`) names
+    that command's flags instead of the Kubernetes settings.
     """
+    local = under_local() if local is None else local
     over = [
         (node, need, peak, usable_bytes(budget))
         for node, (need, peak, budget) in enumerate(zip(need_per_node, peak_per_node, budgets, strict=True))
@@ -94,10 +111,12 @@ def check_fits(need_per_node: list[int], peak_per_node: list[int], budgets: list
     needed_nodes = -(-sum(peak_per_node) // usable) if usable else None
     peak_max = max(peak_per_node)
     node, need, peak, have = over[0]
+    if local:
+        nodes_knob, memory_knob = f"--data-nodes {needed_nodes}", "--memory-limit"
+    else:
+        nodes_knob, memory_knob = f"CLUSTER_SIZE={(needed_nodes or 0) + 1}", "WORKER_MEM / --memory-limit"
     advice = (
-        f"use at least {needed_nodes} data nodes (CLUSTER_SIZE={needed_nodes + 1})"
-        if needed_nodes
-        else "raise the data nodes' memory"
+        f"use at least {needed_nodes} data nodes ({nodes_knob})" if needed_nodes else "raise the data nodes' memory"
     )
     raise MemoryBudgetError(
         f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics); "
@@ -105,5 +124,5 @@ def check_fits(need_per_node: list[int], peak_per_node: list[int], budgets: list
         f"a column at a time), but can use {_fmt(have or 0)} "
         f"(its limit minus {_fmt(BASELINE_MEMORY_BYTES)} for the interpreter). "
         f"With {nodes} data node(s), {advice}, or give each data node at least "
-        f"{_fmt(peak_max + BASELINE_MEMORY_BYTES)} (WORKER_MEM / --memory-limit)"
+        f"{_fmt(peak_max + BASELINE_MEMORY_BYTES)} ({memory_knob})"
     )

@@ -115,6 +115,11 @@ def open_table(metadata_location: str, properties: dict[str, str] | None = None)
     try:
         return StaticTable.from_metadata(location, properties or {})
     except FileNotFoundError:
+        if os.path.isdir(location.removeprefix("file://")):
+            raise TableLoadError(
+                f"METADATA_LOC {metadata_location!r} is a directory: METADATA_LOC must be a table's "
+                "metadata.json file (for example .../warehouse/db/table/metadata/00003-....metadata.json)"
+            ) from None
         raise TableLoadError(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
             "metadata.json (for example s3://bucket/warehouse/db/table/metadata/00003-....metadata.json)"

@@ -1,17 +1,45 @@
 """Stopping child processes: SIGTERM, one shared deadline, then SIGKILL; never an endless wait.
 
 Used by ``data-cache local`` for its nodes, and by the demo, the benchmarks and the tests for the
-clusters and jobs they start.
+clusters and jobs they start. ``die_with_parent`` covers the case where nobody is left to stop
+them: the parent was SIGKILLed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that makes the child receive ``sig`` when this
+    process dies, however it dies (Linux ``prctl(PR_SET_PDEATHSIG)``); None where unsupported.
+
+    The signal follows the *thread* that starts the child: start children from the main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        # The parent died between the fork and the prctl: nobody would send the signal then.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def _send(proc: subprocess.Popen, sig: int, group: bool) -> None:

@@ -8,7 +8,10 @@ import signal
 import threading
 from pathlib import Path
 
-from kubeflow_data_cache.config import NodeConfig
+import pyarrow as pa
+
+from kubeflow_data_cache.config import NodeConfig, claim_port, label
+from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
 from kubeflow_data_cache.service import HealthServer
@@ -23,9 +26,30 @@ def _write_termination_log(path: str, message: str) -> None:
         Path(path).write_text(message[:4000])
 
 
+def _start_servers(cfg: NodeConfig) -> tuple[Head | DataNode, HealthServer]:
+    """The Flight and health servers, or a ConfigError naming the port that cannot be bound."""
+    if cfg.flight_port:  # 0 binds whatever port is free
+        claim_port(cfg.bind_host, cfg.flight_port, label("FLIGHT_PORT", "--port"), label("BIND_HOST", "--host"))
+    try:
+        server = Head(cfg) if cfg.role == "head" else DataNode(cfg)
+    except pa.ArrowException as err:  # taken between the check and the bind, or refused by gRPC
+        raise ConfigError(
+            f"the Flight server could not listen on {cfg.bind_host}:{cfg.flight_port} ({err}): "
+            f"pick another port with {label('FLIGHT_PORT', '--port')}"
+        ) from None
+    try:
+        health = HealthServer(cfg.bind_host, cfg.health_port, server.lifecycle, server.metrics, server.status)
+    except OSError as err:
+        server.stop()
+        raise ConfigError(
+            f"the health server could not listen on {cfg.bind_host}:{cfg.health_port} ({err.strerror or err}): "
+            f"pick another port with {label('HEALTH_PORT', '--health-port')}"
+        ) from None
+    return server, health.start()
+
+
 def run_node(cfg: NodeConfig) -> int:
-    server = Head(cfg) if cfg.role == "head" else DataNode(cfg)
-    health = HealthServer(cfg.bind_host, cfg.health_port, server.lifecycle, server.metrics, server.status).start()
+    server, health = _start_servers(cfg)
     log.info(
         "%s serving Flight at %s (bind %s:%d), health at :%d%s",
         cfg.role,

@@ -1,0 +1,161 @@
+"""Bad settings end in one clear line naming the setting and the fix, and exit 2: never a
+traceback, never a setting that silently turns a deadline or a budget off."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kubeflow_data_cache.config import build_config
+from kubeflow_data_cache.errors import ConfigError
+
+DEADLINE = 60
+HEAD = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "health_port": 0}
+
+
+def data_cache(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # No METADATA_LOC / LWS_* / LOG_LEVEL from the outer environment.
+    return subprocess.run(
+        [sys.executable, "-m", "kubeflow_data_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+@pytest.fixture
+def listening():
+    """A port something already listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({"port": 70000}, {}, "`FLIGHT_PORT` (--port) should be a port number from 0 to 65535, got 70000"),
+        ({"port": None}, {"FLIGHT_PORT": "-1"}, "`FLIGHT_PORT` (--port) should be >= 0"),
+        ({"health_port": None}, {"HEALTH_PORT": "99999"}, "`HEALTH_PORT` (--health-port) should be a port number"),
+        ({"startup_timeout": float("nan")}, {}, "(--startup-timeout) should be a finite number of seconds > 0"),
+        ({}, {"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "inf"}, "`DATA_CACHE_STARTUP_TIMEOUT_SECONDS` (--startup-timeout)"),
+        ({}, {"DATA_CACHE_FAILURE_GRACE_SECONDS": "nan"}, "`DATA_CACHE_FAILURE_GRACE_SECONDS` (--failure-grace)"),
+    ],
+)
+def test_out_of_range_settings_are_refused(flags, env, message):
+    with pytest.raises(ConfigError) as err:
+        build_config("head", {**HEAD, **flags}, env=env)
+    assert message in str(err.value)
+
+
+def test_a_memory_limit_below_one_byte_is_refused_but_0_means_the_cgroup_limit():
+    with pytest.raises(ConfigError, match="`MEMORY_LIMIT` '0.5' is less than one byte: give a size such as 4Gi"):
+        build_config("head", HEAD, env={"MEMORY_LIMIT": "0.5"})
+    # Kubernetes' resourceFieldRef gives 0 when the container has no limit: not an error.
+    assert build_config("head", HEAD, env={"MEMORY_LIMIT": "0"}).memory_limit != 0
+
+
+def test_garbage_certificate_is_named(tmp_path, self_signed_cert):
+    garbage = tmp_path / "tls.crt"
+    garbage.write_text("not a certificate\n")
+    flags = {**HEAD, "tls_cert": str(garbage), "tls_key": str(self_signed_cert.key_file)}
+    with pytest.raises(ConfigError, match=r"`DATA_CACHE_TLS_CERT` \(--tls-cert\) '.*tls.crt' holds no PEM certificate"):
+        build_config("head", flags, env={})
+
+
+def test_key_of_another_certificate_is_named(tmp_path, self_signed_cert):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    other = tmp_path / "other.key"
+    other.write_bytes(
+        ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    flags = {**HEAD, "tls_cert": str(self_signed_cert.cert_file), "tls_key": str(other)}
+    with pytest.raises(ConfigError, match=r"`DATA_CACHE_TLS_KEY` \(--tls-key\) '.*other.key' is not .* private key"):
+        build_config("head", flags, env={})
+    # The matching pair still loads.
+    assert build_config("head", {**flags, "tls_key": str(self_signed_cert.key_file)}, env={}).tls
+
+
+def test_garbage_key_file_is_one_line_not_a_grpc_traceback(tmp_path, self_signed_cert):
+    garbage = tmp_path / "tls.key"
+    garbage.write_text("not a key\n")
+    result = data_cache(
+        *("head", "--metadata-loc", "x", "--data-nodes", "1", "--port", "0", "--health-port", "0"),
+        *("--tls-cert", str(self_signed_cert.cert_file), "--tls-key", str(garbage)),
+    )
+    assert_one_line_error(result, "DATA_CACHE_TLS_KEY", "tls.key")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "fragments"),
+    [
+        (["head", "--port", "70000"], {}, ["`FLIGHT_PORT` (--port)", "0 to 65535"]),
+        (["head", "--port", "0"], {"HEALTH_PORT": "99999"}, ["`HEALTH_PORT` (--health-port)"]),
+        (["head", "--startup-timeout", "nan"], {}, ["--startup-timeout", "finite"]),
+        (["--log-level", "foo", "head"], {}, ["`LOG_LEVEL` (--log-level)", "DEBUG, INFO, WARNING, ERROR, CRITICAL"]),
+        (["head"], {"LOG_LEVEL": "verbose"}, ["`LOG_LEVEL`", "'verbose'"]),
+        (["local", "--port", "70000"], {}, ["`--port`", "0 to 65535"]),
+        (["local", "--startup-timeout", "inf"], {}, ["`--startup-timeout`", "finite"]),
+        (["local", "--memory-limit", "0.5"], {}, ["`--memory-limit`", "less than one byte"]),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(args, env, fragments):
+    node = ["--metadata-loc", "x"] + (["--data-nodes", "1"] if "head" in args else [])
+    result = data_cache(*args, *node, env=env)
+    assert_one_line_error(result, *fragments)
+
+
+def test_a_config_error_is_printed_once():
+    result = data_cache("head", "--data-nodes", "1")
+    assert_one_line_error(result, "`METADATA_LOC` is required")
+    assert result.stderr.count("METADATA_LOC` is required") == 1
+
+
+def test_flight_port_in_use_names_the_port(listening):
+    result = data_cache("head", "--metadata-loc", "x", "--data-nodes", "1", "--port", str(listening))
+    assert_one_line_error(result, f"port {listening}", "already in use", "`FLIGHT_PORT` (--port)")
+
+
+def test_health_port_in_use_names_the_port(listening):
+    args = ("--port", "0", "--health-port", str(listening), "--host", "127.0.0.1")
+    head = data_cache("head", "--metadata-loc", "x", "--data-nodes", "1", *args)
+    assert_one_line_error(head, f"127.0.0.1:{listening}", "`HEALTH_PORT` (--health-port)")
+    worker = data_cache("worker", "--index", "0", "--head", "grpc://127.0.0.1:1", *args)
+    assert_one_line_error(worker, f"127.0.0.1:{listening}", "`HEALTH_PORT` (--health-port)")
+
+
+def test_local_help_describes_every_flag():
+    result = subprocess.run(
+        [sys.executable, "-m", "kubeflow_data_cache", "local", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=True,
+    )
+    text = " ".join(result.stdout.split("options:", 1)[1].split())  # after the usage line; unwrapped
+    for flag, help_text in [
+        ("--metadata-loc METADATA_LOC", "the table's metadata.json"),
+        ("--data-nodes DATA_NODES", "(default 2)"),
+        ("--port PORT", "(default 50051; 0 picks a free one)"),
+        ("--host HOST", "(default 127.0.0.1)"),
+        ("--startup-timeout STARTUP_TIMEOUT", "(default 300)"),
+    ]:
+        assert f"{flag} " in text and help_text in text.split(f"{flag} ", 1)[1].split(" --")[0], flag

@@ -1,0 +1,70 @@
+"""`data-cache local` owns what it reports and what it starts: it never reports READY for a cache
+it did not start, and its nodes do not outlive it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.cache.conftest import read_path_shards
+from tests.cache.test_config_errors import assert_one_line_error
+from tests.conftest import LocalCache
+
+DEADLINE = 60
+
+
+def gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE  # exited, its exit code not yet collected
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_port_another_cache_serves_is_refused_not_reported_ready(small_cache, small_table):
+    """A second `local` on a running cache's port used to print READY for the first one."""
+    started = time.monotonic()
+    cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", small_table.metadata_location]
+    result = subprocess.run(
+        [*cmd, "--port", str(small_cache.port)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        env=os.environ,
+    )
+    assert "READY" not in result.stdout
+    assert_one_line_error(result, f"port {small_cache.port}", "already in use", "--port")
+    assert time.monotonic() - started < 30  # refused before any node starts
+
+
+def test_port_0_picks_a_free_port_and_names_it(table_factory):
+    table = table_factory(2000, 1)
+    # The later --port 0 wins over the one LocalCache passes.
+    cache = LocalCache(table.metadata_location, 1, args=("--port", "0", "--startup-timeout", "30"))
+    try:
+        location = cache.wait_ready(timeout=DEADLINE).split()[1]
+        assert not location.endswith(":0")
+        assert read_path_shards(location).num_rows == 2000
+    finally:
+        cache.stop()
+
+
+def test_nodes_stop_when_local_is_sigkilled(table_factory):
+    """Nobody is left to stop the nodes: each gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 2)
+    try:
+        cache.wait_ready()
+        nodes = psutil.Process(cache.proc.pid).children()
+        assert len(nodes) == 3  # the head and two data nodes
+        cache.proc.send_signal(signal.SIGKILL)
+        cache.proc.wait(timeout=DEADLINE)
+        deadline = time.monotonic() + DEADLINE
+        while not all(gone(node) for node in nodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(node) for node in nodes), [node.pid for node in nodes if not gone(node)]
+    finally:
+        cache.stop()  # SIGKILL to its whole session sweeps up whatever is left
