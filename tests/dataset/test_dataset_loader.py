@@ -92,6 +92,24 @@ def test_a_hook_that_changes_the_row_count_is_named(cache):
         next(iter(Pairs(cache.endpoint, batch_size=10, columns=["label"])))
 
 
+@pytest.mark.parametrize(
+    ("convert", "named"),
+    [
+        # The tuple form of the docs' example, one row short: features would shift against labels.
+        (lambda b: (torch.zeros(b.num_rows - 1), torch.zeros(b.num_rows)), r"\{'\[0\]': \d+\}"),
+        (lambda b: {"ids": b["label"].to_pylist()[1:], "y": np.zeros(b.num_rows)}, r"\{'ids': \d+\}"),
+        (lambda b: {"x": {"y": np.zeros(b.num_rows + 1)}}, r"\{\"x\['y'\]\": \d+\}"),
+    ],
+)
+def test_every_form_of_hook_output_is_checked_for_its_row_count(cache, convert, named):
+    class Hook(DataCacheDataset):
+        def from_arrow_rb_to_tensor(self, batch):
+            return convert(batch)
+
+    with pytest.raises(ValueError, match=r"from_arrow_rb_to_tensor returned " + named + r" rows for a \d+-row batch"):
+        next(iter(Hook(cache.endpoint, batch_size=10, columns=["label"])))
+
+
 def test_persistent_workers_follow_set_epoch(cache):
     def epoch_order(dataset, loader, epoch):
         dataset.set_epoch(epoch)

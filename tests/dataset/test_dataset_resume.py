@@ -86,3 +86,49 @@ def test_stateful_dataloader_with_workers_resumes_mid_epoch(cache):
     seen += [b["id"] for b in second]
     ids = torch.cat(seen).numpy()
     assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))
+
+
+def test_a_state_from_a_finished_epoch_does_not_rewind_a_later_one(cache):
+    """The checkpoint is taken after epoch 4; the resumed loop runs epoch 5 (set_epoch first,
+    as the docs show, or after StatefulDataLoader stored the state): epoch 5's order, all of it."""
+    world = World(0, 1, 0, 1)
+    done = make(cache)
+    done.set_epoch(4)
+    assert len(ids_of(done._iter_world(world))) == ROWS
+    state = done.state_dict()
+    assert (state["epoch"], state["rows"]) == (4, ROWS)
+
+    reference = make(cache)
+    reference.set_epoch(5)
+    epoch5 = ids_of(reference._iter_world(world))
+
+    resumed = make(cache)
+    resumed.set_epoch(5)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 5
+    assert ids_of(resumed._iter_world(world)) == epoch5
+
+
+def test_stateful_dataloader_resumed_after_a_finished_epoch_reads_the_next(cache):
+    def loader(ds):
+        return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
+
+    ds = make(cache)
+    ds.set_epoch(4)
+    first = loader(ds)
+    epoch4 = torch.cat([b["id"] for b in first]).numpy()
+    state = first.state_dict()
+
+    fresh = make(cache)
+    fresh.set_epoch(5)
+    epoch5 = torch.cat([b["id"] for b in loader(fresh)]).numpy()
+
+    again = make(cache)
+    again.set_epoch(5)
+    second = loader(again)
+    second.load_state_dict(state)
+    again.set_epoch(5)
+    ids = torch.cat([b["id"] for b in second]).numpy()
+    assert again.epoch == 5
+    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))
+    assert np.array_equal(ids, epoch5) and not np.array_equal(ids, epoch4)

@@ -41,3 +41,44 @@ def test_the_check_fails_when_a_row_is_missing(small_cache):
     assert "exactly once: NO" in run.stdout and "1 row(s) never seen, 0 seen more than once" in run.stdout, (
         run.stdout + run.stderr
     )
+
+
+# Two ranks from mp.spawn with a tcp:// process group and no RANK/WORLD_SIZE in the environment,
+# each reading through spawn DataLoader workers: the workers have no process group to ask.
+_MP_SPAWN_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+from kubeflow_data_cache.dataset import DataCacheDataset
+
+def rank_main(rank, endpoint, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ds = DataCacheDataset(endpoint, batch_size=500, columns=["id"])
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn", timeout=120)
+    ids = torch.cat([b["id"] for b in loader])
+    torch.save(ids, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    endpoint, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    mp.spawn(rank_main, args=(endpoint, port, out), nprocs=2)
+"""
+
+
+def test_spawn_workers_of_a_hand_made_process_group_read_their_rank_share(small_cache, tmp_path):
+    import torch
+
+    from tests.conftest import free_port
+
+    script = tmp_path / "mp_spawn.py"
+    script.write_text(_MP_SPAWN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, str(script), small_cache.endpoint, str(free_port()), str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    ids = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)])
+    assert len(ids) == 10_000  # not 20,000: each rank read its half
+    assert torch.equal(ids.sort().values, torch.arange(10_000))

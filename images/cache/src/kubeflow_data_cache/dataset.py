@@ -98,14 +98,17 @@ class World:
         return self.world_size * self.num_workers
 
     @classmethod
-    def detect(cls, env: dict[str, str] | None = None) -> World:
-        """torch.distributed when initialized, else ``RANK``/``WORLD_SIZE``; the DataLoader worker."""
+    def detect(cls, env: dict[str, str] | None = None, parent: tuple[int, int] | None = None) -> World:
+        """torch.distributed when initialized, else ``RANK``/``WORLD_SIZE``, else ``parent`` (the
+        rank and world size of the process that pickled the dataset); the DataLoader worker."""
         env = os.environ if env is None else env
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
-        else:
+        elif "RANK" in env or "WORLD_SIZE" in env or parent is None:
             rank, world_size = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
+        else:
+            rank, world_size = parent
         info = get_worker_info()
         if info is None:
             return cls(rank, world_size)
@@ -202,7 +205,18 @@ class DataCacheDataset(IterableDataset):
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        return self._iter_world(World.detect())
+        return self._iter_world(World.detect(parent=self.__dict__.get("_parent_world")))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawn or forkserver DataLoader worker starts without the process group, and
+        # without RANK/WORLD_SIZE when the group was set up by hand (mp.spawn with a tcp://
+        # init_method): it would read as rank 0 of 1, every rank the whole table. So the rank
+        # travels with the pickled dataset.
+        state = self.__dict__.copy()
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            state["_parent_world"] = (dist.get_rank(), dist.get_world_size())
+        return state
 
     def _iter_world(self, world: World) -> Iterator[Any]:
         """Set up this reader's epoch now (so state_dict is right at once), then stream."""
@@ -272,16 +286,12 @@ class DataCacheDataset(IterableDataset):
             # All tensors (numeric columns): one split() call per column makes every view at once,
             # about twice as fast as slicing batch by batch in Python.
             keys = list(converted)
-            short = {k: len(v) for k, v in converted.items() if len(v) != rows}
-            if short:
-                raise ValueError(
-                    f"from_arrow_rb_to_tensor returned {short} rows for a {rows}-row batch; "
-                    "every value's first dimension must be the row"
-                )
+            _check_rows(converted, rows)
             splits = [v.split(size) for v in converted.values()]
             for start, parts in zip(range(0, rows, size), zip(*splits, strict=True), strict=True):
                 yield dict(zip(keys, parts, strict=True)), min(size, rows - start)
             return
+        _check_rows(converted, rows)  # a misaligned value would shift features against labels silently
         if isinstance(converted, dict) and all(isinstance(v, _SLICEABLE) for v in converted.values()):
             # The default hook's shape: skip the generic walk, it costs as much as the rest per batch.
             items = list(converted.items())
@@ -337,14 +347,24 @@ class DataCacheDataset(IterableDataset):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration of ``state["epoch"]`` skips the rows already handed out."""
+        """Resume: the next iteration of ``state["epoch"]`` skips the rows already handed out.
+
+        A state from an epoch before the one ``set_epoch`` selected is ignored: that epoch is over.
+        """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a DataCacheDataset state (version {STATE_VERSION}): {state!r}")
         changed = {k: (v, state.get(k)) for k, v in self._fingerprint().items() if state.get(k) != v}
         if changed:
             detail = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (now, saved) in changed.items())
             raise ValueError(f"the saved state was taken with other dataset settings ({detail})")
-        self._epoch.value = int(state["epoch"])
+        saved = int(state["epoch"])
+        if self.epoch > saved:
+            # set_epoch already moved past the saved epoch: a loop resuming after an epoch that
+            # finished, or StatefulDataLoader applying the state after the loop's set_epoch. That
+            # epoch is over; rewinding to it would replay its order (or serve nothing).
+            self._resume = None
+            return
+        self._epoch.value = saved
         self._resume = dict(state) if state["rows"] > 0 else None
 
     def _take_resume(self, world: World) -> int:
@@ -374,6 +394,28 @@ def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
 
 
 _SLICEABLE = (torch.Tensor, np.ndarray, list)
+
+
+def _row_counts(obj: Any, path: str = "") -> dict[str, int]:
+    """The first dimension of every sliceable leaf of a hook's output, by its path."""
+    if isinstance(obj, _SLICEABLE):
+        return {path or "result": len(obj)}
+    if isinstance(obj, dict):
+        return {
+            k: n for key, v in obj.items() for k, n in _row_counts(v, f"{path}[{key!r}]" if path else str(key)).items()
+        }
+    if isinstance(obj, tuple):
+        return {k: n for i, v in enumerate(obj) for k, n in _row_counts(v, f"{path}[{i}]").items()}
+    return {}  # _slice names the unsupported type
+
+
+def _check_rows(converted: Any, rows: int) -> None:
+    wrong = {k: n for k, n in _row_counts(converted).items() if n != rows}
+    if wrong:
+        raise ValueError(
+            f"from_arrow_rb_to_tensor returned {wrong} rows for a {rows}-row batch; "
+            "every value's first dimension must be the row"
+        )
 
 
 def _slice(obj: Any, start: int, stop: int) -> Any:
