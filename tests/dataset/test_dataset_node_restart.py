@@ -8,6 +8,8 @@ and replaced while the head keeps serving.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -128,6 +130,27 @@ def test_restarted_head_reloads_the_nodes_and_old_tickets_are_renewed(cluster, c
     assert any("is stale" in r.getMessage() for r in caplog.records)
     node1 = cluster.wait_ready()["nodes"][1]["rows"]
     assert len(renewed) == node1 and len(np.unique(renewed)) == node1
+
+
+def test_a_frozen_node_is_given_up_on_not_waited_for_for_ever(cluster):
+    """A stopped process (a hung pod, a partition) keeps its connection and sends nothing: the
+    read is cancelled after the stall limit, retried, and the node named within the deadline."""
+    location = cluster.wait_ready()["nodes"][0]["location"]
+    client = CacheClient(cluster.endpoint, deadline_seconds=4, generic_options=[("grpc.http2.bdp_probe", 0)])
+    batches = client.read_shard(ShardRequest(columns=None, batch_size=1000), interleave=False)
+    next(batches)
+    frozen = cluster.procs["node-0"]
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CacheUnavailableError, match=rf"data node {location} stayed unavailable .*stalled"):
+            for _ in batches:
+                pass
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        client.close()
+    cluster.wait_ready()  # the node answers again, and the head serves again
 
 
 def test_node_that_stays_down_is_named(cluster):

@@ -31,6 +31,7 @@ from kubeflow_data_cache.errors import (
 )
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket
 from kubeflow_data_cache.readahead import Readahead
+from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
     "DEFAULT_DEADLINE_SECONDS",
@@ -57,6 +58,9 @@ MAX_REPLANS = 3
 # by a fresh one at the next read: a new connection costs milliseconds, while an old one may have
 # been dropped silently by something on the way.
 KEPT_CLIENT_IDLE_SECONDS = 300.0
+# A stream read that waits this long for its next batch (at most deadline_seconds) is cancelled
+# and retried like a broken stream: the data node has stopped sending (stall_watch.py).
+STREAM_STALL_SECONDS = 60.0
 # Batches each endpoint stream reads ahead in its own thread, so all of a shard's data nodes send
 # at once while the consumer converts (bounded memory per stream).
 STREAM_READAHEAD_BATCHES = 2
@@ -70,6 +74,10 @@ _TRANSIENT = (flight.FlightUnavailableError, flight.FlightTimedOutError)
 _AUTH = (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError)
 
 T = TypeVar("T")
+
+
+class StreamStalledError(flight.FlightUnavailableError):
+    """A data node sent nothing for the stall limit; retried like any unavailable stream."""
 
 
 def _reason(err: BaseException) -> str:
@@ -100,6 +108,7 @@ class CacheClient:
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
         self._lock = threading.Lock()
+        self._stall_watch = StallWatch(min(self.deadline_seconds, STREAM_STALL_SECONDS))
         tune_glibc_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
     # -- connections -------------------------------------------------------------------------
@@ -129,6 +138,7 @@ class CacheClient:
                 client.close()
             self._clients.clear()
             fork_guard.closed(self)
+        self._stall_watch.close()
 
     def __enter__(self) -> CacheClient:
         return self
@@ -258,7 +268,10 @@ class CacheClient:
             reader = None
             try:
                 reader = self._client(location).do_get(endpoint.ticket, self._options(None))
-                for chunk in reader:
+                while True:
+                    chunk = self._next_chunk(reader, location)
+                    if chunk is None:
+                        break
                     batch = chunk.data
                     if skip:
                         cut = min(skip, batch.num_rows)
@@ -269,11 +282,13 @@ class CacheClient:
                     received += batch.num_rows
                     failing_since, delay = None, BACKOFF_INITIAL_SECONDS
                     yield batch
+                self._stall_watch.forget(reader)
                 reader = None  # read to the end: nothing to cancel
                 return
             except _TRANSIENT as err:
                 now = time.monotonic()
-                failing_since = failing_since if failing_since is not None else now
+                if failing_since is None:  # a stall began when its wait did, not when it was noticed
+                    failing_since = now - self._stall_watch.limit if isinstance(err, StreamStalledError) else now
                 if now + delay - failing_since >= self.deadline_seconds:
                     raise self._unavailable(err, location, f"DoGet after {received} rows", now - failing_since) from err
                 log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, _reason(err))
@@ -294,8 +309,26 @@ class CacheClient:
                 if reader is not None:
                     with suppress(flight.FlightError, pa.ArrowException):
                         reader.cancel()
+                    self._stall_watch.forget(reader)
             time.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
+
+    def _next_chunk(self, reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk | None:
+        """The stream's next chunk (None at its end), or StreamStalledError when the node sent
+        nothing for the stall limit: the caller retries it as a broken stream."""
+        self._stall_watch.arm(reader)
+        try:
+            return reader.read_chunk()
+        except StopIteration:
+            return None
+        except (flight.FlightError, pa.ArrowException) as err:
+            if self._stall_watch.stalled(reader):
+                raise StreamStalledError(
+                    f"data node {location} sent nothing for {self._stall_watch.limit:.0f}s (stalled)"
+                ) from err
+            raise
+        finally:
+            self._stall_watch.disarm(reader)
 
     def _fresh_endpoint(
         self, request: ShardRequest, old: flight.FlightEndpoint, location: str, retry: bool = True
