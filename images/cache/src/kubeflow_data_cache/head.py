@@ -68,7 +68,7 @@ class Head(flight.FlightServerBase):
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
         self._nodes_changed = threading.Event()
         self._clients: dict[str, flight.FlightClient] = {}
-        for name in ("do_action", "get_flight_info", "get_schema", "list_flights"):
+        for name in ("do_action", "do_get", "get_flight_info", "get_schema", "list_flights"):
             setattr(self, name, flight_errors(self.metrics, name)(getattr(self, name)))
 
     # --- internal calls to data nodes --------------------------------------------------------
@@ -154,6 +154,9 @@ class Head(flight.FlightServerBase):
                 self._send_load_or_explain(node)
             self._wait_for_loads(deadline)
         except Exception as err:
+            if self._stop.is_set():  # stopped before ready (Ctrl-C, SIGTERM): not a load failure
+                log.info("stopped before the cache was ready")
+                return
             self.lifecycle.fail(str(err) if isinstance(err, DataCacheError) else f"{type(err).__name__}: {err}")
             return
         # Planning to ready, without the wait for pods to register.
@@ -349,9 +352,15 @@ class Head(flight.FlightServerBase):
         return flight.SchemaResult(self._projected_schema(req.columns))
 
     def list_flights(self, context, criteria):
+        # Not a generator: errors must rise here, inside the status mapping, not while streaming.
         self._ready()
         descriptor = flight.FlightDescriptor.for_path("0", "1")
-        yield self.get_flight_info(context, descriptor)
+        return iter([self.get_flight_info(context, descriptor)])
+
+    def do_get(self, context, ticket):
+        raise NotImplementedError(
+            "DoGet goes to a data node: send each ticket of GetFlightInfo's endpoints to that endpoint's location"
+        )
 
     def do_action(self, context, action):
         if action.type == protocol.ACTION_STATUS:

@@ -119,6 +119,8 @@ class DataNode(flight.FlightServerBase):
         wrap = lambda name: flight_errors(self.metrics, name)  # noqa: E731
         self.do_action = wrap("DoAction")(self.do_action)
         self.do_get = wrap("DoGet")(self.do_get)
+        self.get_flight_info = wrap("GetFlightInfo")(self.get_flight_info)
+        self.list_flights = wrap("ListFlights")(self.list_flights)
 
     # --- cluster formation -------------------------------------------------------------------
     def start_registering(self) -> None:
@@ -297,6 +299,12 @@ class DataNode(flight.FlightServerBase):
 
     def list_actions(self, context):
         return [(protocol.ACTION_STATUS, "JSON status of this data node")]
+
+    def get_flight_info(self, context, descriptor):
+        raise NotImplementedError("GetFlightInfo goes to the head (the cache's endpoint), not to a data node")
+
+    def list_flights(self, context, criteria):
+        raise NotImplementedError("ListFlights goes to the head (the cache's endpoint), not to a data node")
 
     def do_get(self, context, ticket):
         t = protocol.Ticket.from_json(ticket.ticket)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -121,6 +122,14 @@ def parse_action_body(action: flight.Action) -> dict[str, Any]:
     return body
 
 
+class _QuietHTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A probe that timed out and hung up is routine on a busy node: not worth a traceback.
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class HealthServer:
     """``/live``, ``/ready`` (503 with the reason until loaded), ``/status`` (JSON), ``/metrics``."""
 
@@ -153,7 +162,7 @@ class HealthServer:
             def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = _QuietHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True)
