@@ -22,6 +22,9 @@ LOAD_SEND_ATTEMPTS = 3
 # (so the initializer and `kubectl logs` can read it), then exits non-zero.
 FAILURE_GRACE_SECONDS = 30.0
 TERMINATION_LOG = "/dev/termination-log"
+# On SIGTERM, how long open DoGet streams may keep a node from exiting (Kubernetes' default grace
+# period is 30 s; a reader that stopped reading would otherwise hold the node for ever).
+SHUTDOWN_GRACE_SECONDS = 10.0
 
 # What the interpreter, pyarrow and pyiceberg take before any data is loaded.
 BASELINE_MEMORY_BYTES = 400 << 20

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -11,10 +12,11 @@ from pathlib import Path
 import pyarrow as pa
 
 from kubeflow_data_cache.config import NodeConfig, claim_port, label
+from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
-from kubeflow_data_cache.service import HealthServer
+from kubeflow_data_cache.service import STOPPING, HealthServer
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,15 @@ def run_node(cfg: NodeConfig) -> int:
             stop.wait(cfg.failure_grace)  # keep /ready and /status answering with the reason meanwhile
             code = 1
             break
-    server.stop()
+    # Readiness goes first, so no new reader is sent here; then the Flight server waits for its
+    # calls, but a reader that stopped reading mid-stream would hold it for ever: bounded.
+    server.lifecycle.set(STOPPING, "shutting down")
+    stopper = threading.Thread(target=server.stop, name="shutdown", daemon=True)
+    stopper.start()
+    stopper.join(SHUTDOWN_GRACE_SECONDS)
     health.stop()
+    if stopper.is_alive():
+        log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)
+        logging.shutdown()
+        os._exit(code)  # the server's own teardown would wait for those streams again
     return code

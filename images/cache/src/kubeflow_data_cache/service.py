@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 WAITING, LOADING, READY, FAILED = "waiting", "loading", "ready", "failed"
 # A head whose data node is unreachable or reloading: not ready until it is back (not final).
 DEGRADED = "degraded"
+# After SIGTERM: not ready, so no new reader is sent here while open streams finish.
+STOPPING = "stopping"
 
 
 class Lifecycle:

@@ -1,0 +1,74 @@
+"""SIGTERM of a data node with a reader that stopped reading mid-stream: not ready at once,
+gone within the shutdown grace instead of waiting for the reader for ever."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+
+import pyarrow.flight as flight
+
+from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
+from kubeflow_data_cache.processes import stop_processes
+from kubeflow_data_cache.protocol import ShardRequest
+from tests.cache.inprocess import get, wait_for
+from tests.conftest import free_port
+
+
+def probe(port: int, path: str) -> tuple[int, str]:
+    """get(), or (0, reason) while nothing listens (before start, after exit)."""
+    try:
+        return get(port, path)
+    except urllib.error.URLError as err:
+        return 0, str(err.reason)
+
+
+def cmd(role: str, *args: str) -> list[str]:
+    common = ["--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--startup-timeout", "90"]
+    return [sys.executable, "-m", "kubeflow_data_cache", role, *args, *common]
+
+
+def test_a_stalled_reader_does_not_hold_a_stopping_node(table_factory, tmp_path):
+    metadata = table_factory(200_000, 4).metadata_location
+    port, node_health = free_port(), free_port()
+    head = subprocess.Popen(
+        cmd("head", "--metadata-loc", metadata, "--data-nodes", "1", "--port", str(port), "--health-port", "0"),
+        stderr=(tmp_path / "head.log").open("w"),
+    )
+    node = subprocess.Popen(
+        cmd(
+            "worker",
+            "--index",
+            "0",
+            "--head",
+            f"grpc://127.0.0.1:{port}",
+            "--port",
+            "0",
+            "--health-port",
+            str(node_health),
+        ),
+        stderr=(tmp_path / "node.log").open("w"),
+    )
+    try:
+        wait_for(lambda: probe(node_health, "/ready")[0] == 200, timeout=90)
+        client = CacheClient(f"grpc://127.0.0.1:{port}", generic_options=[("grpc.http2.bdp_probe", 0)])
+        endpoint = client.get_flight_info(ShardRequest(batch_size=1000)).endpoints[0]
+        reader = flight.FlightClient(endpoint.locations[0].uri.decode(), generic_options=[("grpc.http2.bdp_probe", 0)])
+        stream = reader.do_get(endpoint.ticket)
+        stream.read_chunk()  # then stop reading: the node's writer blocks on flow control
+
+        node.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code, body = wait_for(lambda: (r := probe(node_health, "/ready"))[0] != 200 and r, timeout=10)
+        assert code == 503 and "stopping" in body
+        node.wait(timeout=SHUTDOWN_GRACE_SECONDS + 20)
+        assert time.monotonic() - started < SHUTDOWN_GRACE_SECONDS + 20
+        assert "exiting without them" in (tmp_path / "node.log").read_text()
+        reader.close()
+        client.close()
+    finally:
+        stop_processes([head, node], 15)
