@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset, World, default_endpoint, default_token
-from kubeflow_data_cache.errors import ConfigError, ForkedConnectionError
+from kubeflow_data_cache.errors import BadRequestError, ConfigError, ForkedConnectionError
 
 ROWS = 10_000  # small_table (tests/conftest.py)
 # Workers start from a fresh forkserver process: other suites may leave gRPC in use in this
@@ -186,3 +186,19 @@ def test_drop_last_implies_even_drop_and_arguments_are_checked():
         DataCacheDataset("grpc://h:1", even="trim")
     with pytest.raises(ValueError, match="batch_size should be a positive integer"):
         DataCacheDataset("grpc://h:1", batch_size=0)
+    with pytest.raises(ValueError, match="drop_last should be True or False, got 'no'"):
+        DataCacheDataset("grpc://h:1", drop_last="no")
+    # A string is a sequence of letters: "id" would have asked for columns 'i' and 'd'.
+    with pytest.raises(ValueError, match=r"got the string 'id': try \['id'\]"):
+        DataCacheDataset("grpc://h:1", columns="id")
+    with pytest.raises(BadRequestError, match="at least one column"):
+        DataCacheDataset("grpc://h:1", columns=[])
+    with pytest.raises(BadRequestError, match=r"names \['id'\] more than once"):
+        DataCacheDataset("grpc://h:1", columns=["id", "label", "id"])
+
+
+def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
+    for endpoint in ("http://h:1", "h:1", "grpc:/h:1"):
+        with pytest.raises(ValueError, match="should be a grpc:// or grpc\\+tls:// URI"):
+            CacheClient(endpoint)
+    CacheClient("grpc+tls://h:1").close()

@@ -65,6 +65,8 @@ STREAM_STALL_SECONDS = 60.0
 # at once while the consumer converts (bounded memory per stream).
 STREAM_READAHEAD_BATCHES = 2
 
+# What Flight's gRPC transport accepts (grpc+tcp is grpc; grpc+unix a local socket).
+ENDPOINT_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls", "grpc+unix")
 ENDPOINT_HINT = "set DATA_CACHE_ENDPOINT (or the dataset's endpoint argument) to the cache's grpc:// address"
 TOKEN_HINT = "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or the token argument) to the cache's token"
 
@@ -96,7 +98,7 @@ class CacheClient:
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
         generic_options: list[tuple[str, Any]] | None = None,
     ) -> None:
-        if "://" not in endpoint:
+        if endpoint.partition("://")[0] not in ENDPOINT_SCHEMES or "://" not in endpoint:
             raise ValueError(f"the cache endpoint should be a grpc:// or grpc+tls:// URI, got {endpoint!r}")
         if deadline_seconds <= 0:
             raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")

@@ -153,6 +153,10 @@ class DataCacheDataset(IterableDataset):
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size should be a positive integer, got {batch_size!r}")
+        if not isinstance(drop_last, bool):
+            raise ValueError(f"drop_last should be True or False, got {drop_last!r}")
+        if isinstance(columns, str):
+            raise ValueError(f"columns should be a list of column names, got the string {columns!r}: try [{columns!r}]")
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
         self.endpoint = endpoint or default_endpoint()

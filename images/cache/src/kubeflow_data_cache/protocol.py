@@ -88,6 +88,9 @@ class ShardRequest:
                 isinstance(self.columns, (list, tuple)) and all(isinstance(c, str) for c in self.columns),
                 f"'columns' should be a list of column names, got {self.columns!r}",
             )
+            _require(len(self.columns) > 0, "'columns' should name at least one column (or be null for all of them)")
+            twice = sorted({c for c in self.columns if self.columns.count(c) > 1})
+            _require(not twice, f"'columns' names {twice} more than once")
             object.__setattr__(self, "columns", tuple(self.columns))
         _require(
             self.filter is None or (isinstance(self.filter, str) and self.filter.strip() != ""),
