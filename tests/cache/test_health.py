@@ -70,3 +70,18 @@ def test_nodes_report_their_load_without_waiting_for_the_poll(cluster, small_tab
     _, head_health, _, _ = cluster(small_table.metadata_location)
     wait_for(lambda: get(head_health.port, "/ready")[0] == 200, timeout=30)
     assert json.loads(get(head_health.port, "/status")[1])["rows"] == small_table.rows
+
+
+def test_a_node_that_cannot_register_says_why_on_ready():
+    from tests.conftest import free_port
+
+    head = f"grpc://127.0.0.1:{free_port()}"  # nothing listens there
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head}, env={}))
+    health = HealthServer("127.0.0.1", 0, node.lifecycle, node.metrics, node.status).start()
+    try:
+        node.start_registering()
+        code, body = wait_for(lambda: (r := get(health.port, "/ready")) and "cannot register" in r[1] and r)
+        assert code == 503 and f"cannot register with the head at {head} yet" in body
+    finally:
+        node.stop()
+        health.stop()

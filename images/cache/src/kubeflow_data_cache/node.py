@@ -25,7 +25,7 @@ from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
-from kubeflow_data_cache.service import LOADING, READY, Lifecycle, Metrics, flight_errors, parse_action_body
+from kubeflow_data_cache.service import LOADING, READY, WAITING, Lifecycle, Metrics, flight_errors, parse_action_body
 from kubeflow_data_cache.sharding import node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
@@ -173,6 +173,10 @@ class DataNode(flight.FlightServerBase):
                 return
             except Exception as err:  # head not up yet, or restarting: retry with backoff
                 last_error = str(err).splitlines()[0]
+                if not self._registered.is_set():  # /ready says why (a TLS name mismatch shows here)
+                    self.lifecycle.set(
+                        WAITING, f"cannot register with the head at {self.cfg.head_location} yet: {last_error}"
+                    )
                 if not self._registered.is_set() and time.monotonic() > deadline:
                     self.lifecycle.fail(
                         str(
