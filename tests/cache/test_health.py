@@ -58,7 +58,7 @@ def test_served_rows_are_counted(cluster, small_table):
     assert f"data_cache_rows_served_total {float(rows)}" in metrics
     assert 'data_cache_requests_total{method="DoGet"} 1.0' in metrics
     head_metrics = get(head_health.port, "/metrics")[1]
-    assert 'data_cache_requests_total{method="get_flight_info"} 1.0' in head_metrics
+    assert 'data_cache_requests_total{method="GetFlightInfo"} 1.0' in head_metrics
 
 
 def test_nodes_report_their_load_without_waiting_for_the_poll(cluster, small_table, monkeypatch):

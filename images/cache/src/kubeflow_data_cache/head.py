@@ -68,8 +68,15 @@ class Head(flight.FlightServerBase):
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
         self._nodes_changed = threading.Event()
         self._clients: dict[str, flight.FlightClient] = {}
-        for name in ("do_action", "do_get", "get_flight_info", "get_schema", "list_flights"):
-            setattr(self, name, flight_errors(self.metrics, name)(getattr(self, name)))
+        # The metric's method label is Flight's name for the call, as on the data nodes.
+        for name, method in (
+            ("do_action", "DoAction"),
+            ("do_get", "DoGet"),
+            ("get_flight_info", "GetFlightInfo"),
+            ("get_schema", "GetSchema"),
+            ("list_flights", "ListFlights"),
+        ):
+            setattr(self, name, flight_errors(self.metrics, method)(getattr(self, name)))
 
     # --- internal calls to data nodes --------------------------------------------------------
     def _call(self, location: str, action: str, body: dict | None = None) -> dict[str, Any]:
