@@ -32,6 +32,7 @@ FULL = {
     "AWS_REGION": "eu-west-1",
     "AWS_SECRET_ACCESS_KEY": "never-in-a-pod-spec",
     "CACHE_ENV_FROM_SECRET": "s3-credentials",
+    "CACHE_IMAGE_PULL_SECRETS": "registry-a, registry-b",
 }
 
 
@@ -68,6 +69,15 @@ def test_the_leader_worker_set_runs_one_head_and_cluster_size_minus_one_data_nod
     assert worker["livenessProbe"]["httpGet"] == {"path": "/live", "port": "health"}
     assert template["leaderTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "head"
     assert template["workerTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+
+
+def test_cache_pods_pull_with_the_image_pull_secrets_only_when_given():
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+    for template in ("leaderTemplate", "workerTemplate"):
+        spec = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
+    plain = build_leader_worker_set(load_config(MINIMAL), [OWNER])
+    assert "imagePullSecrets" not in plain["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
 
 
 def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but_no_secret_values():

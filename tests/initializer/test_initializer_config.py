@@ -52,6 +52,7 @@ def test_aws_settings_are_forwarded_and_aws_secrets_are_not():
 
     assert cfg.cache_env == (("AWS_ENDPOINT_URL_S3", "http://minio:9000"), ("AWS_REGION", "eu-west-1"))
     assert cfg.env_from_secrets == ("s3-credentials", "flight-token")
+    assert cfg.image_pull_secrets == ()
 
 
 def test_storage_uri_parsing():
@@ -84,6 +85,11 @@ BAD_INPUT = [
     ({"CACHE_READY_TIMEOUT_SECONDS": "0"}, "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0", ""),
     ({"DATA_CACHE_SHARED": "maybe"}, "`DATA_CACHE_SHARED` should be one of true, 1, yes, on, false", "'maybe'"),
     ({"CACHE_ENV_FROM_SECRET": "S3 Creds"}, "`CACHE_ENV_FROM_SECRET` should be comma-separated Secret names", ""),
+    (
+        {"CACHE_IMAGE_PULL_SECRETS": "Reg_Creds"},
+        "`CACHE_IMAGE_PULL_SECRETS` should be comma-separated Secret names",
+        "",
+    ),
     ({"CACHE_HEALTH_PORT": "50051"}, "`CACHE_HEALTH_PORT` should be a port other than the Flight port 50051", ""),
     ({"CACHE_HEALTH_PORT": "70000"}, "`CACHE_HEALTH_PORT` should be an integer >= 1 and <= 65535", ""),
 ]

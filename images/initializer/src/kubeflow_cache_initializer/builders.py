@@ -195,7 +195,7 @@ def _pod_template(cfg: Config, component: str, args: tuple[str, ...], cpu: str, 
     }
     if cfg.env_from_secrets:
         container["envFrom"] = [{"secretRef": {"name": secret}} for secret in cfg.env_from_secrets]
-    return {
+    pod = {
         "metadata": {"labels": cache_labels(cfg, component)},
         "spec": {
             "serviceAccountName": cache_names(cfg).cache,
@@ -211,6 +211,9 @@ def _pod_template(cfg: Config, component: str, args: tuple[str, ...], cpu: str, 
             "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}],
         },
     }
+    if cfg.image_pull_secrets:  # a private registry holds the cache image
+        pod["spec"]["imagePullSecrets"] = [{"name": secret} for secret in cfg.image_pull_secrets]
+    return pod
 
 
 def build_leader_worker_set(cfg: Config, owners: list[dict]) -> dict:

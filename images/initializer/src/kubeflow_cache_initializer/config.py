@@ -83,6 +83,7 @@ class Config:
     shared: bool
     cache_env: tuple[tuple[str, str], ...]
     env_from_secrets: tuple[str, ...]
+    image_pull_secrets: tuple[str, ...]
     health_port: int
     status_poll_seconds: float
     unschedulable_grace_seconds: float
@@ -182,6 +183,15 @@ def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     )
 
 
+def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A comma-separated list of Secret names (DNS-1123 subdomains), each checked."""
+    secrets = tuple(s.strip() for s in env.get(name, "").split(",") if s.strip())
+    for secret in secrets:
+        if not _DNS_SUBDOMAIN.match(secret) or len(secret) > 253:
+            r._bad(name, "comma-separated Secret names (DNS-1123 subdomains)", secret)
+    return secrets
+
+
 def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_FILE)) -> Config:
     """Parse and check every setting; raise one `ConfigError` listing every problem."""
     r = _Reader(env)
@@ -220,10 +230,8 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     )
     ready_timeout = r.seconds("CACHE_READY_TIMEOUT_SECONDS", c.DEFAULT_READY_TIMEOUT_SECONDS)
     shared = r.flag("DATA_CACHE_SHARED")
-    secrets = tuple(s.strip() for s in env.get("CACHE_ENV_FROM_SECRET", "").split(",") if s.strip())
-    for secret in secrets:
-        if not _DNS_SUBDOMAIN.match(secret) or len(secret) > 253:
-            r._bad("CACHE_ENV_FROM_SECRET", "comma-separated Secret names (DNS-1123 subdomains)", secret)
+    secrets = _secret_names(r, env, "CACHE_ENV_FROM_SECRET")
+    pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
     if health_port == c.FLIGHT_PORT:
         r._bad("CACHE_HEALTH_PORT", f"a port other than the Flight port {c.FLIGHT_PORT}", str(health_port))
@@ -253,6 +261,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         shared=shared,
         cache_env=_forwarded_env(env),
         env_from_secrets=secrets,
+        image_pull_secrets=pull_secrets,
         health_port=health_port,
         status_poll_seconds=status_poll,
         unschedulable_grace_seconds=unschedulable_grace,
