@@ -22,6 +22,8 @@ import pytest
 from tests.cache.inprocess import cluster  # noqa: F401 (a fixture, shared with every cache test)
 from tests.conftest import free_port
 
+DATA_CACHE_TIMEOUT_SECONDS = 90
+
 MOTO_START_TIMEOUT_SECONDS = 30.0
 MOTO_STOP_TIMEOUT_SECONDS = 10.0
 MOTO_REGION = "us-east-1"
@@ -201,3 +203,16 @@ def self_signed_cert(tmp_path_factory) -> Certificate:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return Certificate(cert_file, key_file)
+
+
+def run_data_cache(
+    *args: str, env: dict | None = None, timeout: float = DATA_CACHE_TIMEOUT_SECONDS
+) -> subprocess.CompletedProcess:
+    """`data-cache ARGS` in a fresh interpreter (``env`` None: this process's environment)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kubeflow_data_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

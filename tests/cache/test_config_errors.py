@@ -11,6 +11,7 @@ import pytest
 
 from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.errors import ConfigError
+from tests.cache.conftest import run_data_cache
 
 DEADLINE = 60
 HEAD = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "health_port": 0}
@@ -18,13 +19,7 @@ HEAD = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "h
 
 def data_cache(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # No METADATA_LOC / LWS_* / LOG_LEVEL from the outer environment.
-    return subprocess.run(
-        [sys.executable, "-m", "kubeflow_data_cache", *args],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-        env={"PATH": "/usr/bin:/bin", **(env or {})},
-    )
+    return run_data_cache(*args, env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=DEADLINE)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

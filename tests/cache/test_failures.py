@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kubeflow_data_cache.sample import create_sample_table
+from tests.cache.conftest import run_data_cache
 from tests.conftest import LocalCache
 
 DEADLINE = 90
 
 
 def data_cache(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kubeflow_data_cache", *args],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-        env=env,
-    )
+    return run_data_cache(*args, env=env, timeout=DEADLINE)
 
 
 def failed_local(metadata_loc: str, *args: str) -> tuple[int, str]:

@@ -66,11 +66,12 @@ def test_resume_rejects_other_settings_or_shards(cache):
     assert len(ids_of(moved._iter_world(World(0, 2, 0, 1)))) == ROWS // 2
 
 
-def test_stateful_dataloader_with_workers_resumes_mid_epoch(cache):
-    def loader(ds):
-        # forkserver and a timeout: see WORKERS in test_dataset_loader.py.
-        return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
+def loader(ds: DataCacheDataset) -> StatefulDataLoader:
+    # forkserver and a timeout: see WORKERS in test_dataset_loader.py.
+    return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
 
+
+def test_stateful_dataloader_with_workers_resumes_mid_epoch(cache):
     ds = make(cache)
     ds.set_epoch(1)
     first = loader(ds)
@@ -110,9 +111,6 @@ def test_a_state_from_a_finished_epoch_does_not_rewind_a_later_one(cache):
 
 
 def test_stateful_dataloader_resumed_after_a_finished_epoch_reads_the_next(cache):
-    def loader(ds):
-        return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
-
     ds = make(cache)
     ds.set_epoch(4)
     first = loader(ds)
