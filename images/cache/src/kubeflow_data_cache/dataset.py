@@ -286,16 +286,15 @@ class DataCacheDataset(IterableDataset):
     def _slices(self, run: pa.RecordBatch, size: int) -> Iterator[tuple[Any, int]]:
         converted = self.from_arrow_rb_to_tensor(run)
         rows = run.num_rows
+        _check_rows(converted, rows)  # a misaligned value would shift features against labels silently
         if isinstance(converted, dict) and converted and all(isinstance(v, torch.Tensor) for v in converted.values()):
             # All tensors (numeric columns): one split() call per column makes every view at once,
             # about twice as fast as slicing batch by batch in Python.
             keys = list(converted)
-            _check_rows(converted, rows)
             splits = [v.split(size) for v in converted.values()]
             for start, parts in zip(range(0, rows, size), zip(*splits, strict=True), strict=True):
                 yield dict(zip(keys, parts, strict=True)), min(size, rows - start)
             return
-        _check_rows(converted, rows)  # a misaligned value would shift features against labels silently
         if isinstance(converted, dict) and all(isinstance(v, _SLICEABLE) for v in converted.values()):
             # The default hook's shape: skip the generic walk, it costs as much as the rest per batch.
             items = list(converted.items())

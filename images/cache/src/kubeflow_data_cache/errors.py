@@ -53,3 +53,10 @@ class CacheAuthError(DataCacheError):
 
 class ForkedConnectionError(DataCacheError):
     """This process was forked while its parent held open cache connections; gRPC cannot be used."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (gRPC and DataFusion append pages of detail), or its
+    type where the message is empty."""
+    text = str(err)
+    return text.splitlines()[0] if text.strip() else type(err).__name__

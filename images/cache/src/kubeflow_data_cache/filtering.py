@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX
-from kubeflow_data_cache.errors import BadRequestError
+from kubeflow_data_cache.errors import BadRequestError, first_line
 from kubeflow_data_cache.store import NodeStore
 
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
@@ -38,7 +38,7 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
         condition = columns.parse_sql_expr(predicate)
         result = table.filter(condition).select(ROW_COLUMN).to_arrow_table()
     except Exception as err:  # DataFusion raises one exception type for parse, plan and type errors
-        message = str(err).splitlines()[0]
+        message = first_line(err)
         raise BadRequestError(
             f"invalid filter {predicate!r}: {message}. A filter is one SQL predicate over the table's "
             f'columns {store.schema.names}, e.g. "label = 3 AND feature_a > 0.5"'

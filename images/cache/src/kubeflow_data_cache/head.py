@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,7 +22,7 @@ from kubeflow_data_cache.constants import (
     RPC_TIMEOUT_SECONDS,
     SUPERVISE_POLL_SECONDS,
 )
-from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, DataCacheError, NotReadyError
+from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, DataCacheError, NotReadyError, first_line
 from kubeflow_data_cache.memory import check_fits
 from kubeflow_data_cache.node import server_kwargs
 from kubeflow_data_cache.plan import (
@@ -119,7 +120,7 @@ class Head(flight.FlightServerBase):
                 if attempt == LOAD_SEND_ATTEMPTS:
                     raise ClusterFormationError(
                         f"data node {node} registered at {self._location(node)} but does not answer there "
-                        f"({_first_line(err)}); the address it advertises (POD_IP, or --advertise-host) "
+                        f"({first_line(err)}); the address it advertises (POD_IP, or --advertise-host) "
                         "must be reachable from the head"
                     ) from None
                 time.sleep(attempt)
@@ -201,7 +202,7 @@ class Head(flight.FlightServerBase):
             try:
                 return node, self._call(self._location(node), protocol.ACTION_STATUS)
             except Exception as err:
-                return node, {"state": "unreachable", "error": str(err).splitlines()[0], "rows": 0, "bytes": 0}
+                return node, {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
 
         with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
             for node, status in pool.map(one, range(self.cfg.data_nodes)):
@@ -249,13 +250,16 @@ class Head(flight.FlightServerBase):
             except Exception as err:
                 log.warning("could not reload data node %d: %s", node, err)
 
-    def _unreachable(self) -> str:
-        """'data node 1 (grpc://...) unreachable: <why>' for each node the last poll could not reach."""
+    def _describe_nodes(self, which: Callable[[dict[str, Any]], bool]) -> str:
+        """'data node 1 (grpc://...) unreachable: <why>; ...' for each node whose last status ``which`` picks."""
         return "; ".join(
-            f"data node {k} ({self._location(k)}) unreachable: {s.get('error')}"
+            f"data node {k} ({self._location(k)}) {s.get('state')}" + (f": {s['error']}" if s.get("error") else "")
             for k, s in sorted(self.node_status.items())
-            if s.get("state") == "unreachable"
+            if which(s)
         )
+
+    def _unreachable(self) -> str:
+        return self._describe_nodes(lambda s: s.get("state") == "unreachable")
 
     def _supervise(self) -> None:
         """Keep the nodes loaded; while one is not (down, restarted, reloading, failed), the head
@@ -267,16 +271,8 @@ class Head(flight.FlightServerBase):
             self._update_health()
 
     def _update_health(self) -> None:
-        missing = {
-            k: s
-            for k, s in sorted(self.node_status.items())
-            if s.get("state") != READY or s.get("generation") != self.generation
-        }
-        if missing:
-            why = "; ".join(
-                f"data node {k} ({self._location(k)}) {s.get('state')}" + (f": {s['error']}" if s.get("error") else "")
-                for k, s in missing.items()
-            )
+        why = self._describe_nodes(lambda s: s.get("state") != READY or s.get("generation") != self.generation)
+        if why:
             if self.lifecycle.state == READY:
                 log.warning("not serving until every data node holds its rows again: %s", why)
             self.metrics.ready.set(0)
@@ -425,7 +421,3 @@ class Head(flight.FlightServerBase):
             "load_seconds": round(self.load_seconds, 3),
             "nodes": nodes,
         }
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -18,7 +18,13 @@ import pyarrow.flight as flight
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.config import NodeConfig
 from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
-from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, StaleTicketError, TableLoadError
+from kubeflow_data_cache.errors import (
+    BadRequestError,
+    ClusterFormationError,
+    StaleTicketError,
+    TableLoadError,
+    first_line,
+)
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.memory import resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, zero_based
@@ -172,7 +178,7 @@ class DataNode(flight.FlightServerBase):
                 self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
                 return
             except Exception as err:  # head not up yet, or restarting: retry with backoff
-                last_error = str(err).splitlines()[0]
+                last_error = first_line(err)
                 if not self._registered.is_set():  # /ready says why (a TLS name mismatch shows here)
                     self.lifecycle.set(
                         WAITING, f"cannot register with the head at {self.cfg.head_location} yet: {last_error}"
@@ -204,7 +210,7 @@ class DataNode(flight.FlightServerBase):
                 return  # the head re-sent the same assignment: already loading or loaded
             self.generation = order.generation
             self.store, self.filters = None, None
-            previous, self._load_thread = self._load_thread, None
+            previous = self._load_thread
             self.metrics.ready.set(0)
             self.lifecycle.set(LOADING, "reading data files")
             # A newer assignment (a restarted head) supersedes a load still running: that one
