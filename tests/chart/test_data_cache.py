@@ -85,6 +85,36 @@ def test_renders_custom_images_and_service_account_into_the_runtime():
     one(objects, "ServiceAccount", "cache-init")
 
 
+def test_cache_pod_placement_and_pull_secrets_reach_the_pods_the_initializer_builds():
+    """Chart values -> the runtime's initializer env -> the initializer's own parser -> pod specs."""
+    from kubeflow_cache_initializer.builders import build_leader_worker_set
+    from kubeflow_cache_initializer.config import load_config
+
+    toleration = {"key": "dedicated", "value": "cache", "effect": "NoExecute", "tolerationSeconds": 30}
+    cache = {
+        "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
+        "nodeSelector": {"node.kubernetes.io/pool": "cache"},
+        "tolerations": [toleration, {"key": "nvidia.com/gpu", "operator": "Exists"}],
+    }
+    runtime = one(render_chart({"dataCache": {"enabled": True, "cache": cache}}), "ClusterTrainingRuntime", RUNTIME)
+    pod = replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"]
+    env = {name: e["value"] for name, e in env_of(container(pod, "dataset-initializer")).items() if "value" in e}
+    sdk = {"STORAGE_URI": "cache://s/t", "METADATA_LOC": "s3://b/m.json", "TRAIN_JOB_NAME": "job", "NAMESPACE": "ml"}
+
+    lws = build_leader_worker_set(load_config({**sdk, **env}), [])
+    for template in ("leaderTemplate", "workerTemplate"):
+        spec = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+        assert spec["nodeSelector"] == {"node.kubernetes.io/pool": "cache"}
+        assert spec["tolerations"] == cache["tolerations"]
+
+
+def test_an_unset_placement_leaves_the_runtime_env_as_the_source_has_it(cache_objects):
+    pod = replicated_job(one(cache_objects, "ClusterTrainingRuntime", RUNTIME), "dataset-initializer")
+    names = env_of(container(pod["template"]["spec"]["template"]["spec"], "dataset-initializer"))
+    assert not {"CACHE_IMAGE_PULL_SECRETS", "CACHE_NODE_SELECTOR", "CACHE_TOLERATIONS"} & set(names)
+
+
 def test_notes_give_the_next_steps():
     notes = render_notes({"dataCache": {"enabled": True, "namespaces": ["team-a"]}})
     assert "kubectl create rolebinding kubeflow-trainer-cache-initializer -n team-a" in notes

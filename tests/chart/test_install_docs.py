@@ -17,7 +17,7 @@ def doc_block(marker: str) -> str:
     return blocks[0]
 
 
-def test_the_image_overlay_retargets_both_images():
+def test_the_image_overlay_retargets_both_images_and_places_the_cache_pods():
     overlay = offline_manifest_tree() / "my-overlay"  # beside manifests/, as the doc's ../ assumes
     overlay.mkdir(exist_ok=True)
     kustomization = yaml.safe_load(doc_block("my-overlay/kustomization.yaml"))
@@ -29,3 +29,13 @@ def test_the_image_overlay_retargets_both_images():
     step = container(init, "dataset-initializer")
     assert step["image"] == "registry.example/data-cache/initializer:v0.1.0"
     assert env_of(step)["CACHE_IMAGE"]["value"] == "registry.example/data-cache/cache:v0.1.0"
+
+    # The placement env is what the initializer itself accepts.
+    from kubeflow_cache_initializer.config import load_config
+
+    env = {name: e["value"] for name, e in env_of(step).items() if "value" in e}
+    sdk = {"STORAGE_URI": "cache://s/t", "METADATA_LOC": "s3://b/m.json", "TRAIN_JOB_NAME": "job", "NAMESPACE": "ml"}
+    cfg = load_config({**sdk, **env})
+    assert cfg.node_selector == (("node.kubernetes.io/pool", "cache"),)
+    assert cfg.tolerations == ({"key": "dedicated", "value": "cache", "effect": "NoSchedule"},)
+    assert cfg.image_pull_secrets == ("regcred",)

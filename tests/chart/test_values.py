@@ -33,6 +33,11 @@ def helm_cli():
         # A tag inside the repository would render repo:tag:tag.
         ({"manager": {"image": {"repository": "ghcr.io/me/trainer:v2.1.0"}}}, r"/manager/image/repository"),
         ({"dataCache": {"namespaces": None}}, r"/dataCache': missing property 'namespaces'"),
+        ({"dataCache": {"cache": {"tolerations": [{"key": "a", "effect": "NoLoad"}]}}}, r"/tolerations/0/effect"),
+        ({"dataCache": {"cache": {"tolerations": [{"key": "a", "efect": "NoSchedule"}]}}}, r"'efect' not allowed"),
+        ({"dataCache": {"cache": {"nodeSelector": {"pool": "in memory"}}}}, r"/dataCache/cache/nodeSelector"),
+        ({"dataCache": {"cache": {"nodeSelector": {"bad key": "x"}}}}, r"invalid propertyName 'bad key'"),
+        ({"dataCache": {"cache": {"imagePullSecrets": ["regcred"]}}}, r"/dataCache/cache/imagePullSecrets/0"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_value(values, message):

@@ -33,6 +33,9 @@ FULL = {
     "AWS_SECRET_ACCESS_KEY": "never-in-a-pod-spec",
     "CACHE_ENV_FROM_SECRET": "s3-credentials",
     "CACHE_IMAGE_PULL_SECRETS": "registry-a, registry-b",
+    "CACHE_NODE_SELECTOR": "node.kubernetes.io/pool=cache, topology.kubernetes.io/zone=eu-west-1a",
+    "CACHE_TOLERATIONS": '[{"key": "dedicated", "operator": "Equal", "value": "cache", "effect": "NoSchedule"},'
+    ' {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}]',
 }
 
 
@@ -78,6 +81,27 @@ def test_cache_pods_pull_with_the_image_pull_secrets_only_when_given():
         assert spec["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
     plain = build_leader_worker_set(load_config(MINIMAL), [OWNER])
     assert "imagePullSecrets" not in plain["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+
+
+def test_cache_pods_go_where_the_node_selector_and_tolerations_allow_only_when_given():
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+    for template in ("leaderTemplate", "workerTemplate"):
+        spec = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+        assert spec["nodeSelector"] == {
+            "node.kubernetes.io/pool": "cache",
+            "topology.kubernetes.io/zone": "eu-west-1a",
+        }
+        assert spec["tolerations"] == [
+            {"key": "dedicated", "operator": "Equal", "value": "cache", "effect": "NoSchedule"},
+            {
+                "key": "node.kubernetes.io/unreachable",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 30,
+            },
+        ]
+    plain = build_leader_worker_set(load_config(MINIMAL), [OWNER])["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    assert "nodeSelector" not in plain["spec"] and "tolerations" not in plain["spec"]
 
 
 def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but_no_secret_values():

@@ -55,6 +55,40 @@ def test_aws_settings_are_forwarded_and_aws_secrets_are_not():
     assert cfg.image_pull_secrets == ()
 
 
+def test_node_selector_and_tolerations_take_the_forms_admins_write():
+    cfg = load_config(
+        {
+            **MINIMAL,
+            "CACHE_NODE_SELECTOR": " pool = cache ,example.com/memory=high,empty=",
+            "CACHE_TOLERATIONS": '{"key": "nvidia.com/gpu", "operator": "Exists"}',
+        }
+    )
+    assert cfg.node_selector == (("pool", "cache"), ("example.com/memory", "high"), ("empty", ""))
+    assert cfg.tolerations == ({"key": "nvidia.com/gpu", "operator": "Exists"},)
+    as_json = load_config({**MINIMAL, "CACHE_NODE_SELECTOR": '{"pool": "cache"}', "CACHE_TOLERATIONS": "[]"})
+    assert (as_json.node_selector, as_json.tolerations) == ((("pool", "cache"),), ())
+    assert (load_config(MINIMAL).node_selector, load_config(MINIMAL).tolerations) == ((), ())
+
+
+@pytest.mark.parametrize(
+    ("tolerations", "why"),
+    [
+        ('[{"operator": "Equal", "value": "x"}]', "an empty key tolerates every taint and needs operator Exists"),
+        ('[{"key": "a", "operator": "Exists", "value": "x"}]', "operator Exists takes no value"),
+        ('[{"key": "a", "operator": "In"}]', "operator 'In' is not one of Equal, Exists"),
+        ('[{"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}]', "applies to effect NoExecute only"),
+        ('[{"key": "a", "effect": "NoExecute", "tolerationSeconds": "5"}]', "tolerationSeconds must be an integer"),
+        ('[{"key": "bad key"}]', "label key 'bad key'"),
+        ('["a"]', "toleration 0 is not an object"),
+        ('"a"', "not a list"),
+    ],
+)
+def test_tolerations_are_checked_as_the_api_server_checks_them(tolerations, why):
+    with pytest.raises(ConfigError, match="`CACHE_TOLERATIONS`") as err:
+        load_config({**MINIMAL, "CACHE_TOLERATIONS": tolerations})
+    assert why in str(err.value)
+
+
 def test_storage_uri_parsing():
     assert parse_storage_uri("cache://my_schema/my-table.v2") == ("my_schema", "my-table.v2")
     for bad in ("s3://a/b", "cache://a", "cache://a/b/c", "cache:///b", "cache://a/"):
@@ -90,6 +124,17 @@ BAD_INPUT = [
         "`CACHE_IMAGE_PULL_SECRETS` should be comma-separated Secret names",
         "",
     ),
+    (
+        {"CACHE_NODE_SELECTOR": "pool"},
+        "`CACHE_NODE_SELECTOR` should be comma-separated key=value node labels, or a JSON object of them: "
+        "'pool' is not key=value",
+        "",
+    ),
+    ({"CACHE_NODE_SELECTOR": "pool=in memory"}, "`CACHE_NODE_SELECTOR` should be", "label value 'in memory'"),
+    ({"CACHE_NODE_SELECTOR": '{"pool": true}'}, "`CACHE_NODE_SELECTOR` should be", "must be a string"),
+    ({"CACHE_TOLERATIONS": "dedicated=cache:NoSchedule"}, "`CACHE_TOLERATIONS` should be a JSON list", "valid JSON"),
+    ({"CACHE_TOLERATIONS": '[{"key": "a", "efect": "NoSchedule"}]'}, "`CACHE_TOLERATIONS`", "unknown field(s) efect"),
+    ({"CACHE_TOLERATIONS": '[{"key": "a", "effect": "NoLoad"}]'}, "`CACHE_TOLERATIONS`", "effect 'NoLoad'"),
     ({"CACHE_HEALTH_PORT": "50051"}, "`CACHE_HEALTH_PORT` should be a port other than the Flight port 50051", ""),
     ({"CACHE_HEALTH_PORT": "70000"}, "`CACHE_HEALTH_PORT` should be an integer >= 1 and <= 65535", ""),
 ]

@@ -42,6 +42,24 @@ def test_a_healthy_cache_exits_0_with_everything_owned_by_the_train_job(fake, ma
     assert "ready at grpc://job-a-cache-service:50051" in caplog.text
 
 
+def test_the_cache_pods_land_where_the_admin_placed_them(fake, make_sim, run_initializer):
+    """CACHE_NODE_SELECTOR and CACHE_TOLERATIONS reach both pod templates, accepted by the LWS schema."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(
+        make_sim("healthy"),
+        CACHE_NODE_SELECTOR="node.kubernetes.io/pool=cache",
+        CACHE_TOLERATIONS='[{"key": "dedicated", "value": "cache", "effect": "NoSchedule"}]',
+    )
+    code, error = run_initializer(env)
+
+    assert (code, error) == (0, "")
+    assert fake.rejected == []
+    template = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")["spec"]["leaderWorkerTemplate"]
+    for pod in (template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]):
+        assert pod["nodeSelector"] == {"node.kubernetes.io/pool": "cache"}
+        assert pod["tolerations"] == [{"key": "dedicated", "value": "cache", "effect": "NoSchedule"}]
+
+
 def test_deleting_the_train_job_removes_everything_the_initializer_made(fake, make_sim, run_initializer):
     add_train_job(fake, "job-a")
     assert run_initializer(initializer_env(make_sim("healthy")))[0] == 0

@@ -16,6 +16,26 @@ app.kubernetes.io/component: data-cache
 {{ .Values.dataCache.cache.image.repository }}:{{ .Values.dataCache.cache.image.tag }}
 {{- end }}
 
+{{/*
+The initializer env that carries dataCache.cache's pull secrets and placement to the cache pods
+it creates (YAML, name: value); a value left empty is not set, so the runtime's own stands.
+*/}}
+{{- define "trainer.dataCache.cachePodEnv" -}}
+{{- with .Values.dataCache.cache }}
+{{- with .imagePullSecrets }}
+{{- $names := list }}
+{{- range . }}{{- $names = append $names .name }}{{- end }}
+CACHE_IMAGE_PULL_SECRETS: {{ join "," $names | quote }}
+{{- end }}
+{{- with .nodeSelector }}
+CACHE_NODE_SELECTOR: {{ toJson . | quote }}
+{{- end }}
+{{- with .tolerations }}
+CACHE_TOLERATIONS: {{ toJson . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Rules between values that the schema cannot express; each message names the values. */}}
 {{- define "trainer.dataCache.checks" -}}
 {{- $lwsInstall := .Values.dataCache.lws.install }}

@@ -213,6 +213,10 @@ def _pod_template(cfg: Config, component: str, args: tuple[str, ...], cpu: str, 
     }
     if cfg.image_pull_secrets:  # a private registry holds the cache image
         pod["spec"]["imagePullSecrets"] = [{"name": secret} for secret in cfg.image_pull_secrets]
+    if cfg.node_selector:  # placement.py: the pool the admin keeps for cache pods
+        pod["spec"]["nodeSelector"] = dict(cfg.node_selector)
+    if cfg.tolerations:
+        pod["spec"]["tolerations"] = [dict(t) for t in cfg.tolerations]
     return pod
 
 

@@ -7,12 +7,19 @@ whose message names each bad variable, the value it got and the form it expects.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.errors import ConfigError
+from kubeflow_cache_initializer.placement import (
+    NODE_SELECTOR_FORM,
+    TOLERATIONS_FORM,
+    parse_node_selector,
+    parse_tolerations,
+)
 
 STORAGE_URI_SCHEME = "cache://"
 METADATA_LOC_SCHEMES = ("s3://", "s3a://", "file://")
@@ -25,6 +32,7 @@ _TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # `{TRAIN_JOB_NAME}-cache` names the LeaderWorkerSet, whose StatefulSets (`<name>` and `<name>-0`)
 # must stay within 52 characters for their pods' controller-revision-hash label to fit in 63.
 MAX_TRAIN_JOB_NAME = 52 - len("-0") - len(c.CACHE_NAME_SUFFIX)
+T = TypeVar("T")
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off", "")
 
@@ -84,6 +92,8 @@ class Config:
     cache_env: tuple[tuple[str, str], ...]
     env_from_secrets: tuple[str, ...]
     image_pull_secrets: tuple[str, ...]
+    node_selector: tuple[tuple[str, str], ...]
+    tolerations: tuple[dict[str, Any], ...]
     health_port: int
     status_poll_seconds: float
     unschedulable_grace_seconds: float
@@ -143,6 +153,15 @@ class _Reader:
             self._bad(name, "a number of seconds > 0", raw)
             return default
         return value
+
+    def parsed(self, name: str, parse: Callable[[str], T], expected: str, default: T) -> T:
+        """``parse(value)``, or ``default`` with the parser's reason among the problems."""
+        raw = self.env.get(name, "")
+        try:
+            return parse(raw)
+        except ValueError as err:
+            self.problems.append(f"`{name}` should be {expected}: {err}, got {raw.strip()!r}")
+            return default
 
     def flag(self, name: str) -> bool:
         raw = self.env.get(name, "").strip().lower()
@@ -232,6 +251,8 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     shared = r.flag("DATA_CACHE_SHARED")
     secrets = _secret_names(r, env, "CACHE_ENV_FROM_SECRET")
     pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
+    node_selector = r.parsed("CACHE_NODE_SELECTOR", parse_node_selector, NODE_SELECTOR_FORM, {})
+    tolerations = r.parsed("CACHE_TOLERATIONS", parse_tolerations, TOLERATIONS_FORM, ())
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
     if health_port == c.FLIGHT_PORT:
         r._bad("CACHE_HEALTH_PORT", f"a port other than the Flight port {c.FLIGHT_PORT}", str(health_port))
@@ -262,6 +283,8 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         cache_env=_forwarded_env(env),
         env_from_secrets=secrets,
         image_pull_secrets=pull_secrets,
+        node_selector=tuple(node_selector.items()),
+        tolerations=tolerations,
         health_port=health_port,
         status_poll_seconds=status_poll,
         unschedulable_grace_seconds=unschedulable_grace,
