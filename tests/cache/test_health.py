@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pytest
+
 from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.node import DataNode
 from kubeflow_data_cache.service import HealthServer
@@ -59,6 +62,15 @@ def test_served_rows_are_counted(cluster, small_table):
     assert 'data_cache_requests_total{method="DoGet"} 1.0' in metrics
     head_metrics = get(head_health.port, "/metrics")[1]
     assert 'data_cache_requests_total{method="GetFlightInfo"} 1.0' in head_metrics
+    # Every call is timed, once, on the role that answered it.
+    assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 1.0' in head_metrics
+    assert 'data_cache_request_seconds_count{method="DoGet"} 1.0' in metrics
+    assert 'data_cache_request_seconds_bucket{le="+Inf",method="DoGet"} 1.0' in metrics
+    # A refused call is timed as well.
+    with pytest.raises(pa.ArrowInvalid, match="out of range"):
+        client.get_flight_info(flight.FlightDescriptor.for_path("5", "1"))
+    head_metrics = get(head_health.port, "/metrics")[1]
+    assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 2.0' in head_metrics
 
 
 def test_nodes_report_their_load_without_waiting_for_the_poll(cluster, small_table, monkeypatch):
