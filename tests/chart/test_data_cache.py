@@ -115,6 +115,27 @@ def test_an_unset_placement_leaves_the_runtime_env_as_the_source_has_it(cache_ob
     assert not {"CACHE_IMAGE_PULL_SECRETS", "CACHE_NODE_SELECTOR", "CACHE_TOLERATIONS"} & set(names)
 
 
+def test_digests_pin_every_image_the_chart_names():
+    d = {name: "sha256:" + hex_digit * 64 for name, hex_digit in (("manager", "a"), ("init", "b"), ("cache", "c"))}
+    values = {
+        "manager": {"image": {"digest": d["manager"]}},
+        "dataCache": {
+            "enabled": True,
+            "initializer": {"image": {"digest": d["init"]}},
+            "cache": {"image": {"digest": d["cache"]}},
+        },
+    }
+    objects = render_chart(values)
+    manager = one(objects, "Deployment", "kubeflow-trainer-controller-manager")["spec"]["template"]["spec"]
+    assert container(manager, "manager")["image"].endswith(f":v2.1.0@{d['manager']}")
+    runtime = one(objects, "ClusterTrainingRuntime", RUNTIME)
+    init = container(
+        replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"], "dataset-initializer"
+    )
+    assert init["image"] == f"ghcr.io/kubeflow-data-cache/initializer:v0.1.0@{d['init']}"
+    assert env_of(init)["CACHE_IMAGE"]["value"] == f"ghcr.io/kubeflow-data-cache/cache:v0.1.0@{d['cache']}"
+
+
 def test_notes_give_the_next_steps():
     notes = render_notes({"dataCache": {"enabled": True, "namespaces": ["team-a"]}})
     assert "kubectl create rolebinding kubeflow-trainer-cache-initializer -n team-a" in notes

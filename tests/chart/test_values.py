@@ -33,6 +33,8 @@ def helm_cli():
         # A tag inside the repository would render repo:tag:tag.
         ({"manager": {"image": {"repository": "ghcr.io/me/trainer:v2.1.0"}}}, r"/manager/image/repository"),
         ({"dataCache": {"namespaces": None}}, r"/dataCache': missing property 'namespaces'"),
+        ({"dataCache": {"cache": {"image": {"digest": "sha256:abc"}}}}, r"/dataCache/cache/image/digest"),
+        ({"manager": {"image": {"digest": "latest"}}}, r"/manager/image/digest"),
         ({"dataCache": {"cache": {"tolerations": [{"key": "a", "effect": "NoLoad"}]}}}, r"/tolerations/0/effect"),
         ({"dataCache": {"cache": {"tolerations": [{"key": "a", "efect": "NoSchedule"}]}}}, r"'efect' not allowed"),
         ({"dataCache": {"cache": {"nodeSelector": {"pool": "in memory"}}}}, r"/dataCache/cache/nodeSelector"),

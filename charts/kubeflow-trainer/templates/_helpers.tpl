@@ -72,3 +72,11 @@ seccompProfile:
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+An image reference from {repository, tag, digest}: repo:tag, or repo:tag@digest when a digest
+pins it (the tag stays for people reading the spec; the runtime pulls by the digest).
+*/}}
+{{- define "trainer.imageRef" -}}
+{{ .repository }}:{{ .tag }}{{ with .digest }}@{{ . }}{{ end }}
+{{- end }}

@@ -9,11 +9,11 @@ app.kubernetes.io/component: data-cache
 {{- end }}
 
 {{- define "trainer.dataCache.initializerImage" -}}
-{{ .Values.dataCache.initializer.image.repository }}:{{ .Values.dataCache.initializer.image.tag }}
+{{- include "trainer.imageRef" .Values.dataCache.initializer.image }}
 {{- end }}
 
 {{- define "trainer.dataCache.cacheImage" -}}
-{{ .Values.dataCache.cache.image.repository }}:{{ .Values.dataCache.cache.image.tag }}
+{{- include "trainer.imageRef" .Values.dataCache.cache.image }}
 {{- end }}
 
 {{/*

@@ -17,7 +17,8 @@ app.kubernetes.io/component: manager
 {{- end }}
 
 {{- define "trainer.manager.image" -}}
-{{ .Values.manager.image.repository }}:{{ .Values.manager.image.tag | default .Chart.AppVersion }}
+{{- $image := .Values.manager.image }}
+{{- include "trainer.imageRef" (dict "repository" $image.repository "tag" ($image.tag | default .Chart.AppVersion) "digest" $image.digest) }}
 {{- end }}
 
 {{/* Ports of the controller, as its config file sets them. */}}
