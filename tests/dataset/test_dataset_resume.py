@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import pickle
+import subprocess
+import sys
+import textwrap
+from copy import deepcopy
+
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kubeflow_data_cache.dataset import DataCacheDataset, World
+from kubeflow_data_cache.shared_epoch import SharedInt
 
 ROWS = 10_000  # small_table (tests/conftest.py)
 
@@ -130,3 +140,94 @@ def test_stateful_dataloader_resumed_after_a_finished_epoch_reads_the_next(cache
     assert again.epoch == 5
     assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))
     assert np.array_equal(ids, epoch5) and not np.array_equal(ids, epoch4)
+
+
+def test_stateful_dataloader_without_workers_saves_and_resumes_in_this_process(cache):
+    ds = make(cache)
+    ds.set_epoch(3)
+    first = StatefulDataLoader(ds, batch_size=None, num_workers=0)
+    it = iter(first)
+    seen = [next(it)["id"] for _ in range(7)]
+    assert ds.state_dict()["rows"] == 700  # the main process read: its own position is the real one
+    state = first.state_dict()
+    del it
+
+    again = make(cache)
+    again.set_epoch(3)
+    second = StatefulDataLoader(again, batch_size=None, num_workers=0)
+    second.load_state_dict(state)
+    seen += [b["id"] for b in second]
+    ids = torch.cat(seen).numpy()
+    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))
+
+
+# -- a plain DataLoader with workers: its positions are in the workers -----------------------
+
+WORKERS_HOLD_THE_POSITIONS = "positions to save are in the workers"
+
+
+def test_shared_int_reaches_forked_and_spawned_processes_but_a_checkpoint_holds_the_number():
+    for method in ("fork", "spawn"):
+        shared = SharedInt(1)
+        child = multiprocessing.get_context(method).Process(target=setattr, args=(shared, "value", 7))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0 and shared.value == 7, method
+    # Pickled outside a process start (torch.save, deepcopy): the number alone, then independent.
+    assert shared.__getstate__() == {"value": 7}
+    for copy in (pickle.loads(pickle.dumps(shared)), deepcopy(shared)):
+        assert copy.value == 7
+        copy.value = 8
+        assert shared.value == 7
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_state_dict_beside_a_plain_dataloader_with_workers_raises_naming_the_fix(cache, context):
+    ds = make(cache)
+    ds.set_epoch(2)
+    assert ds.state_dict()["rows"] == 0  # nothing read anywhere yet: a state like any other
+    it = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=60))
+    for _ in range(3):
+        next(it)
+    # Without the check this was a state with 0 rows: resuming from it replayed the 300 rows read.
+    with pytest.raises(RuntimeError, match=WORKERS_HOLD_THE_POSITIONS) as err:
+        ds.state_dict()
+    assert "StatefulDataLoader(dataset, batch_size=None, num_workers=N)" in str(err.value)
+    assert "num_workers=0" in str(err.value)
+    del it
+    # The next epoch has not been read by anyone: its state (from its start) is right again.
+    ds.set_epoch(3)
+    state = ds.state_dict()
+    assert (state["epoch"], state["rows"]) == (3, 0)
+
+
+# Forked workers (the default start method) run in a fresh interpreter: a child forked from this
+# test process, which other suites leave with gRPC in use, cannot read (test_dataset_loader.py).
+FORK_SCRIPT = """
+import json, sys
+from torch.utils.data import DataLoader
+from kubeflow_data_cache.dataset import DataCacheDataset
+
+ds = DataCacheDataset(sys.argv[1], batch_size=100, columns=["id"], shuffle=True, seed=5)
+it = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60))
+rows = sum(len(next(it)["id"]) for _ in range(3))
+try:
+    out = {"rows": rows, "state": ds.state_dict()}
+except RuntimeError as err:
+    out = {"rows": rows, "error": str(err)}
+print(json.dumps(out))
+"""
+
+
+def test_state_dict_beside_a_plain_dataloader_with_forked_workers_raises(cache):
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORK_SCRIPT), cache.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["rows"] == 300
+    assert WORKERS_HOLD_THE_POSITIONS in got.get("error", ""), got
+    assert "torchdata.stateful_dataloader.StatefulDataLoader" in got["error"]

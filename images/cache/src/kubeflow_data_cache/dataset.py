@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, KeptClient
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
-from kubeflow_data_cache.shared_epoch import SharedEpoch
+from kubeflow_data_cache.shared_epoch import SharedInt
 
 __all__ = ["DataCacheDataset", "World", "default_endpoint"]
 
@@ -176,7 +176,10 @@ class DataCacheDataset(IterableDataset):
             even=self.even,
             block_size=block_size,
         )
-        self._epoch = SharedEpoch()  # set_epoch reaches persistent DataLoader workers (shared_epoch.py)
+        self._epoch = SharedInt()  # set_epoch reaches persistent DataLoader workers (shared_epoch.py)
+        # The last epoch a DataLoader worker started reading, plus one (0: none): tells state_dict
+        # in the main process that the positions to save are in the workers, not here.
+        self._worker_read = SharedInt()
         # One connection to the cache, kept from epoch to epoch (client.KeptClient).
         self._connection = KeptClient()
         self._progress: _Progress | None = None
@@ -226,6 +229,8 @@ class DataCacheDataset(IterableDataset):
         """Set up this reader's epoch now (so state_dict is right at once), then stream."""
         request = self.shard_request(world)
         skip = self._take_resume(world)
+        if get_worker_info() is not None:
+            self._worker_read.value = self.epoch + 1
         self._progress = _Progress(self.epoch, world.shard, world.num_shards, rows=skip)
         return self._stream(request, skip, self._progress)
 
@@ -335,6 +340,7 @@ class DataCacheDataset(IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this reader is: epoch, shard and rows handed out (DataLoader workers: per worker)."""
+        self._check_not_read_by_workers()
         if self._resume is not None:
             return dict(self._resume)
         progress = self._progress or _Progress(self.epoch, -1, -1)
@@ -348,6 +354,23 @@ class DataCacheDataset(IterableDataset):
             "rows": progress.rows,
             **self._fingerprint(),
         }
+
+    def _check_not_read_by_workers(self) -> None:
+        """Refuse to save this process's empty position when DataLoader workers read the epoch.
+
+        A plain DataLoader's workers read their own copies: this copy's state would say "nothing
+        read", and resuming from it would replay the rows already trained on.
+        """
+        if get_worker_info() is not None or self._worker_read.value != self.epoch + 1:
+            return
+        if self._progress is not None and self._progress.epoch == self.epoch:
+            return  # this process read the epoch too (num_workers=0): its own position is real
+        raise RuntimeError(
+            f"DataLoader workers have read epoch {self.epoch} of this dataset, so the positions to save "
+            "are in the workers and this process's state_dict() would restart the epoch from its start. "
+            "Use torchdata.stateful_dataloader.StatefulDataLoader(dataset, batch_size=None, num_workers=N) "
+            "and save loader.state_dict(), or read with num_workers=0"
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips the rows already handed out.

@@ -1,12 +1,14 @@
-"""The dataset's epoch number, in memory its DataLoader workers share.
+"""Numbers the dataset shares with its DataLoader workers: the epoch, and which epoch they read.
 
 A DataLoader worker gets its own copy of the dataset when it starts. Persistent workers
 (``persistent_workers=True``) keep that copy for the whole run, so an epoch stored as a plain
 int would leave them on the epoch they started with: every epoch would repeat the first one's
-shuffle, silently. Kept in shared memory instead, ``set_epoch`` in the main process reaches the
-workers, however they were started: forked workers map the same page, and spawn and forkserver
-workers are handed it by multiprocessing as it starts them. Any other pickling (a checkpoint, a
-deepcopy) stores the number alone.
+shuffle, silently. The other way round, a worker's reading is invisible to the main process, so
+``state_dict()`` there would not know that the positions it should save live in the workers.
+Kept in shared memory instead, a ``SharedInt`` written on either side reaches the other, however
+the workers were started: forked workers map the same page, and spawn and forkserver workers are
+handed it by multiprocessing as it starts them. Any other pickling (a checkpoint, a deepcopy)
+stores the number alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 
-class SharedEpoch:
+class SharedInt:
+    """A 64-bit integer in shared memory, shared with the processes multiprocessing starts."""
+
     def __init__(self, value: int = 0) -> None:
         self._shared = multiprocessing.RawValue(ctypes.c_int64, value)
 
@@ -26,8 +30,8 @@ class SharedEpoch:
         return int(self._shared.value)
 
     @value.setter
-    def value(self, epoch: int) -> None:
-        self._shared.value = epoch
+    def value(self, value: int) -> None:
+        self._shared.value = value
 
     def __getstate__(self) -> dict[str, Any]:
         if get_spawning_popen() is not None:  # multiprocessing is starting a worker with us
