@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,9 +78,25 @@ def test_rows_once_and_equal_batches(cache_factory, table, ranks, workers, batch
     elif not drop_last:
         assert (counts >= 1).all() and counts.sum() == shards * math.ceil(rows / shards)
 
+    per_rank = [sum(len(got[r, w]) for w in range(workers)) for r in range(ranks)]
     if ds.even is not None:
-        per_rank = [sum(len(got[r, w]) for w in range(workers)) for r in range(ranks)]
         assert len(set(per_rank)) == 1, f"batches per rank differ: {per_rank}"
+    # What batches_per_epoch tells a training loop in advance is what each rank then reads.
+    assert [ds._rank_batches(r, ranks, workers) for r in range(ranks)] == per_rank
+
+
+def test_batches_per_epoch_reads_the_rank_from_the_environment(cache_factory, monkeypatch):
+    cache = cache_factory(2503, 3, 2)
+    ds = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    assert ds.batches_per_epoch() == 26  # one reader: ceil(2503 / 100)
+    assert ds.batches_per_epoch(num_workers=2) == 26  # 1252 + 1251 rows: 13 + 13 batches
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert ds.batches_per_epoch(num_workers=2) == 14  # shards 2, 3 of 4: 626 + 626 rows, 7 + 7
+    dropped = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"], drop_last=True)
+    assert dropped.batches_per_epoch(num_workers=2) == 12  # 625 + 625 rows (even="drop"), 6 + 6
+    with pytest.raises(ValueError, match="num_workers"):
+        ds.batches_per_epoch(num_workers=-1)
 
 
 def epoch_order(ds: DataCacheDataset, epoch: int, ranks: int = 2) -> list[int]:

@@ -209,6 +209,27 @@ class DataCacheDataset(IterableDataset):
         """The request this reader sends for the current epoch."""
         return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=self.epoch)
 
+    def batches_per_epoch(self, num_workers: int = 0) -> int:
+        """How many batches this rank yields in the current epoch, read with ``num_workers``
+        DataLoader workers (what ``len(loader)`` would be; an LR schedule's or ``max_steps``' input).
+
+        The head answers with each of this rank's shard sizes (filter, ``even`` and the cache's
+        current row count included); a deliberate method rather than ``__len__``, because a
+        DataLoader asks ``len`` in the main process, which cannot know how many workers read.
+        """
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers should be the DataLoader's num_workers (>= 0), got {num_workers!r}")
+        me = World.detect(parent=self.__dict__.get("_parent_world"))
+        return self._rank_batches(me.rank, me.world_size, max(1, num_workers))
+
+    def _rank_batches(self, rank: int, world_size: int, readers: int) -> int:
+        batches = 0
+        with self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds) as client:
+            for worker in range(readers):
+                rows = client.get_flight_info(self.shard_request(World(rank, world_size, worker, readers))).total_records
+                batches += rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        return batches
+
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
