@@ -226,7 +226,9 @@ class DataCacheDataset(IterableDataset):
         batches = 0
         with self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds) as client:
             for worker in range(readers):
-                rows = client.get_flight_info(self.shard_request(World(rank, world_size, worker, readers))).total_records
+                rows = client.get_flight_info(
+                    self.shard_request(World(rank, world_size, worker, readers))
+                ).total_records
                 batches += rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
         return batches
 
