@@ -71,6 +71,13 @@ def test_served_rows_are_counted(cluster, small_table):
         client.get_flight_info(flight.FlightDescriptor.for_path("5", "1"))
     head_metrics = get(head_health.port, "/metrics")[1]
     assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 2.0' in head_metrics
+    # ListFlights answers with a FlightInfo, but it is one call: counted and timed as ListFlights only.
+    assert len(list(client.list_flights())) == 1
+    head_metrics = get(head_health.port, "/metrics")[1]
+    assert 'data_cache_requests_total{method="ListFlights"} 1.0' in head_metrics
+    assert 'data_cache_request_seconds_count{method="ListFlights"} 1.0' in head_metrics
+    assert 'data_cache_requests_total{method="GetFlightInfo"} 2.0' in head_metrics
+    assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 2.0' in head_metrics
 
 
 def test_nodes_report_their_load_without_waiting_for_the_poll(cluster, small_table, monkeypatch):
