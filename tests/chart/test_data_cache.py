@@ -1,5 +1,7 @@
 """templates/data-cache/: LWS subchart, the cache runtime, the initializer's ClusterRole and namespace RBAC."""
 
+import json
+
 import helm_python
 import pytest
 
@@ -107,6 +109,56 @@ def test_cache_pod_placement_and_pull_secrets_reach_the_pods_the_initializer_bui
         assert spec["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
         assert spec["nodeSelector"] == {"node.kubernetes.io/pool": "cache"}
         assert spec["tolerations"] == cache["tolerations"]
+
+
+PLACEMENTS = [
+    # (dataCache.cache values, whether the API server accepts them)
+    ({"tolerations": [{"key": "a", "operator": "", "value": "b"}]}, True),
+    ({"tolerations": [{"key": "", "operator": "Exists"}]}, True),
+    ({"tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]}, True),
+    ({"tolerations": [{"key": "a", "effect": "NoExecute", "tolerationSeconds": 5}]}, True),
+    ({"tolerations": [{"key": "example.com/x", "operator": "Equal", "value": "", "effect": ""}]}, True),
+    ({"tolerations": [{"effect": "NoSchedule"}]}, False),
+    ({"tolerations": [{}]}, False),
+    ({"tolerations": [{"key": "a", "operator": "Exists", "value": "b"}]}, False),
+    ({"tolerations": [{"key": "a", "value": "a b"}]}, False),
+    ({"tolerations": [{"key": "a", "value": "\x7f"}]}, False),
+    ({"tolerations": [{"key": "a", "operator": "Exists", "tolerationSeconds": 5}]}, False),
+    ({"tolerations": [{"key": "a b", "operator": "Exists"}]}, False),
+    ({"nodeSelector": {"example.com/pool": "cache", "empty": ""}}, True),
+    ({"nodeSelector": {"a" * 254 + "/x": "y"}}, False),
+    ({"nodeSelector": {"pool": "a b"}}, False),
+    ({"nodeSelector": {"pool": "-x"}}, False),
+    ({"nodeSelector": {"-pool": "x"}}, False),
+]
+
+
+@pytest.mark.parametrize(("cache", "valid"), PLACEMENTS, ids=[str(p[0]) for p in PLACEMENTS])
+def test_the_chart_and_the_initializer_accept_the_same_placements(cache, valid):
+    """A placement the schema lets through but the initializer refuses would fail every TrainJob."""
+    from kubeflow_cache_initializer.config import load_config
+    from kubeflow_cache_initializer.errors import ConfigError
+
+    try:
+        runtime = one(render_chart({"dataCache": {"enabled": True, "cache": cache}}), "ClusterTrainingRuntime", RUNTIME)
+    except helm_python.HelmValuesError:
+        chart_accepts = False
+    else:
+        chart_accepts = True
+        pod = replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"]
+        env = {name: e["value"] for name, e in env_of(container(pod, "dataset-initializer")).items() if "value" in e}
+    sdk = {"STORAGE_URI": "cache://s/t", "METADATA_LOC": "s3://b/m.json", "TRAIN_JOB_NAME": "job", "NAMESPACE": "ml"}
+    if not chart_accepts:  # what the initializer would get from a TrainJob's own env instead
+        env = {
+            f"CACHE_{'NODE_SELECTOR' if k == 'nodeSelector' else 'TOLERATIONS'}": json.dumps(v)
+            for k, v in cache.items()
+        }
+    try:
+        load_config({**sdk, **env})
+        initializer_accepts = True
+    except ConfigError:
+        initializer_accepts = False
+    assert (chart_accepts, initializer_accepts) == (valid, valid)
 
 
 def test_an_unset_placement_leaves_the_runtime_env_as_the_source_has_it(cache_objects):
