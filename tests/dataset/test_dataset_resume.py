@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kubeflow_data_cache.dataset import DataCacheDataset, World
-from kubeflow_data_cache.shared_epoch import SharedInt
+from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
 ROWS = 10_000  # small_table (tests/conftest.py)
 
@@ -166,7 +166,7 @@ def test_stateful_dataloader_without_workers_saves_and_resumes_in_this_process(c
 WORKERS_HOLD_THE_POSITIONS = "positions to save are in the workers"
 
 
-def test_shared_int_reaches_forked_and_spawned_processes_but_a_checkpoint_holds_the_number():
+def test_shared_ints_reach_forked_and_spawned_processes_but_a_checkpoint_holds_the_numbers():
     for method in ("fork", "spawn"):
         shared = SharedInt(1)
         child = multiprocessing.get_context(method).Process(target=setattr, args=(shared, "value", 7))
@@ -179,21 +179,37 @@ def test_shared_int_reaches_forked_and_spawned_processes_but_a_checkpoint_holds_
         assert copy.value == 7
         copy.value = 8
         assert shared.value == 7
+    for method in ("fork", "spawn"):
+        slots = SharedInts(4)
+        child = multiprocessing.get_context(method).Process(target=slots.__setitem__, args=(2, -3))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0 and slots.values() == [0, 0, -3, 0], method
+    assert slots.__getstate__() == {"values": [0, 0, -3, 0]}
+    copy = deepcopy(slots)
+    copy.clear()
+    assert (copy.values(), slots.values()) == ([0, 0, 0, 0], [0, 0, -3, 0])
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
-def test_state_dict_beside_a_plain_dataloader_with_workers_raises_naming_the_fix(cache, context):
+def test_state_dict_beside_a_plain_dataloader_with_workers_raises_mid_epoch_naming_the_fix(cache, context):
     ds = make(cache)
     ds.set_epoch(2)
     assert ds.state_dict()["rows"] == 0  # nothing read anywhere yet: a state like any other
+    next(iter(ds))  # a first batch read here (checking shapes) is not the position once workers read
     it = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=60))
     for _ in range(3):
         next(it)
-    # Without the check this was a state with 0 rows: resuming from it replayed the 300 rows read.
+    # Without the check this was a state with 0 (or 100) rows: resuming from it replayed rows.
     with pytest.raises(RuntimeError, match=WORKERS_HOLD_THE_POSITIONS) as err:
         ds.state_dict()
     assert "StatefulDataLoader(dataset, batch_size=None, num_workers=N)" in str(err.value)
     assert "num_workers=0" in str(err.value)
+    # Read to its end, the epoch is over: the end-of-epoch checkpoint says nothing of it (the resume
+    # loop's set_epoch(3) moves on), rather than refusing.
+    assert sum(len(b["id"]) for b in it) + 300 == ROWS
+    state = ds.state_dict()
+    assert (state["epoch"], state["shard"], state["rows"]) == (2, -1, 0)
     del it
     # The next epoch has not been read by anyone: its state (from its start) is right again.
     ds.set_epoch(3)

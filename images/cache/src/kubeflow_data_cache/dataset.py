@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, KeptClient
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
-from kubeflow_data_cache.shared_epoch import SharedInt
+from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
 __all__ = ["DataCacheDataset", "World", "default_endpoint"]
 
@@ -35,6 +35,8 @@ STATE_VERSION = 1
 # run holds about CONVERT_MAX_BYTES (but always at least one batch).
 CONVERT_ROWS = DEFAULT_BATCH_SIZE
 CONVERT_MAX_BYTES = 8 << 20
+# Slots for DataLoader workers to say which epoch they read (worker i writes slot i % this).
+WORKER_SLOTS = 256
 
 
 def default_endpoint(env: dict[str, str] | None = None) -> str:
@@ -177,9 +179,10 @@ class DataCacheDataset(IterableDataset):
             block_size=block_size,
         )
         self._epoch = SharedInt()  # set_epoch reaches persistent DataLoader workers (shared_epoch.py)
-        # The last epoch a DataLoader worker started reading, plus one (0: none): tells state_dict
-        # in the main process that the positions to save are in the workers, not here.
-        self._worker_read = SharedInt()
+        # Per DataLoader worker: epoch + 1 while it reads that epoch, -(epoch + 1) once it read it
+        # to the end, 0 before. Tells state_dict in the main process that the positions to save
+        # are in the workers, not here (a plain DataLoader's workers read their own copies).
+        self._worker_reads = SharedInts(WORKER_SLOTS)
         # One connection to the cache, kept from epoch to epoch (client.KeptClient).
         self._connection = KeptClient()
         self._progress: _Progress | None = None
@@ -252,18 +255,24 @@ class DataCacheDataset(IterableDataset):
         """Set up this reader's epoch now (so state_dict is right at once), then stream."""
         request = self.shard_request(world)
         skip = self._take_resume(world)
+        slot = None
         if get_worker_info() is not None:
-            self._worker_read.value = self.epoch + 1
+            slot = world.worker_id % WORKER_SLOTS
+            self._worker_reads[slot] = self.epoch + 1
+        else:  # this process reads now: what workers read before is no longer the position
+            self._worker_reads.clear()
         self._progress = _Progress(self.epoch, world.shard, world.num_shards, rows=skip)
-        return self._stream(request, skip, self._progress)
+        return self._stream(request, skip, self._progress, slot)
 
-    def _stream(self, request: ShardRequest, skip: int, progress: _Progress) -> Iterator[Any]:
+    def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
         with self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds) as client:
             record_batches = _skip_rows(client.read_shard(request, interleave=request.shuffle), skip)
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
                 yield batch
+        if slot is not None:  # read to the end (not abandoned): this worker's part of the epoch is done
+            self._worker_reads[slot] = -(progress.epoch + 1)
 
     def _rebatch(self, record_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[Any, int]]:
         """Group record batches into runs of ~CONVERT_ROWS, convert each run once, slice it.
@@ -362,13 +371,26 @@ class DataCacheDataset(IterableDataset):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader is: epoch, shard and rows handed out (DataLoader workers: per worker)."""
-        self._check_not_read_by_workers()
+        """Where this reader is: epoch, shard and rows handed out (DataLoader workers: per worker).
+
+        In the main process of a plain DataLoader with workers, the workers hold the positions:
+        while they are part-way through the epoch this raises, naming the fix; once they have read
+        it to the end, the state says nothing of that epoch (resume with set_epoch(next)).
+        """
+        if self._read_by_workers():
+            return self._empty_state()
         if self._resume is not None:
             return dict(self._resume)
         progress = self._progress or _Progress(self.epoch, -1, -1)
         if progress.epoch != self.epoch:
-            progress = _Progress(self.epoch, -1, -1)
+            return self._empty_state()
+        return self._state(progress)
+
+    def _empty_state(self) -> dict[str, Any]:
+        """Nothing of the current epoch read here."""
+        return self._state(_Progress(self.epoch, -1, -1))
+
+    def _state(self, progress: _Progress) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
             "epoch": progress.epoch,
@@ -378,22 +400,22 @@ class DataCacheDataset(IterableDataset):
             **self._fingerprint(),
         }
 
-    def _check_not_read_by_workers(self) -> None:
-        """Refuse to save this process's empty position when DataLoader workers read the epoch.
-
-        A plain DataLoader's workers read their own copies: this copy's state would say "nothing
-        read", and resuming from it would replay the rows already trained on.
-        """
-        if get_worker_info() is not None or self._worker_read.value != self.epoch + 1:
-            return
-        if self._progress is not None and self._progress.epoch == self.epoch:
-            return  # this process read the epoch too (num_workers=0): its own position is real
-        raise RuntimeError(
-            f"DataLoader workers have read epoch {self.epoch} of this dataset, so the positions to save "
-            "are in the workers and this process's state_dict() would restart the epoch from its start. "
-            "Use torchdata.stateful_dataloader.StatefulDataLoader(dataset, batch_size=None, num_workers=N) "
-            "and save loader.state_dict(), or read with num_workers=0"
-        )
+    def _read_by_workers(self) -> bool:
+        """True when DataLoader workers read the whole current epoch after this process last read;
+        RuntimeError, naming the fix, when they are part-way through it (or stopped there)."""
+        if get_worker_info() is not None:
+            return False  # a worker's own position is real
+        mark = self.epoch + 1
+        reads = self._worker_reads.values()
+        if mark in reads:
+            raise RuntimeError(
+                f"DataLoader workers are part-way through epoch {self.epoch} of this dataset: the positions to "
+                "save are in the workers, and this process's state_dict() would restart the epoch from its "
+                "start. Use torchdata.stateful_dataloader.StatefulDataLoader(dataset, batch_size=None, "
+                "num_workers=N) and save loader.state_dict(), read with num_workers=0, or save once the "
+                "epoch has been read to its end"
+            )
+        return -mark in reads
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips the rows already handed out.

@@ -43,3 +43,37 @@ class SharedInt:
             self._shared = state["shared"]
         else:
             self.__init__(state["value"])
+
+
+class SharedInts:
+    """A fixed row of 64-bit integers in shared memory, pickled as SharedInt is: one slot per
+    DataLoader worker lets each write its own without a lock."""
+
+    def __init__(self, size: int, values: list[int] | None = None) -> None:
+        self._shared = multiprocessing.RawArray(ctypes.c_int64, values if values is not None else size)
+
+    def __len__(self) -> int:
+        return len(self._shared)
+
+    def __getitem__(self, index: int) -> int:
+        return int(self._shared[index])
+
+    def __setitem__(self, index: int, value: int) -> None:
+        self._shared[index] = value
+
+    def values(self) -> list[int]:
+        return list(self._shared)
+
+    def clear(self) -> None:
+        ctypes.memset(self._shared, 0, ctypes.sizeof(self._shared))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if get_spawning_popen() is not None:  # multiprocessing is starting a worker with us
+            return {"shared": self._shared}
+        return {"values": self.values()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "shared" in state:
+            self._shared = state["shared"]
+        else:
+            self.__init__(len(state["values"]), state["values"])
