@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, KeptClient
+from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
@@ -222,12 +223,12 @@ class DataCacheDataset(IterableDataset):
         """
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers should be the DataLoader's num_workers (>= 0), got {num_workers!r}")
-        me = World.detect(parent=self.__dict__.get("_parent_world"))
+        me = self._world()
         return self._rank_batches(me.rank, me.world_size, max(1, num_workers))
 
     def _rank_batches(self, rank: int, world_size: int, readers: int) -> int:
         batches = 0
-        with self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds) as client:
+        with self._lease() as client:
             for worker in range(readers):
                 rows = client.get_flight_info(
                     self.shard_request(World(rank, world_size, worker, readers))
@@ -238,7 +239,15 @@ class DataCacheDataset(IterableDataset):
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        return self._iter_world(World.detect(parent=self.__dict__.get("_parent_world")))
+        return self._iter_world(self._world())
+
+    def _world(self) -> World:
+        """This reader, from torch.distributed, the env or the pickling parent (__getstate__)."""
+        return World.detect(parent=self.__dict__.get("_parent_world"))
+
+    def _lease(self) -> AbstractContextManager[CacheClient]:
+        """The connection kept between epochs, for one read (client.KeptClient.lease)."""
+        return self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds)
 
     def __getstate__(self) -> dict[str, Any]:
         # A spawn or forkserver DataLoader worker starts without the process group, and
@@ -265,7 +274,7 @@ class DataCacheDataset(IterableDataset):
         return self._stream(request, skip, self._progress, slot)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
-        with self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds) as client:
+        with self._lease() as client:
             record_batches = _skip_rows(client.read_shard(request, interleave=request.shuffle), skip)
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
@@ -381,10 +390,9 @@ class DataCacheDataset(IterableDataset):
             return self._empty_state()
         if self._resume is not None:
             return dict(self._resume)
-        progress = self._progress or _Progress(self.epoch, -1, -1)
-        if progress.epoch != self.epoch:
+        if self._progress is None or self._progress.epoch != self.epoch:
             return self._empty_state()
-        return self._state(progress)
+        return self._state(self._progress)
 
     def _empty_state(self) -> dict[str, Any]:
         """Nothing of the current epoch read here."""

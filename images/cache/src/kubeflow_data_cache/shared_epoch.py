@@ -19,7 +19,31 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 
-class SharedInt:
+class _Shared:
+    """Pickling for shared memory: handed over as it is while multiprocessing starts a worker,
+    as plain numbers otherwise (``_plain`` / ``_restore``)."""
+
+    _shared: Any
+
+    def __getstate__(self) -> dict[str, Any]:
+        if get_spawning_popen() is not None:  # multiprocessing is starting a worker with us
+            return {"shared": self._shared}
+        return self._plain()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "shared" in state:
+            self._shared = state["shared"]
+        else:
+            self._restore(state)
+
+    def _plain(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class SharedInt(_Shared):
     """A 64-bit integer in shared memory, shared with the processes multiprocessing starts."""
 
     def __init__(self, value: int = 0) -> None:
@@ -33,19 +57,14 @@ class SharedInt:
     def value(self, value: int) -> None:
         self._shared.value = value
 
-    def __getstate__(self) -> dict[str, Any]:
-        if get_spawning_popen() is not None:  # multiprocessing is starting a worker with us
-            return {"shared": self._shared}
+    def _plain(self) -> dict[str, Any]:
         return {"value": self.value}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "shared" in state:
-            self._shared = state["shared"]
-        else:
-            self.__init__(state["value"])
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.__init__(state["value"])
 
 
-class SharedInts:
+class SharedInts(_Shared):
     """A fixed row of 64-bit integers in shared memory, pickled as SharedInt is: one slot per
     DataLoader worker lets each write its own without a lock."""
 
@@ -67,13 +86,8 @@ class SharedInts:
     def clear(self) -> None:
         ctypes.memset(self._shared, 0, ctypes.sizeof(self._shared))
 
-    def __getstate__(self) -> dict[str, Any]:
-        if get_spawning_popen() is not None:  # multiprocessing is starting a worker with us
-            return {"shared": self._shared}
+    def _plain(self) -> dict[str, Any]:
         return {"values": self.values()}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "shared" in state:
-            self._shared = state["shared"]
-        else:
-            self.__init__(len(state["values"]), state["values"])
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.__init__(len(state["values"]), state["values"])
