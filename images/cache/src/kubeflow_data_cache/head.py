@@ -41,7 +41,7 @@ from kubeflow_data_cache.service import (
     READY,
     Lifecycle,
     Metrics,
-    flight_errors,
+    meter_calls,
     parse_action_body,
 )
 from kubeflow_data_cache.sharding import nodes_for_shard, shard_size
@@ -69,15 +69,7 @@ class Head(flight.FlightServerBase):
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
         self._nodes_changed = threading.Event()
         self._clients: dict[str, flight.FlightClient] = {}
-        # The metric's method label is Flight's name for the call, as on the data nodes.
-        for name, method in (
-            ("do_action", "DoAction"),
-            ("do_get", "DoGet"),
-            ("get_flight_info", "GetFlightInfo"),
-            ("get_schema", "GetSchema"),
-            ("list_flights", "ListFlights"),
-        ):
-            setattr(self, name, flight_errors(self.metrics, method)(getattr(self, name)))
+        meter_calls(self, self.metrics)
 
     # --- internal calls to data nodes --------------------------------------------------------
     def _call(self, location: str, action: str, body: dict | None = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
-from kubeflow_data_cache.service import LOADING, READY, WAITING, Lifecycle, Metrics, flight_errors, parse_action_body
+from kubeflow_data_cache.service import LOADING, READY, WAITING, Lifecycle, Metrics, meter_calls, parse_action_body
 from kubeflow_data_cache.sharding import node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
@@ -122,11 +122,8 @@ class DataNode(flight.FlightServerBase):
         # Set when the load ends (either way): re-register at once so the head need not poll for it.
         self._wake_register = threading.Event()
         self._registered = threading.Event()
-        wrap = lambda name: flight_errors(self.metrics, name)  # noqa: E731
-        self.do_action = wrap("DoAction")(self.do_action)
-        self.do_get = wrap("DoGet")(self.do_get)
-        self.get_flight_info = wrap("GetFlightInfo")(self.get_flight_info)
-        self.list_flights = wrap("ListFlights")(self.list_flights)
+        # GetSchema is left to Flight's base (UNIMPLEMENTED), as before: the node has none.
+        meter_calls(self, self.metrics, ("do_action", "do_get", "get_flight_info", "list_flights"))
 
     # --- cluster formation -------------------------------------------------------------------
     def start_registering(self) -> None:

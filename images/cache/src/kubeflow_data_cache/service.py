@@ -128,6 +128,23 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
     return wrap
 
 
+# Flight's name for each handler: the metrics' method label on every role.
+FLIGHT_CALLS = {
+    "do_action": "DoAction",
+    "do_get": "DoGet",
+    "get_flight_info": "GetFlightInfo",
+    "get_schema": "GetSchema",
+    "list_flights": "ListFlights",
+}
+
+
+def meter_calls(server: Any, metrics: Metrics, handlers: tuple[str, ...] = tuple(FLIGHT_CALLS)) -> None:
+    """Wrap the server's Flight handlers (on the instance) in ``flight_errors``, labelled by
+    Flight's names; a call made from inside the class bypasses the wrapper (not counted twice)."""
+    for name in handlers:
+        setattr(server, name, flight_errors(metrics, FLIGHT_CALLS[name])(getattr(server, name)))
+
+
 def parse_action_body(action: flight.Action) -> dict[str, Any]:
     raw = action.body.to_pybytes() if action.body is not None else b""
     if not raw:
