@@ -1,11 +1,25 @@
-"""manifests/: every overlay builds offline, in kubeflow-system, with pinned images and no selector clashes."""
+"""manifests/: every overlay builds offline, in upstream's namespaces, with pinned images, no selector
+clashes and the selectors upstream installs use (so either can be applied over the other)."""
 
 import pytest
 import yaml
 
-from tests.chart.render import MANIFESTS_DIR, NAMESPACE, build_kustomize, is_remote, offline_manifest_tree, one, select
+from tests.chart.render import (
+    MANIFESTS_DIR,
+    NAMESPACE,
+    build_kustomize,
+    is_remote,
+    offline_manifest_tree,
+    one,
+    select,
+    shared_dir,
+)
 
 OVERLAYS = ["overlays/manager", "overlays/data-cache", "overlays/data-cache/namespace-rbac"]
+ADDON = "overlays/data-cache/addon"
+# LeaderWorkerSet keeps its own namespace, as upstream installs it (manifests/third-party/lws).
+LWS_NAMESPACE = "lws-system"
+UPSTREAM_INSTALLS = ["trainer-v2.1.0-manager-manifests.yaml", "lws-v0.7.0-manifests.yaml"]
 CLUSTER_SCOPED = {
     "Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
     "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration", "ClusterTrainingRuntime",
@@ -31,22 +45,30 @@ def selector_clashes(objects):
     return clashes
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS[:2])
-def test_overlay_installs_into_kubeflow_system(overlay):
+def home_namespace(obj: dict) -> str:
+    """LWS's objects (all named lws-*) live in lws-system; everything else in kubeflow-system."""
+    return LWS_NAMESPACE if obj["metadata"]["name"].startswith("lws-") else NAMESPACE
+
+
+@pytest.mark.parametrize(
+    ("overlay", "namespaces"), [(OVERLAYS[0], [NAMESPACE]), (OVERLAYS[1], [NAMESPACE, LWS_NAMESPACE])]
+)
+def test_overlay_installs_into_upstreams_namespaces(overlay, namespaces):
     objects = build_kustomize(overlay)
-    assert [o["metadata"]["name"] for o in select(objects, "Namespace")] == [NAMESPACE]
+    assert sorted(o["metadata"]["name"] for o in select(objects, "Namespace")) == sorted(namespaces)
     for obj in objects:
         if obj["kind"] in CLUSTER_SCOPED:
             assert "namespace" not in obj["metadata"], f"{obj['kind']}/{obj['metadata']['name']}"
         else:
-            assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
+            assert obj["metadata"].get("namespace") == home_namespace(obj), f"{obj['kind']}/{obj['metadata']['name']}"
     for hook_config in [
         *select(objects, "ValidatingWebhookConfiguration"),
         *select(objects, "MutatingWebhookConfiguration"),
     ]:
-        assert {h["clientConfig"]["service"]["namespace"] for h in hook_config["webhooks"]} == {NAMESPACE}
+        want = {home_namespace(hook_config)}
+        assert {h["clientConfig"]["service"]["namespace"] for h in hook_config["webhooks"]} == want
     for binding in [*select(objects, "ClusterRoleBinding"), *select(objects, "RoleBinding")]:
-        assert {s.get("namespace") for s in binding["subjects"]} == {NAMESPACE}
+        assert {s.get("namespace") for s in binding["subjects"]} == {home_namespace(binding)}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS[:2])
@@ -58,17 +80,35 @@ def test_chart_services_each_select_one_deployment(cache_objects):
     assert selector_clashes(cache_objects) == []
 
 
-def test_the_selector_check_finds_the_upstream_clash():
-    """Without the label fix, JobSet's and LWS's Services select both controllers."""
+def test_the_selector_check_finds_jobset_and_lws_sharing_a_namespace():
+    """Why LWS keeps lws-system: in JobSet's namespace, each one's Services select both controllers."""
     objects = build_kustomize("overlays/data-cache")
-    for obj in [*select(objects, "Service"), *select(objects, "Deployment")]:
-        for labels in (
-            obj["spec"].get("selector") or {},
-            obj["spec"].get("template", {}).get("metadata", {}).get("labels", {}),
-        ):
-            if labels.get("control-plane") == "controller-manager":
-                labels.pop("app.kubernetes.io/name", None)
+    for obj in objects:
+        if obj["metadata"].get("namespace") == LWS_NAMESPACE:
+            obj["metadata"]["namespace"] = NAMESPACE
     assert {name for name, _ in selector_clashes(objects)} >= {"jobset-webhook-service", "lws-webhook-service"}
+
+
+def test_deployment_selectors_match_the_upstream_installs():
+    """A Deployment's selector is immutable: ours must equal upstream's (Trainer v2.1.0's manifests,
+    which install JobSet beside it, and LWS v0.7.0's), or applying ours over theirs, or theirs over
+    ours, fails with `field is immutable`."""
+    upstream = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): d["spec"]["selector"]
+        for name in UPSTREAM_INSTALLS
+        for d in yaml.safe_load_all((shared_dir() / "third-party" / name).read_text())
+        if d and d["kind"] == "Deployment"
+    }
+    ours = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): d["spec"]["selector"]
+        for d in select(build_kustomize("overlays/data-cache"), "Deployment")
+    }
+    assert set(ours) == {
+        (NAMESPACE, "kubeflow-trainer-controller-manager"),
+        (NAMESPACE, "jobset-controller-manager"),
+        (LWS_NAMESPACE, "lws-controller-manager"),
+    }
+    assert {key: upstream.get(key) for key in ours} == ours
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS[:2])
@@ -100,6 +140,18 @@ def test_data_cache_overlay_adds_lws_runtime_and_cluster_role():
     one(objects, "Deployment", "lws-controller-manager")
     one(objects, "ClusterTrainingRuntime", "torch-distributed-with-cache")
     one(objects, "ClusterRole", "kubeflow-trainer-cache-initializer")
+
+
+def test_addon_overlay_adds_the_cache_alone():
+    """For a cluster that already runs Trainer and LWS: the same two objects as the full overlay's."""
+    objects = build_kustomize(ADDON)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
+        ("ClusterRole", "kubeflow-trainer-cache-initializer"),
+        ("ClusterTrainingRuntime", "torch-distributed-with-cache"),
+    ]
+    full = build_kustomize("overlays/data-cache")
+    for obj in objects:
+        assert obj == one(full, obj["kind"], obj["metadata"]["name"])
 
 
 def test_namespace_rbac_takes_its_namespace_from_the_command_line():

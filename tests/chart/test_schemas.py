@@ -49,7 +49,10 @@ def test_chart_crds_validate():
     validate_objects(crds)
 
 
-@pytest.mark.parametrize("overlay", ["overlays/manager", "overlays/data-cache", "overlays/data-cache/namespace-rbac"])
+@pytest.mark.parametrize(
+    "overlay",
+    ["overlays/manager", "overlays/data-cache", "overlays/data-cache/addon", "overlays/data-cache/namespace-rbac"],
+)
 def test_kustomize_objects_validate(overlay):
     validate_objects(build_kustomize(overlay))
 

@@ -31,6 +31,7 @@ from tests.e2e.e2e_objects import (
     KIND_CONFIG,
     KIND_VERSION,
     KUBECTL_VERSION,
+    LWS_NAMESPACE,
     REPO,
     RUNTIME_NAME,
     SYSTEM_NAMESPACE,
@@ -250,8 +251,8 @@ def distribution(request, kube, e2e_images, artifacts, tmp_path_factory) -> Iter
         _check_runtime_uses_local_images(kube, namespace)
     except BaseException:
         dest = artifacts / f"{method}-install"
-        kube.dump(SYSTEM_NAMESPACE, dest / SYSTEM_NAMESPACE)
-        kube.dump(namespace, dest / namespace)
+        for ns in (SYSTEM_NAMESPACE, LWS_NAMESPACE, namespace):
+            kube.dump(ns, dest / ns)
         print(f"\n{method} install failed; status, events and logs dumped to {dest}")
         raise
     yield Install(method, namespace)
@@ -331,7 +332,8 @@ def trainjobs(request, kube, distribution, artifacts) -> Iterator[TrainJobs]:
         dest = artifacts / f"{distribution.method}-{request.node.name.replace('/', '_')}"
         with contextlib.suppress(CommandError):
             kube.dump(distribution.namespace, dest / distribution.namespace)
-            kube.dump(SYSTEM_NAMESPACE, dest / SYSTEM_NAMESPACE)
+            for ns in (SYSTEM_NAMESPACE, LWS_NAMESPACE):
+                kube.dump(ns, dest / ns)
         events = dest / distribution.namespace / "events.txt"
         tail = "\n".join(events.read_text().splitlines()[-40:]) if events.exists() else ""
         print(f"\nstatus, events and logs of {distribution.namespace} dumped to {dest}\n{tail}")

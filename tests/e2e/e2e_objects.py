@@ -36,6 +36,8 @@ UPSTREAM_IMAGE_RE = re.compile(
 RUNTIME_NAME = "torch-distributed-with-cache"
 TRAINER_SCRIPT = "/app/e2e_train.py"
 SYSTEM_NAMESPACE = "kubeflow-system"
+# Where the kustomize overlay installs LeaderWorkerSet (as upstream does); the chart uses SYSTEM_NAMESPACE.
+LWS_NAMESPACE = "lws-system"
 PART_OF = {"app.kubernetes.io/part-of": "kubeflow-data-cache-e2e"}
 
 # MinIO: a single-node S3 store inside the cluster; throwaway credentials for a throwaway cluster.
