@@ -1,6 +1,7 @@
 """templates/data-cache/: LWS subchart, the cache runtime, the initializer's ClusterRole and namespace RBAC."""
 
 import json
+import re
 
 import helm_python
 import pytest
@@ -194,3 +195,28 @@ def test_notes_give_the_next_steps():
     assert "--clusterrole=kubeflow-trainer-cache-initializer" in notes
     assert "kind: TrainJob" in notes and "storageUri: cache://" in notes
     assert "dataCache.enabled=true" in render_notes()
+
+
+@pytest.mark.parametrize(
+    ("values", "waited"),
+    [
+        ({}, {"kubeflow-trainer-jobset-controller"}),
+        (
+            {"dataCache": {"enabled": True}},
+            {"kubeflow-trainer-jobset-controller", "kubeflow-trainer-lws-controller-manager"},
+        ),
+        ({"dataCache": {"enabled": True, "lws": {"install": False}}}, {"kubeflow-trainer-jobset-controller"}),
+        ({"dataCache": {"enabled": True}, "jobset": {"install": False}}, {"kubeflow-trainer-lws-controller-manager"}),
+    ],
+)
+def test_notes_wait_for_each_installed_controller(values, waited):
+    """Each `kubectl wait ... -l` line in the NOTES selects exactly the subchart controller it waits for."""
+    selectors = re.findall(r"-l (\S+)", render_notes(values))
+    deployments = select(render_chart(values), "Deployment")
+    found = set()
+    for selector in selectors:
+        labels = dict(pair.split("=", 1) for pair in selector.split(","))
+        picked = [d["metadata"]["name"] for d in deployments if labels.items() <= d["metadata"]["labels"].items()]
+        assert len(picked) == 1, (selector, picked)
+        found.update(picked)
+    assert found == waited

@@ -2,7 +2,7 @@
 
 import copy
 import re
-import textwrap
+import subprocess
 
 import pytest
 import yaml
@@ -66,10 +66,17 @@ def test_sample_trainjob_validates_against_the_trainjob_crd():
     validate_object(job)
 
 
-def test_notes_trainjob_validates():
+def test_notes_trainjob_pastes_into_a_shell_and_validates():
+    """The NOTES' `kubectl apply ... <<'YAML'` runs as pasted: bash closes the heredoc (an indented
+    terminator would swallow every later line) and hands kubectl a valid TrainJob."""
     notes = render_notes({"dataCache": {"enabled": True}})
-    block = notes.split("<<'YAML'\n", 1)[1].split("\n  YAML", 1)[0]
-    validate_object(yaml.safe_load(textwrap.dedent(block).replace("<your training image>", "example/train:v1")))
+    snippet = notes[notes.index("  kubectl apply -n") :]
+    script = "kubectl() { cat; }\n" + snippet + "\necho HEREDOC-CLOSED\n"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=True)
+    assert out.stderr == ""
+    manifest, closed, _ = out.stdout.partition("HEREDOC-CLOSED")
+    assert closed
+    validate_object(yaml.safe_load(manifest.replace("<your training image>", "example/train:v1")))
 
 
 @pytest.mark.parametrize(
