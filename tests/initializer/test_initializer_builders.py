@@ -121,6 +121,25 @@ def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but
     assert "never-in-a-pod-spec" not in str(lws)
 
 
+@pytest.mark.parametrize("timeout", ["0.5", "1.9", "600", "86400"])
+def test_the_cache_pods_accept_the_env_they_are_given(timeout):
+    """The contract between the two packages: the cache's own config parser takes the pods' env
+    (with what Kubernetes and LWS fill in), and its startup deadline is the initializer's."""
+    from kubeflow_data_cache.config import build_config
+
+    lws = build_leader_worker_set(load_config({**FULL, "CACHE_READY_TIMEOUT_SECONDS": timeout}), [OWNER])
+    filled = {"POD_IP": "10.0.0.7", "MEMORY_LIMIT": str(16 << 30), "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
+    for template, role, lws_env in [
+        ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
+        ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),
+    ]:
+        env = {k: v for k, v in _env(_container(lws, template)).items() if isinstance(v, str)}
+        cfg = build_config(role, {}, {**env, **filled, **lws_env})
+        assert cfg.startup_timeout == float(timeout)
+        assert (cfg.metadata_loc, cfg.flight_port, cfg.memory_limit) == (MINIMAL["METADATA_LOC"], 50051, 16 << 30)
+        assert cfg.data_nodes == 4 if role == "head" else cfg.node_index == 2
+
+
 def test_cache_pods_run_restricted():
     lws = build_leader_worker_set(load_config(MINIMAL), [OWNER])
 

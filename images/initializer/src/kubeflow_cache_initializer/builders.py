@@ -138,7 +138,8 @@ def _cache_env(cfg: Config) -> list[dict]:
         {"name": "TABLE_NAME", "value": cfg.table_name},
         {"name": "FLIGHT_PORT", "value": str(c.FLIGHT_PORT)},
         {"name": "HEALTH_PORT", "value": str(cfg.health_port)},
-        {"name": "DATA_CACHE_STARTUP_TIMEOUT_SECONDS", "value": str(int(cfg.ready_timeout_seconds))},
+        # As given (a float): truncating made 0.5 read as 0, which the cache pods refuse.
+        {"name": "DATA_CACHE_STARTUP_TIMEOUT_SECONDS", "value": repr(cfg.ready_timeout_seconds)},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {
             "name": "MEMORY_LIMIT",
