@@ -150,6 +150,19 @@ def test_a_role_without_a_needed_grant_fails_with_the_api_message(fake, make_sim
     assert code != 0
     assert "HTTP 403" in error
     assert 'cannot watch resource "pods"' in error
+    # The run failed: its dedicated cache must not keep its pods until the TrainJob is deleted.
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+def test_a_dedicated_cache_is_deleted_when_the_watch_keeps_failing(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    fake.fail_next[("pods", "watch")] = [503] * 20
+
+    code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="60"))
+
+    assert code != 0
+    assert "HTTP 503" in error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
 
 
 def test_a_cluster_without_leader_worker_set_is_named(fake, run_initializer):

@@ -15,7 +15,7 @@ from kubeflow_cache_initializer.builders import (
     owner_reference,
 )
 from kubeflow_cache_initializer.config import Config
-from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, KubeApiError, TrainJobNotFoundError
+from kubeflow_cache_initializer.errors import InitializerError, KubeApiError, TrainJobNotFoundError
 from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS, SERVICES, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import wait_until_ready
 
@@ -81,7 +81,10 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     ensure(kube, SERVICES, build_service(cfg, [job_owner]), job_owner, shared=False, deadline=deadline)
     try:
         status = wait_until_ready(kube, cfg, deadline)
-    except (CacheFailedError, CacheTimeoutError):
+    except InitializerError:
+        # Whatever ended the wait (a hopeless pod, the deadline, an API error such as a missing
+        # watch grant), this run reports failure and its dedicated cache would hold its CPU and
+        # memory until the TrainJob is deleted. A retried initializer creates it again.
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
         raise
