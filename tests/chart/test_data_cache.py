@@ -168,6 +168,22 @@ def test_an_unset_placement_leaves_the_runtime_env_as_the_source_has_it(cache_ob
     assert not {"CACHE_IMAGE_PULL_SECRETS", "CACHE_NODE_SELECTOR", "CACHE_TOLERATIONS"} & set(names)
 
 
+def _initializer_container(objects: list[dict]) -> dict:
+    pod = replicated_job(one(objects, "ClusterTrainingRuntime", RUNTIME), "dataset-initializer")
+    return container(pod["template"]["spec"]["template"]["spec"], "dataset-initializer")
+
+
+def test_the_initializer_has_resources_and_takes_the_values_ones(cache_objects):
+    """Set by default (a quota that requires them admits the pod); dataCache.initializer.resources replaces them."""
+    assert _initializer_container(cache_objects)["resources"] == {
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"cpu": "1", "memory": "256Mi"},
+    }
+    mine = {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "192Mi"}}
+    objects = render_chart({"dataCache": {"enabled": True, "initializer": {"resources": mine}}})
+    assert _initializer_container(objects)["resources"] == mine
+
+
 def test_digests_pin_every_image_the_chart_names():
     d = {name: "sha256:" + hex_digit * 64 for name, hex_digit in (("manager", "a"), ("init", "b"), ("cache", "c"))}
     values = {

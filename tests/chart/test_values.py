@@ -40,6 +40,9 @@ def helm_cli():
         ({"dataCache": {"cache": {"nodeSelector": {"pool": "in memory"}}}}, r"/dataCache/cache/nodeSelector"),
         ({"dataCache": {"cache": {"nodeSelector": {"bad key": "x"}}}}, r"invalid propertyName 'bad key'"),
         ({"dataCache": {"cache": {"imagePullSecrets": ["regcred"]}}}, r"/dataCache/cache/imagePullSecrets/0"),
+        ({"dataCache": {"initializer": {"resources": {"limits": {"memory": "256MB"}}}}}, r"/resources/limits/memory"),
+        ({"dataCache": {"initializer": {"resources": {"limit": {"cpu": "1"}}}}}, r"'limit' not allowed"),
+        ({"dataCache": {"initializer": {"resources": {"requests": {"cpu": -1}}}}}, r"/resources/requests/cpu"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_value(values, message):
