@@ -23,9 +23,18 @@ def test_help_lists_the_required_settings_and_runs_nothing():
     assert done.stderr == ""
 
 
-def test_version():
-    done = subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True, timeout=60, env={})
+@pytest.mark.parametrize("command", [[str(SCRIPT)], [sys.executable, "-m", "kubeflow_cache_initializer"]])
+def test_version(command):
+    done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=60, env={})
     assert done.returncode == 0 and done.stdout.strip() == f"cache-initializer {__version__}"
+
+
+def test_python_m_runs_the_initializer_and_fails_on_missing_settings():
+    done = subprocess.run(
+        [sys.executable, "-m", "kubeflow_cache_initializer"], capture_output=True, text=True, timeout=60, env={}
+    )
+    assert done.returncode == 2
+    assert "STORAGE_URI" in done.stderr
 
 
 def test_a_setting_passed_as_a_flag_is_refused_not_ignored(capsys):

@@ -132,6 +132,7 @@ BAD_INPUT = [
     ),
     ({"CACHE_NODE_SELECTOR": "pool=in memory"}, "`CACHE_NODE_SELECTOR` should be", "label value 'in memory'"),
     ({"CACHE_NODE_SELECTOR": '{"pool": true}'}, "`CACHE_NODE_SELECTOR` should be", "must be a string"),
+    ({"CACHE_NODE_SELECTOR": "[1, 2]"}, "`CACHE_NODE_SELECTOR` should be", "a JSON value that is not an object"),
     ({"CACHE_TOLERATIONS": "dedicated=cache:NoSchedule"}, "`CACHE_TOLERATIONS` should be a JSON list", "valid JSON"),
     ({"CACHE_TOLERATIONS": '[{"key": "a", "efect": "NoSchedule"}]'}, "`CACHE_TOLERATIONS`", "unknown field(s) efect"),
     ({"CACHE_TOLERATIONS": '[{"key": "a", "effect": "NoLoad"}]'}, "`CACHE_TOLERATIONS`", "effect 'NoLoad'"),

@@ -50,6 +50,8 @@ def parse_node_selector(raw: str) -> dict[str, str]:
     raw = raw.strip()
     if not raw:
         return {}
+    if raw.startswith(("[", '"')):  # JSON, but not an object: `k=v` parsing would only confuse
+        raise ValueError("a JSON value that is not an object; give {\"key\": \"value\", ...} or key=value,...")
     if raw.startswith("{"):
         try:
             parsed = json.loads(raw)
