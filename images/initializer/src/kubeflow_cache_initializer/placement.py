@@ -51,7 +51,7 @@ def parse_node_selector(raw: str) -> dict[str, str]:
     if not raw:
         return {}
     if raw.startswith(("[", '"')):  # JSON, but not an object: `k=v` parsing would only confuse
-        raise ValueError("a JSON value that is not an object; give {\"key\": \"value\", ...} or key=value,...")
+        raise ValueError('a JSON value that is not an object; give {"key": "value", ...} or key=value,...')
     if raw.startswith("{"):
         try:
             parsed = json.loads(raw)
