@@ -2,9 +2,20 @@
 
 import copy
 
+import pytest
 import yaml
 
-from tests.chart.render import DATA_CACHE, NAMESPACE, container, one, prepared_chart, render_chart, select
+from tests.chart.pod_security import restricted_problems
+from tests.chart.render import (
+    DATA_CACHE,
+    NAMESPACE,
+    build_kustomize,
+    container,
+    one,
+    prepared_chart,
+    render_chart,
+    select,
+)
 
 MANAGER = "kubeflow-trainer-controller-manager"
 RESTRICTED = {
@@ -73,6 +84,28 @@ def test_every_container_of_ours_runs_restricted(cache_objects):
         assert pod_spec["securityContext"]["runAsNonRoot"] is True
         for c in pod_spec["containers"]:
             assert c["securityContext"] == RESTRICTED, c["name"]
+
+
+@pytest.mark.parametrize("source", ["chart", "kustomize"])
+def test_every_controller_passes_pod_security_restricted(source, cache_objects):
+    """Ours, JobSet's and LWS's controllers all run in a namespace that enforces `restricted`."""
+    objects = cache_objects if source == "chart" else build_kustomize("overlays/data-cache")
+    deployments = select(objects, "Deployment")
+    assert len(deployments) == 3
+    for deployment in deployments:
+        assert restricted_problems(deployment["spec"]["template"]["spec"]) == [], deployment["metadata"]["name"]
+
+
+def test_the_restricted_check_finds_what_the_profile_refuses():
+    deployment = one(build_kustomize("overlays/data-cache"), "Deployment", "lws-controller-manager")
+    pod = copy.deepcopy(deployment["spec"]["template"]["spec"])
+    pod["securityContext"].pop("seccompProfile")
+    pod["hostNetwork"] = True
+    pod["volumes"] = [*pod.get("volumes", []), {"name": "host", "hostPath": {"path": "/"}}]
+    pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    problems = "\n".join(restricted_problems(pod))
+    for fragment in ("hostNetwork", "volume host", "allowPrivilegeEscalation", "seccompProfile is None"):
+        assert fragment in problems
 
 
 def test_every_object_of_ours_carries_the_app_kubernetes_io_labels(cache_objects):
