@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 
@@ -15,6 +16,23 @@ from kubeflow_data_cache.store import NodeStore
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
 # Distinct filters whose matches a node keeps; a training job uses one or two.
 CACHED_FILTERS = 8
+# A filter's plan, optimized, may hold only these: a subquery (IN (SELECT ...), EXISTS) turns into
+# joins, which could cost far more than one pass over the rows.
+PLAIN_FILTER_NODES = {"Projection", "Filter", "TableScan"}
+# Functions whose value changes from call to call: the head and the nodes would count different
+# rows for the same filter, and shards would overlap or miss rows.
+VOLATILE_CALL = re.compile(r"\b(random|uuid|now|current_time|current_date|current_timestamp)\(", re.IGNORECASE)
+
+
+def _column(name: str):
+    """A column by its exact name: SQL identifiers fold to lower case unless quoted."""
+    import datafusion
+
+    return datafusion.col('"' + name.replace('"', '""') + '"')
+
+
+def _plan_nodes(plan) -> list[str]:
+    return [type(plan.to_variant()).__name__] + [kind for child in plan.inputs() for kind in _plan_nodes(child)]
 
 
 def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
@@ -34,14 +52,28 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
         # Parsed as one expression over the table's own columns, never pasted into SQL text: a
         # predicate like "x < 5) UNION ALL SELECT 0 --" cannot add rows, and the row-number
         # column it may not see is not there to name.
-        columns = table.select(*store.schema.names)
+        columns = table.select(*(_column(name) for name in store.schema.names))
         condition = columns.parse_sql_expr(predicate)
-        result = table.filter(condition).select(ROW_COLUMN).to_arrow_table()
+        if VOLATILE_CALL.search(condition.canonical_name()):
+            raise BadRequestError(
+                f"invalid filter {predicate!r}: it calls a function whose value changes between calls, so "
+                'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
+            )
+        selected = table.filter(condition).select(_column(ROW_COLUMN))
+        if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:
+            raise BadRequestError(
+                f"invalid filter {predicate!r}: subqueries (IN (SELECT ...), EXISTS) are not allowed; "
+                "a filter is a predicate over one row's columns"
+            )
+        result = selected.to_arrow_table()
+    except BadRequestError:
+        raise
     except Exception as err:  # DataFusion raises one exception type for parse, plan and type errors
         message = first_line(err)
         raise BadRequestError(
             f"invalid filter {predicate!r}: {message}. A filter is one SQL predicate over the table's "
-            f'columns {store.schema.names}, e.g. "label = 3 AND feature_a > 0.5"'
+            f'columns {store.schema.names} (double-quote names with capitals or spaces: "Score" > 3), '
+            'e.g. "label = 3 AND feature_a > 0.5"'
         ) from None
     rows = result.column(0).to_numpy()
     return np.sort(rows)
