@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -65,6 +66,34 @@ def test_loaded_rows_match_the_plan_and_the_estimate_is_close(table_factory):
     assert ids == list(range(20_000))
     actual = sum(s.nbytes for s in stores)
     assert 0.7 * actual <= plan.estimated_bytes <= 2.0 * actual
+
+
+def _nested_table(tmp_path, rows: int):
+    """An embedding table: a list<float> of 256 values, a struct and a map per row."""
+    rng = np.random.default_rng(0)
+    embedding = pa.array(list(rng.random((rows, 256), dtype=np.float32)), pa.list_(pa.float32()))
+    meta = pa.array([{"score": float(i), "tag": f"t{i % 7}"} for i in range(rows)])
+    attrs = pa.array([[("a", i), ("b", -i)] for i in range(rows)], pa.map_(pa.string(), pa.int64()))
+    data = pa.table({"id": pa.array(range(rows), pa.int64()), "embedding": embedding, "meta": meta, "attrs": attrs})
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    tbl = catalog.create_table("s.nested", schema=data.schema)
+    tbl.append(data)
+    return catalog.load_table("s.nested").metadata_location
+
+
+def test_nested_columns_are_estimated_from_their_leaves(tmp_path):
+    """Iceberg keeps sizes and counts per leaf (list element, struct child), not per column: the
+    estimate of each column must still come close to what the node holds, or the memory check
+    passes a table 100x too large for the nodes."""
+    location = _nested_table(tmp_path, 3000)
+    t = open_table(location)
+    plan, tasks = plan_table(t, location)
+    (assignment,) = assign_rows(plan, 1)
+    store = NodeStore.load(t, tasks, plan.schema, list(assignment.pieces), 1)
+    estimated = {name: sum(f.column_bytes[i] for f in plan.files) for i, name in enumerate(plan.schema.names)}
+    for name, actual in store.column_bytes.items():
+        assert 0.7 * actual <= estimated[name] <= 3.0 * actual, (name, estimated[name], actual)
 
 
 def test_memory_refusal_names_the_fix():

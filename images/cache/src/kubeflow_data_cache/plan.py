@@ -152,13 +152,62 @@ def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:
     return rows * 32  # no statistics: a generous guess per value
 
 
-def estimate_column_bytes(data_file, schema: pa.Schema, field_ids: list[int], rows: int) -> tuple[int, ...]:
-    """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read)."""
+def _leaves(arrow_type: pa.DataType, iceberg_type, field_id: int) -> tuple[list[tuple[int, pa.DataType]], int]:
+    """The primitive leaves under a column, as (Iceberg field id, Arrow type), and how many
+    list or map levels lie above them (each adds an offsets buffer)."""
+    from pyiceberg.types import ListType, MapType, StructType
+
+    if isinstance(iceberg_type, ListType):
+        leaves, levels = _leaves(arrow_type.value_type, iceberg_type.element_type, iceberg_type.element_id)
+        return leaves, levels + 1
+    if isinstance(iceberg_type, MapType):
+        keys, key_levels = _leaves(arrow_type.key_type, iceberg_type.key_type, iceberg_type.key_id)
+        values, value_levels = _leaves(arrow_type.item_type, iceberg_type.value_type, iceberg_type.value_id)
+        return keys + values, key_levels + value_levels + 1
+    if isinstance(iceberg_type, StructType):
+        found: list[tuple[int, pa.DataType]] = []
+        levels = 0
+        for arrow_child, child in zip(arrow_type, iceberg_type.fields, strict=True):
+            leaves, child_levels = _leaves(arrow_child.type, child.field_type, child.field_id)
+            found += leaves
+            levels += child_levels
+        return found, levels
+    return [(field_id, arrow_type)], 0
+
+
+def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale: float) -> int:
+    """Lists, maps and structs: Iceberg keeps statistics per leaf field (a list's element, a
+    struct's children), never for the column itself, so the leaves are sized and summed."""
     sizes = data_file.column_sizes or {}
-    return tuple(
-        int(_field_estimate(field, rows, sizes.get(field_id)) * ARROW_OVERHEAD)
-        for field, field_id in zip(schema, field_ids, strict=True)
-    )
+    counts = data_file.value_counts or {}
+    leaves, levels = _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)
+    total = rows // 8 + levels * rows * 4  # the column's validity, and offsets (a lower bound inside lists)
+    for leaf_id, leaf_type in leaves:
+        # A leaf's value count (a list's elements in all rows) sizes a fixed-width leaf exactly,
+        # however well it compressed; strings and binaries go by their on-disk size.
+        count = counts.get(leaf_id)
+        values = int(count * scale) if count is not None else rows
+        disk = int(sizes[leaf_id] * scale) if sizes.get(leaf_id) else None
+        total += _field_estimate(pa.field("leaf", leaf_type), values, disk)
+    return total
+
+
+def estimate_column_bytes(data_file, schema: pa.Schema, iceberg_fields: list, rows: int) -> tuple[int, ...]:
+    """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read).
+
+    ``rows`` may be fewer than the file holds (positional deletes); per-file statistics are scaled.
+    """
+    sizes = data_file.column_sizes or {}
+    scale = rows / data_file.record_count if data_file.record_count else 1.0
+    estimates = []
+    for field, iceberg_field in zip(schema, iceberg_fields, strict=True):
+        if pa.types.is_nested(field.type):
+            estimate = _nested_estimate(field, iceberg_field, rows, data_file, scale)
+        else:
+            disk = sizes.get(iceberg_field.field_id)
+            estimate = _field_estimate(field, rows, int(disk * scale) if disk else None)
+        estimates.append(int(estimate * ARROW_OVERHEAD))
+    return tuple(estimates)
 
 
 def _count_after_deletes(table, task) -> int:
@@ -245,13 +294,13 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     """Plan the current snapshot: exact rows per file (after positional deletes) and their
     estimated Arrow size. Returns the plan and the scan tasks by file path."""
     schema = arrow_schema(table)
-    field_ids = [f.field_id for f in table.schema().fields]
+    iceberg_fields = list(table.schema().fields)
     tasks = scan_tasks(table, metadata_location)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
         rows = _count_after_deletes(table, task) if deletes else task.file.record_count
-        files.append(FilePlan(path, rows, estimate_column_bytes(task.file, schema, field_ids, rows), bool(deletes)))
+        files.append(FilePlan(path, rows, estimate_column_bytes(task.file, schema, iceberg_fields, rows), bool(deletes)))
     snapshot = table.current_snapshot()
     plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
     log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)
