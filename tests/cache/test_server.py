@@ -103,7 +103,17 @@ def test_filtered_even_split(small_cache):
     ("descriptor", "message"),
     [
         (flight.FlightDescriptor.for_path("3", "3"), "shard index 3 is out of range"),
-        (flight.FlightDescriptor.for_path("a", "3"), "two integers"),
+        (flight.FlightDescriptor.for_path("a", "3"), "two decimal integers"),
+        # int() would read these as 10 shards, 0 and 1: a typo must not pick another split.
+        (flight.FlightDescriptor.for_path("0", "1_0"), "two decimal integers"),
+        (flight.FlightDescriptor.for_path(" 0 ", "1"), "two decimal integers"),
+        (flight.FlightDescriptor.for_path("0", "+1"), "two decimal integers"),
+        (flight.FlightDescriptor.for_path("0", str(10**30)), "'num_shards' should be <= 1048576"),
+        # One request must not make the head sort a billion-row block.
+        (
+            flight.FlightDescriptor.for_command(b'{"shuffle": true, "block_size": 33554432}'),
+            "'block_size' should be <=",
+        ),
         (flight.FlightDescriptor.for_path("1"), "[shard_index, shard_count]"),
         (flight.FlightDescriptor.for_command(b"{nope"), "not valid JSON"),
         (flight.FlightDescriptor.for_command(b'{"shards": 2}'), "unknown shard request field"),

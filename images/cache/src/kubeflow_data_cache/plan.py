@@ -300,7 +300,9 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     for path, task in tasks.items():
         deletes = task.delete_files or set()
         rows = _count_after_deletes(table, task) if deletes else task.file.record_count
-        files.append(FilePlan(path, rows, estimate_column_bytes(task.file, schema, iceberg_fields, rows), bool(deletes)))
+        files.append(
+            FilePlan(path, rows, estimate_column_bytes(task.file, schema, iceberg_fields, rows), bool(deletes))
+        )
     snapshot = table.current_snapshot()
     plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
     log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)

@@ -24,6 +24,12 @@ DEFAULT_BATCH_SIZE = 65536
 # seed and epoch are hashed as unsigned 64-bit integers (sharding._keys).
 UINT64_MAX = 2**64 - 1
 MAX_BATCH_SIZE = 1 << 22
+# Planning a shuffled epoch holds a block's in-block order (8 bytes a row) and sorts it, per
+# request: the cap keeps one request's cost bounded whatever a client sends.
+MAX_BLOCK_SIZE = 1 << 20
+# Readers are ranks x DataLoader workers: a million is far past any job, and keeps the head's
+# per-shard arithmetic in plain ranges.
+MAX_SHARDS = 1 << 20
 
 # Actions served by the head and the data nodes (DoAction types).
 ACTION_STATUS = "status"
@@ -42,7 +48,7 @@ def _as_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None)
         raise BadRequestError(f"'{name}' should be an integer, got {value!r}")
     _require(value >= minimum, f"'{name}' should be >= {minimum}, got {value}")
     if maximum is not None:
-        _require(value <= maximum, f"'{name}' should be <= {maximum} (64 bits), got {value}")
+        _require(value <= maximum, f"'{name}' should be <= {maximum}, got {value}")
     return value
 
 
@@ -67,7 +73,7 @@ class ShardRequest:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
-        _as_int("num_shards", self.num_shards, 1)
+        _as_int("num_shards", self.num_shards, 1, MAX_SHARDS)
         _as_int("shard", self.shard, 0)
         _require(
             self.shard < self.num_shards,
@@ -78,7 +84,7 @@ class ShardRequest:
         _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {self.shuffle!r}")
         _as_int("batch_size", self.batch_size, 1)
         _require(self.batch_size <= MAX_BATCH_SIZE, f"'batch_size' should be <= {MAX_BATCH_SIZE}")
-        _as_int("block_size", self.block_size, 1)
+        _as_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         _require(
             self.even is None or self.even in EVEN_MODES,
             f"'even' should be one of {EVEN_MODES} or null, got {self.even!r}",
@@ -125,13 +131,12 @@ class ShardRequest:
             len(parts) == 2,
             f"a path descriptor should be [shard_index, shard_count], got {len(parts)} element(s) {parts}",
         )
-        try:
-            index, total = int(parts[0]), int(parts[1])
-        except ValueError:
+        # Plain decimal digits only: int() would also take " 1", "1_0" or "+1".
+        if not all(p.isascii() and p.isdigit() for p in parts):
             raise BadRequestError(
-                f"a path descriptor should hold two integers [shard_index, shard_count], got {parts}"
-            ) from None
-        return cls(shard=index, num_shards=total)
+                f"a path descriptor should hold two decimal integers [shard_index, shard_count], got {parts}"
+            )
+        return cls(shard=int(parts[0]), num_shards=int(parts[1]))
 
 
 @dataclass(frozen=True)
