@@ -3,6 +3,10 @@ the node, until a replacement has reloaded the rows."""
 
 from __future__ import annotations
 
+import json
+import threading
+
+import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
@@ -52,3 +56,52 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
     finally:
         replacement.stop()
         replacement_health.stop()
+
+
+def test_a_data_node_the_head_refuses_fails_at_once_with_the_reason(cluster, small_table):
+    """A wrong index is final: retrying it until the startup deadline (600 s in a pod) only hides it."""
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    cfg = build_config("worker", {**FLAGS, "index": 3, "head": head.location, "startup_timeout": 600}, env={})
+    node = DataNode(cfg)
+    try:
+        node.start_registering()
+        wait_for(lambda: node.lifecycle.failed_event.is_set(), timeout=20)
+        error = node.lifecycle.error
+        assert "refused to register it: data node index 3 is out of range [0, 1)" in error
+        assert "this head expects 1 data node(s)" in error
+        assert "Traceback" not in error and "Detail:" not in error
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"memory_limit": "lots"}, "'memory_limit' should be a byte count or null"),
+        ({"memory_limit": -1}, "'memory_limit' should be a byte count or null"),
+        ({"load_threads": 0}, "'load_threads' should be an integer >= 1"),
+    ],
+)
+def test_a_malformed_registration_is_refused_by_name(cluster, small_table, body, message):
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    action = flight.Action("register", json.dumps({"index": 0, "location": "grpc://127.0.0.1:1", **body}).encode())
+    with pytest.raises(pa.ArrowInvalid, match=message):
+        list(flight.FlightClient(head.location).do_action(action))
+    assert head.registered == {}
+
+
+def test_planning_that_never_returns_fails_at_the_startup_deadline(small_table, monkeypatch):
+    """Reading METADATA_LOC can block for ever (storage that accepts and never answers); the head
+    must still fail at its deadline, not sit in `planning` with /ready saying nothing is wrong."""
+    never = threading.Event()
+    monkeypatch.setattr(head_module.Head, "_plan", lambda self: never.wait())
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 1.5}
+    head = head_module.Head(build_config("head", flags, env={}))
+    try:
+        head.start()
+        wait_for(lambda: head.lifecycle.failed_event.is_set(), timeout=15)
+        assert "planning the table scan did not finish within 1.5s" in head.lifecycle.error
+        assert small_table.metadata_location in head.lifecycle.error
+    finally:
+        never.set()
+        head.stop()

@@ -173,6 +173,17 @@ def test_a_directory_is_not_called_missing(tmp_path):
             open_table(location)
 
 
+def test_a_file_that_is_not_a_metadata_json_is_named(tmp_path):
+    """pyiceberg takes any other name for a table folder and fails on its version-hint.text."""
+    other = tmp_path / "table.json"
+    other.write_text("{}")
+    for location in (str(other), f"file://{other}"):
+        with pytest.raises(
+            TableLoadError, match=r"is not a metadata file: METADATA_LOC must name a table's \*\.metadata\.json"
+        ):
+            open_table(location)
+
+
 def test_internal_column_names_are_refused(tmp_path):
     catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
     catalog.create_namespace("s")

@@ -59,4 +59,7 @@ def first_line(err: BaseException) -> str:
     """The first line of an error's message (gRPC and DataFusion append pages of detail), or its
     type where the message is empty."""
     text = str(err)
-    return text.splitlines()[0] if text.strip() else type(err).__name__
+    if not text.strip():
+        return type(err).__name__
+    # A Flight error raised by a Python handler carries "Detail: Python exception: Traceback ...".
+    return text.splitlines()[0].split(". Detail: Python exception")[0]

@@ -137,13 +137,14 @@ class Head(flight.FlightServerBase):
             # overlaps the pods' start-up instead of following it.
             planning = time.monotonic()
             self.lifecycle.set(LOADING, "planning the table scan")
-            table = open_table(self.cfg.metadata_loc, s3_properties_from_env())
-            plan, _ = plan_table(table, self.cfg.metadata_loc)
+            plan = self._by_deadline(deadline, self._plan, "planning the table scan")
             self.plan_seconds = time.monotonic() - planning
             self._wait_for_nodes(deadline)
             started = time.monotonic()
             assignments = assign_rows(plan, self.cfg.data_nodes)
-            memory = [estimated_node_memory(plan, a) for a in assignments]  # (loaded, peak) per node
+            memory = [  # (loaded, peak) per node
+                estimated_node_memory(plan, a, self.registered[a.node].get("load_threads", 1)) for a in assignments
+            ]
             check_fits(
                 [loaded for loaded, _ in memory],
                 [peak for _, peak in memory],
@@ -169,6 +170,40 @@ class Head(flight.FlightServerBase):
         self.lifecycle.set(READY, f"{rows} rows on {self.cfg.data_nodes} data node(s)")
         log.info("cache ready: %d rows on %d data node(s) in %.2fs", rows, self.cfg.data_nodes, self.load_seconds)
         self._supervise()
+
+    def _plan(self):
+        table = open_table(self.cfg.metadata_loc, s3_properties_from_env())
+        return plan_table(table, self.cfg.metadata_loc)[0]
+
+    def _by_deadline(self, deadline: float, work: Callable[[], Any], what: str) -> Any:
+        """``work()`` in a daemon thread, given up at ``deadline`` (or on stop).
+
+        A filesystem call can block for ever (an object store endpoint that never answers, a
+        scheme whose client waits on a metadata server); it cannot be cancelled, so the thread is
+        left behind and the head fails, which ends the process."""
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = work()
+            except BaseException as err:  # raised again in the caller
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run, name=what, daemon=True)
+        thread.start()
+        while thread.is_alive() and not self._stop.is_set() and time.monotonic() < deadline:
+            thread.join(min(0.2, max(0.0, deadline - time.monotonic())))
+        if thread.is_alive():
+            if self._stop.is_set():
+                raise ClusterFormationError("stopped")
+            raise DataCacheError(
+                f"{what} did not finish within {self.cfg.startup_timeout:g}s (METADATA_LOC "
+                f"{self.cfg.metadata_loc!r}): its storage does not answer; check the location's scheme "
+                "(s3://, s3a://, file:// or a path), the endpoint and the network"
+            )
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _wait_for_nodes(self, deadline: float) -> None:
         want = self.cfg.data_nodes
@@ -375,9 +410,17 @@ class Head(flight.FlightServerBase):
         except (KeyError, TypeError, ValueError):
             raise BadRequestError("register needs 'index' (int) and 'location'") from None
         if not 0 <= index < self.cfg.data_nodes:
-            raise BadRequestError(f"data node index {index} is out of range [0, {self.cfg.data_nodes})")
+            raise BadRequestError(
+                f"data node index {index} is out of range [0, {self.cfg.data_nodes}): this head expects "
+                f"{self.cfg.data_nodes} data node(s)"
+            )
+        memory_limit, load_threads = body.get("memory_limit"), body.get("load_threads", 1)
+        if memory_limit is not None and (type(memory_limit) is not int or memory_limit < 0):
+            raise BadRequestError(f"register: 'memory_limit' should be a byte count or null, got {memory_limit!r}")
+        if type(load_threads) is not int or load_threads < 1:
+            raise BadRequestError(f"register: 'load_threads' should be an integer >= 1, got {load_threads!r}")
         previous = self.registered.get(index)
-        self.registered[index] = {"location": location, "memory_limit": body.get("memory_limit")}
+        self.registered[index] = {"location": location, "memory_limit": memory_limit, "load_threads": load_threads}
         self._nodes_changed.set()
         if previous is None or previous["location"] != location:
             log.info("data node %d registered at %s", index, location)

@@ -160,6 +160,7 @@ class DataNode(flight.FlightServerBase):
                 "index": self.cfg.node_index,
                 "location": self.location,
                 "memory_limit": self.cfg.memory_limit,
+                "load_threads": self.cfg.load_threads,
                 "generation": self.generation,
             }
             try:
@@ -173,6 +174,12 @@ class DataNode(flight.FlightServerBase):
                 delay = REGISTER_INTERVAL_SECONDS
             except flight.FlightUnauthenticatedError as err:
                 self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
+                return
+            except pa.ArrowInvalid as err:  # the head answered and refused (a wrong index): final
+                self.lifecycle.fail(
+                    f"data node {self.cfg.node_index}: the head at {self.cfg.head_location} refused to register "
+                    f"it: {first_line(err)}"
+                )
                 return
             except Exception as err:  # head not up yet, or restarting: retry with backoff
                 last_error = first_line(err)
