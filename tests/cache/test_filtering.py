@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from kubeflow_data_cache.errors import BadRequestError
-from kubeflow_data_cache.filtering import ROW_COLUMN, matching_rows
+from kubeflow_data_cache.filtering import ROW_COLUMN, FilterCache, matching_rows
 from kubeflow_data_cache.store import NodeStore
 
 
@@ -72,3 +72,16 @@ def test_filters_work_on_tables_with_mixed_case_and_spaced_column_names(mixed_ca
 def test_an_unquoted_mixed_case_name_is_refused_with_the_quoting_rule(mixed_case_store):
     with pytest.raises(BadRequestError, match=r"double-quote names with capitals or spaces"):
         matching_rows(mixed_case_store, "Score > 90")
+
+
+def test_the_filter_cache_stays_within_its_byte_budget(store):
+    """Matches are 8 bytes a row outside the memory check: many distinct filters must not pile up."""
+    cache = FilterCache(store)
+    cache.budget = 3 * 8 * 10  # room for three all-matching filters of this 10-row store
+    for k in range(6):
+        assert cache.rows(f"id >= -{k}").tolist() == list(range(10))
+    assert cache.nbytes <= cache.budget
+    # The newest stays even alone over the budget: readers are streaming it.
+    cache.budget = 1
+    assert cache.rows("id >= -100").tolist() == list(range(10))
+    assert cache.nbytes == 80

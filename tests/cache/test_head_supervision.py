@@ -105,3 +105,18 @@ def test_planning_that_never_returns_fails_at_the_startup_deadline(small_table, 
     finally:
         never.set()
         head.stop()
+
+
+def test_a_filter_count_a_data_node_cannot_answer_is_unavailable_naming_it(cluster, small_table):
+    """Before the supervisor notices a lost node, a new filter's count fails on it: UNAVAILABLE
+    (retryable) naming the node, and counted under its real gRPC status."""
+    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    lost_at = node.location
+    node.stop()
+    request = ShardRequest(filter="id < 100").to_json()
+    with pytest.raises(flight.FlightUnavailableError, match=rf"data node 0 \({lost_at}\) did not count"):
+        flight.FlightClient(head.location).get_flight_info(flight.FlightDescriptor.for_command(request))
+    metrics = get(head_health.port, "/metrics")[1]
+    assert 'data_cache_errors_total{code="UNAVAILABLE",method="GetFlightInfo"} 1.0' in metrics
+    assert 'code="FLIGHT"' not in metrics

@@ -32,6 +32,13 @@ BASELINE_MEMORY_BYTES = 400 << 20
 # shuffled reads fast); a chunk's variable-width columns (strings, lists) stay under this many
 # bytes each, far from the 2 GiB their 32-bit offsets allow.
 STORE_CHUNK_VARIABLE_BYTES = 1 << 30
+# Filters whose per-node match counts the head keeps (least recently used dropped): a few per
+# job; the bound keeps clients that send ever-new predicates from growing the head for ever.
+CACHED_FILTER_COUNTS = 256
+# A data node keeps each cached filter's matching rows (4 or 8 bytes a match) within this share
+# of its own rows' bytes, outside the memory check (filtering.FilterCache).
+FILTER_CACHE_SHARE = 0.125
+FILTER_CACHE_MIN_BYTES = 16 << 20
 # Shuffled or filtered DoGet: batches gathered ahead of the one being sent (bounded memory).
 READAHEAD_BATCHES = 4
 # A served batch holds the request's batch_size rows, but no more than this many bytes of the

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 import pyarrow as pa
 
-from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX
+from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, first_line
 from kubeflow_data_cache.store import NodeStore
 
@@ -80,12 +80,20 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
 
 
 class FilterCache:
-    """Matches per predicate, computed once per node (least recently used evicted)."""
+    """Matches per predicate, computed once per node; least recently used evicted beyond
+    CACHED_FILTERS predicates or a byte budget (a share of the node's rows, since the memory
+    check does not count these). The newest always stays: its readers are streaming it."""
 
     def __init__(self, store: NodeStore):
         self.store = store
+        self.budget = max(FILTER_CACHE_MIN_BYTES, int(store.nbytes * FILTER_CACHE_SHARE))
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(rows.nbytes for rows in self._cache.values())
 
     def rows(self, predicate: str) -> np.ndarray:
         with self._lock:
@@ -95,6 +103,7 @@ class FilterCache:
         rows = matching_rows(self.store, predicate)
         with self._lock:
             self._cache[predicate] = rows
-            while len(self._cache) > CACHED_FILTERS:
-                self._cache.popitem(last=False)
+            held = sum(r.nbytes for r in self._cache.values())
+            while len(self._cache) > 1 and (len(self._cache) > CACHED_FILTERS or held > self.budget):
+                held -= self._cache.popitem(last=False)[1].nbytes
         return rows

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,6 +18,7 @@ import pyarrow.flight as flight
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.config import NodeConfig
 from kubeflow_data_cache.constants import (
+    CACHED_FILTER_COUNTS,
     LOAD_POLL_SECONDS,
     LOAD_SEND_ATTEMPTS,
     RPC_TIMEOUT_SECONDS,
@@ -63,7 +65,7 @@ class Head(flight.FlightServerBase):
         self.generation = uuid.uuid4().hex[:12]
         self.load_seconds = 0.0
         self.plan_seconds = 0.0
-        self._filter_counts: dict[str, list[int]] = {}
+        self._filter_counts: OrderedDict[str, list[int]] = OrderedDict()  # LRU, CACHED_FILTER_COUNTS
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
@@ -332,18 +334,27 @@ class Head(flight.FlightServerBase):
         """Rows per data node in the request's virtual space (all rows, or the filter's matches)."""
         if predicate is None:
             return [a.rows for a in self.assignments]
-        if predicate in self._filter_counts:
-            return self._filter_counts[predicate]
+        cached = self._filter_counts.get(predicate)
+        if cached is not None:
+            self._filter_counts.move_to_end(predicate)
+            return cached
 
         def count(node: int) -> int:
+            location = self._location(node)
             try:
-                return int(self._call(self._location(node), protocol.ACTION_COUNT, {"filter": predicate})["rows"])
+                return int(self._call(location, protocol.ACTION_COUNT, {"filter": predicate})["rows"])
             except pa.ArrowInvalid as err:  # the data node's message says what is wrong with the filter
                 raise BadRequestError(str(err).split("message: ")[-1]) from None
+            except flight.FlightError as err:  # frozen, gone or restarting: the supervisor will know soon
+                raise NotReadyError(
+                    f"data node {node} ({location}) did not count the filter's rows: {first_line(err)}; retry shortly"
+                ) from None
 
         with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
             counts = list(pool.map(count, range(self.cfg.data_nodes)))
         self._filter_counts[predicate] = counts
+        while len(self._filter_counts) > CACHED_FILTER_COUNTS:
+            self._filter_counts.popitem(last=False)
         return counts
 
     def _ready(self) -> None:

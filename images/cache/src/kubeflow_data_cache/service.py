@@ -91,6 +91,21 @@ class Metrics:
         Gauge("data_cache_info", "Role of this process", ["role"], registry=r).labels(role=role).set(1)
 
 
+# The gRPC status each pyarrow Flight error class stands for (FlightServerError: any other).
+_FLIGHT_STATUS = (
+    (flight.FlightUnavailableError, "UNAVAILABLE"),
+    (flight.FlightTimedOutError, "DEADLINE_EXCEEDED"),
+    (flight.FlightUnauthenticatedError, "UNAUTHENTICATED"),
+    (flight.FlightUnauthorizedError, "PERMISSION_DENIED"),
+    (flight.FlightCancelledError, "CANCELLED"),
+    (flight.FlightInternalError, "INTERNAL"),
+)
+
+
+def flight_status(err: flight.FlightError) -> str:
+    return next((code for cls, code in _FLIGHT_STATUS if isinstance(err, cls)), "UNKNOWN")
+
+
 def flight_errors(metrics: Metrics, method: str) -> Callable:
     """Map our errors to Flight statuses, count them, and never let one crash the server."""
 
@@ -113,8 +128,8 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
             except DataCacheError as err:
                 metrics.errors.labels(method=method, code="INTERNAL").inc()
                 raise flight.FlightInternalError(str(err)) from None
-            except flight.FlightError:
-                metrics.errors.labels(method=method, code="FLIGHT").inc()
+            except flight.FlightError as err:
+                metrics.errors.labels(method=method, code=flight_status(err)).inc()
                 raise
             except Exception as err:
                 metrics.errors.labels(method=method, code="INTERNAL").inc()
