@@ -29,6 +29,8 @@ def test_head_calls_on_a_data_node_point_at_the_head(small_cache):
         node.get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
     with pytest.raises(pa.ArrowNotImplementedError, match="ListFlights goes to the head"):
         list(node.list_flights())
+    with pytest.raises(pa.ArrowNotImplementedError, match="GetSchema goes to the head"):
+        node.get_schema(flight.FlightDescriptor.for_path("0", "1"))
 
 
 def test_list_flights_before_ready_is_unavailable_and_counted(cluster, small_table):

@@ -110,7 +110,7 @@ def test_planning_that_never_returns_fails_at_the_startup_deadline(small_table, 
 def test_a_filter_count_a_data_node_cannot_answer_is_unavailable_naming_it(cluster, small_table):
     """Before the supervisor notices a lost node, a new filter's count fails on it: UNAVAILABLE
     (retryable) naming the node, and counted under its real gRPC status."""
-    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    head, head_health, node, _ = cluster(small_table.metadata_location)
     wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
     lost_at = node.location
     node.stop()

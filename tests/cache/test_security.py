@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow.flight as flight
 import pytest
 
+from kubeflow_data_cache.security import TokenAuthFactory
 from tests.cache.conftest import Certificate, read_path_shards
 from tests.conftest import LocalCache
 
@@ -183,3 +184,24 @@ def test_plaintext_and_untrusting_clients_are_refused(tls_cache, self_signed_cer
         flight.FlightClient(location).get_flight_info(flight.FlightDescriptor.for_path("0", "1"), bearer(None))
     with pytest.raises(flight.FlightUnavailableError):
         flight.FlightClient(node_location).do_get(info.endpoints[0].ticket, bearer(None)).read_all()
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        (f"Bearer {TOKEN}", True),
+        (f"bearer {TOKEN}", True),  # the scheme name is case-insensitive (RFC 7235)
+        (f"BEARER {TOKEN}", True),
+        (f"Basic {TOKEN}", False),
+        (f"Bearer{TOKEN}", False),
+        (f"Bearer {TOKEN.upper()}", False),  # the token itself is exact
+        ("Bearer ", False),
+    ],
+)
+def test_the_auth_scheme_is_case_insensitive_and_the_token_exact(header, accepted):
+    factory = TokenAuthFactory(TOKEN)
+    if accepted:
+        assert factory.start_call(None, {"authorization": [header]}) is None
+    else:
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            factory.start_call(None, {"authorization": [header]})

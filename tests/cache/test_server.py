@@ -155,10 +155,16 @@ def test_node_count_action_needs_a_filter(small_cache):
 def test_unknown_calls_are_unimplemented(small_cache):
     with pytest.raises(pa.ArrowNotImplementedError, match="not implemented"):
         action(small_cache.endpoint, "drop-everything")
-    with pytest.raises(pa.ArrowNotImplementedError):
-        flight.FlightClient(small_cache.endpoint).do_put(
-            flight.FlightDescriptor.for_path("x"), pa.schema([("a", pa.int64())])
-        )[0].close()
+    info, _ = read_path_shard(small_cache.endpoint, 0, 1)
+    node = info.endpoints[0].locations[0].uri.decode()
+    for location in (small_cache.endpoint, node):  # each says why, on every role
+        client = flight.FlightClient(location)
+        writer, _ = client.do_put(flight.FlightDescriptor.for_path("x"), pa.schema([("a", pa.int64())]))
+        with pytest.raises(pa.ArrowNotImplementedError, match="DoPut is not supported: the cache serves"):
+            writer.close()
+        writer, reader = client.do_exchange(flight.FlightDescriptor.for_path("x"))
+        with pytest.raises(pa.ArrowNotImplementedError, match="DoExchange is not supported"):
+            reader.read_all()
 
 
 def test_status_list_flights_and_schema(small_cache, small_table):

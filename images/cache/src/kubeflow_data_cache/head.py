@@ -43,6 +43,7 @@ from kubeflow_data_cache.service import (
     READY,
     Lifecycle,
     Metrics,
+    ReadOnlyFlight,
     meter_calls,
     parse_action_body,
 )
@@ -51,7 +52,7 @@ from kubeflow_data_cache.sharding import nodes_for_shard, shard_size
 log = logging.getLogger(__name__)
 
 
-class Head(flight.FlightServerBase):
+class Head(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
         super().__init__(**server_kwargs(cfg))
         self.cfg = cfg

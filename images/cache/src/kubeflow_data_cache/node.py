@@ -31,7 +31,16 @@ from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
-from kubeflow_data_cache.service import LOADING, READY, WAITING, Lifecycle, Metrics, meter_calls, parse_action_body
+from kubeflow_data_cache.service import (
+    LOADING,
+    READY,
+    WAITING,
+    Lifecycle,
+    Metrics,
+    ReadOnlyFlight,
+    meter_calls,
+    parse_action_body,
+)
 from kubeflow_data_cache.sharding import node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
@@ -103,7 +112,7 @@ class LoadOrder:
         return cls(generation, location, snapshot, start, stop, tuple(pieces))
 
 
-class DataNode(flight.FlightServerBase):
+class DataNode(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
         super().__init__(**server_kwargs(cfg))
         self.cfg = cfg
@@ -123,7 +132,7 @@ class DataNode(flight.FlightServerBase):
         self._wake_register = threading.Event()
         self._registered = threading.Event()
         # GetSchema is left to Flight's base (UNIMPLEMENTED), as before: the node has none.
-        meter_calls(self, self.metrics, ("do_action", "do_get", "get_flight_info", "list_flights"))
+        meter_calls(self, self.metrics)
 
     # --- cluster formation -------------------------------------------------------------------
     def start_registering(self) -> None:
@@ -319,6 +328,9 @@ class DataNode(flight.FlightServerBase):
 
     def list_flights(self, context, criteria):
         raise NotImplementedError("ListFlights goes to the head (the cache's endpoint), not to a data node")
+
+    def get_schema(self, context, descriptor):
+        raise NotImplementedError("GetSchema goes to the head (the cache's endpoint), not to a data node")
 
     def do_get(self, context, ticket):
         t = protocol.Ticket.from_json(ticket.ticket)

@@ -35,13 +35,15 @@ class TokenAuthFactory(flight.ServerMiddlewareFactory):
     """Refuses any call whose ``authorization`` header is not ``Bearer <token>``."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     def start_call(self, info, headers):
         values = headers.get(AUTH_HEADER) or headers.get(AUTH_HEADER.title()) or []
         given = values[0] if values else ""
         given = given.encode() if isinstance(given, str) else given
-        if not hmac.compare_digest(given, self._expected):
+        # The scheme name is case-insensitive (RFC 7235): "bearer x" is as good as "Bearer x".
+        scheme, _, credentials = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials, self._expected):
             raise flight.FlightUnauthenticatedError(
                 "missing or wrong bearer token: pass the cache's token (DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE)"
             )

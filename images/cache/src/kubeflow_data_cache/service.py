@@ -150,7 +150,23 @@ FLIGHT_CALLS = {
     "get_flight_info": "GetFlightInfo",
     "get_schema": "GetSchema",
     "list_flights": "ListFlights",
+    "do_put": "DoPut",
+    "do_exchange": "DoExchange",
 }
+
+
+class ReadOnlyFlight(flight.FlightServerBase):
+    """The calls a cache never serves, refused with a reason (pyarrow's defaults give an empty
+    UNIMPLEMENTED): the table is read-only, fixed at load, and read with GetFlightInfo + DoGet."""
+
+    def do_put(self, context, descriptor, reader, writer):
+        raise NotImplementedError(
+            "DoPut is not supported: the cache serves the Iceberg table of METADATA_LOC read-only; "
+            "write to the table and restart the cache on its new metadata"
+        )
+
+    def do_exchange(self, context, descriptor, reader, writer):
+        raise NotImplementedError("DoExchange is not supported: read with GetFlightInfo, then DoGet per endpoint")
 
 
 def meter_calls(server: Any, metrics: Metrics, handlers: tuple[str, ...] = tuple(FLIGHT_CALLS)) -> None:
