@@ -34,10 +34,11 @@ lock: | uv ## Recompile the requirement locks (versions only; torch stays a plai
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
 	  images/cache/pyproject.toml images/initializer/pyproject.toml requirements-dev.in \
 	  --extra torch -o requirements-dev.lock
+	# The image locks carry sha256 hashes: the Dockerfiles install them with --require-hashes.
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
-	  images/cache/pyproject.toml -o images/cache/requirements.lock
+	  --generate-hashes images/cache/pyproject.toml -o images/cache/requirements.lock
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
-	  images/initializer/pyproject.toml -o images/initializer/requirements.lock
+	  --generate-hashes images/initializer/pyproject.toml -o images/initializer/requirements.lock
 	# A `+cpu` local label would only install where that wheel sits; keep the plain version.
 	sed -i -E 's/^(torch==[0-9.]+)\+[a-z0-9]+/\1/' requirements-dev.lock
 

@@ -123,6 +123,12 @@ def problems(text: str, context: Path, console_scripts: set[str]) -> list[str]:
     copied = {Path(src).name for s in stages for c in s.all("COPY") for src in _copy_sources(c)}
     if "requirements.lock" not in copied:
         found.append("requirements.lock is never copied into the build")
+    # A lock with hashes is only worth them when pip checks every download against them.
+    lock = context / "requirements.lock"
+    if lock.is_file() and "--hash=" in lock.read_text():
+        for i in lock_installs:
+            if "--require-hashes" not in i.value:
+                found.append(f"line {i.line}: the lock has hashes, but pip install does not --require-hashes")
 
     # The final stage installs nothing: no compilers, no package installs, and no pip left behind.
     for i in final.all("RUN"):

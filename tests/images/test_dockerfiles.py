@@ -61,6 +61,16 @@ def test_entrypoint_is_the_packages_console_script(image: str) -> None:
     assert entrypoint == f'["{scripts.pop()}"]'
 
 
+@pytest.mark.parametrize("image", ["cache", "initializer"])
+def test_image_locks_pin_every_package_by_hash(image: str) -> None:
+    """The published images install nothing whose bytes the lock does not name (make lock)."""
+    text = (IMAGES / image / "requirements.lock").read_text()
+    blocks = re.split(r"\n(?=[A-Za-z0-9_.\-]+==)", text.split("\n", 2)[2])
+    assert len(blocks) == len(read_lock(IMAGES / image / "requirements.lock")) > 10
+    for block in blocks:
+        assert re.search(r"--hash=sha256:[0-9a-f]{64}", block), block.splitlines()[0]
+
+
 @pytest.mark.parametrize("image", sorted(IMAGE_SCRIPTS))
 def test_dockerignore_keeps_build_leftovers_out(image: str) -> None:
     ignored = (IMAGES / image / ".dockerignore").read_text().splitlines()
@@ -76,6 +86,7 @@ BREAKAGES = [
     ("cache", 'ENTRYPOINT ["data-cache"]', 'ENTRYPOINT ["data-cache-server"]', "not a console script"),
     ("initializer", 'ENTRYPOINT ["cache-initializer"]', "ENTRYPOINT cache-initializer", "exec form"),
     ("cache", "-r requirements.lock", "-r requirements.txt", "must come from the lock"),
+    ("initializer", "--require-hashes ", "", "does not --require-hashes"),
     ("initializer", "install --no-deps .", "install .", "without --no-deps"),
     ("cache", "COPY requirements.lock ./", "COPY requirements.lockfile ./", "not in the build context"),
     ("cache", "FROM ${PYTHON_IMAGE}\n", "FROM python:latest\n", "pinned python:3.11.N-slim"),
