@@ -120,6 +120,7 @@ class CacheClient:
             client = self._clients.get(location)
             if client is None:
                 fork_guard.check_usable()  # a forked child: fail with the fix rather than hang
+                fork_guard.opening()
                 kwargs: dict[str, Any] = {}
                 if self._tls_root_certs is not None:
                     kwargs["tls_root_certs"] = self._tls_root_certs

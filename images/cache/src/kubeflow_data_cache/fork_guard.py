@@ -9,6 +9,11 @@ method on Linux), so this module:
   gives gRPC's threads up to FORK_QUIESCE_SECONDS to end;
 * in the child, remembers what was still open or running at the fork, so that the child's first
   cache call raises ForkedConnectionError with the fix instead of hanging.
+
+grpcio (Ray, Google Cloud clients) names its threads as Arrow's bundled gRPC does and keeps them
+running. gRPC threads already running when this process opened its first cache client are
+therefore not Arrow's, and are left out (by thread id); grpcio threads started later still look
+like Arrow's, and a worker forked then says to use forkserver.
 """
 
 from __future__ import annotations
@@ -44,11 +49,12 @@ _threads_at_fork: list[str] = []
 # Whether this process ever opened a cache client: other gRPC users (grpcio) name their threads
 # alike, and a process that never ran Arrow's gRPC has nothing to wait for.
 _used = False
+_foreign_threads: frozenset[int] = frozenset()  # gRPC threads already running at the first client
 
 
-def grpc_threads() -> list[str]:
-    """Names of this process's gRPC threads (Linux; elsewhere nothing is known: empty)."""
-    names = []
+def _grpc_thread_ids() -> dict[int, str]:
+    """This process's gRPC threads, id -> name (Linux; elsewhere nothing is known: empty)."""
+    found = {}
     for path in glob.glob("/proc/self/task/*/comm"):
         try:
             with open(path) as f:
@@ -56,8 +62,21 @@ def grpc_threads() -> list[str]:
         except OSError:  # the thread ended while we looked
             continue
         if name.startswith(GRPC_THREAD_PREFIXES):
-            names.append(name)
-    return sorted(names)
+            found[int(path.split("/")[-2])] = name
+    return found
+
+
+def grpc_threads() -> list[str]:
+    """Names of this process's gRPC threads but those that predate its first cache client."""
+    return sorted(name for tid, name in _grpc_thread_ids().items() if tid not in _foreign_threads)
+
+
+def opening() -> None:
+    """Call before creating a channel: Arrow's gRPC starts its threads with this process's first
+    one, so the gRPC threads running before it are another library's (grpcio)."""
+    global _foreign_threads
+    if not _used:
+        _foreign_threads = frozenset(_grpc_thread_ids())
 
 
 def opened(client: object) -> None:
