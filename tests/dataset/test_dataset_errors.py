@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kubeflow_data_cache.client import CacheClient
@@ -25,6 +27,17 @@ def test_wrong_endpoint_fails_at_the_first_batch_naming_the_setting():
         next(it)
     message = str(err.value)
     assert endpoint in message and "set DATA_CACHE_ENDPOINT" in message and "Connection refused" in message
+
+
+def test_retries_last_until_the_deadline_itself():
+    """A node that is down is retried for deadline_seconds, the last try at the deadline: not
+    given up one backoff step early (which at 3 s meant after about 1.5 s)."""
+    endpoint = f"grpc://127.0.0.1:{free_port()}"
+    client = CacheClient(endpoint, deadline_seconds=3.0)
+    started = time.monotonic()
+    with pytest.raises(CacheUnavailableError, match=r"within 3s"):
+        client.status()
+    assert 3.0 <= time.monotonic() - started < 30
 
 
 def test_missing_or_wrong_token_is_refused_with_the_fix(secured, monkeypatch):

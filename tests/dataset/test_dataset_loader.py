@@ -88,7 +88,9 @@ def test_a_hook_that_changes_the_row_count_is_named(cache):
         def from_arrow_rb_to_tensor(self, batch):
             return {"x": torch.zeros(batch.num_rows * 2)}  # one value per pair of rows: wrong
 
-    with pytest.raises(ValueError, match=r"from_arrow_rb_to_tensor returned \{'x': \d+\} rows for a \d+-row batch"):
+    with pytest.raises(
+        ValueError, match=r"from_arrow_rb_to_tensor returned \{'x': \d+\} rows for a \d+-row record batch"
+    ):
         next(iter(Pairs(cache.endpoint, batch_size=10, columns=["label"])))
 
 
@@ -99,6 +101,8 @@ def test_a_hook_that_changes_the_row_count_is_named(cache):
         (lambda b: (torch.zeros(b.num_rows - 1), torch.zeros(b.num_rows)), r"\{'\[0\]': \d+\}"),
         (lambda b: {"ids": b["label"].to_pylist()[1:], "y": np.zeros(b.num_rows)}, r"\{'ids': \d+\}"),
         (lambda b: {"x": {"y": np.zeros(b.num_rows + 1)}}, r"\{\"x\['y'\]\": \d+\}"),
+        # A 0-d tensor has no row dimension: named as such, not a bare TypeError from len().
+        (lambda b: {"loss_weight": torch.tensor(1.0), "y": torch.zeros(b.num_rows)}, r"\{'loss_weight': 'a scalar'\}"),
     ],
 )
 def test_every_form_of_hook_output_is_checked_for_its_row_count(cache, convert, named):
@@ -106,7 +110,9 @@ def test_every_form_of_hook_output_is_checked_for_its_row_count(cache, convert, 
         def from_arrow_rb_to_tensor(self, batch):
             return convert(batch)
 
-    with pytest.raises(ValueError, match=r"from_arrow_rb_to_tensor returned " + named + r" rows for a \d+-row batch"):
+    with pytest.raises(
+        ValueError, match=r"from_arrow_rb_to_tensor returned " + named + r" rows for a \d+-row record batch"
+    ):
         next(iter(Hook(cache.endpoint, batch_size=10, columns=["label"])))
 
 
@@ -154,6 +160,11 @@ def test_world_detection_from_env_and_worker():
         World.detect({"RANK": "one", "WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="rank 2 is out of range for world size 2"):
         World.detect({"RANK": "2", "WORLD_SIZE": "2"})
+    # One without the other: every process would read as rank 0, duplicating rows silently.
+    with pytest.raises(ConfigError, match="`WORLD_SIZE` is set but `RANK` is not"):
+        World.detect({"WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="`RANK` is set but `WORLD_SIZE` is not"):
+        World.detect({"RANK": "1"})
 
 
 def test_endpoint_and_token_settings(tmp_path, monkeypatch):
@@ -201,4 +212,22 @@ def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
     for endpoint in ("http://h:1", "h:1", "grpc:/h:1"):
         with pytest.raises(ValueError, match="should be a grpc:// or grpc\\+tls:// URI"):
             CacheClient(endpoint)
+        # The dataset checks at construction, not at the first batch inside a DataLoader worker.
+        with pytest.raises(ValueError, match="should be a grpc:// or grpc\\+tls:// URI"):
+            DataCacheDataset(endpoint)
     CacheClient("grpc+tls://h:1").close()
+
+
+def test_numeric_arguments_take_numpy_integers_and_refuse_what_cannot_work():
+    ds = DataCacheDataset("grpc://h:1", batch_size=np.int64(64))
+    assert ds.batch_size == 64 and type(ds.batch_size) is int
+    ds.set_epoch(np.int32(3))
+    assert ds.epoch == 3
+    for epoch in (-1, 2**63, 1.0, True):
+        with pytest.raises(ValueError, match=r"epoch should be an integer in \[0, 2\*\*63\)"):
+            ds.set_epoch(epoch)
+    ds.set_epoch(2**63 - 1)
+    assert ds.epoch == 2**63 - 1
+    for deadline in (0, -1, float("inf"), float("nan"), "10"):
+        with pytest.raises(ValueError, match="deadline_seconds should be a number of seconds > 0"):
+            DataCacheDataset("grpc://h:1", deadline_seconds=deadline)

@@ -87,6 +87,24 @@ def _reason(err: BaseException) -> str:
     return str(err).split(". Detail:", 1)[0].split(". gRPC client debug context:", 1)[0].strip()
 
 
+# The shortest timeout a retried call gets, for the try that falls at the deadline.
+MIN_CALL_SECONDS = 0.5
+
+
+def check_endpoint(endpoint: str) -> None:
+    if not isinstance(endpoint, str) or "://" not in endpoint or endpoint.partition("://")[0] not in ENDPOINT_SCHEMES:
+        raise ValueError(
+            f"the cache endpoint should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}"
+        )
+
+
+def _backoff(delay: float, deadline: float | None) -> float:
+    """The pause before the next try: ``delay`` with jitter (many workers that failed together
+    must not retry in lockstep), cut short so that the last try falls at the deadline itself."""
+    pause = delay * random.uniform(0.8, 1.2)
+    return pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic()))
+
+
 class CacheClient:
     """A Flight client for the cache's head, with one connection per data node location."""
 
@@ -98,8 +116,7 @@ class CacheClient:
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
         generic_options: list[tuple[str, Any]] | None = None,
     ) -> None:
-        if endpoint.partition("://")[0] not in ENDPOINT_SCHEMES or "://" not in endpoint:
-            raise ValueError(f"the cache endpoint should be a grpc:// or grpc+tls:// URI, got {endpoint!r}")
+        check_endpoint(endpoint)
         if deadline_seconds <= 0:
             raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")
         self.endpoint = endpoint
@@ -186,19 +203,19 @@ class CacheClient:
         deadline = start + self.deadline_seconds
         delay = BACKOFF_INITIAL_SECONDS
         while True:
-            remaining = deadline - time.monotonic()
+            # The last try starts at the deadline: give it a moment (a timeout of 0 would be none).
+            remaining = max(deadline - time.monotonic(), MIN_CALL_SECONDS)
             try:
                 return call(remaining)
             except _TRANSIENT as err:
-                if time.monotonic() + delay >= deadline:
+                if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
                 log.info("%s at %s: %s; retrying in %.2fs", what, location, _reason(err), delay)
             except flight.FlightError as err:
                 raise self._translate(err, location, what) from err
             except pa.ArrowInvalid as err:
                 raise self._translate(err, location, what) from err
-            # Jitter keeps many workers that failed together from retrying in lockstep.
-            time.sleep(delay * random.uniform(0.8, 1.2))
+            time.sleep(_backoff(delay, deadline))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
     # -- calls -------------------------------------------------------------------------------
@@ -292,7 +309,7 @@ class CacheClient:
                 now = time.monotonic()
                 if failing_since is None:  # a stall began when its wait did, not when it was noticed
                     failing_since = now - self._stall_watch.limit if isinstance(err, StreamStalledError) else now
-                if now + delay - failing_since >= self.deadline_seconds:
+                if now - failing_since >= self.deadline_seconds:
                     raise self._unavailable(err, location, f"DoGet after {received} rows", now - failing_since) from err
                 log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, _reason(err))
                 # A restarted data node may listen elsewhere now; the head knows where.
@@ -313,7 +330,7 @@ class CacheClient:
                     with suppress(flight.FlightError, pa.ArrowException):
                         reader.cancel()
                     self._stall_watch.forget(reader)
-            time.sleep(delay * random.uniform(0.8, 1.2))
+            time.sleep(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
     def _next_chunk(self, reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk | None:

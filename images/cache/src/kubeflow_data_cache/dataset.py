@@ -9,6 +9,8 @@ See docs/dataset.md. torch is the package's optional ``torch`` extra: only this 
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -22,12 +24,12 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient
+from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient, check_endpoint
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
-__all__ = ["DataCacheDataset", "World", "default_endpoint"]
+__all__ = ["DataCacheDataset", "World", "column_to_tensor", "default_endpoint"]
 
 CACHE_PORT = 50051
 STATE_VERSION = 1
@@ -65,6 +67,16 @@ def default_token(env: dict[str, str] | None = None) -> str | None:
         return Path(path).read_text().strip()
     except OSError as err:
         raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} could not be read: {err.strerror}") from None
+
+
+def _index(value: Any) -> int | None:
+    """An integer argument as an int (numpy integers included), or None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _env_int(env: dict[str, str], name: str, default: int) -> int:
@@ -109,6 +121,12 @@ class World:
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif "RANK" in env or "WORLD_SIZE" in env or parent is None:
+            if ("RANK" in env) != ("WORLD_SIZE" in env):
+                # Each process would read as rank 0 (or as the only one): duplicated rows, no error.
+                given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+                raise ConfigError(
+                    f"`{given}` is set but `{missing}` is not: set both (torchrun does), or neither for one process"
+                )
             rank, world_size = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
         else:
             rank, world_size = parent
@@ -154,7 +172,8 @@ class DataCacheDataset(IterableDataset):
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         super().__init__()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        size = _index(batch_size)
+        if size is None or size < 1:
             raise ValueError(f"batch_size should be a positive integer, got {batch_size!r}")
         if not isinstance(drop_last, bool):
             raise ValueError(f"drop_last should be True or False, got {drop_last!r}")
@@ -162,9 +181,12 @@ class DataCacheDataset(IterableDataset):
             raise ValueError(f"columns should be a list of column names, got the string {columns!r}: try [{columns!r}]")
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
+        if not (isinstance(deadline_seconds, (int, float)) and 0 < deadline_seconds < math.inf):
+            raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {deadline_seconds!r}")
         self.endpoint = endpoint or default_endpoint()
+        check_endpoint(self.endpoint)  # here, not at the first batch inside a DataLoader worker
         self.token = token if token is not None else default_token()
-        self.batch_size = batch_size
+        self.batch_size = size
         self.drop_last = drop_last
         self.even = even if even is not None else ("drop" if drop_last else None)
         self.tls_root_certs = tls_root_certs
@@ -199,8 +221,11 @@ class DataCacheDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle order), like DistributedSampler.set_epoch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch should be a non-negative integer, got {epoch!r}")
+        # Shared with the workers as a signed 64-bit integer (shared_epoch.py).
+        number = _index(epoch)
+        if number is None or not 0 <= number < 2**63:
+            raise ValueError(f"epoch should be an integer in [0, 2**63), got {epoch!r}")
+        epoch = number
         if self._resume is not None and self._resume["epoch"] != epoch:
             self._resume = None  # a saved position belongs to its own epoch only
         self._epoch.value = epoch
@@ -478,6 +503,8 @@ _SLICEABLE = (torch.Tensor, np.ndarray, list)
 def _row_counts(obj: Any, path: str = "") -> dict[str, int]:
     """The first dimension of every sliceable leaf of a hook's output, by its path."""
     if isinstance(obj, _SLICEABLE):
+        if getattr(obj, "ndim", 1) == 0:  # a 0-d tensor or array: a scalar, no row dimension
+            return {path or "result": -1}
         return {path or "result": len(obj)}
     if isinstance(obj, dict):
         return {
@@ -491,9 +518,11 @@ def _row_counts(obj: Any, path: str = "") -> dict[str, int]:
 def _check_rows(converted: Any, rows: int) -> None:
     wrong = {k: n for k, n in _row_counts(converted).items() if n != rows}
     if wrong:
+        shown = {k: ("a scalar" if n < 0 else n) for k, n in wrong.items()}
         raise ValueError(
-            f"from_arrow_rb_to_tensor returned {wrong} rows for a {rows}-row batch; "
-            "every value's first dimension must be the row"
+            f"from_arrow_rb_to_tensor returned {shown} rows for a {rows}-row record batch (it converts "
+            "many training batches at once, sliced to batch_size afterwards); every value's first "
+            "dimension must be the row"
         )
 
 
