@@ -11,21 +11,16 @@ import subprocess
 import sys
 import textwrap
 
+from tests.fake_grpcio import START_GRPC_LIKE_THREAD
+
 # A thread named like one of gRPC's (as grpcio's are) in a process that never opened a cache
 # client: the fork must neither wait for it nor mark the child as unable to use the cache.
-SCRIPT = """
-import ctypes, json, os, threading
+SCRIPT = (
+    START_GRPC_LIKE_THREAD
+    + """
+import json, os
 from kubeflow_data_cache import fork_guard
 
-named = threading.Event()
-
-def grpc_like():
-    ctypes.CDLL(None).prctl(15, b"grpc_global_tim", 0, 0, 0)  # PR_SET_NAME
-    named.set()
-    threading.Event().wait(30)
-
-threading.Thread(target=grpc_like, daemon=True).start()
-named.wait(10)
 seen = fork_guard.grpc_threads()
 read, write = os.pipe()
 pid = os.fork()
@@ -41,6 +36,7 @@ os.close(write)
 os.waitpid(pid, 0)
 print(json.dumps({"seen": seen, "child": os.read(read, 4096).decode()}))
 """
+)
 
 
 def test_fork_without_a_cache_client_ignores_other_grpc_threads():

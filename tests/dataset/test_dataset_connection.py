@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from kubeflow_data_cache.client import CacheClient, KeptClient
+from tests.fake_grpcio import START_GRPC_LIKE_THREAD
 
 SCRIPT_TIMEOUT_SECONDS = 180
 
@@ -82,20 +83,11 @@ except ForkedConnectionError as err:
 print(json.dumps(out))
 """
 
-# grpcio loaded beside the cache (Ray, Google Cloud clients): its threads are named like Arrow's
-# gRPC and never end. Stood in for by a module entry and a thread renamed as grpcio's timer.
-GRPCIO_FORK_SCRIPT = """
-import ctypes, json, sys, threading, time, types
-sys.modules["grpc"] = types.ModuleType("grpc")
-named = threading.Event()
-
-def grpcio_timer():
-    ctypes.CDLL(None).prctl(15, b"grpc_global_tim", 0, 0, 0)  # PR_SET_NAME
-    named.set()
-    threading.Event().wait(120)
-
-threading.Thread(target=grpcio_timer, daemon=True).start()
-named.wait(10)
+# grpcio started beside the cache, before its first connection (Ray, Google Cloud clients).
+GRPCIO_FORK_SCRIPT = (
+    START_GRPC_LIKE_THREAD
+    + """
+import json, sys, time
 from torch.utils.data import DataLoader
 from kubeflow_data_cache.dataset import DataCacheDataset
 
@@ -106,6 +98,7 @@ started = time.monotonic()
 workers = sum(len(b["id"]) for b in loader)
 print(json.dumps({"main": main, "workers": workers, "seconds": time.monotonic() - started}))
 """
+)
 
 
 def _run(script: str, endpoint: str) -> dict:
