@@ -120,8 +120,8 @@ def check_fits(
     )
     raise MemoryBudgetError(
         f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics); "
-        f"data node {node} would hold {_fmt(need)}, {_fmt(peak)} at its peak while loading (it merges "
-        f"a column at a time), but can use {_fmt(have or 0)} "
+        f"data node {node} would hold {_fmt(need)}, {_fmt(peak)} at its peak while loading (decoding "
+        f"its files and merging them), but can use {_fmt(have or 0)} "
         f"(its limit minus {_fmt(BASELINE_MEMORY_BYTES)} for the interpreter). "
         f"With {nodes} data node(s), {advice}, or give each data node at least "
         f"{_fmt(peak_max + BASELINE_MEMORY_BYTES)} ({memory_knob})"

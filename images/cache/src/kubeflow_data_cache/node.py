@@ -131,7 +131,6 @@ class DataNode(ReadOnlyFlight):
         # Set when the load ends (either way): re-register at once so the head need not poll for it.
         self._wake_register = threading.Event()
         self._registered = threading.Event()
-        # GetSchema is left to Flight's base (UNIMPLEMENTED), as before: the node has none.
         meter_calls(self, self.metrics)
 
     # --- cluster formation -------------------------------------------------------------------

@@ -66,7 +66,7 @@ It runs as the dataset-initializer step of the torch-distributed-with-cache runt
 its settings from the environment, as the Kubeflow SDK's DataCacheInitializer sets them:
 
   STORAGE_URI     cache://<schema>/<table>                     (required)
-  METADATA_LOC    the table's metadata.json (s3://, file://)   (required)
+  METADATA_LOC    the table's metadata.json (s3://, s3a://, file://) (required)
   TRAIN_JOB_NAME  the TrainJob's name                          (required)
   CACHE_IMAGE     the data cache image                         (required)
   CLUSTER_SIZE, HEAD_CPU, HEAD_MEM, WORKER_CPU, WORKER_MEM, IAM_ROLE, DATA_CACHE_SHARED,
