@@ -22,7 +22,7 @@ from kubeflow_data_cache.plan import (
     plan_table,
     s3_properties_from_env,
 )
-from kubeflow_data_cache.sample import create_sample_table, make_catalog
+from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from kubeflow_data_cache.store import NodeStore
 
 
@@ -68,7 +68,7 @@ def test_loaded_rows_match_the_plan_and_the_estimate_is_close(table_factory):
     assert 0.7 * actual <= plan.estimated_bytes <= 2.0 * actual
 
 
-def _nested_table(tmp_path, rows: int):
+def _nested_table(tmp_path, rows: int, properties: dict[str, str] | None = None):
     """An embedding table: a list<float> of 256 values, a struct and a map per row."""
     rng = np.random.default_rng(0)
     embedding = pa.array(list(rng.random((rows, 256), dtype=np.float32)), pa.list_(pa.float32()))
@@ -77,16 +77,19 @@ def _nested_table(tmp_path, rows: int):
     data = pa.table({"id": pa.array(range(rows), pa.int64()), "embedding": embedding, "meta": meta, "attrs": attrs})
     catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
     catalog.create_namespace("s")
-    tbl = catalog.create_table("s.nested", schema=data.schema)
+    tbl = catalog.create_table("s.nested", schema=data.schema, properties=properties or {})
     tbl.append(data)
     return catalog.load_table("s.nested").metadata_location
 
 
-def test_nested_columns_are_estimated_from_their_leaves(tmp_path):
+@pytest.mark.parametrize("metrics", ["default", "counts", "none"])
+def test_nested_columns_are_estimated_from_their_leaves(tmp_path, metrics):
     """Iceberg keeps sizes and counts per leaf (list element, struct child), not per column: the
     estimate of each column must still come close to what the node holds, or the memory check
-    passes a table 100x too large for the nodes."""
-    location = _nested_table(tmp_path, 3000)
+    passes a table 100x too large for the nodes; also where the table keeps fewer statistics
+    (write.metadata.metrics.default: counts only, or none at all)."""
+    properties = {} if metrics == "default" else {"write.metadata.metrics.default": metrics}
+    location = _nested_table(tmp_path, 3000, properties)
     t = open_table(location)
     plan, tasks = plan_table(t, location)
     (assignment,) = assign_rows(plan, 1)
@@ -126,12 +129,33 @@ def test_a_share_that_fits_but_whose_load_peak_does_not_is_refused():
         check_fits([3 << 30], [(3 << 30) + (1 << 29)], [(3 << 30) + (1 << 28) + BASELINE_MEMORY_BYTES])
 
 
-def test_the_load_peak_estimate_covers_a_real_loads_peak(table_factory):
+def _row_grouped_table(tmp_path, rows: int, row_group_rows: int) -> str:
+    """One data file of sample rows cut into several Parquet row groups (the unit a read decodes)."""
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    table = catalog.create_table(
+        "s.grouped",
+        schema=sample_batch(0, 0).schema,
+        properties={"write.parquet.row-group-limit": str(row_group_rows)},
+    )
+    table.append(sample_batch(0, rows))
+    return catalog.load_table("s.grouped").metadata_location
+
+
+@pytest.mark.parametrize("layout", ["3 small files", "1 file of 5 row groups"])
+def test_the_load_peak_estimate_covers_a_real_loads_peak_without_overstating_it(table_factory, tmp_path, layout):
     """A fresh process loads the table as a data node would; its Arrow pool's peak (everything the
-    load held at once) stays within the estimate the head checks before it sends the load."""
-    table = table_factory(60_000, 3)
-    _, plan, _ = planned(table)
+    load held at once) stays within the estimate the head checks before it sends the load, and
+    the estimate is not so far above it that tables which fit are refused."""
+    if layout == "3 small files":
+        location = table_factory(60_000, 3).metadata_location
+    else:
+        location = _row_grouped_table(tmp_path, 150_000, 30_000)
+    t = open_table(location)
+    plan, _ = plan_table(t, location)
     (assignment,) = assign_rows(plan, 1)
+    if layout != "3 small files":
+        assert plan.files[0].row_groups == 5
     script = (
         "import json, sys, pyarrow as pa\n"
         "from kubeflow_data_cache.plan import assign_rows, open_table, plan_table\n"
@@ -143,12 +167,14 @@ def test_the_load_peak_estimate_covers_a_real_loads_peak(table_factory):
         "print(json.dumps({'peak': pool.max_memory() - before, 'rows_bytes': store.nbytes}))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", script, table.metadata_location], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
     )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    loaded, estimate = estimated_node_memory(plan, assignment)
-    assert measured["peak"] > measured["rows_bytes"]  # the merge really holds more than the rows
-    assert measured["peak"] <= estimate
+    loaded, estimate = estimated_node_memory(plan, assignment, load_threads=1)
+    assert measured["peak"] > measured["rows_bytes"]  # reading and merging really hold more than the rows
+    # The model errs high where row groups are small (about 2x for this one; 1.0-1.3x at the
+    # default 1M-row groups), never low; an estimate 3x the peak refused tables that fit.
+    assert measured["peak"] <= estimate <= 2.5 * measured["peak"], (measured, estimate)
     assert estimate > loaded
 
 

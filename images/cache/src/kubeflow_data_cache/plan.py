@@ -21,11 +21,18 @@ log = logging.getLogger(__name__)
 # Decoded Arrow bytes per on-disk byte for variable-width columns (strings, lists): Parquet
 # pages are dictionary/RLE encoded and compressed, so decoded data is several times larger.
 VARIABLE_WIDTH_EXPANSION = 4.0
+# The same for fixed-width values when only their on-disk size is known (no value counts):
+# floats barely compress, small integers do; a floor, not an estimate.
+FIXED_WIDTH_EXPANSION = 2.0
 # Arrow arrays carry offsets and validity bitmaps on top of the values.
 ARROW_OVERHEAD = 1.1
-# What decoding one piece holds beyond its rows (compressed chunks, page buffers), per byte of
-# the piece's Arrow size: 1.2-1.5 measured on sample tables, with a margin.
+# What a reader holds beyond the rows it has yielded: the compressed chunks and page buffers of
+# the row groups it decodes, and pyarrow's scanner decodes ahead (up to 16 batches). Measured on
+# sample tables, per byte of Arrow data in decode: 1.2-1.5x for small files read whole, 0.7x of
+# a 5-row-group file, 1.7-2.0x one row group of 0.7-1M rows. The model: READ_SCRATCH_FACTOR x
+# the smaller of the piece and the larger of a row group and READ_AHEAD_BYTES.
 READ_SCRATCH_FACTOR = 2.0
+READ_AHEAD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class FilePlan:
     rows: int
     column_bytes: tuple[int, ...]  # estimated Arrow bytes of each column, in schema order
     has_deletes: bool
+    row_groups: int = 1  # Parquet row groups (the manifest's split offsets): the unit a read decodes
 
     @property
     def estimated_bytes(self) -> int:
@@ -206,9 +214,18 @@ def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale
         # A leaf's value count (a list's elements in all rows) sizes a fixed-width leaf exactly,
         # however well it compressed; strings and binaries go by their on-disk size.
         count = counts.get(leaf_id)
-        values = int(count * scale) if count is not None else rows
         disk = int(sizes[leaf_id] * scale) if sizes.get(leaf_id) else None
-        total += _field_estimate(pa.field("leaf", leaf_type), values, disk)
+        if count is not None:
+            total += _field_estimate(pa.field("leaf", leaf_type), int(count * scale), disk)
+        elif disk:
+            # No value count (metrics mode none): a list holds an unknown number of values per
+            # row, so the decoded size of its on-disk bytes is the floor.
+            fixed = pa.types.is_primitive(leaf_type)
+            expansion = FIXED_WIDTH_EXPANSION if fixed else VARIABLE_WIDTH_EXPANSION
+            guess = _field_estimate(pa.field("leaf", leaf_type), rows, disk)
+            total += max(guess, int(disk * expansion))
+        else:
+            total += rows * 32  # no statistics at all: the generous guess per row
     return total
 
 
@@ -321,7 +338,13 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
         deletes = task.delete_files or set()
         rows = _count_after_deletes(table, task) if deletes else task.file.record_count
         files.append(
-            FilePlan(path, rows, estimate_column_bytes(task.file, schema, iceberg_fields, rows), bool(deletes))
+            FilePlan(
+                path,
+                rows,
+                estimate_column_bytes(task.file, schema, iceberg_fields, rows),
+                bool(deletes),
+                max(1, len(task.file.split_offsets or ())),
+            )
         )
     snapshot = table.current_snapshot()
     plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
@@ -361,9 +384,9 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     """The node's rows in memory once loaded, and the most it holds while loading. Two moments
     can make the peak, one after the other (store.NodeStore.load):
 
-    - reading: each of ``load_threads`` readers decodes one piece, holding its compressed column
-      chunks and page buffers beside the rows it yields (READ_SCRATCH_FACTOR x the piece's size,
-      measured on real tables);
+    - reading: each of ``load_threads`` readers decodes one piece, a row group or a read-ahead
+      window at a time, holding compressed chunks and page buffers beside the rows it yields
+      (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES);
     - merging the read batches into one chunk copies a column at a time (store.compact), so the
       largest column (or, for a non-primitive one, its largest chunk: STORE_CHUNK_VARIABLE_BYTES)
       exists twice.
@@ -374,13 +397,12 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         for field, nbytes in zip(plan.schema, columns, strict=True)
     ]
     by_path = {f.path: f for f in plan.files}
-    pieces = sorted(
-        (
-            by_path[p.path].estimated_bytes * (p.stop - p.start) // max(by_path[p.path].rows, 1)
-            for p in assignment.pieces
-        ),
-        reverse=True,
-    )
-    reading = int(READ_SCRATCH_FACTOR * sum(pieces[: max(1, load_threads)]))
+    in_decode = []  # per piece: the most of it in decode at once
+    for p in assignment.pieces:
+        f = by_path[p.path]
+        piece_bytes = f.estimated_bytes * (p.stop - p.start) // max(f.rows, 1)
+        in_decode.append(min(piece_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
+    in_decode.sort(reverse=True)
+    reading = int(READ_SCRATCH_FACTOR * sum(in_decode[: max(1, load_threads)]))
     loaded = sum(columns)
     return loaded, loaded + max(max(in_flight, default=0), reading)
