@@ -29,6 +29,12 @@ def store():
         ("id >= 8 OR name = 'r1)'", [1, 8, 9]),  # a parenthesis inside a string literal is data
         ("(id = 2) AND (name LIKE 'r%')", [2]),
         ("id IN (4, 6)", [4, 6]),
+        # Folded to an empty plan by the optimizer: no rows, not a refusal.
+        ("id IS NULL", []),
+        ("false", []),
+        ("id = NULL", []),
+        # A function's name inside a string literal is data, not a call.
+        ("name = 'r1)' OR name LIKE '%random()%'", [1]),
     ],
 )
 def test_predicates_select_their_rows(store, predicate, rows):
