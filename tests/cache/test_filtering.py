@@ -91,3 +91,31 @@ def test_the_filter_cache_stays_within_its_byte_budget(store):
     cache.budget = 1
     assert cache.rows("id >= -100").tolist() == list(range(10))
     assert cache.nbytes == 80
+
+
+def test_concurrent_requests_for_a_new_filter_match_it_once(store, monkeypatch):
+    """Every reader of a new filter asks at once (and the head retries a slow count): one pass."""
+    import threading
+    import time
+
+    from kubeflow_data_cache import filtering
+
+    calls = []
+    release = threading.Event()
+
+    def slow_match(s, predicate):
+        calls.append(predicate)
+        release.wait(10)
+        return np.array([1, 2], dtype=np.int64)
+
+    monkeypatch.setattr(filtering, "matching_rows", slow_match)
+    cache = FilterCache(store)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.rows("id < 3").tolist())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # every thread has asked by now; without the dedupe each would be matching
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert calls == ["id < 3"] and results == [[1, 2]] * 4

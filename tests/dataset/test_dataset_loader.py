@@ -165,6 +165,8 @@ def test_world_detection_from_env_and_worker():
         World.detect({"WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="`RANK` is set but `WORLD_SIZE` is not"):
         World.detect({"RANK": "1"})
+    # ...but a world of one says so with either alone.
+    assert World.detect({"WORLD_SIZE": "1"}) == World.detect({"RANK": "0"}) == World(0, 1, 0, 1)
 
 
 def test_endpoint_and_token_settings(tmp_path, monkeypatch):
@@ -223,11 +225,13 @@ def test_numeric_arguments_take_numpy_integers_and_refuse_what_cannot_work():
     assert ds.batch_size == 64 and type(ds.batch_size) is int
     ds.set_epoch(np.int32(3))
     assert ds.epoch == 3
-    for epoch in (-1, 2**63, 1.0, True):
-        with pytest.raises(ValueError, match=r"epoch should be an integer in \[0, 2\*\*63\)"):
+    # epoch + 1 is a worker's mark in the shared int64 slots: the largest epoch is 2**63 - 2.
+    for epoch in (-1, 2**63 - 1, 2**63, 1.0, True):
+        with pytest.raises(ValueError, match=r"epoch should be an integer in \[0, 9223372036854775807\)"):
             ds.set_epoch(epoch)
-    ds.set_epoch(2**63 - 1)
-    assert ds.epoch == 2**63 - 1
-    for deadline in (0, -1, float("inf"), float("nan"), "10"):
+    ds.set_epoch(2**63 - 2)
+    assert ds.epoch == 2**63 - 2
+    assert DataCacheDataset("grpc://h:1", deadline_seconds=np.int64(30)).deadline_seconds == 30
+    for deadline in (0, -1, float("inf"), float("nan"), "10", True):
         with pytest.raises(ValueError, match="deadline_seconds should be a number of seconds > 0"):
             DataCacheDataset("grpc://h:1", deadline_seconds=deadline)

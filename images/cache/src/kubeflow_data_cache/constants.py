@@ -15,6 +15,11 @@ LOAD_POLL_SECONDS = 0.05
 SUPERVISE_POLL_SECONDS = 5.0
 # Timeout of one internal Flight call between head and data nodes.
 RPC_TIMEOUT_SECONDS = 10.0
+# The head's `count` call (a new filter's matches on one node): one pass of DataFusion over the
+# node's rows, seconds on a large node. Under the readers' own 30 s call limit, so a slow count
+# answers UNAVAILABLE (retry) rather than the reader timing out; the node goes on counting and
+# the retry waits for that same count (filtering.FilterCache).
+COUNT_TIMEOUT_SECONDS = 25.0
 # Tries of the head's `load` call to one data node before the load fails (a node that just
 # registered may not answer yet); the message then points at its advertised address.
 LOAD_SEND_ATTEMPTS = 3

@@ -10,6 +10,7 @@ See docs/dataset.md. torch is the package's optional ``torch`` extra: only this 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,8 @@ STATE_VERSION = 1
 # run holds about CONVERT_MAX_BYTES (but always at least one batch).
 CONVERT_ROWS = DEFAULT_BATCH_SIZE
 CONVERT_MAX_BYTES = 8 << 20
+# set_epoch's bound: epoch + 1 must fit the signed 64-bit shared slots.
+MAX_EPOCH = 2**63 - 1
 # Slots for DataLoader workers to say which epoch they read (worker i writes slot i % this).
 WORKER_SLOTS = 256
 
@@ -121,7 +124,9 @@ class World:
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif "RANK" in env or "WORLD_SIZE" in env or parent is None:
-            if ("RANK" in env) != ("WORLD_SIZE" in env):
+            # One without the other is fine only for a world of one (RANK=0, or WORLD_SIZE=1).
+            alone_ok = env.get("RANK", "0").strip() == "0" and env.get("WORLD_SIZE", "1").strip() == "1"
+            if ("RANK" in env) != ("WORLD_SIZE" in env) and not alone_ok:
                 # Each process would read as rank 0 (or as the only one): duplicated rows, no error.
                 given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
                 raise ConfigError(
@@ -181,7 +186,8 @@ class DataCacheDataset(IterableDataset):
             raise ValueError(f"columns should be a list of column names, got the string {columns!r}: try [{columns!r}]")
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
-        if not (isinstance(deadline_seconds, (int, float)) and 0 < deadline_seconds < math.inf):
+        real = isinstance(deadline_seconds, numbers.Real) and not isinstance(deadline_seconds, bool)
+        if not (real and 0 < deadline_seconds < math.inf):
             raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {deadline_seconds!r}")
         self.endpoint = endpoint or default_endpoint()
         check_endpoint(self.endpoint)  # here, not at the first batch inside a DataLoader worker
@@ -221,10 +227,11 @@ class DataCacheDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle order), like DistributedSampler.set_epoch."""
-        # Shared with the workers as a signed 64-bit integer (shared_epoch.py).
+        # Shared with the workers as a signed 64-bit integer, which also holds epoch + 1 (a
+        # worker's mark while it reads, shared_epoch.py): so at most 2**63 - 2.
         number = _index(epoch)
-        if number is None or not 0 <= number < 2**63:
-            raise ValueError(f"epoch should be an integer in [0, 2**63), got {epoch!r}")
+        if number is None or not 0 <= number < MAX_EPOCH:
+            raise ValueError(f"epoch should be an integer in [0, {MAX_EPOCH}), got {epoch!r}")
         epoch = number
         if self._resume is not None and self._resume["epoch"] != epoch:
             self._resume = None  # a saved position belongs to its own epoch only

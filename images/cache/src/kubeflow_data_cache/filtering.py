@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +92,9 @@ class FilterCache:
         self.budget = max(FILTER_CACHE_MIN_BYTES, int(store.nbytes * FILTER_CACHE_SHARE))
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        # Predicates being matched now: a second request for one waits for the first's result
+        # (every reader of a new filter asks at once; the head retries a slow count).
+        self._pending: dict[str, Future] = {}
 
     @property
     def nbytes(self) -> int:
@@ -102,10 +106,24 @@ class FilterCache:
             if predicate in self._cache:
                 self._cache.move_to_end(predicate)
                 return self._cache[predicate]
-        rows = matching_rows(self.store, predicate)
+            pending = self._pending.get(predicate)
+            computing = pending is None
+            if computing:
+                pending = self._pending[predicate] = Future()
+        if not computing:
+            return pending.result()
+        try:
+            rows = matching_rows(self.store, predicate)
+        except BaseException as err:
+            with self._lock:
+                del self._pending[predicate]
+            pending.set_exception(err)
+            raise
         with self._lock:
+            del self._pending[predicate]
             self._cache[predicate] = rows
             held = sum(r.nbytes for r in self._cache.values())
             while len(self._cache) > 1 and (len(self._cache) > CACHED_FILTERS or held > self.budget):
                 held -= self._cache.popitem(last=False)[1].nbytes
+        pending.set_result(rows)
         return rows

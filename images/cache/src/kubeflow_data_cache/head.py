@@ -19,6 +19,7 @@ from kubeflow_data_cache import protocol
 from kubeflow_data_cache.config import NodeConfig
 from kubeflow_data_cache.constants import (
     CACHED_FILTER_COUNTS,
+    COUNT_TIMEOUT_SECONDS,
     LOAD_POLL_SECONDS,
     LOAD_SEND_ATTEMPTS,
     RPC_TIMEOUT_SECONDS,
@@ -75,15 +76,15 @@ class Head(ReadOnlyFlight):
         meter_calls(self, self.metrics)
 
     # --- internal calls to data nodes --------------------------------------------------------
-    def _call(self, location: str, action: str, body: dict | None = None) -> dict[str, Any]:
+    def _call(
+        self, location: str, action: str, body: dict | None = None, timeout: float = RPC_TIMEOUT_SECONDS
+    ) -> dict[str, Any]:
         with self._lock:
             client = self._clients.get(location)
             if client is None:
                 client = self._clients[location] = client_for(location, self.cfg.tls_root_certs)
         payload = json.dumps(body or {}).encode()
-        results = list(
-            client.do_action(flight.Action(action, payload), call_options(self.cfg.token, RPC_TIMEOUT_SECONDS))
-        )
+        results = list(client.do_action(flight.Action(action, payload), call_options(self.cfg.token, timeout)))
         return json.loads(results[0].body.to_pybytes()) if results else {}
 
     def _location(self, node: int) -> str:
@@ -335,27 +336,35 @@ class Head(ReadOnlyFlight):
         """Rows per data node in the request's virtual space (all rows, or the filter's matches)."""
         if predicate is None:
             return [a.rows for a in self.assignments]
-        cached = self._filter_counts.get(predicate)
-        if cached is not None:
-            self._filter_counts.move_to_end(predicate)
-            return cached
+        with self._lock:
+            cached = self._filter_counts.get(predicate)
+            if cached is not None:
+                self._filter_counts.move_to_end(predicate)
+                return cached
 
         def count(node: int) -> int:
             location = self._location(node)
             try:
-                return int(self._call(location, protocol.ACTION_COUNT, {"filter": predicate})["rows"])
+                body = {"filter": predicate}
+                return int(self._call(location, protocol.ACTION_COUNT, body, COUNT_TIMEOUT_SECONDS)["rows"])
             except pa.ArrowInvalid as err:  # the data node's message says what is wrong with the filter
                 raise BadRequestError(str(err).split("message: ")[-1]) from None
-            except flight.FlightError as err:  # frozen, gone or restarting: the supervisor will know soon
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
+                # Frozen, gone or restarting: the supervisor will know soon; the reader retries.
                 raise NotReadyError(
                     f"data node {node} ({location}) did not count the filter's rows: {first_line(err)}; retry shortly"
+                ) from None
+            except flight.FlightError as err:
+                raise DataCacheError(
+                    f"data node {node} ({location}) failed to count the filter's rows: {first_line(err)}"
                 ) from None
 
         with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
             counts = list(pool.map(count, range(self.cfg.data_nodes)))
-        self._filter_counts[predicate] = counts
-        while len(self._filter_counts) > CACHED_FILTER_COUNTS:
-            self._filter_counts.popitem(last=False)
+        with self._lock:
+            self._filter_counts[predicate] = counts
+            while len(self._filter_counts) > CACHED_FILTER_COUNTS:
+                self._filter_counts.popitem(last=False)
         return counts
 
     def _ready(self) -> None:
