@@ -123,30 +123,34 @@ def open_table(metadata_location: str, properties: dict[str, str] | None = None)
     location = metadata_location
     if "://" not in location:
         location = os.path.abspath(location)
-    # pyiceberg reads a name not ending in .metadata.json as a table folder and looks for its
-    # metadata/version-hint.text, which a file or a mistyped object key then fails on obscurely.
-    not_metadata = TableLoadError(
-        f"METADATA_LOC {metadata_location!r} is not a metadata file: METADATA_LOC must name a table's "
-        "*.metadata.json (for example .../warehouse/db/table/metadata/00003-....metadata.json)"
-    )
     if not location.endswith(".metadata.json") and os.path.isfile(location.removeprefix("file://")):
-        raise not_metadata
+        raise _not_a_metadata_file(metadata_location)
     try:
         return StaticTable.from_metadata(location, properties or {})
     except Exception as err:  # pyiceberg/pyarrow raise many types for unreadable or malformed metadata
-        is_dir = os.path.isdir(location.removeprefix("file://"))
-        if not location.endswith(".metadata.json") and "version-hint" in str(err) and not is_dir:
-            raise not_metadata from None
         known = _open_error(metadata_location, location, err)
         if known is not None:
             raise known from None
         raise TableLoadError(f"cannot read table metadata at {metadata_location!r}: {err}") from err
 
 
+def _not_a_metadata_file(metadata_location: str) -> TableLoadError:
+    # pyiceberg reads a name not ending in .metadata.json as a table folder and looks for its
+    # metadata/version-hint.text, which a file or a mistyped object key then fails on obscurely.
+    return TableLoadError(
+        f"METADATA_LOC {metadata_location!r} is not a metadata file: METADATA_LOC must name a table's "
+        "*.metadata.json (for example .../warehouse/db/table/metadata/00003-....metadata.json)"
+    )
+
+
 def _open_error(metadata_location: str, location: str, err: Exception) -> TableLoadError | None:
-    """The fix for a metadata location that is missing, a folder, or denied; None for other errors."""
+    """The fix for a metadata location that is missing, a folder, not a metadata file, or denied;
+    None for other errors."""
+    is_dir = os.path.isdir(location.removeprefix("file://"))
+    if not location.endswith(".metadata.json") and "version-hint" in str(err) and not is_dir:
+        return _not_a_metadata_file(metadata_location)
     if isinstance(err, FileNotFoundError):
-        if os.path.isdir(location.removeprefix("file://")):
+        if is_dir:
             return TableLoadError(
                 f"METADATA_LOC {metadata_location!r} is a directory: METADATA_LOC must be a table's "
                 "metadata.json file (for example .../warehouse/db/table/metadata/00003-....metadata.json)"

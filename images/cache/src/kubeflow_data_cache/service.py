@@ -169,11 +169,11 @@ class ReadOnlyFlight(flight.FlightServerBase):
         raise NotImplementedError("DoExchange is not supported: read with GetFlightInfo, then DoGet per endpoint")
 
 
-def meter_calls(server: Any, metrics: Metrics, handlers: tuple[str, ...] = tuple(FLIGHT_CALLS)) -> None:
-    """Wrap the server's Flight handlers (on the instance) in ``flight_errors``, labelled by
+def meter_calls(server: Any, metrics: Metrics) -> None:
+    """Wrap every Flight handler of the server (on the instance) in ``flight_errors``, labelled by
     Flight's names; a call made from inside the class bypasses the wrapper (not counted twice)."""
-    for name in handlers:
-        setattr(server, name, flight_errors(metrics, FLIGHT_CALLS[name])(getattr(server, name)))
+    for name, method in FLIGHT_CALLS.items():
+        setattr(server, name, flight_errors(metrics, method)(getattr(server, name)))
 
 
 def parse_action_body(action: flight.Action) -> dict[str, Any]:
