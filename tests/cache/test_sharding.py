@@ -9,24 +9,23 @@ from hypothesis import strategies as st
 
 from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.protocol import ShardRequest
-from kubeflow_data_cache.sharding import EpochOrder, node_rows, nodes_for_shard, shard_ranges, shard_size
+from kubeflow_data_cache.sharding import EpochOrder, endpoint_rows, node_rows, shard_ranges, shard_size, skip_rows
 
 
 def node_offsets(total: int, nodes: int) -> list[int]:
     return [k * total // nodes for k in range(nodes)] + [total]
 
 
-def rows_of_shard(total: int, nodes: int, req: ShardRequest) -> tuple[list[int], set[int]]:
-    """What the data nodes together serve for one shard, and which nodes served any."""
+def rows_of_shard(total: int, nodes: int, req: ShardRequest) -> tuple[list[int], list[int]]:
+    """What the data nodes together serve for one shard, and how many rows each served."""
     offs = node_offsets(total, nodes)
     out: list[int] = []
-    serving = set()
+    served = []
     for k in range(nodes):
-        for part in node_rows(offs[k], offs[k + 1] - offs[k], total, req):
-            if len(part):
-                serving.add(k)
-            out.extend((np.asarray(part, dtype=np.int64) + offs[k]).tolist())
-    return out, serving
+        mine = [r + offs[k] for part in node_rows(offs[k], offs[k + 1] - offs[k], total, req) for r in part]
+        served.append(len(mine))
+        out.extend(mine)
+    return out, served
 
 
 @settings(max_examples=150, deadline=None)
@@ -44,10 +43,10 @@ def test_every_row_exactly_once_over_all_shards(total, shards, nodes, block, shu
     offs = node_offsets(total, nodes)
     for s in range(shards):
         req = ShardRequest(shard=s, num_shards=shards, shuffle=shuffle, seed=seed, epoch=epoch, block_size=block)
-        rows, serving = rows_of_shard(total, nodes, req)
+        rows, served = rows_of_shard(total, nodes, req)
         assert len(rows) == shard_size(total, req)
-        # The head lists every node that serves rows of the shard (it may list a few extra).
-        assert serving <= set(nodes_for_shard(offs, total, req))
+        # The head's per-endpoint counts (in tickets) are exactly what each node streams.
+        assert endpoint_rows(offs, total, req) == served
         seen.extend(rows)
     assert sorted(seen) == list(range(total))
 
@@ -149,3 +148,38 @@ def test_a_nodes_rows_are_the_orders_rows_in_its_range(total, block, shuffle, da
     rows = order.rows(lo, hi)
     expected = rows[(rows >= row_lo) & (rows < row_hi)]
     assert np.array_equal(order.rows_in(lo, hi, row_lo, row_hi), expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    total=st.integers(0, 3000),
+    cuts=st.lists(st.integers(0, 3000), max_size=5),
+    shards=st.integers(1, 10),
+    block=st.integers(1, 400),
+    shuffle=st.booleans(),
+    even=st.sampled_from([None, "drop", "pad"]),
+    data=st.data(),
+)
+def test_endpoint_counts_are_exact_for_uneven_nodes_and_wrapping_shards(
+    total, cuts, shards, block, shuffle, even, data
+):
+    """Nodes of any size (empty ones too), even splits that wrap around: counts match the streams."""
+    offs = [0, *sorted(min(c, total) for c in cuts), total]
+    req = ShardRequest(
+        shard=data.draw(st.integers(0, shards - 1)), num_shards=shards, shuffle=shuffle, block_size=block, even=even
+    )
+    streamed = [
+        sum(len(p) for p in node_rows(offs[k], offs[k + 1] - offs[k], total, req)) for k in range(len(offs) - 1)
+    ]
+    assert endpoint_rows(offs, total, req) == streamed
+
+
+@settings(max_examples=100, deadline=None)
+@given(total=st.integers(1, 2000), block=st.integers(1, 300), shuffle=st.booleans(), data=st.data())
+def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, block, shuffle, data):
+    req = ShardRequest(shard=0, num_shards=2, shuffle=shuffle, block_size=block, batch_size=7)
+    whole = [int(r) for p in node_rows(0, total, total, req) for r in p]
+    skip = data.draw(st.integers(0, len(whole)))
+    parts = list(skip_rows(node_rows(0, total, total, req), skip))
+    assert all(isinstance(p, range) for p in parts) or shuffle  # unshuffled stays zero-copy slices
+    assert [int(r) for p in parts for r in p] == whole[skip:]

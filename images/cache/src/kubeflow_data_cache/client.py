@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -26,9 +26,11 @@ from kubeflow_data_cache.errors import (
     BadRequestError,
     CacheAuthError,
     CacheUnavailableError,
+    DataCacheError,
     ForkedConnectionError,
     NotReadyError,
 )
+from kubeflow_data_cache.interleave import ResumePoint, resume_point, round_robin, sequential_point
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.stall_watch import StallWatch
@@ -244,8 +246,9 @@ class CacheClient:
 
         return self._retry(location, "status", call)
 
-    def read_shard(self, request: ShardRequest, interleave: bool = True) -> Iterator[pa.RecordBatch]:
-        """Every record batch of one shard, from all of its data nodes.
+    def read_shard(self, request: ShardRequest, interleave: bool = True, start: int = 0) -> Iterator[pa.RecordBatch]:
+        """Every record batch of one shard, from all of its data nodes; with ``start``, all but
+        the first ``start`` rows (a resumed read).
 
         With ``interleave`` the endpoints' streams are round-robined in chunks of exactly
         ``request.block_size`` rows, the unit the shuffle permutes, so consecutive blocks come from
@@ -255,39 +258,72 @@ class CacheClient:
         Either way, with several endpoints every stream is open at once, each read up to
         STREAM_READAHEAD_BATCHES ahead in its own thread, so all the shard's data nodes send
         while the caller converts.
+
+        A resumed read asks each data node to leave out the rows already handed out, so they
+        are not sent again; a cache whose tickets do not say how many rows each stream holds
+        (an older version) sends them, and they are dropped here as they arrive.
         """
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start should be a row count >= 0, got {start!r}")
         info = self.get_flight_info(request)
-        streams: list[Iterator[pa.RecordBatch]] = [self.read_endpoint(request, e) for e in info.endpoints]
+        if start > info.total_records:
+            raise BadRequestError(
+                f"cannot resume {start} rows into a shard of {info.total_records} rows: the saved position "
+                "is from another table or other settings"
+            )
+        endpoints = list(info.endpoints)
+        lengths = [Ticket.from_json(e.ticket.ticket).rows for e in endpoints]
+        nodes_skip = None not in lengths
+        served = start if nodes_skip else 0
+        if not served:
+            point = ResumePoint((0,) * len(endpoints))
+        elif interleave:
+            point = resume_point(lengths, request.block_size, served)
+        else:
+            point = sequential_point(lengths, served)
+        streams: list[Iterator[pa.RecordBatch]] = [
+            self.read_endpoint(request, e, skip) for e, skip in zip(endpoints, point.skips, strict=True)
+        ]
         if len(streams) > 1:  # one stream alone has nothing to overlap with; the thread hop costs ~10%
             streams = [Readahead(s, STREAM_READAHEAD_BATCHES, f"cache-stream-{i}") for i, s in enumerate(streams)]
         try:
             if interleave:
-                yield from round_robin(streams, request.block_size)
+                batches = round_robin(streams, request.block_size, point.turn, point.taken)
             else:
-                for stream in streams:
-                    yield from stream
+                batches = (batch for stream in streams for batch in stream)
+            yield from batches if nodes_skip else _drop_rows(batches, start)
         finally:
             for stream in streams:
                 stream.close()  # a generator or a Readahead: both stop their stream
 
-    def read_endpoint(self, request: ShardRequest, endpoint: flight.FlightEndpoint) -> Iterator[pa.RecordBatch]:
-        """One endpoint of ``get_flight_info(request)``, read in this thread: its batches; a broken
-        stream is reopened and the rows already seen skipped.
+    def read_endpoint(
+        self, request: ShardRequest, endpoint: flight.FlightEndpoint, start: int = 0
+    ) -> Iterator[pa.RecordBatch]:
+        """One endpoint of ``get_flight_info(request)``, read in this thread: its batches (all
+        but the first ``start`` rows); a broken stream is reopened after the rows already seen.
 
-        The same ticket yields the same rows in the same order, so skipping ``received`` rows of
-        the new stream neither repeats nor loses a row. A data node that restarted (and reloaded
-        the same table) rejects the old ticket as stale: the head is asked for a fresh one.
+        The same ticket yields the same rows in the same order, so the node is asked to leave
+        out the rows received (an older cache sends them and they are dropped here): nothing is
+        repeated or lost. A data node that restarted (and reloaded the same table) rejects the
+        old ticket as stale: the head is asked for a fresh one. A stream that ends short of the
+        rows its ticket promises is an error, not a smaller shard.
         """
-        received = 0
+        received = start  # rows of the stream before the next one to yield
+        if start and Ticket.from_json(endpoint.ticket.ticket).rows == start:
+            return  # a resumed read that had all of this stream: nothing to ask for
         failing_since: float | None = None
         delay = BACKOFF_INITIAL_SECONDS
         replans = 0
         while True:
             location = endpoint.locations[0].uri.decode() if endpoint.locations else self.endpoint
-            skip = received
+            ticket = Ticket.from_json(endpoint.ticket.ticket)
+            if ticket.rows is not None:  # the node leaves out what this stream already gave
+                wire, skip = flight.Ticket(ticket.skipping(received).to_json()), 0
+            else:
+                wire, skip = endpoint.ticket, received
             reader = None
             try:
-                reader = self._client(location).do_get(endpoint.ticket, self._options(None))
+                reader = self._client(location).do_get(wire, self._options(None))
                 while True:
                     chunk = self._next_chunk(reader, location)
                     if chunk is None:
@@ -302,6 +338,11 @@ class CacheClient:
                     received += batch.num_rows
                     failing_since, delay = None, BACKOFF_INITIAL_SECONDS
                     yield batch
+                if ticket.rows is not None and received != ticket.rows:
+                    raise DataCacheError(
+                        f"data node {location} sent {received} rows of a stream whose ticket holds {ticket.rows}; "
+                        "the shard would not be exact"
+                    )
                 self._stall_watch.forget(reader)
                 reader = None  # read to the end: nothing to cancel
                 return
@@ -368,7 +409,7 @@ class CacheClient:
             now = Ticket.from_json(endpoint.ticket.ticket)
             if now.node != was.node:
                 continue
-            if (now.offset, now.node_rows, now.total) != (was.offset, was.node_rows, was.total):
+            if (now.offset, now.node_rows, now.total, now.rows) != (was.offset, was.node_rows, was.total, was.rows):
                 break
             return endpoint
         raise BadRequestError(
@@ -466,35 +507,12 @@ def _is_stale(err: BaseException) -> bool:
     return "stale ticket" in reason
 
 
-def round_robin(streams: Iterable[Iterator[pa.RecordBatch]], unit: int) -> Iterator[pa.RecordBatch]:
-    """Take ``unit`` rows from each stream in turn (zero-copy slices) until all are exhausted."""
-    cursors = [_Cursor(stream) for stream in streams]
-    while cursors:
-        for cursor in list(cursors):
-            need = unit
-            while need:
-                piece = cursor.take(need)
-                if piece is None:
-                    cursors.remove(cursor)
-                    break
-                need -= piece.num_rows
-                yield piece
-
-
-class _Cursor:
-    """A stream of record batches read in pieces of at most ``n`` rows."""
-
-    def __init__(self, stream: Iterator[pa.RecordBatch]) -> None:
-        self._stream = stream
-        self._batch: pa.RecordBatch | None = None
-        self._offset = 0
-
-    def take(self, n: int) -> pa.RecordBatch | None:
-        while self._batch is None or self._offset >= self._batch.num_rows:
-            self._batch = next(self._stream, None)
-            self._offset = 0
-            if self._batch is None:
-                return None
-        piece = self._batch.slice(self._offset, n)
-        self._offset += piece.num_rows
-        return piece
+def _drop_rows(record_batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
+    """The batches without their first ``skip`` rows."""
+    for rb in record_batches:
+        if skip >= rb.num_rows:
+            skip -= rb.num_rows
+            continue
+        if skip:
+            rb, skip = rb.slice(skip), 0
+        yield rb

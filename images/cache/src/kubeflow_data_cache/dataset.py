@@ -307,7 +307,8 @@ class DataCacheDataset(IterableDataset):
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
         with self._lease() as client:
-            record_batches = _skip_rows(client.read_shard(request, interleave=request.shuffle), skip)
+            # The nodes leave out the rows a resumed reader handed out before (client.read_shard).
+            record_batches = client.read_shard(request, interleave=request.shuffle, start=skip)
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
@@ -488,16 +489,6 @@ class DataCacheDataset(IterableDataset):
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
         return int(state["rows"])
-
-
-def _skip_rows(record_batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
-    for rb in record_batches:
-        if skip >= rb.num_rows:
-            skip -= rb.num_rows
-            continue
-        if skip:
-            rb, skip = rb.slice(skip), 0
-        yield rb
 
 
 def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:

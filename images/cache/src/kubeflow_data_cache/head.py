@@ -48,7 +48,7 @@ from kubeflow_data_cache.service import (
     meter_calls,
     parse_action_body,
 )
-from kubeflow_data_cache.sharding import nodes_for_shard, shard_size
+from kubeflow_data_cache.sharding import endpoint_rows
 
 log = logging.getLogger(__name__)
 
@@ -383,10 +383,12 @@ class Head(ReadOnlyFlight):
             offsets.append(offsets[-1] + n)
         total = offsets[-1]
         endpoints = []
-        for node in nodes_for_shard(offsets, total, req):
-            ticket = protocol.Ticket(self.generation, node, offsets[node], counts[node], total, req)
-            endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
-        rows = shard_size(total, req)
+        per_node = endpoint_rows(offsets, total, req)
+        for node, rows in enumerate(per_node):
+            if rows:
+                ticket = protocol.Ticket(self.generation, node, offsets[node], counts[node], total, req, rows=rows)
+                endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
+        rows = sum(per_node)
         return flight.FlightInfo(schema, descriptor, endpoints, rows, rows * self._row_bytes(schema))
 
     def _row_bytes(self, schema: pa.Schema) -> int:

@@ -12,7 +12,7 @@ docs/protocol.md for the prose version.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from kubeflow_data_cache.errors import BadRequestError
@@ -146,6 +146,11 @@ class Ticket:
     ``offset`` and ``total`` place this node's rows in the (possibly filtered) virtual row space
     of ``total`` rows; ``node_rows`` is how many of them this node holds, checked on arrival so a
     stale ticket (node reloaded, other filter result) fails instead of serving wrong rows.
+
+    ``rows`` is how many rows the endpoint's stream holds; ``skip`` makes the node leave out
+    that many from its start (a client resuming mid-shard, or reopening a broken stream, so the
+    rows it has are not sent again). A head that issues neither (None) has nodes that do not
+    skip: its clients skip what they have as it arrives.
     """
 
     generation: str
@@ -154,8 +159,21 @@ class Ticket:
     node_rows: int
     total: int
     request: ShardRequest
+    rows: int | None = None
+    skip: int = 0
     version: int = PROTOCOL_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _as_int("skip", self.skip)
+        if self.rows is not None:
+            _as_int("rows", self.rows)
+            _require(self.skip <= self.rows, f"'skip' ({self.skip}) is past the stream's {self.rows} rows")
+        else:
+            _require(self.skip == 0, "'skip' needs 'rows': this ticket's head does not serve skips")
+
+    def skipping(self, skip: int) -> Ticket:
+        """The same ticket for the stream without its first ``skip`` rows."""
+        return replace(self, skip=skip)
 
     def to_json(self) -> bytes:
         body = {
@@ -167,6 +185,8 @@ class Ticket:
             "total": self.total,
             "request": self.request.to_dict(),
         }
+        if self.rows is not None:
+            body.update(rows=self.rows, skip=self.skip)
         return json.dumps(body, sort_keys=True).encode()
 
     @classmethod
@@ -185,6 +205,8 @@ class Ticket:
                 node_rows=_as_int("node_rows", data["node_rows"]),
                 total=_as_int("total", data["total"]),
                 request=ShardRequest.from_dict(data["request"]),
+                rows=data.get("rows"),
+                skip=data.get("skip", 0),
             )
         except KeyError as missing:
             raise BadRequestError(f"malformed ticket: missing field {missing}") from None

@@ -160,7 +160,7 @@ class EpochOrder:
         return np.concatenate((flat[:cut], tail, flat[cut:]))
 
     def row_spans(self, lo: int, hi: int) -> np.ndarray:
-        """Ranges ``[start, stop)`` of virtual rows (one per row, shape ``(n, 2)``) that positions
+        """Ranges ``[start, stop)`` of virtual rows (one per block, shape ``(n, 2)``) that positions
         [lo, hi) may touch: whole blocks when shuffled."""
         if not self.shuffle:
             return np.array([[lo, hi]] if hi > lo else [], dtype=np.int64).reshape(-1, 2)
@@ -171,24 +171,44 @@ class EpochOrder:
         return np.stack((begin, begin + self.sizes[first : last + 1]), axis=1)
 
 
-def nodes_for_shard(node_offsets: list[int], total: int, req: ShardRequest) -> list[int]:
-    """Data nodes that may hold rows of the shard. ``node_offsets`` has one entry per node plus
-    the end (``total``), so node ``k`` holds virtual rows ``[node_offsets[k], node_offsets[k+1])``."""
-    order = EpochOrder(total, req)
+def endpoint_rows(node_offsets: list[int], total: int, req: ShardRequest) -> list[int]:
+    """How many rows of the shard each data node serves. ``node_offsets`` has one entry per node
+    plus the end (``total``), so node ``k`` holds virtual rows ``[node_offsets[k], node_offsets[k+1])``.
+
+    Exact, without computing the shard's rows: whole blocks are counted from their row spans
+    (a node's count is the part of the spans inside its range), and only the two blocks a
+    position range may cut are computed row by row. A client uses the counts to resume
+    mid-shard (which rows of each endpoint's stream it already has) and to check that every
+    stream was whole.
+    """
     bounds = np.asarray(node_offsets, dtype=np.int64)
-    nodes = len(node_offsets) - 1
-    hit = np.zeros(nodes + 1, dtype=np.int64)
+    counts = np.zeros(len(node_offsets) - 1, dtype=np.int64)
+    order = EpochOrder(total, req)
     for lo, hi in shard_ranges(total, req):
-        spans = order.row_spans(lo, hi)
-        if not len(spans):
+        if not order.shuffle:
+            counts += np.clip(np.minimum(hi, bounds[1:]) - np.maximum(lo, bounds[:-1]), 0, None)
             continue
-        first = np.searchsorted(bounds, spans[:, 0], side="right") - 1
-        last = np.searchsorted(bounds, spans[:, 1] - 1, side="right") - 1
-        np.add.at(hit, first, 1)
-        np.add.at(hit, last + 1, -1)
-    covered = np.cumsum(hit)[:nodes] > 0
-    sizes = np.diff(bounds)
-    return [k for k in range(nodes) if covered[k] and sizes[k] > 0]
+        first, last = order._blocks(lo, hi)
+        spans = order.row_spans(lo, hi)  # the whole blocks first..last
+        counts += np.diff(_covered_below(spans, bounds))
+        # The parts of the end blocks outside [lo, hi) are not the shard's.
+        for cut_lo, cut_hi in ((int(order.starts[first]), lo), (hi, int(order.starts[last + 1]))):
+            if cut_lo < cut_hi:
+                rows = order.rows(cut_lo, cut_hi)
+                counts -= np.bincount(np.searchsorted(bounds, rows, side="right") - 1, minlength=len(counts))
+    return counts.tolist()
+
+
+def _covered_below(spans: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """For each point ``x``, how many rows of the disjoint ``[start, stop)`` spans lie below ``x``."""
+    if not len(spans):
+        return np.zeros(len(points), dtype=np.int64)
+    spans = spans[np.argsort(spans[:, 0])]
+    below = np.concatenate(([0], np.cumsum(spans[:, 1] - spans[:, 0])))
+    # Spans starting below x count whole, but the last of them may reach past x.
+    n = np.searchsorted(spans[:, 0], points, side="left")
+    over = np.where(n > 0, np.maximum(spans[np.maximum(n - 1, 0), 1] - points, 0), 0)
+    return below[n] - over
 
 
 def node_rows(node_offset: int, node_total: int, total: int, req: ShardRequest) -> Iterator[np.ndarray | range]:
@@ -213,3 +233,18 @@ def node_rows(node_offset: int, node_total: int, total: int, req: ShardRequest) 
             mine = order.rows_in(start, min(hi, start + window), lo_node, hi_node)
             if len(mine):
                 yield mine - node_offset
+
+
+def skip_rows(parts: Iterator[np.ndarray | range], skip: int) -> Iterator[np.ndarray | range]:
+    """``node_rows`` output without its first ``skip`` rows (a resumed or reopened stream).
+
+    Shuffled, the skipped windows' order is still computed (cheap next to gathering and sending
+    their rows, which is what skipping saves).
+    """
+    for part in parts:
+        if skip >= len(part):
+            skip -= len(part)
+            continue
+        if skip:
+            part, skip = part[skip:], 0
+        yield part
