@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bench.cases.resume import RESUME_FRACTION
+
 START_MARKER = "<!-- bench:start -->"
 END_MARKER = "<!-- bench:end -->"
 # The full grid's table lives in docs/benchmarks.md, between its own markers.
@@ -120,6 +122,11 @@ def _row(case: dict[str, Any]) -> list[str]:
             ratio = f"{med(case, 'seconds'):.3f} s/epoch"
         else:
             ratio = f"cache speedup {_fmt_ratio(med(case, 'cache_speedup'))} ({med(case, 'seconds'):.3f} s/epoch)"
+    elif kind == "resume":
+        variant += ", shuffled" if case["shuffled"] else ", in order"
+        ratio = f"{med(case, 'seconds'):.3f} s for the last {1 - RESUME_FRACTION:.0%}"
+        if variant.startswith("client-drop"):
+            ratio += f"; node skip {_fmt_ratio(med(case, 'skip_speedup'))} faster"
     elif kind == "load":
         variant += f" from {case['source']}"
         ratio = (
@@ -159,7 +166,7 @@ def _row(case: dict[str, Any]) -> list[str]:
 
 def _order(case: dict[str, Any]) -> tuple:
     """Group the detail table by case, then grid point; chronological order stays in the JSON."""
-    kinds = ("serve", "epoch", "load", "memory-baseline", "memory")
+    kinds = ("serve", "epoch", "resume", "load", "memory-baseline", "memory")
     return (kinds.index(case["case"]), case["rows"], case["source"], case["nodes"] or 0, case["clients"] or 0)
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cases import epoch, load, memory, serve
+from bench.cases import epoch, load, memory, resume, serve
 from bench.config import BenchConfig
 from bench.procs import CacheProcess, MotoServer
 from bench.stats import CaseResult, Progress, machine_facts
@@ -25,7 +25,7 @@ def _cluster_cases(
     baseline_bytes: float,
     progress: Progress,
 ) -> tuple[list[CaseResult], dict, CacheProcess]:
-    """Serve, epoch and post-serve memory on one running cluster (the last start of its point)."""
+    """Serve, epoch, resume and post-serve memory on one running cluster (the last start of its point)."""
     results: list[CaseResult] = []
     with CacheProcess(table.metadata_location, nodes, table.env) as cache:
         status = cache.status()
@@ -35,6 +35,7 @@ def _cluster_cases(
         if table.rows in cfg.epoch_sizes and nodes == cfg.epoch_nodes:
             s3 = tables.s3(table.rows) if table.rows in cfg.s3_sizes else None
             results += epoch.run(cache.endpoint, table, s3, nodes, cfg.repeats, cfg.batch_size, cfg.columns, progress)
+            results += resume.run(cache.endpoint, table.rows, nodes, cfg.repeats, progress)
         memory.record_served(mem, cache, cache.status())
     return results, status, cache
 

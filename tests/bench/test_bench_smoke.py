@@ -39,9 +39,10 @@ def test_every_case_runs_with_positive_figures(smoke_result, tmp_path):
     expected = {("memory-baseline", "idle-node", None), ("serve", "doget", False), ("load", "cache", None)}
     expected |= {("memory", "data-node", None)}
     expected |= {("epoch", m, s) for m in EPOCH_METHODS for s in (False, True)}
+    expected |= {("resume", m, s) for m in ("node-skip", "client-drop") for s in (False, True)}
     # serve results carry shuffled=None; compare on what each case defines.
-    seen = {(k, v, s if k == "epoch" else None) for k, v, s in seen}
-    expected = {(k, v, s if k == "epoch" else None) for k, v, s in expected}
+    seen = {(k, v, s if k in ("epoch", "resume") else None) for k, v, s in seen}
+    expected = {(k, v, s if k in ("epoch", "resume") else None) for k, v, s in expected}
     assert seen == expected
     for case in data["cases"]:
         assert case["figures"], case

@@ -291,7 +291,7 @@ class CacheClient:
                 batches = round_robin(streams, request.block_size, point.turn, point.taken)
             else:
                 batches = (batch for stream in streams for batch in stream)
-            yield from batches if nodes_skip else _drop_rows(batches, start)
+            yield from batches if nodes_skip else drop_rows(batches, start)
         finally:
             for stream in streams:
                 stream.close()  # a generator or a Readahead: both stop their stream
@@ -507,7 +507,7 @@ def _is_stale(err: BaseException) -> bool:
     return "stale ticket" in reason
 
 
-def _drop_rows(record_batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
+def drop_rows(record_batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
     """The batches without their first ``skip`` rows."""
     for rb in record_batches:
         if skip >= rb.num_rows:
