@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.protocol import ShardRequest
-from kubeflow_data_cache.sharding import EpochOrder, endpoint_rows, node_rows, shard_ranges, shard_size, skip_rows
+from kubeflow_data_cache.sharding import EpochOrder, endpoint_rows, node_rows, shard_ranges, shard_size
 
 
 def node_offsets(total: int, nodes: int) -> list[int]:
@@ -174,12 +174,32 @@ def test_endpoint_counts_are_exact_for_uneven_nodes_and_wrapping_shards(
     assert endpoint_rows(offs, total, req) == streamed
 
 
-@settings(max_examples=100, deadline=None)
-@given(total=st.integers(1, 2000), block=st.integers(1, 300), shuffle=st.booleans(), data=st.data())
-def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, block, shuffle, data):
-    req = ShardRequest(shard=0, num_shards=2, shuffle=shuffle, block_size=block, batch_size=7)
-    whole = [int(r) for p in node_rows(0, total, total, req) for r in p]
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(1, 3000),
+    cut=st.floats(0, 1),
+    shards=st.integers(1, 6),
+    block=st.integers(1, 400),
+    batch=st.integers(1, 64),
+    shuffle=st.booleans(),
+    even=st.sampled_from([None, "drop", "pad"]),
+    data=st.data(),
+)
+def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, cut, shards, block, batch, shuffle, even, data):
+    """A node told to skip starts where the whole stream would be after that many rows: counted
+    across wrapped ranges (pad) and partial blocks, windows smaller or larger than blocks."""
+    split = int(total * cut)
+    node = data.draw(st.sampled_from([(0, split), (split, total - split)]))
+    req = ShardRequest(
+        shard=data.draw(st.integers(0, shards - 1)),
+        num_shards=shards,
+        shuffle=shuffle,
+        block_size=block,
+        batch_size=batch,
+        even=even,
+    )
+    whole = [int(r) for p in node_rows(*node, total, req) for r in p]
     skip = data.draw(st.integers(0, len(whole)))
-    parts = list(skip_rows(node_rows(0, total, total, req), skip))
-    assert all(isinstance(p, range) for p in parts) or shuffle  # unshuffled stays zero-copy slices
+    parts = list(node_rows(*node, total, req, skip))
+    assert shuffle or all(isinstance(p, range) for p in parts)  # unshuffled stays zero-copy slices
     assert [int(r) for p in parts for r in p] == whole[skip:]

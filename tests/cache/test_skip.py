@@ -7,7 +7,9 @@ its ticket is an error, never a smaller shard.
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -15,8 +17,8 @@ import pyarrow.flight as flight
 import pytest
 
 from kubeflow_data_cache.client import CacheClient
-from kubeflow_data_cache.errors import DataCacheError
-from kubeflow_data_cache.protocol import ShardRequest, Ticket
+from kubeflow_data_cache.errors import BadRequestError, DataCacheError
+from kubeflow_data_cache.protocol import PROTOCOL_VERSION, SKIP_VERSION, ShardRequest, Ticket, ticket_rows, with_skip
 from tests.cache.inprocess import get, wait_for
 
 
@@ -56,7 +58,7 @@ def test_a_node_serves_a_ticket_from_its_skip(one_node, small_table, shuffle):
 def test_a_skip_past_the_stream_is_refused(one_node):
     endpoint, _ = one_node
     info = flight.FlightClient(endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "2"))
-    body = info.endpoints[0].ticket.ticket.replace(b'"skip": 0', b'"skip": 999999')
+    body = with_skip(info.endpoints[0].ticket.ticket, 999999)
     node = flight.FlightClient(info.endpoints[0].locations[0].uri.decode())
     with pytest.raises(pa.ArrowInvalid, match=r"'skip' \(999999\) is past the stream's 5000 rows"):
         node.do_get(flight.Ticket(body)).read_all()
@@ -81,23 +83,22 @@ def test_a_stream_short_of_its_ticket_is_an_error(one_node):
     request = ShardRequest(columns=("id",))
     with CacheClient(endpoint) as client:
         (only,) = client.get_flight_info(request).endpoints
-        ticket = Ticket.from_json(only.ticket.ticket)
+        t = Ticket.from_json(only.ticket.ticket)
         # As if the node had lost rows on the way: the ticket promises more than arrives.
-        promised = Ticket(
-            ticket.generation,
-            ticket.node,
-            ticket.offset,
-            ticket.node_rows,
-            ticket.total,
-            ticket.request,
-            rows=ticket.rows + 5,
-        )
+        promised = Ticket(t.generation, t.node, t.offset, t.node_rows, t.total, t.request, rows=t.rows + 5)
         forged = flight.FlightEndpoint(promised.to_json(), only.locations)
         got = []
-        with pytest.raises(DataCacheError, match=r"sent 10000 rows of a stream whose ticket holds 10005"):
+        with pytest.raises(DataCacheError, match=r"stream ended at row 10000 of the 10005 its ticket holds"):
             for batch in client.read_endpoint(request, forged):
                 got.append(batch)
         assert sum(b.num_rows for b in got) == 10_000
+        # And one that sends more than its ticket holds fails at the batch that goes past it.
+        fewer = Ticket(t.generation, t.node, t.offset, t.node_rows, t.total, t.request, rows=t.rows - 5)
+        got = []
+        with pytest.raises(DataCacheError, match=r"stream went past row 9995, where its ticket ends"):
+            for batch in client.read_endpoint(request, flight.FlightEndpoint(fewer.to_json(), only.locations)):
+                got.append(batch)
+        assert sum(b.num_rows for b in got) < 9995
 
 
 def test_tickets_without_counts_are_read_whole_and_skipped_here(one_node):
@@ -114,3 +115,90 @@ def test_tickets_without_counts_are_read_whole_and_skipped_here(one_node):
         assert b'"rows"' not in old.ticket.ticket
         assert ids(client.read_endpoint(request, old, start=4321)) == whole[4321:]
     assert np.unique(whole).size == 10_000
+
+
+class Spy:
+    """A data node connection that records the tickets sent and breaks the first stream once,
+    after ``break_after`` batches, as a dropped connection would."""
+
+    def __init__(self, client: flight.FlightClient, break_after: int) -> None:
+        self._client, self.break_after, self.tickets = client, break_after, []
+
+    def do_get(self, ticket, options=None):
+        self.tickets.append(json.loads(ticket.ticket))
+        reader = self._client.do_get(ticket, options)
+        if len(self.tickets) > 1:
+            return reader
+        spy = self
+
+        class Breaking:
+            read = 0
+
+            def read_chunk(self):
+                if self.read == spy.break_after:
+                    raise flight.FlightUnavailableError("connection reset (injected)")
+                self.read += 1
+                return reader.read_chunk()
+
+            def cancel(self):
+                reader.cancel()
+
+        return Breaking()
+
+
+def test_a_broken_stream_is_reopened_after_the_rows_received(one_node, monkeypatch):
+    endpoint, _ = one_node
+    request = ShardRequest(shuffle=True, epoch=1, columns=("id",), batch_size=1000)
+    with CacheClient(endpoint) as client:
+        whole = ids(client.read_shard(request))
+        real = client._client
+        spies: dict[str, Spy] = {}
+
+        def spied(location):
+            if location == endpoint:
+                return real(location)
+            return spies.setdefault(location, Spy(real(location), break_after=3))
+
+        monkeypatch.setattr(client, "_client", spied)
+        assert ids(client.read_shard(request)) == whole
+    (spy,) = spies.values()
+    # The reopened stream asked the node to leave out the 3000 rows already received.
+    assert [(t["v"], t.get("skip")) for t in spy.tickets] == [(1, 0), (2, 3000)]
+    assert spy.tickets[1]["rows"] == 10_000
+
+
+def test_skip_tickets_keep_the_heads_fields_and_old_nodes_refuse_them():
+    request = ShardRequest(columns=("id",))
+    head_ticket = json.loads(Ticket("g", 0, 0, 10, 10, request, rows=10).to_json())
+    head_ticket["future"] = "a field a newer head adds"
+    raw = json.dumps(head_ticket).encode()
+    assert with_skip(raw, 0) == raw  # nothing to skip: the head's bytes as they are
+    skipping = json.loads(with_skip(raw, 4))
+    assert skipping == {**head_ticket, "v": SKIP_VERSION, "skip": 4}
+    assert Ticket.from_json(with_skip(raw, 4)).skip == 4
+    # A node from before skipping accepts version 1 only: it refuses, it does not ignore the skip.
+    assert SKIP_VERSION != PROTOCOL_VERSION
+    with pytest.raises(BadRequestError, match="a ticket with a skip should be version 2"):
+        Ticket.from_json(json.dumps({**head_ticket, "skip": 4}).encode())
+    assert ticket_rows(raw) == 10
+    assert ticket_rows(b"not json") is None
+    assert ticket_rows(json.dumps({**head_ticket, "rows": "10"}).encode()) is None
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        ShardRequest(shard=2, num_shards=3, shuffle=True, epoch=3, even="pad", block_size=256, batch_size=300),
+        ShardRequest(shard=0, num_shards=2, shuffle=True, filter="id % 3 = 0", block_size=100, batch_size=128),
+        ShardRequest(shard=1, num_shards=3, filter="id % 2 = 1", even="drop", batch_size=500),
+    ],
+    ids=["padded-shuffled", "filtered-shuffled", "filtered-in-order"],
+)
+def test_resuming_across_two_nodes_gives_the_rest(small_cache, request_):
+    """Two data node processes: the round-robin (or node-by-node) order resumes where it stood."""
+    request = replace(request_, columns=("id",))
+    with CacheClient(small_cache.endpoint) as client:
+        whole = ids(client.read_shard(request, interleave=request.shuffle))
+        assert len(client.get_flight_info(request).endpoints) == 2
+        for start in (1, 257, len(whole) // 2, len(whole) - 1, len(whole)):
+            assert ids(client.read_shard(request, interleave=request.shuffle, start=start)) == whole[start:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import random
 import threading
 import time
@@ -31,7 +32,7 @@ from kubeflow_data_cache.errors import (
     NotReadyError,
 )
 from kubeflow_data_cache.interleave import ResumePoint, resume_point, round_robin, sequential_point
-from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket
+from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.stall_watch import StallWatch
 
@@ -41,7 +42,6 @@ __all__ = [
     "CacheClient",
     "CacheUnavailableError",
     "ForkedConnectionError",
-    "round_robin",
 ]
 
 log = logging.getLogger(__name__)
@@ -263,8 +263,7 @@ class CacheClient:
         are not sent again; a cache whose tickets do not say how many rows each stream holds
         (an older version) sends them, and they are dropped here as they arrive.
         """
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start should be a row count >= 0, got {start!r}")
+        start = _row_count(start)
         info = self.get_flight_info(request)
         if start > info.total_records:
             raise BadRequestError(
@@ -272,7 +271,7 @@ class CacheClient:
                 "is from another table or other settings"
             )
         endpoints = list(info.endpoints)
-        lengths = [Ticket.from_json(e.ticket.ticket).rows for e in endpoints]
+        lengths = [ticket_rows(e.ticket.ticket) for e in endpoints]
         nodes_skip = None not in lengths
         served = start if nodes_skip else 0
         if not served:
@@ -306,19 +305,19 @@ class CacheClient:
         out the rows received (an older cache sends them and they are dropped here): nothing is
         repeated or lost. A data node that restarted (and reloaded the same table) rejects the
         old ticket as stale: the head is asked for a fresh one. A stream that ends short of the
-        rows its ticket promises is an error, not a smaller shard.
+        rows its ticket promises, or goes past them, is an error, not another shard.
         """
-        received = start  # rows of the stream before the next one to yield
-        if start and Ticket.from_json(endpoint.ticket.ticket).rows == start:
+        received = _row_count(start)  # rows of the stream before the next one to yield
+        if received and ticket_rows(endpoint.ticket.ticket) == received:
             return  # a resumed read that had all of this stream: nothing to ask for
         failing_since: float | None = None
         delay = BACKOFF_INITIAL_SECONDS
         replans = 0
         while True:
             location = endpoint.locations[0].uri.decode() if endpoint.locations else self.endpoint
-            ticket = Ticket.from_json(endpoint.ticket.ticket)
-            if ticket.rows is not None:  # the node leaves out what this stream already gave
-                wire, skip = flight.Ticket(ticket.skipping(received).to_json()), 0
+            rows = ticket_rows(endpoint.ticket.ticket)
+            if rows is not None:  # the node leaves out what this stream already gave
+                wire, skip = flight.Ticket(with_skip(endpoint.ticket.ticket, received)), 0
             else:
                 wire, skip = endpoint.ticket, received
             reader = None
@@ -336,13 +335,12 @@ class CacheClient:
                     if batch.num_rows == 0:
                         continue
                     received += batch.num_rows
+                    if rows is not None and received > rows:
+                        raise self._not_whole(location, f"went past row {rows}, where its ticket ends")
                     failing_since, delay = None, BACKOFF_INITIAL_SECONDS
                     yield batch
-                if ticket.rows is not None and received != ticket.rows:
-                    raise DataCacheError(
-                        f"data node {location} sent {received} rows of a stream whose ticket holds {ticket.rows}; "
-                        "the shard would not be exact"
-                    )
+                if rows is not None and received < rows:
+                    raise self._not_whole(location, f"ended at row {received} of the {rows} its ticket holds")
                 self._stall_watch.forget(reader)
                 reader = None  # read to the end: nothing to cancel
                 return
@@ -351,7 +349,9 @@ class CacheClient:
                 if failing_since is None:  # a stall began when its wait did, not when it was noticed
                     failing_since = now - self._stall_watch.limit if isinstance(err, StreamStalledError) else now
                 if now - failing_since >= self.deadline_seconds:
-                    raise self._unavailable(err, location, f"DoGet after {received} rows", now - failing_since) from err
+                    raise self._unavailable(
+                        err, location, f"DoGet at row {received} of its stream", now - failing_since
+                    ) from err
                 log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, _reason(err))
                 # A restarted data node may listen elsewhere now; the head knows where.
                 with suppress(flight.FlightError):
@@ -373,6 +373,9 @@ class CacheClient:
                     self._stall_watch.forget(reader)
             time.sleep(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
+
+    def _not_whole(self, location: str, what: str) -> DataCacheError:
+        return DataCacheError(f"data node {location}'s stream {what}; the shard would not be exact")
 
     def _next_chunk(self, reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk | None:
         """The stream's next chunk (None at its end), or StreamStalledError when the node sent
@@ -409,7 +412,8 @@ class CacheClient:
             now = Ticket.from_json(endpoint.ticket.ticket)
             if now.node != was.node:
                 continue
-            if (now.offset, now.node_rows, now.total, now.rows) != (was.offset, was.node_rows, was.total, was.rows):
+            same_rows = now.rows is None or was.rows is None or now.rows == was.rows  # None: another version
+            if (now.offset, now.node_rows, now.total) != (was.offset, was.node_rows, was.total) or not same_rows:
                 break
             return endpoint
         raise BadRequestError(
@@ -505,6 +509,16 @@ _INHERITED: list[CacheClient] = []
 def _is_stale(err: BaseException) -> bool:
     reason = _reason(err).lower()
     return "stale ticket" in reason
+
+
+def _row_count(value: object) -> int:
+    try:
+        count = operator.index(value)  # numpy integers too
+    except TypeError:
+        count = -1
+    if isinstance(value, bool) or count < 0:
+        raise ValueError(f"start should be a row count >= 0, got {value!r}")
+    return count
 
 
 def drop_rows(record_batches: Iterator[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:

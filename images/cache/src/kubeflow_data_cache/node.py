@@ -41,7 +41,7 @@ from kubeflow_data_cache.service import (
     meter_calls,
     parse_action_body,
 )
-from kubeflow_data_cache.sharding import node_rows, skip_rows
+from kubeflow_data_cache.sharding import node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
 log = logging.getLogger(__name__)
@@ -348,7 +348,7 @@ class DataNode(ReadOnlyFlight):
             raise StaleTicketError(
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
-        parts = skip_rows(node_rows(t.offset, held, t.total, req), t.skip)
+        parts = node_rows(t.offset, held, t.total, req, t.skip)
         batch_rows = store.batch_rows(req.batch_size, req.columns)
         if matches is None and not req.shuffle:
             slices = store.iter_rows(parts, batch_rows, req.columns)

@@ -18,6 +18,9 @@ from typing import Any
 from kubeflow_data_cache.errors import BadRequestError
 
 PROTOCOL_VERSION = 1
+# Tickets that carry a skip say so in their version: a node from before skipping (which accepts
+# version 1 only) refuses them, rather than ignore the skip and send rows the client already has.
+SKIP_VERSION = 2
 EVEN_MODES = ("drop", "pad")
 DEFAULT_BLOCK_SIZE = 1024
 DEFAULT_BATCH_SIZE = 65536
@@ -149,8 +152,10 @@ class Ticket:
 
     ``rows`` is how many rows the endpoint's stream holds; ``skip`` makes the node leave out
     that many from its start (a client resuming mid-shard, or reopening a broken stream, so the
-    rows it has are not sent again). A head that issues neither (None) has nodes that do not
-    skip: its clients skip what they have as it arrives.
+    rows it has are not sent again). A head that issues no ``rows`` has nodes that do not skip:
+    its clients drop what they have as it arrives. A ticket with a skip is version
+    SKIP_VERSION; clients add the skip to the head's ticket bytes (``with_skip``), so fields a
+    newer head adds pass through unchanged.
     """
 
     generation: str
@@ -161,7 +166,6 @@ class Ticket:
     request: ShardRequest
     rows: int | None = None
     skip: int = 0
-    version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         _as_int("skip", self.skip)
@@ -177,7 +181,7 @@ class Ticket:
 
     def to_json(self) -> bytes:
         body = {
-            "v": self.version,
+            "v": SKIP_VERSION if self.skip else PROTOCOL_VERSION,
             "generation": self.generation,
             "node": self.node,
             "offset": self.offset,
@@ -193,10 +197,14 @@ class Ticket:
     def from_json(cls, raw: bytes) -> Ticket:
         data = _loads(raw, "ticket")
         _require(isinstance(data, dict), "a ticket should be a JSON object")
+        version = data.get("v")
         _require(
-            data.get("v") == PROTOCOL_VERSION,
-            f"ticket protocol version {data.get('v')!r} is not supported (this node speaks {PROTOCOL_VERSION})",
+            version in (PROTOCOL_VERSION, SKIP_VERSION),
+            f"ticket protocol version {version!r} is not supported (this node speaks "
+            f"{PROTOCOL_VERSION} and {SKIP_VERSION})",
         )
+        skip = data.get("skip", 0)
+        _require(not skip or version == SKIP_VERSION, f"a ticket with a skip should be version {SKIP_VERSION}")
         try:
             return cls(
                 generation=str(data["generation"]),
@@ -206,10 +214,30 @@ class Ticket:
                 total=_as_int("total", data["total"]),
                 request=ShardRequest.from_dict(data["request"]),
                 rows=data.get("rows"),
-                skip=data.get("skip", 0),
+                skip=skip,
             )
         except KeyError as missing:
             raise BadRequestError(f"malformed ticket: missing field {missing}") from None
+
+
+def ticket_rows(raw: bytes) -> int | None:
+    """The rows a head's ticket says its stream holds; None where it does not say (an older
+    cache, or a ticket this client cannot read: then it is passed on as it is)."""
+    try:
+        rows = json.loads(raw).get("rows")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 else None
+
+
+def with_skip(raw: bytes, skip: int) -> bytes:
+    """The head's ticket for the stream without its first ``skip`` rows; every other field as
+    the head wrote it."""
+    if not skip:
+        return raw
+    body = json.loads(raw)
+    body.update(v=SKIP_VERSION, skip=skip)
+    return json.dumps(body, sort_keys=True).encode()
 
 
 def _loads(raw: bytes, what: str) -> Any:

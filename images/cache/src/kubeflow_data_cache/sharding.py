@@ -9,6 +9,7 @@ of positions in that order; see docs/protocol.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -170,32 +171,77 @@ class EpochOrder:
         begin = self.order[first : last + 1] * self.block
         return np.stack((begin, begin + self.sizes[first : last + 1]), axis=1)
 
+    def counts_in(self, lo: int, hi: int, bounds: np.ndarray) -> np.ndarray:
+        """How many of the rows at positions ``[lo, hi)`` fall in each ``[bounds[k], bounds[k+1])``.
+
+        Exact, without computing the rows: whole blocks are counted from their row spans, and
+        only the two end blocks, which ``[lo, hi)`` may cut, are computed row by row.
+        """
+        counts = np.zeros(len(bounds) - 1, dtype=np.int64)
+        if hi <= lo:
+            return counts
+        if not self.shuffle:
+            return np.clip(np.minimum(hi, bounds[1:]) - np.maximum(lo, bounds[:-1]), 0, None)
+        first, last = self._blocks(lo, hi)
+        counts += np.diff(_covered_below(self.row_spans(lo, hi), bounds))
+        for cut_lo, cut_hi in ((int(self.starts[first]), lo), (hi, int(self.starts[last + 1]))):
+            if cut_lo < cut_hi:  # rows of an end block outside [lo, hi)
+                counts -= _counts_by_range(self.rows(cut_lo, cut_hi), bounds)
+        return counts
+
+    def seek(self, lo: int, hi: int, row_lo: int, row_hi: int, skip: int) -> int:
+        """The position in ``[lo, hi)`` of the row in ``[row_lo, row_hi)`` that comes after the
+        first ``skip`` of them: where a node's stream that leaves out ``skip`` rows starts
+        (``skip`` is below their count). Whole blocks are counted, and one block computed."""
+        if not self.shuffle:
+            return max(lo, row_lo) + skip
+        first, last = self._blocks(lo, hi)
+        begin = self.order[first : last + 1] * self.block
+        per_block = np.minimum(begin + self.sizes[first : last + 1], row_hi) - np.maximum(begin, row_lo)
+        ahead = np.cumsum(np.clip(per_block, 0, None))  # rows in range up to each block's end
+        block_start = int(self.starts[first])
+        if block_start < lo:  # the first block's positions before lo are not in [lo, hi)
+            ahead -= int(_counts_by_range(self.rows(block_start, lo), np.array([row_lo, row_hi]))[0])
+        b = int(np.searchsorted(ahead, skip, side="right"))  # the block holding the row
+        before = int(ahead[b - 1]) if b else 0
+        start, stop = max(lo, int(self.starts[first + b])), min(hi, int(self.starts[first + b + 1]))
+        rows = self.rows(start, stop)
+        return start + int(np.flatnonzero((rows >= row_lo) & (rows < row_hi))[skip - before])
+
+
+def _counts_by_range(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """How many of ``rows`` fall in each ``[bounds[k], bounds[k+1])`` (rows outside all: none)."""
+    which = np.searchsorted(bounds, rows, side="right") - 1
+    which = which[(which >= 0) & (which < len(bounds) - 1)]
+    return np.bincount(which, minlength=len(bounds) - 1)
+
+
+def epoch_order(total: int, req: ShardRequest) -> EpochOrder:
+    """The permutation for a request's (seed, epoch, block size), shared by every request of that
+    epoch: all readers ask the head for it, and every node stream computes from it (on a 1e9-row
+    table, building it takes a tenth of a second)."""
+    return _epoch_order(total, req.shuffle, req.seed, req.epoch, req.block_size)
+
+
+# A few epochs at once (train and eval datasets, readers a step apart); 24 bytes per block each.
+@functools.lru_cache(maxsize=4)
+def _epoch_order(total: int, shuffle: bool, seed: int, epoch: int, block_size: int) -> EpochOrder:
+    return EpochOrder(total, ShardRequest(shuffle=shuffle, seed=seed, epoch=epoch, block_size=block_size))
+
 
 def endpoint_rows(node_offsets: list[int], total: int, req: ShardRequest) -> list[int]:
     """How many rows of the shard each data node serves. ``node_offsets`` has one entry per node
     plus the end (``total``), so node ``k`` holds virtual rows ``[node_offsets[k], node_offsets[k+1])``.
 
-    Exact, without computing the shard's rows: whole blocks are counted from their row spans
-    (a node's count is the part of the spans inside its range), and only the two blocks a
-    position range may cut are computed row by row. A client uses the counts to resume
-    mid-shard (which rows of each endpoint's stream it already has) and to check that every
-    stream was whole.
+    Exact, without computing the shard's rows (``EpochOrder.counts_in``). A client uses the
+    counts to resume mid-shard (which rows of each endpoint's stream it already has) and to
+    check that every stream was whole.
     """
     bounds = np.asarray(node_offsets, dtype=np.int64)
+    order = epoch_order(total, req)
     counts = np.zeros(len(node_offsets) - 1, dtype=np.int64)
-    order = EpochOrder(total, req)
     for lo, hi in shard_ranges(total, req):
-        if not order.shuffle:
-            counts += np.clip(np.minimum(hi, bounds[1:]) - np.maximum(lo, bounds[:-1]), 0, None)
-            continue
-        first, last = order._blocks(lo, hi)
-        spans = order.row_spans(lo, hi)  # the whole blocks first..last
-        counts += np.diff(_covered_below(spans, bounds))
-        # The parts of the end blocks outside [lo, hi) are not the shard's.
-        for cut_lo, cut_hi in ((int(order.starts[first]), lo), (hi, int(order.starts[last + 1]))):
-            if cut_lo < cut_hi:
-                rows = order.rows(cut_lo, cut_hi)
-                counts -= np.bincount(np.searchsorted(bounds, rows, side="right") - 1, minlength=len(counts))
+        counts += order.counts_in(lo, hi, bounds)
     return counts.tolist()
 
 
@@ -211,40 +257,38 @@ def _covered_below(spans: np.ndarray, points: np.ndarray) -> np.ndarray:
     return below[n] - over
 
 
-def node_rows(node_offset: int, node_total: int, total: int, req: ShardRequest) -> Iterator[np.ndarray | range]:
+def node_rows(
+    node_offset: int, node_total: int, total: int, req: ShardRequest, skip: int = 0
+) -> Iterator[np.ndarray | range]:
     """The node's local virtual rows of the shard, in order: ``range`` pieces when unshuffled
-    (served as zero-copy slices), index arrays when shuffled.
+    (served as zero-copy slices), index arrays when shuffled; without the first ``skip`` (a
+    resumed or reopened stream).
 
     Shuffled, the order is computed one window of positions at a time as the caller asks for
     it, so a stream's first batch does not wait for the whole shard's permutation (on a 10M-row
-    table that alone took longer than sending the node's rows).
+    table that alone took longer than sending the node's rows). Skipped rows are counted, not
+    computed, so a stream resumed near its end starts as fast as a fresh one.
     """
     lo_node, hi_node = node_offset, node_offset + node_total
     if not req.shuffle:
         for lo, hi in shard_ranges(total, req):
             a, b = max(lo, lo_node), min(hi, hi_node)
-            if a < b:
-                yield range(a - node_offset, b - node_offset)
+            left_out = min(skip, max(0, b - a))
+            skip -= left_out
+            if a + left_out < b:
+                yield range(a + left_out - node_offset, b - node_offset)
         return
-    order = EpochOrder(total, req)
+    order = epoch_order(total, req)
     window = max(1, req.batch_size) * ORDER_WINDOW_BATCHES
+    mine_bounds = np.array([lo_node, hi_node], dtype=np.int64)
     for lo, hi in shard_ranges(total, req):
+        if skip:
+            here = int(order.counts_in(lo, hi, mine_bounds)[0])
+            if skip >= here:
+                skip -= here
+                continue
+            lo, skip = order.seek(lo, hi, lo_node, hi_node, skip), 0
         for start in range(lo, hi, window):
             mine = order.rows_in(start, min(hi, start + window), lo_node, hi_node)
             if len(mine):
                 yield mine - node_offset
-
-
-def skip_rows(parts: Iterator[np.ndarray | range], skip: int) -> Iterator[np.ndarray | range]:
-    """``node_rows`` output without its first ``skip`` rows (a resumed or reopened stream).
-
-    Shuffled, the skipped windows' order is still computed (cheap next to gathering and sending
-    their rows, which is what skipping saves).
-    """
-    for part in parts:
-        if skip >= len(part):
-            skip -= len(part)
-            continue
-        if skip:
-            part, skip = part[skip:], 0
-        yield part
