@@ -55,7 +55,7 @@ QUICK = BenchConfig(
     epoch_nodes=2,
     headline_rows=2_000_000,
     repeats=5,  # this 2-vCPU machine swings tens of percent between repeats; medians of 5 hold better
-    load_repeats=3,
+    load_repeats=5,  # a cluster start and a fresh to_arrow() each swing by a third here: medians of 5
 )
 
 FULL = BenchConfig(
