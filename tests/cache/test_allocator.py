@@ -92,3 +92,51 @@ def test_client_malloc_tuning_is_on_by_default_and_can_be_turned_off(monkeypatch
     monkeypatch.setattr(allocator, "_glibc_tuned", None)
     assert allocator.tune_glibc_malloc({}) is True
     assert allocator.tune_glibc_malloc({"DATA_CACHE_TUNE_MALLOC": "0"}) is True  # once per process
+
+
+# Threads that each allocate and free a message-sized buffer, then glibc's own arena count.
+_ARENAS_SCRIPT = """
+import ctypes, sys, threading
+from kubeflow_data_cache import allocator
+limit = int(sys.argv[1])
+assert allocator.tune_glibc_malloc({}, arenas=limit or None)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()  # all at once: each would take an arena of its own
+    for _ in range(50):
+        libc.free(libc.malloc(4 << 20))
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+sys.stdout.flush()
+libc.malloc_info(0, ctypes.c_void_p.in_dll(libc, "stdout"))
+libc.fflush(None)
+"""
+
+
+def test_data_nodes_cap_glibc_arenas():
+    """A data node's gRPC threads share DATA_NODE_GLIBC_ARENAS arenas instead of keeping freed
+    message buffers in one arena each (what grew a serving node's memory)."""
+    import ctypes
+    import subprocess
+    import sys
+
+    from kubeflow_data_cache.allocator import DATA_NODE_GLIBC_ARENAS
+
+    try:
+        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
+    except AttributeError:
+        pytest.skip("not glibc: the tuning does not apply")
+
+    def arenas(limit: int) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _ARENAS_SCRIPT, str(limit)], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.count("<heap nr=")
+
+    assert 1 <= arenas(DATA_NODE_GLIBC_ARENAS) <= DATA_NODE_GLIBC_ARENAS
+    assert arenas(0) > DATA_NODE_GLIBC_ARENAS  # without the cap, the threads made more
