@@ -96,10 +96,10 @@ def test_client_malloc_tuning_is_on_by_default_and_can_be_turned_off(monkeypatch
 
 # Threads that each allocate and free a message-sized buffer, then glibc's own arena count.
 _ARENAS_SCRIPT = """
-import ctypes, sys, threading
+import ctypes, os, sys, threading
 from kubeflow_data_cache import allocator
-limit = int(sys.argv[1])
-assert allocator.tune_glibc_malloc({}, arenas=limit or None)
+if sys.argv[1] == "node":
+    allocator.prepare_data_node()  # what `data-cache worker` runs first
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -117,26 +117,50 @@ libc.fflush(None)
 """
 
 
-def test_data_nodes_cap_glibc_arenas():
-    """A data node's gRPC threads share DATA_NODE_GLIBC_ARENAS arenas instead of keeping freed
-    message buffers in one arena each (what grew a serving node's memory)."""
-    import ctypes
+def _arenas(mode: str, **env: str) -> int:
+    import os
     import subprocess
     import sys
 
-    from kubeflow_data_cache.allocator import DATA_NODE_GLIBC_ARENAS
+    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
+    out = subprocess.run(
+        [sys.executable, "-c", _ARENAS_SCRIPT, mode], capture_output=True, text=True, timeout=60, env=environ
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.count("<heap nr=")
+
+
+def _require_glibc() -> None:
+    import ctypes
 
     try:
         ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
     except AttributeError:
         pytest.skip("not glibc: the tuning does not apply")
 
-    def arenas(limit: int) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", _ARENAS_SCRIPT, str(limit)], capture_output=True, text=True, timeout=60
-        )
-        assert out.returncode == 0, out.stderr
-        return out.stdout.count("<heap nr=")
 
-    assert 1 <= arenas(DATA_NODE_GLIBC_ARENAS) <= DATA_NODE_GLIBC_ARENAS
-    assert arenas(0) > DATA_NODE_GLIBC_ARENAS  # without the cap, the threads made more
+def test_data_nodes_cap_glibc_arenas():
+    """A data node's gRPC threads share DATA_NODE_GLIBC_ARENAS arenas instead of keeping freed
+    message buffers in one arena each (what grew a serving node's memory); an operator's
+    MALLOC_ARENA_MAX wins."""
+    from kubeflow_data_cache.allocator import DATA_NODE_GLIBC_ARENAS
+
+    _require_glibc()
+    assert 1 <= _arenas("node") <= DATA_NODE_GLIBC_ARENAS
+    assert _arenas("plain") > DATA_NODE_GLIBC_ARENAS  # without the cap, the threads made more
+    assert DATA_NODE_GLIBC_ARENAS < _arenas("node", MALLOC_ARENA_MAX="5") <= 5
+
+
+def test_the_worker_command_prepares_its_process_first(monkeypatch):
+    import kubeflow_data_cache.allocator as allocator
+    from kubeflow_data_cache import cli
+
+    class Prepared(Exception):
+        pass
+
+    def prepare(environ=None):
+        raise Prepared
+
+    monkeypatch.setattr(allocator, "prepare_data_node", prepare)
+    with pytest.raises(Prepared):
+        cli.main(["worker", "--head", "grpc://127.0.0.1:1", "--index", "0"])

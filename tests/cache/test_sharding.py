@@ -203,3 +203,18 @@ def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, cut, shards, block
     parts = list(node_rows(*node, total, req, skip))
     assert shuffle or all(isinstance(p, range) for p in parts)  # unshuffled stays zero-copy slices
     assert [int(r) for p in parts for r in p] == whole[skip:]
+
+
+def test_epoch_orders_are_shared_unless_large(monkeypatch):
+    """Every reader of an epoch shares one permutation; tiny blocks on a huge table are not kept."""
+    import kubeflow_data_cache.sharding as sharding
+
+    req = ShardRequest(shard=1, num_shards=4, shuffle=True, seed=3, epoch=2, block_size=10)
+    other_shard = ShardRequest(shard=3, num_shards=4, shuffle=True, seed=3, epoch=2, block_size=10, columns=("id",))
+    shared = sharding.epoch_order(1000, req)
+    assert sharding.epoch_order(1000, other_shard) is shared
+    assert sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=3, epoch=3, block_size=10)) is not shared
+    with pytest.raises(ValueError, match="read-only"):
+        shared.order[0] = 1  # shared between concurrent requests: nobody may change it
+    monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)  # 1000 rows / 10 = 100 blocks: too many
+    assert sharding.epoch_order(1000, req) is not sharding.epoch_order(1000, req)

@@ -72,7 +72,17 @@ DATA_NODE_GLIBC_ARENAS = 2
 _glibc_tuned: bool | None = None
 
 
-def tune_glibc_malloc(environ: Mapping[str, str] | None = None, arenas: int | None = None) -> bool:
+def _glibc_mallopt():
+    """glibc's ``mallopt``, or None where the C library is not glibc (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl and macOS have no such symbol
+        return libc.mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
     """Keep gRPC's message buffers out of fresh mmaps, in cache clients and data nodes.
 
     Flight copies each received record batch (about 1.5 MB at the default batch size) into one
@@ -81,9 +91,7 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None, arenas: int | No
     128 MiB trim threshold let those buffers be reused (one DoGet stream: ~1.1 -> ~1.8 GB/s on
     this project's test machine; on the sending data node, another 10-15%). Arrow's own buffers
     do not go through glibc (see above). glibc only, once per process;
-    ``DATA_CACHE_TUNE_MALLOC=0`` leaves malloc alone. ``arenas`` caps glibc's arenas (data
-    nodes: DATA_NODE_GLIBC_ARENAS), before threads make more. Returns whether the settings are
-    in effect.
+    ``DATA_CACHE_TUNE_MALLOC=0`` leaves malloc alone. Returns whether the settings are in effect.
     """
     global _glibc_tuned
     if _glibc_tuned is not None:
@@ -92,16 +100,32 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None, arenas: int | No
     _glibc_tuned = False
     if environ.get("DATA_CACHE_TUNE_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl and macOS have no such symbol
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_mallopt()
+    if mallopt is None:
         return False
-    _glibc_tuned = (
-        bool(mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD))
-        and bool(mallopt(_M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD))
-        and (arenas is None or bool(mallopt(_M_ARENA_MAX, arenas)))
+    _glibc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD)
     )
     log.debug("glibc malloc tuned for gRPC buffers: %s", _glibc_tuned)
     return _glibc_tuned
+
+
+def cap_glibc_arenas(arenas: int, environ: Mapping[str, str] | None = None) -> bool:
+    """Let glibc make at most ``arenas`` arenas; an operator's ``MALLOC_ARENA_MAX`` wins.
+
+    Only before threads have made more: glibc fixes its limit once it has more arenas than that,
+    and ignores a later cap (while mallopt still reports success). Returns whether it was set.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("MALLOC_ARENA_MAX"):
+        return False
+    mallopt = _glibc_mallopt()
+    return mallopt is not None and bool(mallopt(_M_ARENA_MAX, arenas))
+
+
+def prepare_data_node(environ: MutableMapping[str, str] | None = None) -> None:
+    """What ``data-cache worker`` sets first, before pyarrow loads and threads start: the load
+    pool, glibc's thresholds for gRPC buffers, and the arena cap."""
+    configure_data_node(environ)
+    tune_glibc_malloc(environ)
+    cap_glibc_arenas(DATA_NODE_GLIBC_ARENAS, environ)

@@ -111,11 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(_log_level(args.log_level), role)
         if args.command in ("head", "worker"):
             if args.command == "worker":
-                from kubeflow_data_cache.allocator import DATA_NODE_GLIBC_ARENAS, configure_data_node, tune_glibc_malloc
+                from kubeflow_data_cache import allocator
 
-                configure_data_node()  # before pyarrow loads: it reads the pool choice once
-                # gRPC's send buffers reused, not mapped per batch, in a few arenas (allocator.py)
-                tune_glibc_malloc(arenas=DATA_NODE_GLIBC_ARENAS)
+                # Before pyarrow loads (it reads the pool choice once) and before threads start.
+                allocator.prepare_data_node()
             from kubeflow_data_cache.config import build_config
             from kubeflow_data_cache.runner import run_node
 

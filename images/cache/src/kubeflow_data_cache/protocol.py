@@ -236,7 +236,9 @@ def with_skip(raw: bytes, skip: int) -> bytes:
     if not skip:
         return raw
     body = json.loads(raw)
-    body.update(v=SKIP_VERSION, skip=skip)
+    version = body.get("v")
+    # At least the version that skips; a newer head's own version stays.
+    body.update(v=version if isinstance(version, int) and version > SKIP_VERSION else SKIP_VERSION, skip=skip)
     return json.dumps(body, sort_keys=True).encode()
 
 

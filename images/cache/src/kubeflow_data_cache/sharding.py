@@ -85,6 +85,8 @@ class EpochOrder:
             self.sizes = sizes[self.order]
             self.starts = np.concatenate(([0], np.cumsum(self.sizes)))
             self.in_block = np.argsort(_keys(np.arange(self.block, dtype=np.int64), self.seed, self.epoch, 2))
+            for shared in (self.order, self.sizes, self.starts, self.in_block):
+                shared.setflags(write=False)  # one order serves concurrent requests (epoch_order)
 
     def _rotation(self, blocks: np.ndarray) -> np.ndarray:
         return (_keys(blocks, self.seed, self.epoch, 4) % np.uint64(self.block)).astype(np.int64)
@@ -219,11 +221,20 @@ def _counts_by_range(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 def epoch_order(total: int, req: ShardRequest) -> EpochOrder:
     """The permutation for a request's (seed, epoch, block size), shared by every request of that
     epoch: all readers ask the head for it, and every node stream computes from it (on a 1e9-row
-    table, building it takes a tenth of a second)."""
+    table, building it takes a tenth of a second). Orders of more than ORDER_CACHE_BLOCKS blocks
+    (tiny blocks on a huge table) are built per request instead, so that what the cache keeps
+    stays small next to the rows."""
+    if req.shuffle and -(-total // req.block_size) > ORDER_CACHE_BLOCKS:
+        return EpochOrder(total, req)
     return _epoch_order(total, req.shuffle, req.seed, req.epoch, req.block_size)
 
 
-# A few epochs at once (train and eval datasets, readers a step apart); 24 bytes per block each.
+# A few epochs at once (train and eval datasets, readers a step apart), each at most
+# ORDER_CACHE_BLOCKS blocks (24 bytes a block: 24 MiB) plus its in-block order (8 bytes a row
+# of a block).
+ORDER_CACHE_BLOCKS = 1 << 20
+
+
 @functools.lru_cache(maxsize=4)
 def _epoch_order(total: int, shuffle: bool, seed: int, epoch: int, block_size: int) -> EpochOrder:
     return EpochOrder(total, ShardRequest(shuffle=shuffle, seed=seed, epoch=epoch, block_size=block_size))
