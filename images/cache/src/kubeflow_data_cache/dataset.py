@@ -39,6 +39,12 @@ STATE_VERSION = 1
 # run holds about CONVERT_MAX_BYTES (but always at least one batch).
 CONVERT_ROWS = DEFAULT_BATCH_SIZE
 CONVERT_MAX_BYTES = 8 << 20
+# Rows per transfer batch asked of the data nodes (each caps a batch at 4 MiB of the requested
+# columns). In order, a node sends zero-copy slices and larger messages cut gRPC's per-message
+# cost: a 2M-row, 3-column epoch took ~20% less time at 2**18 than at 2**16 here. Shuffled,
+# every batch is a gather on the node, which overlaps better with sending in smaller ones.
+TRANSFER_ROWS_IN_ORDER = 1 << 18
+TRANSFER_ROWS_SHUFFLED = DEFAULT_BATCH_SIZE
 # set_epoch's bound: epoch + 1 must fit the signed 64-bit shared slots.
 MAX_EPOCH = 2**63 - 1
 # Slots for DataLoader workers to say which epoch they read (worker i writes slot i % this).
@@ -203,7 +209,7 @@ class DataCacheDataset(IterableDataset):
             shuffle=shuffle,
             columns=tuple(columns) if columns is not None else None,
             filter=filter,
-            batch_size=DEFAULT_BATCH_SIZE,
+            batch_size=TRANSFER_ROWS_SHUFFLED if shuffle else TRANSFER_ROWS_IN_ORDER,
             even=self.even,
             block_size=block_size,
         )
