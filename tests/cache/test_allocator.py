@@ -163,4 +163,5 @@ def test_the_worker_command_prepares_its_process_first(monkeypatch):
 
     monkeypatch.setattr(allocator, "prepare_data_node", prepare)
     with pytest.raises(Prepared):
-        cli.main(["worker", "--head", "grpc://127.0.0.1:1", "--index", "0"])
+        # A short deadline: a worker that skipped the preparation fails soon instead of waiting.
+        cli.main(["worker", "--head", "grpc://127.0.0.1:1", "--index", "0", "--startup-timeout", "2"])
