@@ -50,7 +50,7 @@ def test_a_node_serves_a_ticket_from_its_skip(one_node, small_table, shuffle):
     node = flight.FlightClient(only.locations[0].uri.decode())
     whole = node.do_get(only.ticket).read_all().column("id").to_pylist()
     before = served(node_port)
-    rest = node.do_get(flight.Ticket(ticket.skipping(1234).to_json())).read_all().column("id").to_pylist()
+    rest = node.do_get(flight.Ticket(with_skip(only.ticket.ticket, 1234))).read_all().column("id").to_pylist()
     assert rest == whole[1234:]
     assert served(node_port) - before == len(whole) - 1234  # the skipped rows were not sent
 

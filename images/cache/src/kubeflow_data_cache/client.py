@@ -323,15 +323,7 @@ class CacheClient:
             reader = None
             try:
                 reader = self._client(location).do_get(wire, self._options(None))
-                while True:
-                    chunk = self._next_chunk(reader, location)
-                    if chunk is None:
-                        break
-                    batch = chunk.data
-                    if skip:
-                        cut = min(skip, batch.num_rows)
-                        skip -= cut
-                        batch = batch.slice(cut)
+                for batch in drop_rows(self._batches(reader, location), skip):
                     if batch.num_rows == 0:
                         continue
                     received += batch.num_rows
@@ -376,6 +368,10 @@ class CacheClient:
 
     def _not_whole(self, location: str, what: str) -> DataCacheError:
         return DataCacheError(f"data node {location}'s stream {what}; the shard would not be exact")
+
+    def _batches(self, reader: flight.FlightStreamReader, location: str) -> Iterator[pa.RecordBatch]:
+        while (chunk := self._next_chunk(reader, location)) is not None:
+            yield chunk.data
 
     def _next_chunk(self, reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk | None:
         """The stream's next chunk (None at its end), or StreamStalledError when the node sent
@@ -511,12 +507,19 @@ def _is_stale(err: BaseException) -> bool:
     return "stale ticket" in reason
 
 
-def _row_count(value: object) -> int:
+def int_arg(value: object) -> int | None:
+    """An integer argument as an int (numpy integers included), or None for anything else."""
+    if isinstance(value, bool):
+        return None
     try:
-        count = operator.index(value)  # numpy integers too
+        return operator.index(value)
     except TypeError:
-        count = -1
-    if isinstance(value, bool) or count < 0:
+        return None
+
+
+def _row_count(value: object) -> int:
+    count = int_arg(value)
+    if count is None or count < 0:
         raise ValueError(f"start should be a row count >= 0, got {value!r}")
     return count
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -25,7 +24,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient, check_endpoint
+from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient, check_endpoint, int_arg
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
@@ -76,16 +75,6 @@ def default_token(env: dict[str, str] | None = None) -> str | None:
         return Path(path).read_text().strip()
     except OSError as err:
         raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} could not be read: {err.strerror}") from None
-
-
-def _index(value: Any) -> int | None:
-    """An integer argument as an int (numpy integers included), or None for anything else."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _env_int(env: dict[str, str], name: str, default: int) -> int:
@@ -183,7 +172,7 @@ class DataCacheDataset(IterableDataset):
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         super().__init__()
-        size = _index(batch_size)
+        size = int_arg(batch_size)
         if size is None or size < 1:
             raise ValueError(f"batch_size should be a positive integer, got {batch_size!r}")
         if not isinstance(drop_last, bool):
@@ -235,7 +224,7 @@ class DataCacheDataset(IterableDataset):
         """Select the epoch (its shuffle order), like DistributedSampler.set_epoch."""
         # Shared with the workers as a signed 64-bit integer, which also holds epoch + 1 (a
         # worker's mark while it reads, shared_epoch.py): so at most 2**63 - 2.
-        number = _index(epoch)
+        number = int_arg(epoch)
         if number is None or not 0 <= number < MAX_EPOCH:
             raise ValueError(f"epoch should be an integer in [0, {MAX_EPOCH}), got {epoch!r}")
         epoch = number

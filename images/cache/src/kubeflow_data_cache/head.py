@@ -384,9 +384,9 @@ class Head(ReadOnlyFlight):
         total = offsets[-1]
         endpoints = []
         per_node = endpoint_rows(offsets, total, req)
-        for node, rows in enumerate(per_node):
-            if rows:
-                ticket = protocol.Ticket(self.generation, node, offsets[node], counts[node], total, req, rows=rows)
+        for node, streamed in enumerate(per_node):
+            if streamed:
+                ticket = protocol.Ticket(self.generation, node, offsets[node], counts[node], total, req, rows=streamed)
                 endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
         rows = sum(per_node)
         return flight.FlightInfo(schema, descriptor, endpoints, rows, rows * self._row_bytes(schema))

@@ -12,7 +12,7 @@ docs/protocol.md for the prose version.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kubeflow_data_cache.errors import BadRequestError
@@ -174,10 +174,6 @@ class Ticket:
             _require(self.skip <= self.rows, f"'skip' ({self.skip}) is past the stream's {self.rows} rows")
         else:
             _require(self.skip == 0, "'skip' needs 'rows': this ticket's head does not serve skips")
-
-    def skipping(self, skip: int) -> Ticket:
-        """The same ticket for the stream without its first ``skip`` rows."""
-        return replace(self, skip=skip)
 
     def to_json(self) -> bytes:
         body = {
