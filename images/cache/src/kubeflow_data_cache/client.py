@@ -30,6 +30,7 @@ from kubeflow_data_cache.errors import (
     DataCacheError,
     ForkedConnectionError,
     NotReadyError,
+    server_message,
 )
 from kubeflow_data_cache.interleave import ResumePoint, resume_point, round_robin, sequential_point
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_rows, with_skip
@@ -82,11 +83,6 @@ T = TypeVar("T")
 
 class StreamStalledError(flight.FlightUnavailableError):
     """A data node sent nothing for the stall limit; retried like any unavailable stream."""
-
-
-def _reason(err: BaseException) -> str:
-    """The server's message without pyarrow's appended traceback and gRPC debug context."""
-    return str(err).split(". Detail:", 1)[0].split(". gRPC client debug context:", 1)[0].strip()
 
 
 # The shortest timeout a retried call gets, for the try that falls at the deadline.
@@ -172,7 +168,7 @@ class CacheClient:
 
     def _translate(self, err: Exception, location: str, what: str) -> Exception:
         """Turn a non-transient Flight error into one of the cache's errors, naming the fix."""
-        reason = _reason(err)
+        reason = server_message(err)
         if isinstance(err, _AUTH):
             sent = "no token was sent" if self._token is None else "the token was rejected"
             return CacheAuthError(
@@ -185,7 +181,7 @@ class CacheClient:
         return err
 
     def _unavailable(self, err: BaseException, location: str, what: str, waited: float) -> CacheUnavailableError:
-        reason = _reason(err)
+        reason = server_message(err)
         if location == self.endpoint and ("not ready" in reason or "loading" in reason):
             return CacheUnavailableError(
                 f"the data cache at {location} was still not ready after {waited:.0f}s ({what}): {reason}; "
@@ -212,7 +208,7 @@ class CacheClient:
             except _TRANSIENT as err:
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
-                log.info("%s at %s: %s; retrying in %.2fs", what, location, _reason(err), delay)
+                log.info("%s at %s: %s; retrying in %.2fs", what, location, server_message(err), delay)
             except flight.FlightError as err:
                 raise self._translate(err, location, what) from err
             except pa.ArrowInvalid as err:
@@ -344,7 +340,7 @@ class CacheClient:
                     raise self._unavailable(
                         err, location, f"DoGet at row {received} of its stream", now - failing_since
                     ) from err
-                log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, _reason(err))
+                log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, server_message(err))
                 # A restarted data node may listen elsewhere now; the head knows where.
                 with suppress(flight.FlightError):
                     endpoint = self._fresh_endpoint(request, endpoint, location, retry=False)
@@ -352,7 +348,9 @@ class CacheClient:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err
                 replans += 1
-                log.info("the ticket for %s is stale (%s); asking the head for a new one", location, _reason(err))
+                log.info(
+                    "the ticket for %s is stale (%s); asking the head for a new one", location, server_message(err)
+                )
                 endpoint = self._fresh_endpoint(request, endpoint, location)
                 continue
             except flight.FlightError as err:
@@ -503,7 +501,7 @@ _INHERITED: list[CacheClient] = []
 
 
 def _is_stale(err: BaseException) -> bool:
-    reason = _reason(err).lower()
+    reason = server_message(err).lower()
     return "stale ticket" in reason
 
 

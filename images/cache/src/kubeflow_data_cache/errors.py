@@ -55,11 +55,14 @@ class ForkedConnectionError(DataCacheError):
     """This process was forked while its parent held open cache connections; gRPC cannot be used."""
 
 
+def server_message(err: BaseException) -> str:
+    """An error's message without what pyarrow and gRPC append to it: the Python traceback of a
+    Flight handler (". Detail: Python exception: ...") and gRPC's client debug context."""
+    return str(err).split(". Detail:", 1)[0].split(". gRPC client debug context:", 1)[0].strip()
+
+
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message (gRPC and DataFusion append pages of detail), or its
-    type where the message is empty."""
-    text = str(err)
-    if not text.strip():
-        return type(err).__name__
-    # A Flight error raised by a Python handler carries "Detail: Python exception: Traceback ...".
-    return text.splitlines()[0].split(". Detail: Python exception")[0]
+    """The first line of ``server_message`` (DataFusion appends pages of plan detail), or the
+    error's type where the message is empty."""
+    text = server_message(err)
+    return text.splitlines()[0] if text else type(err).__name__

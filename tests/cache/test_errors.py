@@ -1,0 +1,59 @@
+"""The message helpers keep what a server said and drop what pyarrow and gRPC append to it."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from kubeflow_data_cache.errors import first_line, server_message
+
+
+class _Failing(flight.FlightServerBase):
+    """A Flight server whose DoAction raises what the action's body names."""
+
+    def do_action(self, context, action):
+        text = action.body.to_pybytes().decode()
+        if action.type == "value":
+            raise ValueError(text)
+        raise flight.FlightUnavailableError(text)
+
+
+@pytest.fixture(scope="module")
+def failing_client():
+    server = _Failing("grpc://127.0.0.1:0")
+    client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    yield client
+    client.close()
+    server.shutdown()
+
+
+def _raised(client, kind: str, text: str) -> Exception:
+    # A ValueError in a handler reaches the client as ArrowInvalid, a Flight error as itself.
+    with pytest.raises((flight.FlightError, pa.ArrowInvalid)) as caught:
+        list(client.do_action(flight.Action(kind, text.encode())))
+    return caught.value
+
+
+def test_a_handlers_traceback_and_grpc_context_are_dropped(failing_client):
+    err = _raised(failing_client, "value", "column 'x' does not exist")
+    # What pyarrow hands the client carries the handler's traceback and gRPC's debug context.
+    assert "Traceback" in str(err)
+    assert server_message(err) == "column 'x' does not exist"
+    assert first_line(err) == "column 'x' does not exist"
+
+
+def test_a_multi_line_message_is_kept_whole_or_cut_to_its_first_line(failing_client):
+    err = _raised(failing_client, "unavailable", "node 1 is loading\nrows 10 of 20")
+    assert server_message(err) == "node 1 is loading\nrows 10 of 20"
+    assert first_line(err) == "node 1 is loading"
+
+
+def test_an_empty_message_names_the_error_type():
+    assert first_line(ValueError("  ")) == "ValueError"
+    assert server_message(ValueError("  ")) == ""
+
+
+def test_grpc_client_debug_context_is_dropped():
+    err = flight.FlightUnavailableError('node 2 is down. gRPC client debug context: UNKNOWN:{"created_time": "..."}')
+    assert server_message(err) == "node 2 is down"
