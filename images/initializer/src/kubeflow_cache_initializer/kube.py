@@ -23,6 +23,17 @@ from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.errors import KubeApiError
 
 MERGE_PATCH = "application/merge-patch+json"
+# urllib3 by default sends a GET whose answer never came three more times: against a hung API
+# server one call took 4 x API_REQUEST_TIMEOUT_SECONDS (2 min). One more try covers a dropped
+# connection; connection failures (an API server restarting) keep a few tries with backoff.
+API_RETRIES = urllib3.Retry(total=3, connect=3, read=1, status=0, backoff_factor=0.5)
+
+
+def with_bounded_retries(configuration: client.Configuration) -> client.Configuration:
+    """``configuration`` with API_RETRIES, unless it already sets its own."""
+    if configuration.retries is None:
+        configuration.retries = API_RETRIES
+    return configuration
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import InitializerError
 from kubeflow_cache_initializer.health import describe_status
 from kubeflow_cache_initializer.initializer import run
-from kubeflow_cache_initializer.kube import Kube
+from kubeflow_cache_initializer.kube import Kube, with_bounded_retries
 
 log = logging.getLogger("kubeflow_cache_initializer")
 
@@ -30,7 +30,7 @@ def _api_client() -> client.ApiClient:
             config.load_kube_config()
         except (config.ConfigException, OSError) as err:
             raise InitializerError(f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({err})") from err
-    return client.ApiClient()
+    return client.ApiClient(with_bounded_retries(client.Configuration.get_default_copy()))
 
 
 def _write_termination_message(path: Path, message: str) -> None:
