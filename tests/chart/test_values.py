@@ -43,6 +43,12 @@ def helm_cli():
         ({"dataCache": {"initializer": {"resources": {"limits": {"memory": "256MB"}}}}}, r"/resources/limits/memory"),
         ({"dataCache": {"initializer": {"resources": {"limit": {"cpu": "1"}}}}}, r"'limit' not allowed"),
         ({"dataCache": {"initializer": {"resources": {"requests": {"cpu": -1}}}}}, r"/resources/requests/cpu"),
+        # controller-runtime refuses --zap-log-level=0: the controller would crash-loop.
+        ({"manager": {"logLevel": 0}}, r"/manager/logLevel"),
+        ({"manager": {"logLevel": "verbose"}}, r"/manager/logLevel"),
+        # The API server would refuse every object of the release.
+        ({"commonLabels": {"bad key!": "ml"}}, r"invalid propertyName 'bad key!'"),
+        ({"commonLabels": {"team": "machine learning"}}, r"/commonLabels/team"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_value(values, message):
@@ -87,3 +93,4 @@ def test_schema_allows_the_default_values():
     with helm_python.Chart.load(CHART_DIR) as chart:
         chart.validate_schema({})
         chart.validate_schema({"dataCache": {"enabled": True, "lws": {"install": False}, "namespaces": []}})
+        chart.validate_schema({"manager": {"logLevel": "debug"}, "commonLabels": {"example.com/team": "ml-1"}})
