@@ -147,7 +147,11 @@ def test_cache_pods_run_restricted():
         pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
         security = _container(lws, template)["securityContext"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert security["runAsNonRoot"] is True and security["runAsUser"] == 65532
+        assert security["runAsNonRoot"] is True
+        # The image's numeric USER runs: fixed IDs would be refused where the platform assigns
+        # them (OpenShift's restricted SCC).
+        assert not {"runAsUser", "runAsGroup"} & set(security)
+        assert not {"runAsUser", "runAsGroup", "fsGroup"} & set(pod["securityContext"])
         assert security["readOnlyRootFilesystem"] is True
         assert security["allowPrivilegeEscalation"] is False
         assert security["capabilities"] == {"drop": ["ALL"]}

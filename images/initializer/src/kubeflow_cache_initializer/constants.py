@@ -19,8 +19,7 @@ LIVENESS_PERIOD_SECONDS = 10
 LIVENESS_TIMEOUT_SECONDS = 5
 LIVENESS_FAILURE_THRESHOLD = 6
 
-# Restricted pod security: a numeric non-root user, read-only root, an emptyDir for /tmp.
-CACHE_USER_ID = 65532
+# Restricted pod security: the image's numeric non-root user, read-only root, an emptyDir for /tmp.
 TMP_VOLUME = "tmp"
 TMP_MOUNT_PATH = "/tmp"
 
