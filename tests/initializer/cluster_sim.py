@@ -24,6 +24,7 @@ SCENARIOS = (
     "image_pull",
     "oom",
     "unschedulable",
+    "workers_refused",
     "node_load_error",
     "head_load_error",
     "compaction",
@@ -172,6 +173,9 @@ class CacheSim:
     def _play(self, lws: dict) -> None:
         size = lws["spec"]["leaderWorkerTemplate"]["size"]
         nodes = size - 1
+        if self.scenario == "workers_refused":  # e.g. a ResourceQuota with room for the leader only
+            self.fake.put("pods", self._pod(lws, 0))
+            return
         pods = [self.fake.put("pods", self._pod(lws, i)) for i in range(size)]
         time.sleep(self.step)
         if self.scenario == "unschedulable":

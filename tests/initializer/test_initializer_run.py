@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -187,3 +188,31 @@ def test_an_unschedulable_pod_gets_a_grace_period_for_the_autoscaler(fake, make_
     assert code != 0
     assert "unschedulable" not in error
     assert "not ready within CACHE_READY_TIMEOUT_SECONDS=2" in error
+
+
+def test_cache_pods_that_are_never_created_fail_after_the_grace_naming_where_to_look(fake, make_sim, run_initializer):
+    """A quota or admission refusal leaves no trace on the pods: the run says what to check."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(
+        make_sim("workers_refused"), CACHE_UNSCHEDULABLE_GRACE_SECONDS="0.5", CACHE_READY_TIMEOUT_SECONDS="60"
+    )
+    started = time.monotonic()
+    code, error = run_initializer(env)
+
+    assert code != 0
+    assert time.monotonic() - started < 30  # the grace ended it, not the deadline
+    assert "only 1 of the 3 cache pods exist" in error
+    assert f"kubectl get events -n {NAMESPACE} --field-selector reason=FailedCreate" in error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+def test_missing_cache_pods_are_named_when_the_deadline_comes_first(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    env = initializer_env(
+        make_sim("workers_refused"), CACHE_UNSCHEDULABLE_GRACE_SECONDS="600", CACHE_READY_TIMEOUT_SECONDS="1.5"
+    )
+    code, error = run_initializer(env)
+
+    assert code != 0
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1.5" in error
+    assert "only 1 of the 3 cache pods exist" in error

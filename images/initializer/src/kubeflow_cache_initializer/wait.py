@@ -111,6 +111,7 @@ class _Progress:
         self.status: dict | None = None
         self.logged: dict[str, str] = {}
         self.unschedulable_since: dict[str, float] = {}
+        self.missing_since: float | None = None  # since when fewer cache pods exist than the group has
 
     def apply(self, resource: Resource, kind: str, obj) -> bool:
         """Take one queued event; True when the head should be asked for its status now."""
@@ -135,7 +136,23 @@ class _Progress:
         return f"{ready}/{self.cfg.cluster_size} cache pods ready"
 
     def summary(self) -> str:
-        return f"{self.pods_line()}; {health.describe_status(self.status)}"
+        missing = self.missing_pods()
+        return f"{self.pods_line()}; {health.describe_status(self.status)}" + (f"; {missing}" if missing else "")
+
+    def missing_pods(self) -> str | None:
+        """What to check when some of the group's pods were never created (None when all exist).
+
+        Nothing in the pods or the LeaderWorkerSet says why: the refusal is an event on its
+        StatefulSet, which the initializer is not allowed to read.
+        """
+        if len(self.pods) >= self.cfg.cluster_size:
+            return None
+        return (
+            f"only {len(self.pods)} of the {self.cfg.cluster_size} cache pods exist: something refuses to create "
+            "the others (a ResourceQuota or LimitRange, Pod Security admission, an OpenShift SCC) or the "
+            f"LeaderWorkerSet controller is not running; `kubectl get events -n {self.cfg.namespace} "
+            "--field-selector reason=FailedCreate` names it"
+        )
 
     def log_changes(self) -> None:
         for key, line in (("pods", self.pods_line()), ("head", health.describe_status(self.status))):
@@ -159,6 +176,13 @@ class _Progress:
             since = self.unschedulable_since.setdefault(health.pod_name(pod), now)
             if now - since >= self.cfg.unschedulable_grace_seconds:
                 raise CacheFailedError(f"{unschedulable} (for {now - since:.0f}s)")
+        missing = self.missing_pods()
+        if not missing:
+            self.missing_since = None
+        else:
+            self.missing_since = now if self.missing_since is None else self.missing_since
+            if now - self.missing_since >= self.cfg.unschedulable_grace_seconds:
+                raise CacheFailedError(f"{missing} (for {now - self.missing_since:.0f}s)")
         failure = health.status_failure(self.status) if self.status else None
         if failure:
             raise CacheFailedError(failure)
