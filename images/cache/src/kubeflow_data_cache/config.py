@@ -46,7 +46,13 @@ class NodeConfig:
         return self.tls[0][0] if self.tls else None
 
     def location(self, port: int) -> str:
-        return f"{self.scheme}://{self.advertise_host}:{port}"
+        return f"{self.scheme}://{host_port(self.advertise_host, port)}"
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[fd00::12]:50051``) as URIs need it: on an
+    IPv6 cluster POD_IP is one."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def label(var: str, flag: str | None = None) -> str:
@@ -138,7 +144,9 @@ def claim_port(host: str, port: int, port_name: str, host_name: str) -> int:
                 f"port {port} on {host} is already in use: stop what listens there or pick another "
                 f"port with {port_name}"
             ) from None
-        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror or err}): check {host_name}") from None
+        raise ConfigError(
+            f"cannot listen on {host_port(host, port)} ({err.strerror or err}): check {host_name}"
+        ) from None
 
 
 def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> NodeConfig:
@@ -189,7 +197,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             leader = env.get("LWS_LEADER_ADDRESS")
             if not leader:
                 raise ConfigError("a data node needs the head's address: LWS_LEADER_ADDRESS (set by LWS) or --head URI")
-            head_location = f"{scheme}://{leader}:{flight_port}"
+            head_location = f"{scheme}://{host_port(leader, flight_port)}"
 
     raw_limit = pick("memory_limit", "MEMORY_LIMIT")
     memory_limit = parse_bytes(raw_limit) if raw_limit else container_memory_limit()

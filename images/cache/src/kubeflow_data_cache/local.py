@@ -13,7 +13,7 @@ import time
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import constants, protocol
-from kubeflow_data_cache.config import claim_port, label, port_setting, seconds_setting, tls_setting
+from kubeflow_data_cache.config import claim_port, host_port, label, port_setting, seconds_setting, tls_setting
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
 from kubeflow_data_cache.security import call_options, client_for, load_token
@@ -61,7 +61,7 @@ class LocalCluster:
 
     @property
     def location(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        return f"{self.scheme}://{host_port(self.host, self.port)}"
 
     def start(self) -> None:
         # A taken port is refused now: the head would fail to bind it while wait_ready talked to

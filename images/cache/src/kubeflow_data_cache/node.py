@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
-from kubeflow_data_cache.config import NodeConfig
+from kubeflow_data_cache.config import NodeConfig, host_port
 from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
 from kubeflow_data_cache.errors import (
     BadRequestError,
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 def server_kwargs(cfg: NodeConfig) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"location": f"{cfg.scheme}://{cfg.bind_host}:{cfg.flight_port}"}
+    kwargs: dict[str, Any] = {"location": f"{cfg.scheme}://{host_port(cfg.bind_host, cfg.flight_port)}"}
     if cfg.tls:
         kwargs["tls_certificates"] = cfg.tls
     if cfg.token:

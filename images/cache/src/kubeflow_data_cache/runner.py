@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from kubeflow_data_cache.config import NodeConfig, claim_port, label
+from kubeflow_data_cache.config import NodeConfig, claim_port, host_port, label
 from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
@@ -36,7 +36,7 @@ def _start_servers(cfg: NodeConfig) -> tuple[Head | DataNode, HealthServer]:
         server = Head(cfg) if cfg.role == "head" else DataNode(cfg)
     except pa.ArrowException as err:  # taken between the check and the bind, or refused by gRPC
         raise ConfigError(
-            f"the Flight server could not listen on {cfg.bind_host}:{cfg.flight_port} ({err}): "
+            f"the Flight server could not listen on {host_port(cfg.bind_host, cfg.flight_port)} ({err}): "
             f"pick another port with {label('FLIGHT_PORT', '--port')}"
         ) from None
     try:
@@ -44,7 +44,8 @@ def _start_servers(cfg: NodeConfig) -> tuple[Head | DataNode, HealthServer]:
     except OSError as err:
         server.stop()
         raise ConfigError(
-            f"the health server could not listen on {cfg.bind_host}:{cfg.health_port} ({err.strerror or err}): "
+            f"the health server could not listen on {host_port(cfg.bind_host, cfg.health_port)} "
+            f"({err.strerror or err}): "
             f"pick another port with {label('HEALTH_PORT', '--health-port')}"
         ) from None
     return server, health.start()
@@ -53,11 +54,10 @@ def _start_servers(cfg: NodeConfig) -> tuple[Head | DataNode, HealthServer]:
 def run_node(cfg: NodeConfig) -> int:
     server, health = _start_servers(cfg)
     log.info(
-        "%s serving Flight at %s (bind %s:%d), health at :%d%s",
+        "%s serving Flight at %s (bind %s), health at :%d%s",
         cfg.role,
         server.location,
-        cfg.bind_host,
-        server.port,
+        host_port(cfg.bind_host, server.port),
         health.port,
         ", token required" if cfg.token else "",
     )

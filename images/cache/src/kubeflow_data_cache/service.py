@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -197,6 +199,36 @@ class _QuietHTTPServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+class _IPv6HTTPServer(_QuietHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _DualStackHTTPServer(_IPv6HTTPServer):
+    """``::`` with IPv4 too, whatever the host's net.ipv6.bindv6only says."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A wildcard host listens on every address, IPv6 included where the kernel has it, as gRPC
+    does for the Flight port: on an IPv6-only pod the kubelet probes the pod's IPv6 address."""
+    if host in WILDCARD_HOSTS and socket.has_ipv6:
+        try:
+            return _DualStackHTTPServer(("::", port), handler)
+        except OSError as err:
+            if err.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL) or host == "::":
+                raise
+            # A kernel without IPv6: IPv4 alone, below.
+    if ":" in host:
+        return _IPv6HTTPServer((host.strip("[]"), port), handler)
+    return _QuietHTTPServer((host or "0.0.0.0", port), handler)
+
+
 class HealthServer:
     """``/live``, ``/ready`` (503 with the reason until loaded), ``/status`` (JSON), ``/metrics``."""
 
@@ -229,7 +261,7 @@ class HealthServer:
             def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
                 pass
 
-        self.httpd = _QuietHTTPServer((host, port), Handler)
+        self.httpd = http_server(host, port, Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True)
