@@ -22,6 +22,8 @@ SCENARIOS = (
     "healthy",
     "stuck",
     "image_pull",
+    "image_pull_passes",
+    "invalid_image",
     "oom",
     "unschedulable",
     "workers_refused",
@@ -184,8 +186,14 @@ class CacheSim:
             self.fake.update("pods", pods[1]["metadata"]["namespace"], pods[1]["metadata"]["name"],
                              lambda p: p["status"].update(conditions=[cond]))  # fmt: skip
             return
-        if self.scenario == "image_pull":
+        if self.scenario in ("image_pull", "image_pull_passes"):
             waiting = {"waiting": {"reason": "ErrImagePull", "message": "manifest unknown"}}
+            self._set(pods[1], state=waiting)
+            if self.scenario == "image_pull":
+                return
+            time.sleep(0.5)  # a registry blip: the kubelet's next try pulls it
+        if self.scenario == "invalid_image":
+            waiting = {"waiting": {"reason": "InvalidImageName", "message": 'couldn\'t parse image name "Bad:Image"'}}
             self._set(pods[1], state=waiting)
             return
         # As the head reports a data node it cannot reach yet: an error, but not a failure.

@@ -47,6 +47,7 @@ def initializer_env(sim: CacheSim | None, train_job: str = "job-a", **overrides:
         "CACHE_READY_TIMEOUT_SECONDS": READY_TIMEOUT,
         "CACHE_STATUS_POLL_SECONDS": "0.05",
         "CACHE_UNSCHEDULABLE_GRACE_SECONDS": "0.3",
+        "CACHE_START_ERROR_GRACE_SECONDS": "0.3",
         "CACHE_HEALTH_PORT": str(sim.health_port if sim else 8080),
     }
     return {**env, **overrides}

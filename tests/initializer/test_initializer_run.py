@@ -73,6 +73,7 @@ def test_deleting_the_train_job_removes_everything_the_initializer_made(fake, ma
 
 HOPELESS = [
     ("image_pull", "cannot pull image ghcr.io/example/data-cache:0.1.0: ErrImagePull: manifest unknown"),
+    ("invalid_image", "cannot pull image ghcr.io/example/data-cache:0.1.0: InvalidImageName"),
     ("oom", "cache pod job-a-cache-0-2 was OOMKilled: its memory limit is too small (raise WORKER_MEM)"),
     ("unschedulable", "cache pod job-a-cache-0-1 is unschedulable: 0/3 nodes are available: 3 Insufficient memory."),
     ("node_load_error", "cache pod job-a-cache-0-1 exited with code 1: load failed: NoSuchKey data/0.parquet"),
@@ -216,3 +217,21 @@ def test_missing_cache_pods_are_named_when_the_deadline_comes_first(fake, make_s
     assert code != 0
     assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1.5" in error
     assert "only 1 of the 3 cache pods exist" in error
+
+
+def test_an_image_pull_that_fails_once_is_waited_for(fake, make_sim, run_initializer):
+    """A registry blip (ErrImagePull, then a pull that works) is not a verdict within the grace."""
+    add_train_job(fake, "job-a")
+    code, error = run_initializer(initializer_env(make_sim("image_pull_passes"), CACHE_START_ERROR_GRACE_SECONDS="600"))
+    assert (code, error) == (0, "")
+
+
+def test_an_invalid_image_name_fails_at_once_whatever_the_grace(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    started = time.monotonic()
+    env = initializer_env(
+        make_sim("invalid_image"), CACHE_START_ERROR_GRACE_SECONDS="600", CACHE_READY_TIMEOUT_SECONDS="60"
+    )
+    code, error = run_initializer(env)
+    assert code != 0 and "InvalidImageName" in error
+    assert time.monotonic() - started < 30

@@ -97,6 +97,7 @@ class Config:
     health_port: int
     status_poll_seconds: float
     unschedulable_grace_seconds: float
+    start_error_grace_seconds: float
 
     @property
     def data_nodes(self) -> int:
@@ -258,6 +259,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         r._bad("CACHE_HEALTH_PORT", f"a port other than the Flight port {c.FLIGHT_PORT}", str(health_port))
     status_poll = r.seconds("CACHE_STATUS_POLL_SECONDS", c.DEFAULT_STATUS_POLL_SECONDS)
     unschedulable_grace = r.seconds("CACHE_UNSCHEDULABLE_GRACE_SECONDS", c.DEFAULT_UNSCHEDULABLE_GRACE_SECONDS)
+    start_error_grace = r.seconds("CACHE_START_ERROR_GRACE_SECONDS", c.DEFAULT_START_ERROR_GRACE_SECONDS)
     namespace = _namespace(env, namespace_file)
     if namespace is None:
         r.problems.append(f"`NAMESPACE` is required outside a pod (no {namespace_file} to read it from)")
@@ -288,4 +290,5 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         health_port=health_port,
         status_poll_seconds=status_poll,
         unschedulable_grace_seconds=unschedulable_grace,
+        start_error_grace_seconds=start_error_grace,
     )

@@ -37,6 +37,9 @@ DEFAULT_READY_TIMEOUT_SECONDS = 600.0
 DEFAULT_STATUS_POLL_SECONDS = 5.0
 # A cluster autoscaler needs a few minutes to add a node for an unschedulable cache pod.
 DEFAULT_UNSCHEDULABLE_GRACE_SECONDS = 180.0
+# An image pull that fails, or a container that cannot start, may pass: the kubelet retries a
+# pull after 10, 20, 40 s..., so this leaves room for about three tries.
+DEFAULT_START_ERROR_GRACE_SECONDS = 90.0
 
 # Waiting: how long one watch request or one head /status request may take.
 MAX_WATCH_SECONDS = 60

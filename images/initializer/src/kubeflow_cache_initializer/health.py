@@ -11,7 +11,11 @@ from kubeflow_cache_initializer import constants as c
 log = logging.getLogger(__name__)
 
 # Waiting reasons from which a container never starts without someone changing the pod or image.
-IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+IMAGE_ERRORS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# Waiting reasons that are often passing (a registry's 5xx or rate limit, a busy node's runtime
+# timing out, a Secret its controller has not written yet) but final when they last: the caller
+# gives them CACHE_START_ERROR_GRACE_SECONDS.
+PULL_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff"})
 CONFIG_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 # No proxy: the head's pod IP is reached directly, whatever HTTP(S)_PROXY the initializer has.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -40,13 +44,10 @@ def hopeless_reason(pod: dict) -> str | None:
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return f"cache pod {name} failed: {status.get('reason', '')} {status.get('message', '')}".strip()
-    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+    for cs in _container_statuses(status):
         waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason = waiting.get("reason", "")
-        if reason in IMAGE_ERRORS:
-            return f"cache pod {name} cannot pull image {cs.get('image', '')}: {reason}: {waiting.get('message', '')}"
-        if reason in CONFIG_ERRORS:
-            return f"cache pod {name} cannot start container {cs.get('name')}: {reason}: {waiting.get('message', '')}"
+        if waiting.get("reason", "") in IMAGE_ERRORS:
+            return _start_error(name, cs, waiting)
         # A past crash of a container that is ready again is history, not a verdict.
         for when in ("state",) if cs.get("ready") else ("state", "lastState"):
             term = (cs.get(when) or {}).get("terminated")
@@ -58,6 +59,27 @@ def hopeless_reason(pod: dict) -> str | None:
                 detail = (term.get("message") or term.get("reason") or "").strip()
                 return f"cache pod {name} exited with code {term['exitCode']}: {detail}"
     return None
+
+
+def start_error(pod: dict) -> str | None:
+    """Why a container of this pod cannot start now, where that may still pass (PULL_ERRORS,
+    CONFIG_ERRORS); None when none is waiting on such an error."""
+    for cs in _container_statuses(pod.get("status") or {}):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason", "") in PULL_ERRORS | CONFIG_ERRORS:
+            return _start_error(pod_name(pod), cs, waiting)
+    return None
+
+
+def _container_statuses(status: dict) -> list[dict]:
+    return (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+
+
+def _start_error(name: str, cs: dict, waiting: dict) -> str:
+    reason, message = waiting.get("reason", ""), waiting.get("message", "")
+    if reason in IMAGE_ERRORS | PULL_ERRORS:
+        return f"cache pod {name} cannot pull image {cs.get('image', '')}: {reason}: {message}"
+    return f"cache pod {name} cannot start container {cs.get('name')}: {reason}: {message}"
 
 
 def unschedulable_reason(pod: dict) -> str | None:

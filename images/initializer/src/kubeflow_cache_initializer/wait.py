@@ -111,6 +111,7 @@ class _Progress:
         self.status: dict | None = None
         self.logged: dict[str, str] = {}
         self.unschedulable_since: dict[str, float] = {}
+        self.start_error_since: dict[str, float] = {}
         self.missing_since: float | None = None  # since when fewer cache pods exist than the group has
 
     def apply(self, resource: Resource, kind: str, obj) -> bool:
@@ -169,13 +170,20 @@ class _Progress:
             reason = health.hopeless_reason(pod)
             if reason:
                 raise CacheFailedError(reason)
-            unschedulable = health.unschedulable_reason(pod)
-            if not unschedulable:
-                self.unschedulable_since.pop(health.pod_name(pod), None)
-                continue
-            since = self.unschedulable_since.setdefault(health.pod_name(pod), now)
-            if now - since >= self.cfg.unschedulable_grace_seconds:
-                raise CacheFailedError(f"{unschedulable} (for {now - since:.0f}s)")
+            self._for_longer_than(
+                self.start_error_since,
+                health.pod_name(pod),
+                health.start_error(pod),
+                now,
+                self.cfg.start_error_grace_seconds,
+            )
+            self._for_longer_than(
+                self.unschedulable_since,
+                health.pod_name(pod),
+                health.unschedulable_reason(pod),
+                now,
+                self.cfg.unschedulable_grace_seconds,
+            )
         missing = self.missing_pods()
         if not missing:
             self.missing_since = None
@@ -186,6 +194,16 @@ class _Progress:
         failure = health.status_failure(self.status) if self.status else None
         if failure:
             raise CacheFailedError(failure)
+
+    @staticmethod
+    def _for_longer_than(since: dict[str, float], name: str, problem: str | None, now: float, grace: float) -> None:
+        """Fail when ``problem`` has held for pod ``name`` for ``grace`` seconds; forget it once gone."""
+        if not problem:
+            since.pop(name, None)
+            return
+        started = since.setdefault(name, now)
+        if now - started >= grace:
+            raise CacheFailedError(f"{problem} (for {now - started:.0f}s)")
 
     def ready(self) -> bool:
         return _available(self.lws) and (self.status or {}).get("state") == "ready"
