@@ -3,12 +3,14 @@
 # LWS subcharts: what `helm install` and `helm package` use. Neither is committed.
 #
 # With network: download the CRDs of the Trainer release named by `appVersion` in Chart.yaml and
-# check each against the sha256 sum recorded below; `helm dependency update` fetches the subcharts.
+# check each against the sha256 sum recorded below; `helm dependency update` fetches the subcharts
+# (through the venv's helm_python, or the helm CLI where there is no venv: an admin needs no Python).
 # Offline (or when a download fails): copy the same files from ../shared and say so. A download
 # whose sum does not match is an error, never a silent fallback.
 #
 # Env: CHART_DIR (default charts/kubeflow-trainer), SHARED_DIR (default ../shared),
-#      TRAINER_CRDS_URL (default the release's raw GitHub folder), OFFLINE=1 (skip the network).
+#      TRAINER_CRDS_URL (default the release's raw GitHub folder), OFFLINE=1 (skip the network),
+#      PY (default .venv/bin/python).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -83,6 +85,15 @@ mkdir -p "$CHART_DIR/crds"
 for f in "${FILES[@]}"; do cp "$staging/$f" "$CHART_DIR/crds/$f"; done
 echo "crds: Trainer $TRAINER_VERSION from $source_used -> $CHART_DIR/crds/ (${#FILES[@]} files, sha256 checked)"
 
-deps_flag=--network
-[[ "${OFFLINE:-0}" == 1 ]] && deps_flag=""
-SHARED_DIR="$SHARED_DIR" "$PY" "$ROOT/hack/helm.py" deps $deps_flag "$CHART_DIR" | sed 's/^/subcharts: /'
+if [[ -x "$PY" ]]; then
+  deps_flag=--network
+  [[ "${OFFLINE:-0}" == 1 ]] && deps_flag=""
+  SHARED_DIR="$SHARED_DIR" "$PY" "$ROOT/hack/helm.py" deps $deps_flag "$CHART_DIR" | sed 's/^/subcharts: /'
+elif [[ "${OFFLINE:-0}" != 1 ]] && command -v helm >/dev/null 2>&1; then
+  # An admin's machine without the development venv: the helm CLI fetches the pinned subcharts.
+  helm dependency build "$CHART_DIR" | sed 's/^/subcharts: /'
+else
+  echo "error: the JobSet and LWS subcharts need the helm CLI on PATH (network) or the development venv" \
+    "($PY; \`make setup\` builds it, and copies them offline from $SHARED_DIR/charts)" >&2
+  exit 1
+fi

@@ -79,3 +79,30 @@ def test_an_unpinned_version_is_refused(tmp_path):
     result = sync(chart, OFFLINE="1")
     assert result.returncode != 0
     assert "no sha256 sums recorded for Trainer v9.9.9" in result.stderr
+
+
+def test_without_the_venv_the_helm_cli_fills_the_subcharts(tmp_path):
+    """An admin's machine: no Python venv, the helm CLI on PATH. The helm binary cannot run here
+    (no network, not installed), so a stand-in records how the script calls it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "helm-calls"
+    helm = bin_dir / "helm"
+    helm.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "Saving 2 charts"\n')
+    helm.chmod(0o755)
+    chart = fresh_chart(tmp_path)
+    mirror = tmp_path / "mirror"
+    shutil.copytree(shared_dir() / "crds" / "trainer-v2.1.0", mirror)
+    result = sync(chart, PY=str(tmp_path / "no-venv" / "python"), PATH=f"{bin_dir}:/usr/bin:/bin",
+                  TRAINER_CRDS_URL=f"file://{mirror}")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert calls.read_text().split() == ["dependency", "build", str(chart)]
+    assert "subcharts: Saving 2 charts" in result.stdout
+    assert sorted(p.name for p in (chart / "crds").iterdir()) == CRD_FILES
+
+
+def test_without_the_venv_or_the_helm_cli_the_error_names_both(tmp_path):
+    chart = fresh_chart(tmp_path)
+    result = sync(chart, OFFLINE="1", PY=str(tmp_path / "no-venv" / "python"))
+    assert result.returncode == 1
+    assert "need the helm CLI on PATH" in result.stderr and "make setup" in result.stderr
