@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
+from kubeflow_data_cache import client as client_module
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset
 from kubeflow_data_cache.errors import CacheUnavailableError
@@ -151,6 +154,43 @@ def test_a_frozen_node_is_given_up_on_not_waited_for_for_ever(cluster):
         os.kill(frozen.pid, signal.SIGCONT)
         client.close()
     cluster.wait_ready()  # the node answers again, and the head serves again
+
+
+def test_a_node_frozen_before_its_stream_starts_is_given_up_on_within_the_deadline(cluster, monkeypatch):
+    """The retry after a stall opens a new stream on the same frozen node; opening waits for the
+    node's first message, which never comes, so opening is bounded by the stall limit too."""
+    monkeypatch.setattr(client_module, "STREAM_STALL_SECONDS", 1.0)  # below the deadline: retries happen
+    location = cluster.wait_ready()["nodes"][0]["location"]
+    client = CacheClient(cluster.endpoint, deadline_seconds=6, generic_options=[("grpc.http2.bdp_probe", 0)])
+    batches = client.read_shard(ShardRequest(columns=None, batch_size=1000), interleave=False)
+    next(batches)
+    frozen = cluster.procs["node-0"]
+    os.kill(frozen.pid, signal.SIGSTOP)
+    outcome: list[BaseException | None] = []
+
+    def read_rest() -> None:
+        try:
+            for _ in batches:
+                pass
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    reader = threading.Thread(target=read_rest, daemon=True)
+    try:
+        started = time.monotonic()
+        reader.start()
+        reader.join(40)  # without the bound it waits for as long as the node stays frozen
+        assert not reader.is_alive(), "the read was still waiting on the frozen node"
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    reader.join(30)
+    client.close()
+    (error,) = outcome
+    assert isinstance(error, CacheUnavailableError)
+    assert re.search(rf"data node {location} stayed unavailable .*stalled", str(error))
+    cluster.wait_ready()
 
 
 def test_node_that_stays_down_is_named(cluster):

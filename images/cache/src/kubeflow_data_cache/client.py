@@ -318,7 +318,7 @@ class CacheClient:
                 wire, skip = endpoint.ticket, received
             reader = None
             try:
-                reader = self._client(location).do_get(wire, self._options(None))
+                reader = self._open_stream(location, wire)
                 for batch in drop_rows(self._batches(reader, location), skip):
                     if batch.num_rows == 0:
                         continue
@@ -363,6 +363,21 @@ class CacheClient:
                     self._stall_watch.forget(reader)
             time.sleep(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
+
+    def _open_stream(self, location: str, ticket: flight.Ticket) -> flight.FlightStreamReader:
+        """``do_get``, given up on (StreamStalledError, retried) after the stall limit.
+
+        do_get returns once the node has sent its first message. A frozen node never sends it,
+        and a call still opening cannot be cancelled (closing the client does not end it), so it
+        runs in a helper thread; one that outlasts the limit is left to end on its own and
+        cancels the stream if it still gets one.
+        """
+        opening = _Opening(self._client(location), ticket, self._options(None))
+        if not opening.done.wait(self._stall_watch.limit) and opening.abandon():
+            raise StreamStalledError(
+                f"data node {location} did not start its stream within {self._stall_watch.limit:.0f}s (stalled)"
+            )
+        return opening.result()
 
     def _not_whole(self, location: str, what: str) -> DataCacheError:
         return DataCacheError(f"data node {location}'s stream {what}; the shard would not be exact")
@@ -413,6 +428,47 @@ class CacheClient:
         raise BadRequestError(
             f"data node {was.node} ({location}) reloaded with other rows for this shard; start the epoch again"
         )
+
+
+class _Opening:
+    """One do_get in a helper thread, which the caller may stop waiting for."""
+
+    def __init__(self, client: flight.FlightClient, ticket: flight.Ticket, options: flight.FlightCallOptions):
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._reader: flight.FlightStreamReader | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._open, args=(client, ticket, options), name="cache-do-get", daemon=True).start()
+
+    def _open(self, client: flight.FlightClient, ticket: flight.Ticket, options: flight.FlightCallOptions) -> None:
+        try:
+            reader = client.do_get(ticket, options)
+        except BaseException as err:  # handed to the caller, which raises it
+            self._error = err
+        else:
+            with self._lock:
+                if self._abandoned:  # nobody will read it: tell the node to stop
+                    with suppress(flight.FlightError, pa.ArrowException):
+                        reader.cancel()
+                    return
+                self._reader = reader
+        finally:
+            self.done.set()
+
+    def abandon(self) -> bool:
+        """Stop waiting; False when the stream opened meanwhile (the caller takes it after all)."""
+        with self._lock:
+            if self._reader is not None or self.done.is_set():
+                return False
+            self._abandoned = True
+            return True
+
+    def result(self) -> flight.FlightStreamReader:
+        if self._error is not None:
+            raise self._error
+        assert self._reader is not None  # done, without an error
+        return self._reader
 
 
 class KeptClient:
