@@ -16,10 +16,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+# A watcher with nothing armed for this long ends its thread (the next ``arm`` starts one): a
+# client its owner dropped without closing it (a dataset per evaluation, a sweep in one process)
+# must not leave a thread behind for every one.
+IDLE_EXIT_SECONDS = 30.0
+
 
 class StallWatch:
-    """One watcher thread per client; ``arm`` before a read, ``disarm`` after (cheap: a dict op),
-    ``forget`` when the stream is done."""
+    """One watcher thread per client while it reads; ``arm`` before a read, ``disarm`` after
+    (cheap: a dict op), ``forget`` when the stream is done."""
 
     def __init__(self, limit_seconds: float) -> None:
         self.limit = limit_seconds
@@ -61,9 +66,16 @@ class StallWatch:
 
     def _run(self) -> None:
         tick = min(1.0, self.limit / 4)
+        idle_since = time.monotonic()
         while not self._stop.wait(tick):
             now = time.monotonic()
             with self._lock:
+                if self._armed:
+                    idle_since = now
+                elif now - idle_since >= IDLE_EXIT_SECONDS:
+                    if self._thread is threading.current_thread():
+                        self._thread = None  # the next arm starts a new one
+                    return
                 expired = [(key, reader) for key, (at, reader) in self._armed.items() if at <= now]
                 for key, _ in expired:
                     del self._armed[key]
