@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.dataset import DataCacheDataset, World
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
@@ -250,3 +251,73 @@ def test_state_dict_beside_a_plain_dataloader_with_forked_workers_raises(cache):
     assert got["rows"] == 300
     assert WORKERS_HOLD_THE_POSITIONS in got.get("error", ""), got
     assert "torchdata.stateful_dataloader.StatefulDataLoader" in got["error"]
+
+
+def _saved_mid_epoch(cache, world: World, batches: int, **kwargs) -> tuple[dict, list[int]]:
+    ds = make(cache, **kwargs)
+    ds.set_epoch(3)
+    it = ds._iter_world(world)
+    head = ids_of(next(it) for _ in range(batches))
+    return ds.state_dict(), head
+
+
+def test_a_shuffled_state_keeps_the_stream_lengths_its_rows_were_counted_in(cache):
+    state, _ = _saved_mid_epoch(cache, World(0, 1, 0, 1), 7)
+    assert state["streams"] == [ROWS // 2, ROWS // 2]  # two data nodes, half the table each
+    unshuffled = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    next(iter(unshuffled))
+    assert unshuffled.state_dict()["streams"] is None  # in order, the split does not matter
+
+
+def test_resuming_against_a_cache_that_splits_the_shard_otherwise_is_refused(cache, cache_factory):
+    """Another number of data nodes interleaves a shuffled shard otherwise: the saved row count
+    would then mean other rows, and the read would repeat some and leave others out."""
+    state, _ = _saved_mid_epoch(cache, World(0, 1, 0, 1), 7)
+    three_nodes = cache_factory(ROWS, 3, data_nodes=3)  # the same table (small_table), three nodes
+    resumed = make(three_nodes)
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"streams of \[5000, 5000\] rows, but the cache now serves it as streams of"):
+        next(resumed._iter_world(World(0, 1, 0, 1)))
+
+
+@pytest.mark.parametrize(
+    ("filter_", "accepted"),
+    [
+        (None, True),  # equal streams: the order before stream lengths were kept was the same
+        ("id >= 3500", False),  # 1500 rows against 5000: that order was a plain rotation, now spread
+    ],
+)
+def test_a_state_without_stream_lengths_resumes_only_where_the_order_is_unchanged(cache, filter_, accepted):
+    world = World(0, 1, 0, 1)
+    full = ids_of(_epoch(cache, world, filter_))
+    state, head = _saved_mid_epoch(cache, world, 13, filter=filter_)
+    del state["streams"]  # as an older version saved it
+    resumed = make(cache, filter=filter_)
+    resumed.load_state_dict(state)
+    if accepted:
+        assert head + ids_of(resumed._iter_world(world)) == full
+    else:
+        with pytest.raises(ValueError, match="a split this version cannot tell"):
+            next(resumed._iter_world(world))
+
+
+def _epoch(cache, world: World, filter_: str | None):
+    ds = make(cache, filter=filter_)
+    ds.set_epoch(3)
+    return ds._iter_world(world)
+
+
+def test_a_node_with_fewer_matching_rows_is_spread_over_the_shuffled_epoch(cache):
+    """With a filter one node matches far fewer rows than the other: its rows are spread through
+    the epoch instead of all given out at its start (a plain rotation of the two streams left the
+    last ~45% of every epoch here without a row of the smaller one)."""
+    world, filter_ = World(0, 1, 0, 1), "id >= 3500"
+    request = make(cache, filter=filter_).shard_request(world)
+    with CacheClient(cache.endpoint) as client:
+        endpoints = client.get_flight_info(request).endpoints
+        streams = [[i for b in client.read_endpoint(request, e) for i in b.column("id").to_pylist()] for e in endpoints]
+    small = min(streams, key=len)
+    assert 3 * len(small) < ROWS - 3500 - len(small)  # the filter splits the shard unevenly
+    ids = ids_of(_epoch(cache, world, filter_))
+    assert sorted(ids) == list(range(3500, ROWS))
+    assert set(small) & set(ids[int(len(ids) * 0.7) :])

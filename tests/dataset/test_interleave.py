@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kubeflow_data_cache.interleave import resume_point, round_robin, sequential_point
+from kubeflow_data_cache.interleave import ResumePoint, interleave, resume_point, sequential_point
 
 
 def stream(first: int, n: int, cut: int):
@@ -27,21 +27,62 @@ def ids(batches) -> list[int]:
     cut=st.integers(1, 50),
     data=st.data(),
 )
-def test_resuming_the_round_robin_gives_the_rest_of_the_same_order(lengths, unit, cut, data):
+def test_resuming_the_interleave_gives_the_rest_of_the_same_order(lengths, unit, cut, data):
     firsts = [1000 * i for i in range(len(lengths))]
-    whole = ids(round_robin([stream(f, n, cut) for f, n in zip(firsts, lengths, strict=True)], unit))
+    whole = ids(interleave([stream(f, n, cut) for f, n in zip(firsts, lengths, strict=True)], lengths, unit))
     assert sorted(whole) == sorted(f + r for f, n in zip(firsts, lengths, strict=True) for r in range(n))
+    # Each stream's rows keep their order: only the streams are interleaved.
+    for f in firsts:
+        mine = [i for i in whole if f <= i < f + 1000]
+        assert mine == sorted(mine)
     start = data.draw(st.integers(0, len(whole)))
     point = resume_point(lengths, unit, start)
     # Each stream gave exactly the rows of it among the first ``start``.
     assert list(point.skips) == [sum(1 for i in whole[:start] if f <= i < f + 1000) for f in firsts]
-    rest = round_robin(
+    rest = interleave(
         [stream(f + k, n - k, cut) for f, n, k in zip(firsts, lengths, point.skips, strict=True)],
+        lengths,
         unit,
-        point.turn,
-        point.taken,
+        point,
     )
     assert ids(rest) == whole[start:]
+
+
+def _stream_of(row: int) -> int:
+    return row // 1000
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 300), min_size=2, max_size=5), unit=st.integers(1, 8))
+def test_every_stretch_of_the_read_holds_each_stream_in_proportion(lengths, unit):
+    """No stream runs out long before the others: after any prefix, each stream has given its
+    share of the rows, within two units (a plain rotation gives the short streams out first)."""
+    firsts = [1000 * i for i in range(len(lengths))]
+    whole = ids(interleave([stream(f, n, 7) for f, n in zip(firsts, lengths, strict=True)], lengths, unit))
+    total = len(whole)
+    given_so_far = [0] * len(lengths)
+    for position, row in enumerate(whole, start=1):
+        given_so_far[_stream_of(row)] += 1
+        for j, n in enumerate(lengths):
+            assert abs(given_so_far[j] - n * position / total) <= 2 * unit + 1
+
+
+def test_equal_streams_alternate_unit_by_unit():
+    whole = ids(interleave([stream(0, 6, 4), stream(1000, 6, 5)], [6, 6], 2))
+    assert whole == [0, 1, 1000, 1001, 2, 3, 1002, 1003, 4, 5, 1004, 1005]
+
+
+def test_a_short_stream_is_spread_over_the_read_not_given_first():
+    # 2 units against 6: the short stream's sit at 3/12 and 9/12 of the read, the long one's at
+    # 1/12, 3/12, 5/12, ... (on a tie the lower stream goes first).
+    whole = ids(interleave([stream(0, 12, 12), stream(1000, 4, 4)], [12, 4], 2))
+    assert [_stream_of(i) for i in whole[::2]] == [0, 0, 1, 0, 0, 0, 1, 0]
+
+
+def test_streams_of_unknown_length_rotate_and_leave_when_they_end():
+    whole = ids(interleave([stream(0, 2, 2), stream(1000, 6, 6)], None, 2))
+    assert whole == [0, 1, 1000, 1001, 1002, 1003, 1004, 1005]
+    assert ids(interleave([stream(0, 0, 1)], None, 2, ResumePoint((0,)))) == []
 
 
 @given(lengths=st.lists(st.integers(0, 50), min_size=1, max_size=4), data=st.data())

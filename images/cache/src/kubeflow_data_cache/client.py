@@ -32,7 +32,8 @@ from kubeflow_data_cache.errors import (
     NotReadyError,
     server_message,
 )
-from kubeflow_data_cache.interleave import ResumePoint, resume_point, round_robin, sequential_point
+from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential_point
+from kubeflow_data_cache.interleave import interleave as interleave_streams
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.stall_watch import StallWatch
@@ -242,12 +243,19 @@ class CacheClient:
 
         return self._retry(location, "status", call)
 
-    def read_shard(self, request: ShardRequest, interleave: bool = True, start: int = 0) -> Iterator[pa.RecordBatch]:
+    def read_shard(
+        self,
+        request: ShardRequest,
+        interleave: bool = True,
+        start: int = 0,
+        check_streams: Callable[[list[int | None]], None] | None = None,
+    ) -> Iterator[pa.RecordBatch]:
         """Every record batch of one shard, from all of its data nodes; with ``start``, all but
         the first ``start`` rows (a resumed read).
 
-        With ``interleave`` the endpoints' streams are round-robined in chunks of exactly
-        ``request.block_size`` rows, the unit the shuffle permutes, so consecutive blocks come from
+        With ``interleave`` the endpoints' streams are interleaved in units of exactly
+        ``request.block_size`` rows, the unit the shuffle permutes, each stream's units spread
+        evenly over the read by its length (interleave.py), so consecutive blocks come from
         different nodes as they would in the shuffled order. The unit does not depend on how a node
         cuts its batches, so the order is the same on every read (resume relies on that). Without
         ``interleave`` the streams are read one after the other (table order when unshuffled).
@@ -258,6 +266,9 @@ class CacheClient:
         A resumed read asks each data node to leave out the rows already handed out, so they
         are not sent again; a cache whose tickets do not say how many rows each stream holds
         (an older version) sends them, and they are dropped here as they arrive.
+
+        ``check_streams`` is called with each stream's row count (None where the cache does not
+        say) before any stream opens; it may raise to refuse the read.
         """
         start = _row_count(start)
         info = self.get_flight_info(request)
@@ -268,6 +279,8 @@ class CacheClient:
             )
         endpoints = list(info.endpoints)
         lengths = [ticket_rows(e.ticket.ticket) for e in endpoints]
+        if check_streams is not None:
+            check_streams(lengths)
         nodes_skip = None not in lengths
         served = start if nodes_skip else 0
         if not served:
@@ -283,7 +296,7 @@ class CacheClient:
             streams = [Readahead(s, STREAM_READAHEAD_BATCHES, f"cache-stream-{i}") for i, s in enumerate(streams)]
         try:
             if interleave:
-                batches = round_robin(streams, request.block_size, point.turn, point.taken)
+                batches = interleave_streams(streams, lengths if nodes_skip else None, request.block_size, point)
             else:
                 batches = (batch for stream in streams for batch in stream)
             yield from batches if nodes_skip else drop_rows(batches, start)

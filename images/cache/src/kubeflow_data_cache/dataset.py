@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient, check_endpoint, int_arg
 from kubeflow_data_cache.errors import ConfigError
+from kubeflow_data_cache.interleave import rotation_order
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
@@ -144,6 +145,9 @@ class _Progress:
     shard: int
     num_shards: int
     rows: int = 0
+    # A shuffled read's stream lengths (rows per data node in this shard): the interleaved order,
+    # hence what a row count means, depends on them. None until the head has answered.
+    streams: list[int] | None = None
 
 
 class DataCacheDataset(IterableDataset):
@@ -290,20 +294,25 @@ class DataCacheDataset(IterableDataset):
     def _iter_world(self, world: World) -> Iterator[Any]:
         """Set up this reader's epoch now (so state_dict is right at once), then stream."""
         request = self.shard_request(world)
-        skip = self._take_resume(world)
+        skip, streams = self._take_resume(world)
         slot = None
         if get_worker_info() is not None:
             slot = world.worker_id % WORKER_SLOTS
             self._worker_reads[slot] = self.epoch + 1
         else:  # this process reads now: what workers read before is no longer the position
             self._worker_reads.clear()
-        self._progress = _Progress(self.epoch, world.shard, world.num_shards, rows=skip)
+        self._progress = _Progress(self.epoch, world.shard, world.num_shards, rows=skip, streams=streams)
         return self._stream(request, skip, self._progress, slot)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
         with self._lease() as client:
             # The nodes leave out the rows a resumed reader handed out before (client.read_shard).
-            record_batches = client.read_shard(request, interleave=request.shuffle, start=skip)
+            record_batches = client.read_shard(
+                request,
+                interleave=request.shuffle,
+                start=skip,
+                check_streams=lambda lengths: _check_streams(request, progress, skip, lengths),
+            )
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
@@ -433,6 +442,7 @@ class DataCacheDataset(IterableDataset):
             "shard": progress.shard,
             "num_shards": progress.num_shards,
             "rows": progress.rows,
+            "streams": progress.streams,
             **self._fingerprint(),
         }
 
@@ -474,16 +484,45 @@ class DataCacheDataset(IterableDataset):
         self._epoch.value = saved
         self._resume = dict(state) if state["rows"] > 0 else None
 
-    def _take_resume(self, world: World) -> int:
+    def _take_resume(self, world: World) -> tuple[int, list[int] | None]:
+        """Rows to leave out of this reader's epoch, and the stream lengths they were counted in."""
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != self.epoch:
-            return 0
+            return 0, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
-        return int(state["rows"])
+        streams = state.get("streams")  # absent in states saved before stream lengths were kept
+        return int(state["rows"]), (list(streams) if streams is not None else None)
+
+
+def _check_streams(request: ShardRequest, progress: _Progress, skip: int, lengths: list[int | None]) -> None:
+    """Keep a shuffled read's stream lengths, and refuse to resume a position counted in others.
+
+    A shuffled shard interleaves its data nodes' streams by their lengths (interleave.py), so
+    ``skip`` rows mean other rows when the cache splits the shard otherwise (another number of
+    data nodes, another table): resuming would repeat some rows and leave out others.
+    """
+    if not request.shuffle or None in lengths:
+        return  # in order, the rows follow the table whatever the split; None: an older cache
+    now = [int(n) for n in lengths if n is not None]
+    saved, progress.streams = progress.streams, now
+    if not skip or saved == now:
+        return
+    if saved is None:  # a state from before stream lengths were saved, when streams simply rotated
+        if rotation_order(now, request.block_size):
+            return  # the same order then and now
+        saved_text = "a split this version cannot tell"
+    else:
+        saved_text = f"streams of {saved} rows"
+    raise ValueError(
+        f"the saved state counted {skip} rows of this shuffled shard in {saved_text}, but the cache now "
+        f"serves it as streams of {now} rows (another number of data nodes, or another table): the order "
+        "differs, so resuming would repeat rows and leave others out; start the epoch again "
+        "(skip load_state_dict, or set_epoch to the next epoch)"
+    )
 
 
 def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
