@@ -87,3 +87,9 @@ def test_what_cannot_be_a_view_is_still_converted_without_copy(col):
     tensor = column_to_tensor("c", col, copy=False)
     expected = column_to_tensor("c", col)
     assert torch.equal(tensor, expected) or torch.allclose(tensor, expected, equal_nan=True)
+
+
+def test_a_list_of_strings_column_is_refused_naming_it():
+    col = pa.array([["a", "b"], ["c", "d"]])
+    with pytest.raises(TypeError, match=r"column 'tags' holds lists of string, which have no tensor form"):
+        column_to_tensor("tags", col)

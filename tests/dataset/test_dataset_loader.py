@@ -218,6 +218,11 @@ def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
         with pytest.raises(ValueError, match="should be a grpc:// or grpc\\+tls:// URI"):
             DataCacheDataset(endpoint)
     CacheClient("grpc+tls://h:1").close()
+    CacheClient("grpc://[::1]:50051").close()
+    # Without a port gRPC would quietly dial 443.
+    for endpoint in ("grpc://127.0.0.1", "grpc+tls://cache", "grpc://h:0", "grpc://h:70000", "grpc://h:port"):
+        with pytest.raises(ValueError, match="should name its port"):
+            DataCacheDataset(endpoint)
 
 
 def test_numeric_arguments_take_numpy_integers_and_refuse_what_cannot_work():
@@ -232,6 +237,12 @@ def test_numeric_arguments_take_numpy_integers_and_refuse_what_cannot_work():
     ds.set_epoch(2**63 - 2)
     assert ds.epoch == 2**63 - 2
     assert DataCacheDataset("grpc://h:1", deadline_seconds=np.int64(30)).deadline_seconds == 30
+    picked = DataCacheDataset("grpc://h:1", shuffle=True, seed=np.int64(3), block_size=np.int32(64))
+    assert (picked.shard_request(World()).seed, picked.shard_request(World()).block_size) == (3, 64)
+    # Every bad argument is a ValueError, those the request checks (BadRequestError) included.
+    for bad in ({"seed": -1}, {"seed": 1.5}, {"block_size": 0}, {"columns": []}, {"filter": 3}):
+        with pytest.raises(ValueError):
+            DataCacheDataset("grpc://h:1", **bad)
     for deadline in (0, -1, float("inf"), float("nan"), "10", True):
         with pytest.raises(ValueError, match="deadline_seconds should be a number of seconds > 0"):
             DataCacheDataset("grpc://h:1", deadline_seconds=deadline)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -95,6 +96,15 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(
             f"the cache endpoint should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}"
         )
+    if endpoint.startswith("grpc+unix://"):
+        return
+    try:
+        port = urlsplit(endpoint).port
+    except ValueError:  # not a number, or out of range
+        port = -1
+    if port is None or not 0 < port < 65536:
+        # Without one, gRPC would quietly dial port 443.
+        raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
 
 
 def _backoff(delay: float, deadline: float | None) -> float:

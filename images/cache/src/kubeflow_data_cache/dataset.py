@@ -197,6 +197,8 @@ class DataCacheDataset(IterableDataset):
         self.tls_root_certs = tls_root_certs
         self.deadline_seconds = deadline_seconds
         # Validated now (bad seed, columns, filter type) rather than in a DataLoader worker.
+        # numpy integers (np.int64 from a config or an RNG) count as integers, as for batch_size.
+        seed, block_size = (int_arg(v) if int_arg(v) is not None else v for v in (seed, block_size))
         self._request = ShardRequest(
             seed=seed,
             shuffle=shuffle,
@@ -591,7 +593,11 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
             raise ValueError(f"column {name!r} has null lists; fill them in from_arrow_rb_to_tensor")
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
         inner = column_to_tensor(name, col.flatten(), copy)
-        assert isinstance(inner, torch.Tensor)
+        if not isinstance(inner, torch.Tensor):  # lists of strings
+            raise TypeError(
+                f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
+                "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"
+            )
         return inner.reshape(len(col), width, *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         if col.null_count and not pa.types.is_floating(t):

@@ -27,8 +27,9 @@ class MemoryBudgetError(DataCacheError):
     """The table does not fit the data nodes' memory budget."""
 
 
-class BadRequestError(DataCacheError):
-    """A client's descriptor, ticket or action body is malformed or out of range."""
+class BadRequestError(DataCacheError, ValueError):
+    """A client's descriptor, ticket or action body is malformed or out of range (a ValueError
+    too, as every other bad argument of the client is)."""
 
 
 class NotReadyError(DataCacheError):
