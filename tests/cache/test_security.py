@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.flight as flight
 import pytest
 
+from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.errors import CacheUnavailableError
 from kubeflow_data_cache.security import TokenAuthFactory
 from tests.cache.conftest import Certificate, read_path_shards
 from tests.conftest import LocalCache
@@ -184,6 +187,21 @@ def test_plaintext_and_untrusting_clients_are_refused(tls_cache, self_signed_cer
         flight.FlightClient(location).get_flight_info(flight.FlightDescriptor.for_path("0", "1"), bearer(None))
     with pytest.raises(flight.FlightUnavailableError):
         flight.FlightClient(node_location).do_get(info.endpoints[0].ticket, bearer(None)).read_all()
+
+
+def test_a_client_that_does_not_trust_the_certificate_fails_at_once_naming_the_fix(tls_cache):
+    """A certificate that does not verify stays so: no retrying until the deadline."""
+    _, location = tls_cache
+    started = time.monotonic()
+    with pytest.raises(CacheUnavailableError, match="TLS handshake with the cache .* as tls_root_certs"):
+        CacheClient(location, deadline_seconds=60).status()
+    assert time.monotonic() - started < 30
+
+
+def test_root_certificates_that_are_not_pem_are_refused_at_construction():
+    for bad in (b"garbage", "not bytes either"):
+        with pytest.raises(ValueError, match="tls_root_certs should be PEM certificates"):
+            CacheClient("grpc+tls://h:1", tls_root_certs=bad)
 
 
 @pytest.mark.parametrize(

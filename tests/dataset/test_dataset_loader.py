@@ -219,6 +219,8 @@ def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
             DataCacheDataset(endpoint)
     CacheClient("grpc+tls://h:1").close()
     CacheClient("grpc://[::1]:50051").close()
+    with pytest.raises(ValueError, match="tls_root_certs should be PEM certificates"):
+        DataCacheDataset("grpc+tls://h:1", tls_root_certs=b"garbage")
     # Without a port gRPC would quietly dial 443.
     for endpoint in ("grpc://127.0.0.1", "grpc+tls://cache", "grpc://h:0", "grpc://h:70000", "grpc://h:port"):
         with pytest.raises(ValueError, match="should name its port"):

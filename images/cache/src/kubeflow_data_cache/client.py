@@ -12,6 +12,7 @@ import json
 import logging
 import operator
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,7 +73,12 @@ STREAM_READAHEAD_BATCHES = 2
 
 # What Flight's gRPC transport accepts (grpc+tcp is grpc; grpc+unix a local socket).
 ENDPOINT_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls", "grpc+unix")
-ENDPOINT_HINT = "set DATA_CACHE_ENDPOINT (or the dataset's endpoint argument) to the cache's grpc:// address"
+ENDPOINT_HINT = (
+    "set DATA_CACHE_ENDPOINT (or the dataset's endpoint argument) to the cache's grpc:// address "
+    "(grpc+tls:// where the cache serves TLS)"
+)
+# What gRPC says when the server's certificate does not verify: no retry changes that.
+TLS_FAILURES = ("Ssl handshake failed", "certificate verify failed", "TSI_PROTOCOL_FAILURE")
 TOKEN_HINT = "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or the token argument) to the cache's token"
 
 # The same errors gRPC reports for a refused connection, a failed DNS lookup, a server that
@@ -107,6 +113,17 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
 
 
+def check_root_certs(pem: bytes) -> None:
+    """PEM certificates, or a ValueError naming the argument (gRPC would only log that it could
+    not load them, then fail every call with "empty address list")."""
+    try:
+        ssl.create_default_context(cadata=pem.decode("ascii") if isinstance(pem, bytes) else pem)
+    except (ssl.SSLError, ValueError, TypeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"tls_root_certs should be PEM certificates (-----BEGIN CERTIFICATE----- ...), as bytes: {err}"
+        ) from None
+
+
 def _backoff(delay: float, deadline: float | None) -> float:
     """The pause before the next try: ``delay`` with jitter (many workers that failed together
     must not retry in lockstep), cut short so that the last try falls at the deadline itself."""
@@ -128,6 +145,8 @@ class CacheClient:
         check_endpoint(endpoint)
         if deadline_seconds <= 0:
             raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")
+        if tls_root_certs is not None:
+            check_root_certs(tls_root_certs)
         self.endpoint = endpoint
         self.deadline_seconds = float(deadline_seconds)
         self._token = token
@@ -217,6 +236,12 @@ class CacheClient:
             try:
                 return call(remaining)
             except _TRANSIENT as err:
+                if any(marker in str(err) for marker in TLS_FAILURES):
+                    raise CacheUnavailableError(
+                        f"the TLS handshake with the cache at {location} failed for {what}: {server_message(err)}; "
+                        "pass the certificate authority that signed the cache's certificate (for a self-signed "
+                        "one, the certificate itself) as tls_root_certs"
+                    ) from err
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
                 log.info("%s at %s: %s; retrying in %.2fs", what, location, server_message(err), delay)

@@ -24,7 +24,14 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from kubeflow_data_cache.client import DEFAULT_DEADLINE_SECONDS, CacheClient, KeptClient, check_endpoint, int_arg
+from kubeflow_data_cache.client import (
+    DEFAULT_DEADLINE_SECONDS,
+    CacheClient,
+    KeptClient,
+    check_endpoint,
+    check_root_certs,
+    int_arg,
+)
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.interleave import rotation_order
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
@@ -194,6 +201,8 @@ class DataCacheDataset(IterableDataset):
         self.batch_size = size
         self.drop_last = drop_last
         self.even = even if even is not None else ("drop" if drop_last else None)
+        if tls_root_certs is not None:
+            check_root_certs(tls_root_certs)
         self.tls_root_certs = tls_root_certs
         self.deadline_seconds = deadline_seconds
         # Validated now (bad seed, columns, filter type) rather than in a DataLoader worker.
