@@ -7,6 +7,7 @@ and replaced while the head keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -135,40 +137,43 @@ def test_restarted_head_reloads_the_nodes_and_old_tickets_are_renewed(cluster, c
     assert len(renewed) == node1 and len(np.unique(renewed)) == node1
 
 
-def test_a_frozen_node_is_given_up_on_not_waited_for_for_ever(cluster):
-    """A stopped process (a hung pod, a partition) keeps its connection and sends nothing: the
-    read is cancelled after the stall limit, retried, and the node named within the deadline."""
+@contextlib.contextmanager
+def node_frozen_mid_stream(cluster, deadline_seconds: float) -> Iterator[tuple[str, Iterator]]:
+    """A read of the shard under way on node 0's stream, then node 0 stopped (SIGSTOP: a hung pod,
+    a partition, connected and sending nothing) until the block ends; its location and the read."""
     location = cluster.wait_ready()["nodes"][0]["location"]
-    client = CacheClient(cluster.endpoint, deadline_seconds=4, generic_options=[("grpc.http2.bdp_probe", 0)])
+    client = CacheClient(
+        cluster.endpoint, deadline_seconds=deadline_seconds, generic_options=[("grpc.http2.bdp_probe", 0)]
+    )
     batches = client.read_shard(ShardRequest(columns=None, batch_size=1000), interleave=False)
     next(batches)
     frozen = cluster.procs["node-0"]
     os.kill(frozen.pid, signal.SIGSTOP)
     try:
-        started = time.monotonic()
-        with pytest.raises(CacheUnavailableError, match=rf"data node {location} stayed unavailable .*stalled"):
-            for _ in batches:
-                pass
-        assert time.monotonic() - started < 30
+        yield location, batches
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
         client.close()
     cluster.wait_ready()  # the node answers again, and the head serves again
 
 
+def test_a_frozen_node_is_given_up_on_not_waited_for_for_ever(cluster):
+    """The read is cancelled after the stall limit, retried, and the node named within the deadline."""
+    with node_frozen_mid_stream(cluster, deadline_seconds=4) as (location, batches):
+        started = time.monotonic()
+        with pytest.raises(CacheUnavailableError, match=rf"data node {location} stayed unavailable .*stalled"):
+            for _ in batches:
+                pass
+        assert time.monotonic() - started < 30
+
+
 def test_a_node_frozen_before_its_stream_starts_is_given_up_on_within_the_deadline(cluster, monkeypatch):
     """The retry after a stall opens a new stream on the same frozen node; opening waits for the
     node's first message, which never comes, so opening is bounded by the stall limit too."""
     monkeypatch.setattr(client_module, "STREAM_STALL_SECONDS", 1.0)  # below the deadline: retries happen
-    location = cluster.wait_ready()["nodes"][0]["location"]
-    client = CacheClient(cluster.endpoint, deadline_seconds=6, generic_options=[("grpc.http2.bdp_probe", 0)])
-    batches = client.read_shard(ShardRequest(columns=None, batch_size=1000), interleave=False)
-    next(batches)
-    frozen = cluster.procs["node-0"]
-    os.kill(frozen.pid, signal.SIGSTOP)
     outcome: list[BaseException | None] = []
 
-    def read_rest() -> None:
+    def read_rest(batches) -> None:
         try:
             for _ in batches:
                 pass
@@ -176,21 +181,17 @@ def test_a_node_frozen_before_its_stream_starts_is_given_up_on_within_the_deadli
         except BaseException as err:
             outcome.append(err)
 
-    reader = threading.Thread(target=read_rest, daemon=True)
-    try:
+    with node_frozen_mid_stream(cluster, deadline_seconds=6) as (location, batches):
+        reader = threading.Thread(target=read_rest, args=(batches,), daemon=True)
         started = time.monotonic()
         reader.start()
         reader.join(40)  # without the bound it waits for as long as the node stays frozen
-        assert not reader.is_alive(), "the read was still waiting on the frozen node"
-        assert time.monotonic() - started < 30
-    finally:
-        os.kill(frozen.pid, signal.SIGCONT)
-    reader.join(30)
-    client.close()
+        waited, still_waiting = time.monotonic() - started, reader.is_alive()
+    assert not still_waiting, "the read was still waiting on the frozen node"
+    assert waited < 30
     (error,) = outcome
     assert isinstance(error, CacheUnavailableError)
     assert re.search(rf"data node {location} stayed unavailable .*stalled", str(error))
-    cluster.wait_ready()
 
 
 def test_node_that_stays_down_is_named(cluster):
