@@ -89,11 +89,30 @@ if [[ -x "$PY" ]]; then
   deps_flag=--network
   [[ "${OFFLINE:-0}" == 1 ]] && deps_flag=""
   SHARED_DIR="$SHARED_DIR" "$PY" "$ROOT/hack/helm.py" deps $deps_flag "$CHART_DIR" | sed 's/^/subcharts: /'
-elif [[ "${OFFLINE:-0}" != 1 ]] && command -v helm >/dev/null 2>&1; then
-  # An admin's machine without the development venv: the helm CLI fetches the pinned subcharts.
-  helm dependency build "$CHART_DIR" | sed 's/^/subcharts: /'
 else
-  echo "error: the JobSet and LWS subcharts need the helm CLI on PATH (network) or the development venv" \
-    "($PY; \`make setup\` builds it, and copies them offline from $SHARED_DIR/charts)" >&2
-  exit 1
+  # No venv (an admin's machine): the helm CLI fetches the pinned subcharts; offline, without
+  # helm, or when helm fails, the same packages are copied from $SHARED_DIR/charts.
+  if [[ "${OFFLINE:-0}" != 1 ]] && command -v helm >/dev/null 2>&1 &&
+    helm dependency build "$CHART_DIR" 2>"$staging/helm.err" | sed 's/^/subcharts: /'; then
+    exit 0
+  fi
+  if [[ -s "$staging/helm.err" ]]; then
+    echo "helm dependency build failed ($(head -c 300 "$staging/helm.err")); falling back to $SHARED_DIR/charts" >&2
+  fi
+  # "<name>-<version>.tgz" for each entry under Chart.yaml's dependencies.
+  packages=$(awk '/^dependencies:/ {on = 1; next} on && /^[^ #]/ {on = 0}
+    on && $1 == "-" && $2 == "name:" {name = $3} on && $1 == "version:" {print name "-" $2 ".tgz"}' "$CHART_DIR/Chart.yaml")
+  mkdir -p "$CHART_DIR/charts"
+  for package in $packages; do
+    if [[ -f "$CHART_DIR/charts/$package" ]]; then
+      continue
+    fi
+    if [[ ! -f "$SHARED_DIR/charts/$package" ]]; then
+      echo "error: subchart $package is in neither $CHART_DIR/charts nor $SHARED_DIR/charts: put the helm CLI" \
+        "on PATH (with network), or build the development venv (\`make setup\`)" >&2
+      exit 1
+    fi
+    cp "$SHARED_DIR/charts/$package" "$CHART_DIR/charts/$package"
+    echo "subcharts: copied $SHARED_DIR/charts/$package (offline copy)"
+  done
 fi

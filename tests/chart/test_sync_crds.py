@@ -101,8 +101,34 @@ def test_without_the_venv_the_helm_cli_fills_the_subcharts(tmp_path):
     assert sorted(p.name for p in (chart / "crds").iterdir()) == CRD_FILES
 
 
-def test_without_the_venv_or_the_helm_cli_the_error_names_both(tmp_path):
+def test_without_the_venv_offline_the_pinned_subcharts_are_copied(tmp_path):
     chart = fresh_chart(tmp_path)
     result = sync(chart, OFFLINE="1", PY=str(tmp_path / "no-venv" / "python"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (chart / "charts").glob("*.tgz")) == ["jobset-0.10.1.tgz", "lws-0.7.0.tgz"]
+    assert result.stdout.count("(offline copy)") == 3  # the CRDs, then each subchart
+
+
+def test_without_the_venv_a_failing_helm_falls_back_to_the_pinned_subcharts(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "helm").write_text('#!/bin/sh\necho "Error: no route to registry.k8s.io" >&2\nexit 1\n')
+    (bin_dir / "helm").chmod(0o755)
+    chart = fresh_chart(tmp_path)
+    mirror = tmp_path / "mirror"
+    shutil.copytree(shared_dir() / "crds" / "trainer-v2.1.0", mirror)
+    result = sync(chart, PY=str(tmp_path / "no-venv" / "python"), PATH=f"{bin_dir}:/usr/bin:/bin",
+                  TRAINER_CRDS_URL=f"file://{mirror}")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "helm dependency build failed (Error: no route to registry.k8s.io" in result.stderr
+    assert sorted(p.name for p in (chart / "charts").glob("*.tgz")) == ["jobset-0.10.1.tgz", "lws-0.7.0.tgz"]
+
+
+def test_without_the_venv_helm_or_pinned_subcharts_the_error_names_the_ways_out(tmp_path):
+    shared = tmp_path / "shared"
+    shutil.copytree(shared_dir() / "crds", shared / "crds")  # the CRDs, but no subchart packages
+    chart = fresh_chart(tmp_path)
+    result = sync(chart, OFFLINE="1", PY=str(tmp_path / "no-venv" / "python"), SHARED_DIR=str(shared))
     assert result.returncode == 1
-    assert "need the helm CLI on PATH" in result.stderr and "make setup" in result.stderr
+    assert "subchart jobset-0.10.1.tgz is in neither" in result.stderr
+    assert "helm CLI" in result.stderr and "make setup" in result.stderr
