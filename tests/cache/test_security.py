@@ -198,7 +198,17 @@ def test_a_client_that_does_not_trust_the_certificate_fails_at_once_naming_the_f
     assert time.monotonic() - started < 30
 
 
-def test_root_certificates_that_are_not_pem_are_refused_at_construction():
+def test_a_tls_client_on_a_plaintext_cache_is_told_to_use_grpc(small_cache):
+    tls_endpoint = small_cache.endpoint.replace("grpc://", "grpc+tls://")
+    with pytest.raises(CacheUnavailableError, match="does not serve TLS .*use a grpc:// endpoint"):
+        CacheClient(tls_endpoint, deadline_seconds=60).status()
+
+
+def test_root_certificates_that_are_not_pem_are_refused_at_construction(self_signed_cert):
+    # A bundle with non-ASCII comments between its certificates is fine (gRPC reads it).
+    bundle = "# Issuer: CN=Főtanúsítvány\n".encode() + self_signed_cert.pem
+    CacheClient("grpc+tls://h:1", tls_root_certs=bundle).close()
+    CacheClient("grpc+tls://h:1", tls_root_certs=bytearray(bundle)).close()
     for bad in (b"garbage", "not bytes either"):
         with pytest.raises(ValueError, match="tls_root_certs should be PEM certificates"):
             CacheClient("grpc+tls://h:1", tls_root_certs=bad)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubeflow_data_cache.errors import DataCacheError
 from kubeflow_data_cache.interleave import ResumePoint, interleave, resume_point, sequential_point
 
 
@@ -95,3 +96,18 @@ def test_sequential_point_takes_whole_streams_first(lengths, data):
 def test_a_start_past_the_rows_is_refused():
     with pytest.raises(ValueError, match="outside the streams' 5 rows"):
         resume_point([2, 3], 4, 6)
+
+
+def test_a_stream_that_goes_past_its_length_is_an_error_not_cut_short():
+    """Each stream is read to its end, so a stream's own check against its ticket runs (and a
+    DoGet completes rather than being cancelled); one with rows left over is an error here."""
+    ended = []
+
+    def checked(n: int):
+        yield from stream(0, n, 4)
+        ended.append(n)
+
+    assert len(ids(interleave([checked(6), checked(3)], [6, 3], 2))) == 9
+    assert ended == [3, 6] or sorted(ended) == [3, 6]
+    with pytest.raises(DataCacheError, match="stream 0 went past the 4 rows its ticket holds"):
+        ids(interleave([stream(0, 6, 4), stream(1000, 4, 4)], [4, 4], 2))

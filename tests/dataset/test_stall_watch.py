@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from kubeflow_data_cache import stall_watch
 from kubeflow_data_cache.stall_watch import StallWatch
@@ -17,10 +16,6 @@ class _Read:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-def _watch_threads() -> int:
-    return sum(1 for t in threading.enumerate() if t.name == "cache-stall-watch")
 
 
 def test_a_read_armed_past_the_limit_is_cancelled_and_marked_stalled():
@@ -49,17 +44,16 @@ def test_a_disarmed_read_is_left_alone():
 
 def test_an_idle_watcher_ends_its_thread_and_the_next_arm_starts_one(monkeypatch):
     monkeypatch.setattr(stall_watch, "IDLE_EXIT_SECONDS", 0.3)
-    before = _watch_threads()
     watches = [StallWatch(0.2) for _ in range(5)]  # dropped without close(), as a forgotten client is
     for watch in watches:
         read = _Read()
         watch.arm(read)
         watch.disarm(read)
-    assert _watch_threads() == before + 5
-    deadline = time.monotonic() + 10
-    while _watch_threads() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _watch_threads() == before
+    threads = [watch._thread for watch in watches]
+    assert all(t is not None and t.is_alive() for t in threads)
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
     read = _Read()
     watches[0].arm(read)  # watching again after the thread ended
     try:

@@ -12,6 +12,7 @@ import json
 import logging
 import operator
 import random
+import re
 import ssl
 import threading
 import time
@@ -117,8 +118,13 @@ def check_root_certs(pem: bytes) -> None:
     """PEM certificates, or a ValueError naming the argument (gRPC would only log that it could
     not load them, then fail every call with "empty address list")."""
     try:
-        ssl.create_default_context(cadata=pem.decode("ascii") if isinstance(pem, bytes) else pem)
-    except (ssl.SSLError, ValueError, TypeError, UnicodeDecodeError) as err:
+        raw = bytes(pem) if isinstance(pem, (bytes, bytearray, memoryview)) else pem.encode()
+        # Only the certificates: bundles carry comments (not always ASCII) between them.
+        blocks = re.findall(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", raw, re.DOTALL)
+        if not blocks:
+            raise ValueError("no -----BEGIN CERTIFICATE----- block")
+        ssl.create_default_context(cadata=b"\n".join(blocks).decode("ascii"))
+    except (ssl.SSLError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(
             f"tls_root_certs should be PEM certificates (-----BEGIN CERTIFICATE----- ...), as bytes: {err}"
         ) from None
@@ -236,6 +242,11 @@ class CacheClient:
             try:
                 return call(remaining)
             except _TRANSIENT as err:
+                if "wrong version number" in str(err).lower():
+                    raise CacheUnavailableError(
+                        f"the cache at {location} does not serve TLS ({what}: {server_message(err)}): use a "
+                        "grpc:// endpoint"
+                    ) from err
                 if any(marker in str(err) for marker in TLS_FAILURES):
                     raise CacheUnavailableError(
                         f"the TLS handshake with the cache at {location} failed for {what}: {server_message(err)}; "

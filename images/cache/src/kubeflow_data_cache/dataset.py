@@ -40,7 +40,11 @@ from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 __all__ = ["DataCacheDataset", "World", "column_to_tensor", "default_endpoint"]
 
 CACHE_PORT = 50051
-STATE_VERSION = 1
+# 2: a shuffled state keeps its stream lengths ("streams"), and its rows count in the spread
+# order (interleave.py); a client before that would resume it in another order, so it refuses
+# version 2. Version 1 states are still read.
+STATE_VERSION = 2
+READABLE_STATE_VERSIONS = (1, 2)
 # Rows converted per call of from_arrow_rb_to_tensor: large enough that per-call overhead
 # vanishes, small enough to bound the memory held between batches; with wide rows, fewer, so a
 # run holds about CONVERT_MAX_BYTES (but always at least one batch).
@@ -479,7 +483,7 @@ class DataCacheDataset(IterableDataset):
 
         A state from an epoch before the one ``set_epoch`` selected is ignored: that epoch is over.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in READABLE_STATE_VERSIONS:
             raise ValueError(f"not a DataCacheDataset state (version {STATE_VERSION}): {state!r}")
         changed = {k: (v, state.get(k)) for k, v in self._fingerprint().items() if state.get(k) != v}
         if changed:
@@ -516,23 +520,29 @@ def _check_streams(request: ShardRequest, progress: _Progress, skip: int, length
     ``skip`` rows mean other rows when the cache splits the shard otherwise (another number of
     data nodes, another table): resuming would repeat some rows and leave out others.
     """
-    if not request.shuffle or None in lengths:
-        return  # in order, the rows follow the table whatever the split; None: an older cache
-    now = [int(n) for n in lengths if n is not None]
-    saved, progress.streams = progress.streams, now
-    if not skip or saved == now:
+    if not request.shuffle:
+        return  # in order, the rows follow the table whatever the split
+    saved = progress.streams
+    if None in lengths:  # an older cache, whose tickets do not say: its streams simply rotate
+        if skip and saved is not None and not rotation_order(saved, request.block_size):
+            _refuse_resume(skip, f"streams of {saved} rows", "streams of unknown lengths (an older cache)")
         return
-    if saved is None:  # a state from before stream lengths were saved, when streams simply rotated
-        if rotation_order(now, request.block_size):
-            return  # the same order then and now
-        saved_text = "a split this version cannot tell"
-    else:
-        saved_text = f"streams of {saved} rows"
+    now = [int(n) for n in lengths if n is not None]
+    if skip and saved != now:
+        if saved is None:  # a state from before stream lengths were saved, when streams simply rotated
+            if not rotation_order(now, request.block_size):
+                _refuse_resume(skip, "a split this version cannot tell", f"streams of {now} rows")
+        else:
+            _refuse_resume(skip, f"streams of {saved} rows", f"streams of {now} rows")
+    progress.streams = now  # only once accepted: a state saved after a refusal keeps the old split
+
+
+def _refuse_resume(skip: int, saved: str, now: str) -> None:
     raise ValueError(
-        f"the saved state counted {skip} rows of this shuffled shard in {saved_text}, but the cache now "
-        f"serves it as streams of {now} rows (another number of data nodes, or another table): the order "
-        "differs, so resuming would repeat rows and leave others out; start the epoch again "
-        "(skip load_state_dict, or set_epoch to the next epoch)"
+        f"the saved state counted {skip} rows of this shuffled shard in {saved}, but the cache now serves "
+        f"it as {now} (another number of data nodes, or rows split otherwise): the order differs, so "
+        "resuming would repeat rows and leave others out; start the epoch again (skip load_state_dict, "
+        "or set_epoch to the next epoch)"
     )
 
 

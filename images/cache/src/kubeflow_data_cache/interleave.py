@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from kubeflow_data_cache.errors import DataCacheError
+
 # Stream lengths unknown (a cache whose tickets do not say): every stream is taken to be this
 # long, so units simply rotate, and a stream that ends leaves the rotation.
 UNKNOWN_LENGTH = 1 << 62
@@ -166,8 +168,12 @@ def interleave(
         else:
             if k + 1 < units[j]:
                 heapq.heapreplace(heap, (position + 2 * (scale // units[j]), j, k + 1))
-            else:
-                heapq.heappop(heap)
+                continue
+            heapq.heappop(heap)
+            if lengths[j] != UNKNOWN_LENGTH and cursor.take(1) is not None:
+                # Asked to its end, the stream checks itself against its ticket (client.read_endpoint);
+                # one that still has rows here is not the stream its length promised.
+                raise DataCacheError(f"stream {j} went past the {lengths[j]} rows its ticket holds")
 
 
 class _Cursor:
