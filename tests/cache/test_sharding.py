@@ -7,9 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.protocol import ShardRequest
 from kubeflow_data_cache.sharding import EpochOrder, endpoint_rows, node_rows, shard_ranges, shard_size
+from tests.cache.inprocess import get, wait_for
 
 
 def node_offsets(total: int, nodes: int) -> list[int]:
@@ -205,8 +207,9 @@ def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, cut, shards, block
     assert [int(r) for p in parts for r in p] == whole[skip:]
 
 
-def test_epoch_orders_are_shared_unless_large(monkeypatch):
-    """Every reader of an epoch shares one permutation; tiny blocks on a huge table are not kept."""
+def test_epoch_orders_are_shared_and_large_ones_kept_one_at_a_time(monkeypatch):
+    """Every reader of an epoch shares one permutation; of large ones (tiny blocks on a huge
+    table) only the latest is kept, and orders too large to build per epoch are refused."""
     import kubeflow_data_cache.sharding as sharding
 
     req = ShardRequest(shard=1, num_shards=4, shuffle=True, seed=3, epoch=2, block_size=10)
@@ -216,5 +219,25 @@ def test_epoch_orders_are_shared_unless_large(monkeypatch):
     assert sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=3, epoch=3, block_size=10)) is not shared
     with pytest.raises(ValueError, match="read-only"):
         shared.order[0] = 1  # shared between concurrent requests: nobody may change it
-    monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)  # 1000 rows / 10 = 100 blocks: too many
-    assert sharding.epoch_order(1000, req) is not sharding.epoch_order(1000, req)
+    monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)  # 1000 rows / 10 = 100 blocks: a large one
+    large = sharding.epoch_order(1000, req)
+    assert large is not shared and sharding.epoch_order(1000, other_shard) is large
+    assert sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=3, epoch=3, block_size=10)) is not large
+    assert sharding.epoch_order(1000, req) is not large  # one large order at a time
+    monkeypatch.setattr(sharding, "MAX_ORDER_BLOCKS", 99)
+    with pytest.raises(BadRequestError, match="cuts this table's 1000 rows into 100 blocks.*use block_size >= 11"):
+        sharding.epoch_order(1000, req)
+    assert sharding.epoch_order(1000, ShardRequest(block_size=10)).shuffle is False  # in order: no blocks
+
+
+def test_the_head_refuses_a_shuffle_of_too_many_blocks_naming_the_block_size(cluster, small_table, monkeypatch):
+    """What a client sends cannot make the head order millions of blocks per request."""
+    import kubeflow_data_cache.sharding as sharding
+
+    monkeypatch.setattr(sharding, "MAX_ORDER_BLOCKS", 100)
+    head, head_health, _, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    with CacheClient(head.location, deadline_seconds=30) as client:
+        with pytest.raises(BadRequestError, match=r"10000 rows into 10000 blocks.*use block_size >= 100"):
+            client.get_flight_info(ShardRequest(shuffle=True, block_size=1))
+        assert client.get_flight_info(ShardRequest(shuffle=True, block_size=100)).total_records == small_table.rows
