@@ -118,6 +118,21 @@ def test_bad_values_exit_2_with_one_line(args, env, fragments):
     assert_one_line_error(result, *fragments)
 
 
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        # Planning would only have failed at its deadline.
+        (["head", "--data-nodes", "1", "--metadata-loc", "gs://b/t/metadata/1.json"], ["gs:// store is not supported"]),
+        (["local", "--metadata-loc", "abfs://c@a/t/metadata/1.json"], ["abfs:// store is not supported"]),
+        # A data node that could not dial its head waited for ever.
+        (["worker", "--index", "0", "--head", "127.0.0.1:50051"], ["grpc:// (or grpc+tls://) URI with a port"]),
+        (["worker", "--index", "0", "--head", "grpc://head"], ["URI with a port", "'grpc://head'"]),
+    ],
+)
+def test_locations_the_cache_cannot_use_exit_2_at_once(args, fragments):
+    assert_one_line_error(data_cache(*args), *fragments)
+
+
 def test_a_config_error_is_printed_once():
     result = data_cache("head", "--data-nodes", "1")
     assert_one_line_error(result, "`METADATA_LOC` is required")

@@ -225,3 +225,19 @@ def test_property_real_cluster_exactly_once(odd_cache, shards, shuffle, seed, ep
         assert info.total_records == part.num_rows
         ids += part.column("id").to_pylist()
     assert sorted(ids) == list(range(table.rows))
+
+
+@pytest.mark.parametrize(
+    "descriptor",
+    [
+        flight.FlightDescriptor.for_path("1" * 5000, "2"),
+        flight.FlightDescriptor.for_command(b'{"shard": ' + b"9" * 5000 + b"}"),
+        flight.FlightDescriptor.for_command(b"[" * 100_000 + b"]" * 100_000),
+    ],
+)
+def test_requests_too_large_to_parse_are_invalid_not_internal_errors(small_cache, descriptor):
+    """Digits past Python's int limit, or nesting past its recursion limit: a bad request."""
+    client = flight.FlightClient(small_cache.endpoint)
+    with pytest.raises(pa.ArrowInvalid):
+        client.get_flight_info(descriptor)
+    client.close()

@@ -8,6 +8,7 @@ import os
 import socket
 import ssl
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from kubeflow_data_cache import constants
 from kubeflow_data_cache.errors import ConfigError
@@ -53,6 +54,34 @@ def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets (``[fd00::12]:50051``) as URIs need it: on an
     IPv6 cluster POD_IP is one."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+METADATA_SCHEMES = ("s3", "s3a", "file")
+HEAD_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls")
+
+
+def check_metadata_location(location: str) -> None:
+    """Refuse, at once, a store the cache cannot read (planning would only fail at its deadline)."""
+    scheme = urlsplit(location).scheme if "://" in location else ""
+    if scheme and scheme not in METADATA_SCHEMES:
+        raise ConfigError(
+            f"{label('METADATA_LOC', '--metadata-loc')} {location!r}: the {scheme}:// store is not supported; "
+            "use s3:// or s3a:// (any S3-compatible store, with AWS_ENDPOINT_URL), file:// or a local path"
+        )
+
+
+def check_head_location(location: str) -> None:
+    """A data node's --head must be a URI it can dial: a scheme and a port."""
+    try:
+        parts = urlsplit(location)
+        port = parts.port
+    except ValueError:
+        port = None
+    if "://" not in location or parts.scheme not in HEAD_SCHEMES or not parts.hostname or not port:
+        raise ConfigError(
+            f"the head's address should be a grpc:// (or grpc+tls://) URI with a port, grpc://10.0.0.5:50051, "
+            f"got {location!r} (from --head or LWS_LEADER_ADDRESS)"
+        )
 
 
 def label(var: str, flag: str | None = None) -> str:
@@ -163,6 +192,8 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             "`METADATA_LOC` is required: the table's metadata.json (s3://, s3a://, file:// or a path), "
             "set by the env METADATA_LOC or --metadata-loc"
         )
+    if metadata_loc:
+        check_metadata_location(metadata_loc)
     flight_port = port_setting(label("FLIGHT_PORT", "--port"), pick("port", "FLIGHT_PORT"), constants.FLIGHT_PORT)
     health_port = port_setting(
         label("HEALTH_PORT", "--health-port"), pick("health_port", "HEALTH_PORT"), constants.HEALTH_PORT
@@ -198,6 +229,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             if not leader:
                 raise ConfigError("a data node needs the head's address: LWS_LEADER_ADDRESS (set by LWS) or --head URI")
             head_location = f"{scheme}://{host_port(leader, flight_port)}"
+        check_head_location(head_location)
 
     raw_limit = pick("memory_limit", "MEMORY_LIMIT")
     memory_limit = parse_bytes(raw_limit) if raw_limit else container_memory_limit()

@@ -13,7 +13,15 @@ import time
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import constants, protocol
-from kubeflow_data_cache.config import claim_port, host_port, label, port_setting, seconds_setting, tls_setting
+from kubeflow_data_cache.config import (
+    check_metadata_location,
+    claim_port,
+    host_port,
+    label,
+    port_setting,
+    seconds_setting,
+    tls_setting,
+)
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
 from kubeflow_data_cache.security import call_options, client_for, load_token
@@ -43,6 +51,7 @@ class LocalCluster:
         self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
         if memory_limit:
             parse_bytes(memory_limit, "--memory-limit")
+        check_metadata_location(metadata_loc)
         self.metadata_loc, self.data_nodes, self.host = metadata_loc, data_nodes, host
         self.memory_limit = memory_limit
         self.extra_args = extra_args

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kubeflow_data_cache.errors import BadRequestError
+from kubeflow_data_cache.errors import BadRequestError, first_line
 
 PROTOCOL_VERSION = 1
 # Tickets that carry a skip say so in their version: a node from before skipping (which accepts
@@ -134,10 +134,12 @@ class ShardRequest:
             len(parts) == 2,
             f"a path descriptor should be [shard_index, shard_count], got {len(parts)} element(s) {parts}",
         )
-        # Plain decimal digits only: int() would also take " 1", "1_0" or "+1".
-        if not all(p.isascii() and p.isdigit() for p in parts):
+        # Plain decimal digits only (int() would also take " 1", "1_0" or "+1"), and few enough
+        # of them for int() to convert: anything longer is out of range anyway.
+        if not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in parts):
+            shown = [p if len(p) <= 30 else f"{p[:30]}... ({len(p)} characters)" for p in parts]
             raise BadRequestError(
-                f"a path descriptor should hold two decimal integers [shard_index, shard_count], got {parts}"
+                f"a path descriptor should hold two decimal integers [shard_index, shard_count], got {shown}"
             )
         return cls(shard=int(parts[0]), num_shards=int(parts[1]))
 
@@ -241,5 +243,6 @@ def with_skip(raw: bytes, skip: int) -> bytes:
 def _loads(raw: bytes, what: str) -> Any:
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadRequestError(f"malformed {what}: not valid JSON ({err})") from None
+    # ValueError: an integer of more digits than Python converts; RecursionError: deep nesting.
+    except (ValueError, RecursionError) as err:
+        raise BadRequestError(f"malformed {what}: not valid JSON ({first_line(err)})") from None

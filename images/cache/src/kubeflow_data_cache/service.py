@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kubeflow_data_cache.errors import BadRequestError, DataCacheError, NotReadyError, StaleTicketError
+from kubeflow_data_cache.errors import BadRequestError, DataCacheError, NotReadyError, StaleTicketError, first_line
 from kubeflow_data_cache.memory import resident_bytes
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,9 @@ def parse_action_body(action: flight.Action) -> dict[str, Any]:
         return {}
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadRequestError(f"action {action.type!r}: body is not valid JSON ({err})") from None
+    # ValueError: an integer of more digits than Python converts; RecursionError: deep nesting.
+    except (ValueError, RecursionError) as err:
+        raise BadRequestError(f"action {action.type!r}: body is not valid JSON ({first_line(err)})") from None
     if not isinstance(body, dict):
         raise BadRequestError(f"action {action.type!r}: body should be a JSON object")
     return body
