@@ -74,6 +74,25 @@ def test_a_data_node_the_head_refuses_fails_at_once_with_the_reason(cluster, sma
         node.stop()
 
 
+def test_an_index_taken_by_a_data_node_that_still_answers_is_refused(cluster, small_table):
+    """A second worker started with the same index, or a caller re-pointing an index elsewhere,
+    would take the slot in turns and send readers to it; the node that answers keeps it."""
+    head, head_health, node, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    hijack = flight.Action("register", json.dumps({"index": 0, "location": "grpc://127.0.0.1:1"}).encode())
+    with pytest.raises(pa.ArrowInvalid, match=rf"data node index 0 is taken: the data node at {node.location} still"):
+        list(flight.FlightClient(head.location).do_action(hijack))
+    duplicate = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    try:
+        duplicate.start_registering()
+        wait_for(lambda: duplicate.lifecycle.failed_event.is_set(), timeout=20)
+        assert "two data nodes were started with the same index" in duplicate.lifecycle.error
+    finally:
+        duplicate.stop()
+    assert head.registered[0]["location"] == node.location
+    assert get(head_health.port, "/ready")[0] == 200
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

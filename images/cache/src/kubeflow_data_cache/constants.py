@@ -15,6 +15,9 @@ LOAD_POLL_SECONDS = 0.05
 SUPERVISE_POLL_SECONDS = 5.0
 # Timeout of one internal Flight call between head and data nodes.
 RPC_TIMEOUT_SECONDS = 10.0
+# How long the head waits for the data node registered under an index before it lets another
+# take that index (a node that moved answers nothing at its old address).
+REGISTER_PROBE_SECONDS = 3.0
 # The head's `count` call (a new filter's matches on one node): one pass of DataFusion over the
 # node's rows, seconds on a large node. Under the readers' own 30 s call limit, so a slow count
 # answers UNAVAILABLE (retry) rather than the reader timing out; the node goes on counting and

@@ -22,6 +22,7 @@ from kubeflow_data_cache.constants import (
     COUNT_TIMEOUT_SECONDS,
     LOAD_POLL_SECONDS,
     LOAD_SEND_ATTEMPTS,
+    REGISTER_PROBE_SECONDS,
     RPC_TIMEOUT_SECONDS,
     SUPERVISE_POLL_SECONDS,
 )
@@ -443,12 +444,41 @@ class Head(ReadOnlyFlight):
         if type(load_threads) is not int or load_threads < 1:
             raise BadRequestError(f"register: 'load_threads' should be an integer >= 1, got {load_threads!r}")
         previous = self.registered.get(index)
+        if previous is not None and previous["location"] != location and self._answers_as(previous["location"], index):
+            # Two data nodes with one index (a second worker started by hand, a stale pod) would
+            # take the slot in turns, and readers would be sent to whichever registered last.
+            log.warning(
+                "refused data node %d at %s: the one registered at %s still answers as data node %d",
+                index,
+                location,
+                previous["location"],
+                index,
+            )
+            raise BadRequestError(
+                f"data node index {index} is taken: the data node at {previous['location']} still answers as data "
+                f"node {index} (two data nodes were started with the same index; this one is at {location})"
+            )
         self.registered[index] = {"location": location, "memory_limit": memory_limit, "load_threads": load_threads}
         self._nodes_changed.set()
-        if previous is None or previous["location"] != location:
+        if previous is not None and previous["location"] != location:
+            log.warning(
+                "data node %d moved from %s to %s (the old one no longer answers)",
+                index,
+                previous["location"],
+                location,
+            )
+        elif previous is None:
             log.info("data node %d registered at %s", index, location)
             with self._lock:
                 self._clients.pop(previous["location"], None) if previous else None
+
+    def _answers_as(self, location: str, index: int) -> bool:
+        """Whether the data node at ``location`` still answers, as data node ``index``."""
+        try:
+            status = self._call(location, protocol.ACTION_STATUS, timeout=REGISTER_PROBE_SECONDS)
+        except Exception:  # gone, frozen or not a data node: the slot is free to take
+            return False
+        return status.get("role") == "data-node" and status.get("index") == index
 
     def status(self) -> dict[str, Any]:
         nodes = []
