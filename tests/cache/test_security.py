@@ -233,3 +233,27 @@ def test_the_auth_scheme_is_case_insensitive_and_the_token_exact(header, accepte
     else:
         with pytest.raises(flight.FlightUnauthenticatedError):
             factory.start_call(None, {"authorization": [header]})
+
+
+def test_calls_refused_for_the_token_are_counted(small_table):
+    """A refusal never reaches the handlers that count errors; the auth check counts it instead,
+    so a misconfigured token or a probe shows on /metrics."""
+    from kubeflow_data_cache.config import build_config
+    from kubeflow_data_cache.head import Head
+    from tests.cache.inprocess import FLAGS
+
+    head = Head(build_config("head", {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1,
+                                      "token": TOKEN}, env={}))  # fmt: skip
+    try:
+        client = flight.FlightClient(head.location)
+        for _ in range(3):
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                client.get_flight_info(flight.FlightDescriptor.for_path("0", "1"), bearer("wrong-token"))
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            list(client.do_action(flight.Action("status", b""), bearer(None)))
+        sample = head.metrics.registry.get_sample_value
+        assert sample("data_cache_errors_total", {"method": "GetFlightInfo", "code": "UNAUTHENTICATED"}) == 3
+        assert sample("data_cache_errors_total", {"method": "DoAction", "code": "UNAUTHENTICATED"}) == 1
+        client.close()
+    finally:
+        head.stop()

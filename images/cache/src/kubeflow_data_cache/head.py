@@ -56,9 +56,9 @@ log = logging.getLogger(__name__)
 
 class Head(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
-        super().__init__(**server_kwargs(cfg))
-        self.cfg = cfg
         self.metrics = metrics or Metrics("head")
+        super().__init__(**server_kwargs(cfg, self.metrics))
+        self.cfg = cfg
         self.lifecycle = Lifecycle()
         self.location = cfg.location(self.port)
         self.registered: dict[int, dict[str, Any]] = {}

@@ -47,12 +47,16 @@ from kubeflow_data_cache.store import NodeStore, warm_reader
 log = logging.getLogger(__name__)
 
 
-def server_kwargs(cfg: NodeConfig) -> dict[str, Any]:
+def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"location": f"{cfg.scheme}://{host_port(cfg.bind_host, cfg.flight_port)}"}
     if cfg.tls:
         kwargs["tls_certificates"] = cfg.tls
     if cfg.token:
-        kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token)}
+
+        def refused(method: str) -> None:
+            metrics.errors.labels(method=method, code="UNAUTHENTICATED").inc()
+
+        kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token, on_refused=refused)}
     return kwargs
 
 
@@ -114,9 +118,9 @@ class LoadOrder:
 
 class DataNode(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
-        super().__init__(**server_kwargs(cfg))
-        self.cfg = cfg
         self.metrics = metrics or Metrics("data-node")
+        super().__init__(**server_kwargs(cfg, self.metrics))
+        self.cfg = cfg
         self.lifecycle = Lifecycle()
         self.location = cfg.location(self.port)
         self.store: NodeStore | None = None

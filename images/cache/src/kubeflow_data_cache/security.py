@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.flight as flight
@@ -34,8 +35,10 @@ def call_options(token: str | None, timeout: float | None = None) -> flight.Flig
 class TokenAuthFactory(flight.ServerMiddlewareFactory):
     """Refuses any call whose ``authorization`` header is not ``Bearer <token>``."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None):
         self._expected = token.encode()
+        # Refused calls never reach the handlers that count errors: told here, by method name.
+        self._on_refused = on_refused
 
     def start_call(self, info, headers):
         values = headers.get(AUTH_HEADER) or headers.get(AUTH_HEADER.title()) or []
@@ -44,6 +47,9 @@ class TokenAuthFactory(flight.ServerMiddlewareFactory):
         # The scheme name is case-insensitive (RFC 7235): "bearer x" is as good as "Bearer x".
         scheme, _, credentials = given.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials, self._expected):
+            if self._on_refused is not None:
+                # FlightMethod.GET_FLIGHT_INFO -> "GetFlightInfo", as the handlers name themselves.
+                self._on_refused("".join(part.title() for part in info.method.name.split("_")))
             raise flight.FlightUnauthenticatedError(
                 "missing or wrong bearer token: pass the cache's token (DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE)"
             )
