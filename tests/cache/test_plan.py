@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -109,6 +110,29 @@ def test_memory_refusal_names_the_fix():
     assert "WORKER_MEM" in message
     check_fits(need, peak, [None, None])  # no budget known: nothing to refuse
     check_fits(need, peak, [(4 << 30) + BASELINE_MEMORY_BYTES] * 2)
+
+
+def test_the_advised_node_count_is_one_whose_real_estimate_fits(table_factory):
+    """With the plan's own estimate for each node count (read scratch does not shrink with the
+    share), the count named is the fewest that fits; following the summed-peaks guess was refused
+    again, sometimes naming the count already in use."""
+    table = table_factory(200_000, 4)
+    plan, _ = plan_table(open_table(table.metadata_location), table.metadata_location)
+
+    def peaks_for(n: int) -> list[int]:
+        return [estimated_node_memory(plan, a, 1)[1] for a in assign_rows(plan, n)]
+
+    one_node_peak = peaks_for(1)[0]
+    budget = one_node_peak // 3 + BASELINE_MEMORY_BYTES  # a third of one node's peak
+    loaded = [estimated_node_memory(plan, a, 1)[0] for a in assign_rows(plan, 2)]
+    with pytest.raises(MemoryBudgetError) as err:
+        check_fits(loaded, peaks_for(2), [budget] * 2, peaks_for=peaks_for)
+    advised = int(re.search(r"use at least (\d+) data nodes", str(err.value)).group(1))
+    assert max(peaks_for(advised)) <= budget - BASELINE_MEMORY_BYTES
+    assert max(peaks_for(advised - 1)) > budget - BASELINE_MEMORY_BYTES
+    # A budget below one file's read scratch: no node count is named.
+    with pytest.raises(MemoryBudgetError, match="more data nodes alone would not fit it"):
+        check_fits(loaded, peaks_for(2), [BASELINE_MEMORY_BYTES + 1024] * 2, peaks_for=peaks_for)
 
 
 def test_memory_refusal_under_local_names_its_flags_in_mib():

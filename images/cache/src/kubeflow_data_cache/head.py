@@ -150,10 +150,12 @@ class Head(ReadOnlyFlight):
             memory = [  # (loaded, peak) per node
                 estimated_node_memory(plan, a, self.registered[a.node].get("load_threads", 1)) for a in assignments
             ]
+            threads = max(self.registered[k].get("load_threads", 1) for k in range(self.cfg.data_nodes))
             check_fits(
                 [loaded for loaded, _ in memory],
                 [peak for _, peak in memory],
                 [self.registered[k].get("memory_limit") for k in range(self.cfg.data_nodes)],
+                peaks_for=lambda n: [estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, n)],
             )
             self.plan, self.assignments = plan, assignments
             for node in range(self.cfg.data_nodes):

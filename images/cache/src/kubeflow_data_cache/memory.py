@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -85,15 +86,42 @@ def under_local() -> bool:
     return os.environ.get(LOCAL_ENV) == "1"
 
 
+MAX_ADVISED_NODES = 1 << 14
+
+
+def _fewest_nodes(peaks_for: Callable[[int], list[int]], nodes: int, usable: int) -> int | None:
+    """The fewest data nodes (more than ``nodes``) whose every peak fits ``usable``, or None
+    when even MAX_ADVISED_NODES would not (a single file's scratch is too large)."""
+
+    def fits(n: int) -> bool:
+        return max(peaks_for(n)) <= usable
+
+    low, high = nodes, nodes + 1  # low does not fit; find a high that does, doubling the step
+    while not fits(high):
+        if high >= MAX_ADVISED_NODES:
+            return None
+        low, high = high, min(MAX_ADVISED_NODES, high * 2)
+    while high - low > 1:  # peaks shrink as nodes are added: bisect between a miss and a fit
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
 def check_fits(
-    need_per_node: list[int], peak_per_node: list[int], budgets: list[int | None], local: bool | None = None
+    need_per_node: list[int],
+    peak_per_node: list[int],
+    budgets: list[int | None],
+    local: bool | None = None,
+    peaks_for: Callable[[int], list[int]] | None = None,
 ) -> None:
     """Refuse a load that would not fit, saying how many nodes or how much memory it needs.
 
     ``need_per_node`` is each node's rows once loaded, ``peak_per_node`` the most it holds while
     loading (plan.estimated_node_memory): the peak is what must fit, or the node is
     OOM-killed half way through its load. ``local`` (default: run by `data-cache local`) names
-    that command's flags instead of the Kubernetes settings.
+    that command's flags instead of the Kubernetes settings. ``peaks_for(n)``, the peaks with
+    ``n`` data nodes, lets the advice name a node count that does fit (read scratch does not
+    shrink with the share, so scaling the summed peaks can name one that is refused again).
     """
     local = under_local() if local is None else local
     over = [
@@ -107,8 +135,10 @@ def check_fits(
     nodes = len(need_per_node)
     known = [usable_bytes(b) for b in budgets if b is not None]
     usable = min(known) if known else 0
-    # More nodes shrink each share and its largest column alike: scale by the summed peaks.
-    needed_nodes = -(-sum(peak_per_node) // usable) if usable else None
+    if peaks_for is not None:
+        needed_nodes = _fewest_nodes(peaks_for, len(need_per_node), usable) if usable else None
+    else:  # more nodes shrink each share and its largest column alike: scale by the summed peaks
+        needed_nodes = -(-sum(peak_per_node) // usable) if usable else None
     peak_max = max(peak_per_node)
     node, need, peak, have = over[0]
     if local:
@@ -116,7 +146,9 @@ def check_fits(
     else:
         nodes_knob, memory_knob = f"CLUSTER_SIZE={(needed_nodes or 0) + 1}", "WORKER_MEM / --memory-limit"
     advice = (
-        f"use at least {needed_nodes} data nodes ({nodes_knob})" if needed_nodes else "raise the data nodes' memory"
+        f"use at least {needed_nodes} data nodes ({nodes_knob})"
+        if needed_nodes
+        else "more data nodes alone would not fit it (one file's read scratch is too large), so raise their memory"
     )
     raise MemoryBudgetError(
         f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics); "
