@@ -303,7 +303,8 @@ def node_rows(
                 yield range(a + left_out - node_offset, b - node_offset)
         return
     order = epoch_order(total, req)
-    window = max(1, req.batch_size) * ORDER_WINDOW_BATCHES
+    # At least a few blocks: a window inside one block would compute that block again for each.
+    window = max(req.batch_size, req.block_size) * ORDER_WINDOW_BATCHES
     mine_bounds = np.array([lo_node, hi_node], dtype=np.int64)
     for lo, hi in shard_ranges(total, req):
         if skip:
