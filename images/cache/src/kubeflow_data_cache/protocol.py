@@ -136,7 +136,7 @@ class ShardRequest:
         )
         # Plain decimal digits only (int() would also take " 1", "1_0" or "+1"), and few enough
         # of them for int() to convert: anything longer is out of range anyway.
-        if not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in parts):
+        if not all(p.isascii() and p.isdigit() and len(p) <= 100 for p in parts):
             shown = [p if len(p) <= 30 else f"{p[:30]}... ({len(p)} characters)" for p in parts]
             raise BadRequestError(
                 f"a path descriptor should hold two decimal integers [shard_index, shard_count], got {shown}"
