@@ -11,6 +11,7 @@ import pyarrow.flight as flight
 import pytest
 
 from kubeflow_data_cache import head as head_module
+from kubeflow_data_cache import node as node_module
 from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.node import DataNode
 from kubeflow_data_cache.protocol import ShardRequest
@@ -139,3 +140,26 @@ def test_a_filter_count_a_data_node_cannot_answer_is_unavailable_naming_it(clust
     metrics = get(head_health.port, "/metrics")[1]
     assert 'data_cache_errors_total{code="UNAVAILABLE",method="GetFlightInfo"} 1.0' in metrics
     assert 'code="FLIGHT"' not in metrics
+
+
+def test_a_data_node_whose_head_went_away_before_its_load_says_so(small_table, monkeypatch):
+    """Registered, then the head is gone before it sends the node its rows: /ready names the head
+    it cannot reach, not 'waiting for the cluster to form'; and forgets that once it answers."""
+    never = threading.Event()
+    monkeypatch.setattr(head_module.Head, "_plan", lambda self: never.wait())
+    monkeypatch.setattr(node_module, "REGISTER_INTERVAL_SECONDS", 0.2)
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}
+    head = head_module.Head(build_config("head", flags, env={}))
+    head.start()
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    try:
+        node.start_registering()
+        wait_for(lambda: 0 in head.registered)
+        assert node.lifecycle.detail == "waiting for the cluster to form"
+        never.set()
+        head.stop()
+        wait_for(lambda: f"cannot register with the head at {head.location} yet" in node.lifecycle.detail)
+        assert node.lifecycle.state == "waiting"
+    finally:
+        never.set()
+        node.stop()

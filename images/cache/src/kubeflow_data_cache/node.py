@@ -34,7 +34,6 @@ from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_
 from kubeflow_data_cache.service import (
     LOADING,
     READY,
-    WAITING,
     Lifecycle,
     Metrics,
     ReadOnlyFlight,
@@ -183,6 +182,7 @@ class DataNode(ReadOnlyFlight):
                         "registered with the head at %s as data node %d", self.cfg.head_location, self.cfg.node_index
                     )
                 self._registered.set()
+                self.lifecycle.waiting_detail("waiting for the cluster to form")  # the head answers: no stale reason
                 delay = REGISTER_INTERVAL_SECONDS
             except flight.FlightUnauthenticatedError as err:
                 self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
@@ -195,10 +195,11 @@ class DataNode(ReadOnlyFlight):
                 return
             except Exception as err:  # head not up yet, or restarting: retry with backoff
                 last_error = first_line(err)
-                if not self._registered.is_set():  # /ready says why (a TLS name mismatch shows here)
-                    self.lifecycle.set(
-                        WAITING, f"cannot register with the head at {self.cfg.head_location} yet: {last_error}"
-                    )
+                # /ready says why (a TLS name mismatch shows here), also for a node the head
+                # registered and then went away from before sending it rows.
+                self.lifecycle.waiting_detail(
+                    f"cannot register with the head at {self.cfg.head_location} yet: {last_error}"
+                )
                 if not self._registered.is_set() and time.monotonic() > deadline:
                     self.lifecycle.fail(
                         str(

@@ -47,6 +47,12 @@ class Lifecycle:
                 return  # a failure is final until the process restarts
             self.state, self.detail = state, detail
 
+    def waiting_detail(self, detail: str) -> None:
+        """Say why, while still waiting (a load that began meanwhile is left alone)."""
+        with self._lock:
+            if self.state == WAITING:
+                self.detail = detail
+
     def fail(self, error: str) -> None:
         with self._lock:
             self.state, self.error, self.detail = FAILED, error, error
