@@ -81,20 +81,24 @@ def test_an_unpinned_version_is_refused(tmp_path):
     assert "no sha256 sums recorded for Trainer v9.9.9" in result.stderr
 
 
-def test_without_the_venv_the_helm_cli_fills_the_subcharts(tmp_path):
-    """An admin's machine: no Python venv, the helm CLI on PATH. The helm binary cannot run here
-    (no network, not installed), so a stand-in records how the script calls it."""
+def sync_with_helm(tmp_path: Path, helm_script: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """sync-crds on an admin's machine: no Python venv, ``helm_script`` as the helm CLI on PATH
+    (the real binary cannot run here: no network, not installed), the CRDs from a local mirror."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    calls = tmp_path / "helm-calls"
-    helm = bin_dir / "helm"
-    helm.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "Saving 2 charts"\n')
-    helm.chmod(0o755)
+    (bin_dir / "helm").write_text(helm_script)
+    (bin_dir / "helm").chmod(0o755)
     chart = fresh_chart(tmp_path)
     mirror = tmp_path / "mirror"
     shutil.copytree(shared_dir() / "crds" / "trainer-v2.1.0", mirror)
     result = sync(chart, PY=str(tmp_path / "no-venv" / "python"), PATH=f"{bin_dir}:/usr/bin:/bin",
                   TRAINER_CRDS_URL=f"file://{mirror}")  # fmt: skip
+    return chart, result
+
+
+def test_without_the_venv_the_helm_cli_fills_the_subcharts(tmp_path):
+    calls = tmp_path / "helm-calls"
+    chart, result = sync_with_helm(tmp_path, f'#!/bin/sh\necho "$@" >> {calls}\necho "Saving 2 charts"\n')
     assert result.returncode == 0, result.stderr
     assert calls.read_text().split() == ["dependency", "build", str(chart)]
     assert "subcharts: Saving 2 charts" in result.stdout
@@ -110,15 +114,7 @@ def test_without_the_venv_offline_the_pinned_subcharts_are_copied(tmp_path):
 
 
 def test_without_the_venv_a_failing_helm_falls_back_to_the_pinned_subcharts(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "helm").write_text('#!/bin/sh\necho "Error: no route to registry.k8s.io" >&2\nexit 1\n')
-    (bin_dir / "helm").chmod(0o755)
-    chart = fresh_chart(tmp_path)
-    mirror = tmp_path / "mirror"
-    shutil.copytree(shared_dir() / "crds" / "trainer-v2.1.0", mirror)
-    result = sync(chart, PY=str(tmp_path / "no-venv" / "python"), PATH=f"{bin_dir}:/usr/bin:/bin",
-                  TRAINER_CRDS_URL=f"file://{mirror}")  # fmt: skip
+    chart, result = sync_with_helm(tmp_path, '#!/bin/sh\necho "Error: no route to registry.k8s.io" >&2\nexit 1\n')
     assert result.returncode == 0, result.stderr
     assert "helm dependency build failed (Error: no route to registry.k8s.io" in result.stderr
     assert sorted(p.name for p in (chart / "charts").glob("*.tgz")) == ["jobset-0.10.1.tgz", "lws-0.7.0.tgz"]
