@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import fork_guard
 from kubeflow_data_cache.allocator import tune_glibc_malloc
+from kubeflow_data_cache.config import uri_port
 from kubeflow_data_cache.errors import (
     BadRequestError,
     CacheAuthError,
@@ -103,13 +103,7 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(
             f"the cache endpoint should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}"
         )
-    if endpoint.startswith("grpc+unix://"):
-        return
-    try:
-        port = urlsplit(endpoint).port
-    except ValueError:  # not a number, or out of range
-        port = -1
-    if port is None or not 0 < port < 65536:
+    if not endpoint.startswith("grpc+unix://") and not uri_port(endpoint):
         # Without one, gRPC would quietly dial port 443.
         raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
 

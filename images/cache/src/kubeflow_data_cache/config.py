@@ -56,6 +56,15 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def uri_port(uri: str) -> int | None:
+    """The port a ``scheme://host:port`` URI names, or None where it names none or a bad one."""
+    try:
+        port = urlsplit(uri).port
+    except ValueError:  # not a number, or out of range
+        return None
+    return port if port else None
+
+
 METADATA_SCHEMES = ("s3", "s3a", "file")
 HEAD_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls")
 
@@ -72,12 +81,8 @@ def check_metadata_location(location: str) -> None:
 
 def check_head_location(location: str) -> None:
     """A data node's --head must be a URI it can dial: a scheme and a port."""
-    try:
-        parts = urlsplit(location)
-        port = parts.port
-    except ValueError:
-        port = None
-    if "://" not in location or parts.scheme not in HEAD_SCHEMES or not parts.hostname or not port:
+    parts = urlsplit(location)
+    if "://" not in location or parts.scheme not in HEAD_SCHEMES or not parts.hostname or not uri_port(location):
         raise ConfigError(
             f"the head's address should be a grpc:// (or grpc+tls://) URI with a port, grpc://10.0.0.5:50051, "
             f"got {location!r} (from --head or LWS_LEADER_ADDRESS)"

@@ -462,17 +462,17 @@ class Head(ReadOnlyFlight):
             )
         self.registered[index] = {"location": location, "memory_limit": memory_limit, "load_threads": load_threads}
         self._nodes_changed.set()
-        if previous is not None and previous["location"] != location:
+        if previous is None:
+            log.info("data node %d registered at %s", index, location)
+        elif previous["location"] != location:
             log.warning(
                 "data node %d moved from %s to %s (the old one no longer answers)",
                 index,
                 previous["location"],
                 location,
             )
-        elif previous is None:
-            log.info("data node %d registered at %s", index, location)
             with self._lock:
-                self._clients.pop(previous["location"], None) if previous else None
+                self._clients.pop(previous["location"], None)
 
     def _answers_as(self, location: str, index: int) -> bool:
         """Whether the data node at ``location`` still answers, as data node ``index``."""
