@@ -223,7 +223,7 @@ def ticket_rows(raw: bytes) -> int | None:
     cache, or a ticket this client cannot read: then it is passed on as it is)."""
     try:
         rows = json.loads(raw).get("rows")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+    except (ValueError, RecursionError, AttributeError):  # as _loads, and JSON that is not an object
         return None
     return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 else None
 

@@ -112,7 +112,7 @@ class _Progress:
         self.logged: dict[str, str] = {}
         self.unschedulable_since: dict[str, float] = {}
         self.start_error_since: dict[str, float] = {}
-        self.missing_since: float | None = None  # since when fewer cache pods exist than the group has
+        self.missing_since: dict[str, float] = {}  # the group's, while fewer cache pods exist than it has
 
     def apply(self, resource: Resource, kind: str, obj) -> bool:
         """Take one queued event; True when the head should be asked for its status now."""
@@ -184,20 +184,15 @@ class _Progress:
                 now,
                 self.cfg.unschedulable_grace_seconds,
             )
-        missing = self.missing_pods()
-        if not missing:
-            self.missing_since = None
-        else:
-            self.missing_since = now if self.missing_since is None else self.missing_since
-            if now - self.missing_since >= self.cfg.unschedulable_grace_seconds:
-                raise CacheFailedError(f"{missing} (for {now - self.missing_since:.0f}s)")
+        self._for_longer_than(self.missing_since, name, self.missing_pods(), now, self.cfg.unschedulable_grace_seconds)
         failure = health.status_failure(self.status) if self.status else None
         if failure:
             raise CacheFailedError(failure)
 
     @staticmethod
     def _for_longer_than(since: dict[str, float], name: str, problem: str | None, now: float, grace: float) -> None:
-        """Fail when ``problem`` has held for pod ``name`` for ``grace`` seconds; forget it once gone."""
+        """Fail when ``problem`` has held for ``name`` (a pod, or the group) for ``grace`` seconds;
+        forget it once gone."""
         if not problem:
             since.pop(name, None)
             return
