@@ -119,3 +119,29 @@ def test_concurrent_requests_for_a_new_filter_match_it_once(store, monkeypatch):
     for t in threads:
         t.join(10)
     assert calls == ["id < 3"] and results == [[1, 2]] * 4
+
+
+@pytest.mark.parametrize(
+    ("predicate", "cause"),
+    [
+        # DataFusion names the failing step first ("Optimizer rule ... failed", "type_coercion")
+        # and the cause after "caused by": the message keeps the cause.
+        ("id > 'abc'", "Cannot cast string 'abc' to value of Int64 type"),
+        ("id > TIME '01:02:05'", "Cannot infer common argument type"),
+        ("nosuch > 1", "No field named nosuch"),
+    ],
+)
+def test_a_refused_filter_says_what_is_wrong_with_it(store, predicate, cause):
+    with pytest.raises(BadRequestError, match="invalid filter") as refused:
+        matching_rows(store, predicate)
+    assert cause in str(refused.value)
+    assert ".." not in str(refused.value)
+
+
+def test_a_node_without_rows_checks_the_filter_all_the_same():
+    """An empty table (or a node holding none of it) refuses what a loaded one would."""
+    empty = NodeStore(pa.schema([("id", pa.int64()), ("name", pa.string())]), [])
+    assert matching_rows(empty, "id < 3 AND name = 'x'").tolist() == []
+    for predicate in ("nosuch > 1", "id >", "id IN (SELECT 1)", "random() < 0.5", "id > 'abc'"):
+        with pytest.raises(BadRequestError, match="invalid filter"):
+            matching_rows(empty, predicate)

@@ -204,6 +204,11 @@ def test_empty_table_is_ready_and_serves_nothing(table_factory):
         info, part = read_path_shard(cache.endpoint, 0, 1)
         assert info.total_records == 0 and part.num_rows == 0
         assert info.schema.names[0] == "id"
+        info, part = read_cmd_shard(cache.endpoint, ShardRequest(filter="id < 10"))
+        assert info.total_records == 0 and part.num_rows == 0
+        # A bad filter is refused as it would be once the table has rows, not accepted for now.
+        with pytest.raises(pa.ArrowInvalid, match="No field named nosuch"):
+            read_cmd_shard(cache.endpoint, ShardRequest(filter="nosuch > 1"))
 
 
 @pytest.fixture(scope="module")

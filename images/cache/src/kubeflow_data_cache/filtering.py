@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
-from kubeflow_data_cache.errors import BadRequestError, first_line
+from kubeflow_data_cache.errors import BadRequestError, server_message
 from kubeflow_data_cache.store import NodeStore
 
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
@@ -38,16 +38,31 @@ def _plan_nodes(plan) -> list[str]:
     return [type(plan.to_variant()).__name__] + [kind for child in plan.inputs() for kind in _plan_nodes(child)]
 
 
+def _reason(err: BaseException) -> str:
+    """What DataFusion says is wrong, in one line. Its message starts with the step that failed
+    ("Optimizer rule 'simplify_expressions' failed") and ends, after "caused by", with the
+    cause the user can act on ("Cannot cast string 'abc' to value of Int64 type")."""
+    lines = [line.strip() for line in server_message(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    causes = [i for i, line in enumerate(lines) if line.lower() == "caused by"]
+    reason = lines[causes[-1] + 1] if causes and causes[-1] + 1 < len(lines) else lines[0]
+    return reason.rstrip(".")  # the caller ends the sentence
+
+
 def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
     """Local row numbers (ascending) of the rows for which ``predicate`` is true."""
     import datafusion
 
-    if not store.num_rows:
-        return np.empty(0, dtype=np.int64)
     batches = []
     for batch, start in zip(store.batches, store.offsets[:-1], strict=True):
         rows = pa.array(np.arange(start, start + batch.num_rows, dtype=np.int64))
         batches.append(batch.append_column(ROW_COLUMN, rows))
+    if not batches:
+        # No rows to match, but the predicate is checked all the same: a filter refused only once
+        # the table has rows would break a job that was accepted while it was empty.
+        schema = store.schema.append(pa.field(ROW_COLUMN, pa.int64()))
+        batches.append(pa.RecordBatch.from_pylist([], schema=schema))
     ctx = datafusion.SessionContext()
     ctx.register_record_batches("data", [batches])
     table = ctx.table("data")
@@ -72,9 +87,8 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
     except BadRequestError:
         raise
     except Exception as err:  # DataFusion raises one exception type for parse, plan and type errors
-        message = first_line(err)
         raise BadRequestError(
-            f"invalid filter {predicate!r}: {message}. A filter is one SQL predicate over the table's "
+            f"invalid filter {predicate!r}: {_reason(err)}. A filter is one SQL predicate over the table's "
             f'columns {store.schema.names} (double-quote names with capitals or spaces: "Score" > 3), '
             'e.g. "label = 3 AND feature_a > 0.5"'
         ) from None
