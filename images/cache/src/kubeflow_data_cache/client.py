@@ -173,7 +173,7 @@ class CacheClient:
                     kwargs["generic_options"] = self._generic_options
                 client = flight.FlightClient(location, **kwargs)
                 self._clients[location] = client
-                fork_guard.opened(self)
+                fork_guard.opened(self, client)
             return client
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:

@@ -5,8 +5,8 @@ channel, or in the moments after the last one closed while gRPC's own threads wi
 block forever in its first gRPC call. DataLoader workers are forked children (the default start
 method on Linux), so this module:
 
-* before a fork, closes the cache clients no read is using (kept ones, see client.KeptClient) and
-  gives gRPC's threads up to FORK_QUIESCE_SECONDS to end;
+* before a fork, closes the cache clients no read is using (kept ones, see client.KeptClient),
+  gives gRPC's threads up to FORK_QUIESCE_SECONDS to end, then lets its shutdown settle (below);
 * in the child, remembers what was still open or running at the fork, so that the child's first
   cache call raises ForkedConnectionError with the fix instead of hanging.
 
@@ -29,6 +29,11 @@ from kubeflow_data_cache.errors import ForkedConnectionError
 # How long a fork waits for gRPC's threads to end once every client is closed: they end within
 # milliseconds of the last close, so this bound is only met when something else runs gRPC.
 FORK_QUIESCE_SECONDS = 2.0
+# gRPC's last shutdown step can still hold its global init lock, in a thread without a gRPC name,
+# just after the named threads end; a child forked then blocks for ever in its first grpc_init
+# (about 1 fork in 600 here when a fork followed a close at once). A fork within this long of the
+# last connection released, or of the last gRPC thread seen, waits out the rest.
+FORK_SETTLE_SECONDS = 0.05
 _POLL_SECONDS = 0.005
 # The names gRPC gives its threads in the pyarrow build this package pins (a test checks that
 # they appear while a client is open, so a rename in a later build shows up there).
@@ -50,6 +55,7 @@ _threads_at_fork: list[str] = []
 # alike, and a process that never ran Arrow's gRPC has nothing to wait for.
 _used = False
 _foreign_threads: frozenset[int] = frozenset()  # gRPC threads already running at the first client
+_last_release = float("-inf")  # time.monotonic() of the last connection freed or gRPC thread seen
 
 
 def _grpc_thread_ids() -> dict[int, str]:
@@ -79,10 +85,18 @@ def opening() -> None:
         _foreign_threads = frozenset(_grpc_thread_ids())
 
 
-def opened(client: object) -> None:
+def opened(client: object, connection: object) -> None:
+    """``client`` (a CacheClient) opened ``connection`` (a FlightClient)."""
     global _used
     _used = True
     _open_clients.add(client)
+    # Closed or garbage collected, its channel is shut down from then on: forks settle after it.
+    weakref.finalize(connection, _released)
+
+
+def _released() -> None:
+    global _last_release
+    _last_release = time.monotonic()
 
 
 def closed(client: object) -> None:
@@ -120,9 +134,13 @@ def _before_fork() -> None:
     deadline = time.monotonic() + FORK_QUIESCE_SECONDS
     threads = grpc_threads()
     while threads and time.monotonic() < deadline:
+        _released()
         time.sleep(_POLL_SECONDS)
         threads = grpc_threads()
     _threads_at_fork = threads
+    settle = _last_release + FORK_SETTLE_SECONDS - time.monotonic()
+    if not threads and settle > 0:
+        time.sleep(settle)
 
 
 def _after_fork_in_child() -> None:
