@@ -227,6 +227,28 @@ def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
             DataCacheDataset(endpoint)
 
 
+def test_an_empty_endpoint_or_a_token_no_header_can_carry_is_refused(monkeypatch):
+    monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://elsewhere:50051")
+    # An empty value (from a config file, say) is a mistake, not "use the environment".
+    with pytest.raises(ValueError, match=r"should be a grpc:// or grpc\+tls:// URI .*, got ''"):
+        DataCacheDataset("")
+    assert DataCacheDataset().endpoint == "grpc://elsewhere:50051"
+    secret = "s3cret\n"
+    for token, refusal in (
+        ("", "token is empty"),
+        (secret, "a line break, a control or a non-ASCII character"),
+        ("caf\u00e9", "non-ASCII"),
+        (123, "token should be the cache's token as a string, or None; got a int"),
+        (b"s3cret", "got a bytes"),
+    ):
+        with pytest.raises(ValueError, match=refusal) as refused:
+            DataCacheDataset("grpc://h:1", token=token)
+        assert "s3cret" not in str(refused.value)  # a token is never shown
+        with pytest.raises(ValueError, match=refusal):
+            CacheClient("grpc://h:1", token=token)
+    assert DataCacheDataset("grpc://h:1", token="a.b-c_d~e+f/g=").token == "a.b-c_d~e+f/g="
+
+
 def test_numeric_arguments_take_numpy_integers_and_refuse_what_cannot_work():
     ds = DataCacheDataset("grpc://h:1", batch_size=np.int64(64))
     assert ds.batch_size == 64 and type(ds.batch_size) is int

@@ -108,6 +108,25 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
 
 
+def check_token(token: object) -> None:
+    """None (send no token) or a token a bearer header can carry; a ValueError naming the
+    argument otherwise. The value is never shown: it is a secret."""
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise ValueError(f"token should be the cache's token as a string, or None; got a {type(token).__name__}")
+    if not token:
+        raise ValueError(
+            "token is empty: pass the cache's token, or None to use DATA_CACHE_TOKEN / DATA_CACHE_TOKEN_FILE"
+        )
+    if not all(" " <= char <= "~" for char in token):
+        # gRPC refuses such a header only when the call is made, with a message about metadata.
+        raise ValueError(
+            "token holds a line break, a control or a non-ASCII character, which a request header cannot "
+            "carry: check how it was read (a file's trailing newline, say)"
+        )
+
+
 def check_root_certs(pem: bytes) -> None:
     """PEM certificates, or a ValueError naming the argument (gRPC would only log that it could
     not load them, then fail every call with "empty address list")."""
@@ -143,6 +162,7 @@ class CacheClient:
         generic_options: list[tuple[str, Any]] | None = None,
     ) -> None:
         check_endpoint(endpoint)
+        check_token(token)
         if deadline_seconds <= 0:
             raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")
         if tls_root_certs is not None:

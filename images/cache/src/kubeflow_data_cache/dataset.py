@@ -30,6 +30,7 @@ from kubeflow_data_cache.client import (
     KeptClient,
     check_endpoint,
     check_root_certs,
+    check_token,
     int_arg,
 )
 from kubeflow_data_cache.errors import ConfigError
@@ -199,8 +200,11 @@ class DataCacheDataset(IterableDataset):
         real = isinstance(deadline_seconds, numbers.Real) and not isinstance(deadline_seconds, bool)
         if not (real and 0 < deadline_seconds < math.inf):
             raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {deadline_seconds!r}")
-        self.endpoint = endpoint or default_endpoint()
+        # None, not any false value, means "from the environment": an empty string from a config
+        # file is a mistake to name, not a reason to connect wherever the environment points.
+        self.endpoint = endpoint if endpoint is not None else default_endpoint()
         check_endpoint(self.endpoint)  # here, not at the first batch inside a DataLoader worker
+        check_token(token)
         self.token = token if token is not None else default_token()
         self.batch_size = size
         self.drop_last = drop_last
