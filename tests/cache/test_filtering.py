@@ -139,7 +139,9 @@ def test_a_refused_filter_says_what_is_wrong_with_it(store, predicate, cause):
 
 
 def test_a_node_without_rows_checks_the_filter_all_the_same():
-    """An empty table (or a node holding none of it) refuses what a loaded one would."""
+    """An empty table (or a node holding none of it) refuses a filter that does not parse, names
+    no column or calls what is not allowed, as a loaded one does (errors in the values, such as a
+    division by zero, need rows to show)."""
     empty = NodeStore(pa.schema([("id", pa.int64()), ("name", pa.string())]), [])
     assert matching_rows(empty, "id < 3 AND name = 'x'").tolist() == []
     for predicate in ("nosuch > 1", "id >", "id IN (SELECT 1)", "random() < 0.5", "id > 'abc'"):

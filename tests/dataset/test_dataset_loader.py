@@ -189,6 +189,15 @@ def test_endpoint_and_token_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("DATA_CACHE_TOKEN_FILE", str(token_file))
     ds = DataCacheDataset()
     assert (ds.endpoint, ds.token) == ("grpc://job-b-cache-service:50051", "s3cret")
+    # A token from the environment is checked at construction too, naming where it came from
+    # (not at the first batch inside a DataLoader worker), and never shown.
+    token_file.write_text("\n")
+    with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN_FILE .* is empty"):
+        DataCacheDataset()
+    monkeypatch.setenv("DATA_CACHE_TOKEN", "s3cret\n")
+    with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN holds a line break") as refused:
+        DataCacheDataset()
+    assert "s3cret" not in str(refused.value)
 
 
 def test_drop_last_implies_even_drop_and_arguments_are_checked():

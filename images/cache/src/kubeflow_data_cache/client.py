@@ -108,22 +108,22 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
 
 
-def check_token(token: object) -> None:
-    """None (send no token) or a token a bearer header can carry; a ValueError naming the
-    argument otherwise. The value is never shown: it is a secret."""
+def check_token(token: object, source: str = "token") -> None:
+    """None (send no token) or a token a bearer header can carry; a ValueError naming where it
+    came from (``source``) otherwise. The value is never shown: it is a secret."""
     if token is None:
         return
     if not isinstance(token, str):
-        raise ValueError(f"token should be the cache's token as a string, or None; got a {type(token).__name__}")
+        raise ValueError(f"{source} should be the cache's token as a string, or None; got a {type(token).__name__}")
     if not token:
         raise ValueError(
-            "token is empty: pass the cache's token, or None to use DATA_CACHE_TOKEN / DATA_CACHE_TOKEN_FILE"
+            f"{source} is empty: pass the cache's token, or None to use DATA_CACHE_TOKEN / DATA_CACHE_TOKEN_FILE"
         )
     if not all(" " <= char <= "~" for char in token):
         # gRPC refuses such a header only when the call is made, with a message about metadata.
         raise ValueError(
-            "token holds a line break, a control or a non-ASCII character, which a request header cannot "
-            "carry: check how it was read (a file's trailing newline, say)"
+            f"{source} holds a line break, a control or a non-ASCII character, which a request header cannot "
+            "carry: check how it was set (a trailing newline, say)"
         )
 
 
@@ -204,6 +204,10 @@ class CacheClient:
         with self._lock:
             for client in self._clients.values():
                 client.close()
+            if self._clients:
+                # Its channels shut down from now on, even where something (a kept exception's
+                # traceback) holds a FlightClient past this close.
+                fork_guard.released()
             self._clients.clear()
             fork_guard.closed(self)
         self._stall_watch.close()

@@ -80,14 +80,25 @@ def default_token(env: dict[str, str] | None = None) -> str | None:
     """``DATA_CACHE_TOKEN``, else the contents of ``DATA_CACHE_TOKEN_FILE``, else None."""
     env = os.environ if env is None else env
     if env.get("DATA_CACHE_TOKEN"):
-        return env["DATA_CACHE_TOKEN"]
+        return _checked_token(env["DATA_CACHE_TOKEN"], "DATA_CACHE_TOKEN")
     path = env.get("DATA_CACHE_TOKEN_FILE")
     if not path:
         return None
     try:
-        return Path(path).read_text().strip()
+        token = Path(path).read_text().strip()
     except OSError as err:
         raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} could not be read: {err.strerror}") from None
+    if not token:  # as the cache itself refuses an empty token file
+        raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} is empty: mount the Secret holding the cache's token")
+    return _checked_token(token, f"DATA_CACHE_TOKEN_FILE {path!r}")
+
+
+def _checked_token(token: str, source: str) -> str:
+    try:
+        check_token(token, source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return token
 
 
 def _env_int(env: dict[str, str], name: str, default: int) -> int:

@@ -90,11 +90,13 @@ def opened(client: object, connection: object) -> None:
     global _used
     _used = True
     _open_clients.add(client)
-    # Closed or garbage collected, its channel is shut down from then on: forks settle after it.
-    weakref.finalize(connection, _released)
+    # Garbage collected without a close (CacheClient.close() calls released() itself), its
+    # channel is shut down from then on: forks settle after it.
+    weakref.finalize(connection, released)
 
 
-def _released() -> None:
+def released() -> None:
+    """A connection was closed or freed: gRPC may be shutting down from now."""
     global _last_release
     _last_release = time.monotonic()
 
@@ -134,7 +136,7 @@ def _before_fork() -> None:
     deadline = time.monotonic() + FORK_QUIESCE_SECONDS
     threads = grpc_threads()
     while threads and time.monotonic() < deadline:
-        _released()
+        released()
         time.sleep(_POLL_SECONDS)
         threads = grpc_threads()
     _threads_at_fork = threads
