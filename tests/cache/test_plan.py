@@ -17,6 +17,7 @@ from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.memory import check_fits, parse_bytes
 from kubeflow_data_cache.plan import (
+    _open_error,
     assign_rows,
     estimated_node_memory,
     open_table,
@@ -251,6 +252,20 @@ def test_s3_properties_from_standard_env():
     )
     assert props == {"s3.endpoint": "http://b", "s3.region": "eu-west-1"}
     assert "s3.access-key-id" not in props  # left to the AWS chain (IRSA, profiles) unless set
+    # A custom endpoint without a region (MinIO) gets the SDKs' default rather than a lookup of the
+    # bucket on public AWS; without an endpoint, pyiceberg still finds the bucket's region.
+    assert s3_properties_from_env({"AWS_ENDPOINT_URL": "http://minio:9000"})["s3.region"] == "us-east-1"
+    assert "s3.region" not in s3_properties_from_env({})
+
+
+def test_a_bad_request_on_the_metadata_names_the_session_token_and_region():
+    # What pyarrow's S3 filesystem raises for a HEAD refused with 400 (an expired session token).
+    err = OSError(
+        "When getting information for key 'm.json' in bucket 'b': AWS Error UNKNOWN (HTTP status 400) "
+        "during HeadObject operation: No response body."
+    )
+    refusal = _open_error("s3://b/m.json", "s3://b/m.json", err)
+    assert refusal is not None and "AWS_SESSION_TOKEN" in str(refusal) and "AWS_REGION" in str(refusal)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -85,6 +85,17 @@ def test_reads_s3a_location_with_only_the_s3_specific_endpoint(moto_s3, s3_table
         assert_every_row_once(read_path_shards(cache.endpoint, total=2), ROWS)
 
 
+@pytest.mark.slow
+def test_an_s3_compatible_store_needs_no_region(moto_s3, s3_tables):
+    """MinIO's usual settings: an endpoint and keys, no region. Without one, pyiceberg asked public
+    AWS where the bucket lives, from every process (seconds each, offline)."""
+    env = {**moto_s3.env(), "AWS_REGION": "", "AWS_DEFAULT_REGION": ""}
+    with running_cache(s3_tables["events"].metadata_location, data_nodes=1, env=env) as cache:
+        assert_every_row_once(read_path_shards(cache.endpoint, total=1), ROWS)
+        log = cache.read_stderr()
+    assert "resolve region" not in log, log[-2000:]
+
+
 def test_wrong_bucket_fails_with_the_location_it_tried(moto_s3):
     location = "s3://no-such-bucket/wh/demo/events/metadata/00003-0a1b2c3d.metadata.json"
     code, stderr = failed_run(location, moto_s3.env())

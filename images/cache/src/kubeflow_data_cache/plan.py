@@ -92,11 +92,17 @@ class TablePlan:
         return sum(f.estimated_bytes for f in self.files)
 
 
+# The region requests are signed for when AWS_ENDPOINT_URL(_S3) is set without AWS_REGION: the
+# AWS SDKs' default for S3, and what MinIO and most S3-compatible stores expect.
+ENDPOINT_DEFAULT_REGION = "us-east-1"
+
+
 def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """pyiceberg FileIO properties from the standard AWS settings.
 
     Credentials are passed only when set explicitly; otherwise pyarrow's S3 filesystem walks
-    the AWS default chain (web identity / IRSA, instance profile, config files).
+    the AWS default chain (web identity / IRSA, instance profile, shared credentials file).
+    Region and endpoint come from these variables only, not from a profile's config.
     """
     env = dict(os.environ if env is None else env)
     props: dict[str, str] = {}
@@ -104,6 +110,11 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     if endpoint:
         props["s3.endpoint"] = endpoint
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if not region and endpoint:
+        # Without a region pyiceberg asks public AWS where the bucket lives: seconds per process
+        # on a network without AWS, the bucket's name sent out, and a same-named AWS bucket's
+        # region used to sign requests for this store. S3-compatible stores take the SDKs' default.
+        region = ENDPOINT_DEFAULT_REGION
     if region:
         props["s3.region"] = region
     for key, prop in (
@@ -164,6 +175,13 @@ def _open_error(metadata_location: str, location: str, err: Exception) -> TableL
         return TableLoadError(
             f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
             "or the pod's IAM role"
+        )
+    # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
+    if isinstance(err, OSError) and "HTTP status 400" in str(err):
+        return TableLoadError(
+            f"reading METADATA_LOC {metadata_location!r} was refused as a bad request ({err}); on S3 that is "
+            "usually an invalid or expired AWS_SESSION_TOKEN, or an AWS_REGION other than the bucket's: "
+            "check the AWS credentials and the region"
         )
     return None
 
