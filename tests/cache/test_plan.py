@@ -101,16 +101,21 @@ def test_nested_columns_are_estimated_from_their_leaves(tmp_path, metrics):
         assert 0.7 * actual <= estimated[name] <= 3.0 * actual, (name, estimated[name], actual)
 
 
+def shared_evenly(peaks: list[int]):
+    """A table whose peak memory divides evenly over any number of data nodes."""
+    return lambda n: [-(-sum(peaks) // n)] * n
+
+
 def test_memory_refusal_names_the_fix():
     need, peak = [3 << 30, 3 << 30], [4 << 30, 4 << 30]
     with pytest.raises(MemoryBudgetError) as err:
-        check_fits(need, peak, [(1 << 30) + BASELINE_MEMORY_BYTES] * 2)
+        check_fits(need, peak, [(1 << 30) + BASELINE_MEMORY_BYTES] * 2, shared_evenly(peak))
     message = str(err.value)
     assert "use at least 8 data nodes (CLUSTER_SIZE=9)" in message
     assert "4.00 GiB at its peak while loading" in message
     assert "WORKER_MEM" in message
-    check_fits(need, peak, [None, None])  # no budget known: nothing to refuse
-    check_fits(need, peak, [(4 << 30) + BASELINE_MEMORY_BYTES] * 2)
+    check_fits(need, peak, [None, None], shared_evenly(peak))  # no budget known: nothing to refuse
+    check_fits(need, peak, [(4 << 30) + BASELINE_MEMORY_BYTES] * 2, shared_evenly(peak))
 
 
 def test_the_advised_node_count_is_one_whose_real_estimate_fits(table_factory):
@@ -139,7 +144,7 @@ def test_the_advised_node_count_is_one_whose_real_estimate_fits(table_factory):
 def test_memory_refusal_under_local_names_its_flags_in_mib():
     """`data-cache local` budgets are small and set by its own flags, not a pod's knobs."""
     with pytest.raises(MemoryBudgetError) as err:
-        check_fits([3 << 20], [4 << 20], [(1 << 20) + BASELINE_MEMORY_BYTES], local=True)
+        check_fits([3 << 20], [4 << 20], [(1 << 20) + BASELINE_MEMORY_BYTES], shared_evenly([4 << 20]), local=True)
     message = str(err.value)
     assert "use at least 4 data nodes (--data-nodes 4)" in message
     assert "4.0 MiB at its peak while loading" in message and "can use 1.0 MiB" in message
@@ -151,7 +156,8 @@ def test_a_share_that_fits_but_whose_load_peak_does_not_is_refused():
     """Room for the rows but not for the copy of the column being merged: refused up front,
     not OOM-killed half way through the load."""
     with pytest.raises(MemoryBudgetError, match="at its peak while loading"):
-        check_fits([3 << 30], [(3 << 30) + (1 << 29)], [(3 << 30) + (1 << 28) + BASELINE_MEMORY_BYTES])
+        peak = [(3 << 30) + (1 << 29)]
+        check_fits([3 << 30], peak, [(3 << 30) + (1 << 28) + BASELINE_MEMORY_BYTES], shared_evenly(peak))
 
 
 def _row_grouped_table(tmp_path, rows: int, row_group_rows: int) -> str:

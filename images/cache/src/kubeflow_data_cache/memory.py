@@ -111,8 +111,8 @@ def check_fits(
     need_per_node: list[int],
     peak_per_node: list[int],
     budgets: list[int | None],
+    peaks_for: Callable[[int], list[int]],
     local: bool | None = None,
-    peaks_for: Callable[[int], list[int]] | None = None,
 ) -> None:
     """Refuse a load that would not fit, saying how many nodes or how much memory it needs.
 
@@ -121,7 +121,7 @@ def check_fits(
     OOM-killed half way through its load. ``local`` (default: run by `data-cache local`) names
     that command's flags instead of the Kubernetes settings. ``peaks_for(n)``, the peaks with
     ``n`` data nodes, lets the advice name a node count that does fit (read scratch does not
-    shrink with the share, so scaling the summed peaks can name one that is refused again).
+    shrink with the share, so scaling the summed peaks could name one that is refused again).
     """
     local = under_local() if local is None else local
     over = [
@@ -135,10 +135,7 @@ def check_fits(
     nodes = len(need_per_node)
     known = [usable_bytes(b) for b in budgets if b is not None]
     usable = min(known) if known else 0
-    if peaks_for is not None:
-        needed_nodes = _fewest_nodes(peaks_for, len(need_per_node), usable) if usable else None
-    else:  # more nodes shrink each share and its largest column alike: scale by the summed peaks
-        needed_nodes = -(-sum(peak_per_node) // usable) if usable else None
+    needed_nodes = _fewest_nodes(peaks_for, len(need_per_node), usable) if usable else None
     peak_max = max(peak_per_node)
     node, need, peak, have = over[0]
     if local:
