@@ -226,7 +226,7 @@ class DataCacheDataset(IterableDataset):
         self.deadline_seconds = deadline_seconds
         # Validated now (bad seed, columns, filter type) rather than in a DataLoader worker.
         # numpy integers (np.int64 from a config or an RNG) count as integers, as for batch_size.
-        seed, block_size = (int_arg(v) if int_arg(v) is not None else v for v in (seed, block_size))
+        seed, block_size = (v if (n := int_arg(v)) is None else n for v in (seed, block_size))
         self._request = ShardRequest(
             seed=seed,
             shuffle=shuffle,
