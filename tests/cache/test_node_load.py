@@ -77,16 +77,19 @@ def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_tabl
             with lock:
                 spans.append((start, time.monotonic()))
 
-    def slow_progress_load(table, tasks, schema, pieces, threads, progress=None):
+    def slow_progress_load(table, tasks, schema, pieces, threads, progress):
+        real_read = progress.read
+
         def slow(rows, nbytes):
             time.sleep(0.3)  # a long load: time for the new assignment to arrive
-            progress(rows, nbytes)
+            real_read(rows, nbytes)
 
-        return timed_load(table, tasks, schema, pieces, threads, slow)
+        progress.read = slow
+        return timed_load(table, tasks, schema, pieces, threads, progress)
 
     monkeypatch.setattr(NodeStore, "load", staticmethod(slow_progress_load))
     head, _, node, node_health = cluster(small_table.metadata_location)
-    wait_for(lambda: node.lifecycle.state == "loading" and "rows" in node.lifecycle.detail)
+    wait_for(lambda: node.status()["state"] == "loading" and node.status()["loading"]["rows"] > 0)
     first = node.generation
     order = {
         "generation": "restarted-head",

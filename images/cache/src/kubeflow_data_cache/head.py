@@ -27,6 +27,7 @@ from kubeflow_data_cache.constants import (
     SUPERVISE_POLL_SECONDS,
 )
 from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, DataCacheError, NotReadyError, first_line
+from kubeflow_data_cache.load_progress import waiting_reads
 from kubeflow_data_cache.memory import check_fits
 from kubeflow_data_cache.node import server_kwargs
 from kubeflow_data_cache.plan import (
@@ -252,11 +253,12 @@ class Head(ReadOnlyFlight):
                 k, s = failed[0]
                 raise DataCacheError(f"data node {k} ({self._location(k)}) failed to load: {s.get('error')}")
             ready = sum(1 for s in self.node_status.values() if s.get("state") == READY)
-            rows = sum(s.get("rows", 0) for s in self.node_status.values())
-            lost = self._unreachable()
+            # Rows held by ready nodes, and read so far by loading ones.
+            rows = sum(s.get("rows", 0) + (s.get("loading") or {}).get("rows", 0) for s in self.node_status.values())
+            news = [self._unreachable(), waiting_reads(sorted(self.node_status.items()))]
             self.lifecycle.set(
                 LOADING,
-                f"{ready}/{self.cfg.data_nodes} data nodes ready, {rows} rows loaded" + (f"; {lost}" if lost else ""),
+                "; ".join([f"{ready}/{self.cfg.data_nodes} data nodes ready, {rows} rows loaded", *filter(None, news)]),
             )
             if ready == self.cfg.data_nodes and all(
                 s.get("generation") == self.generation for s in self.node_status.values()
@@ -264,9 +266,12 @@ class Head(ReadOnlyFlight):
                 return
             self._reload_restarted()  # a node that restarted mid-load starts over, not never
             if time.monotonic() > deadline:
+                # At the deadline, any read still in flight is worth naming, however young.
+                news[1] = waiting_reads(sorted(self.node_status.items()), at_least=0)
                 raise DataCacheError(
                     f"the load did not finish within {self.cfg.startup_timeout:.0f}s "
-                    f"({ready}/{self.cfg.data_nodes} data nodes ready" + (f"; {lost}" if lost else "") + ")"
+                    + "; ".join([f"({ready}/{self.cfg.data_nodes} data nodes ready", *filter(None, news)])
+                    + ")"
                 )
             self._wait_for_news()
 
@@ -497,6 +502,7 @@ class Head(ReadOnlyFlight):
                     "memory_pool": s.get("memory_pool"),
                     "load_seconds": s.get("load_seconds"),
                     "error": s.get("error"),
+                    "loading": s.get("loading"),
                 }
             )
         return {

@@ -22,6 +22,7 @@ from kubeflow_data_cache.config import (
     seconds_setting,
     tls_setting,
 )
+from kubeflow_data_cache.load_progress import SLOW_READ_SECONDS, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
 from kubeflow_data_cache.security import call_options, client_for, load_token
@@ -127,7 +128,12 @@ class LocalCluster:
                 last_detail = status.get("detail")
                 log.info("cache %s: %s", status.get("state"), last_detail)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the cache was not ready within {self.startup_timeout:.0f}s ({last_detail})")
+                # The head's detail names the reads waiting SLOW_READ_SECONDS or more; at the
+                # deadline the younger ones are worth naming too.
+                nodes = ((n["index"], n) for n in status.get("nodes", []))
+                reads = waiting_reads(nodes, at_least=0, below=SLOW_READ_SECONDS)
+                why = "; ".join(filter(None, [last_detail, reads]))
+                raise RuntimeError(f"the cache was not ready within {self.startup_timeout:.0f}s ({why})")
             time.sleep(0.1)
 
     def stop(self) -> None:

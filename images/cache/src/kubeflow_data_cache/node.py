@@ -26,6 +26,7 @@ from kubeflow_data_cache.errors import (
     first_line,
 )
 from kubeflow_data_cache.filtering import FilterCache
+from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.memory import resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
@@ -126,6 +127,7 @@ class DataNode(ReadOnlyFlight):
         self.filters: FilterCache | None = None
         self.generation: str | None = None
         self.load_seconds = 0.0
+        self._progress: LoadProgress | None = None  # the latest load's
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
@@ -158,7 +160,10 @@ class DataNode(ReadOnlyFlight):
         table = open_table(metadata_location, s3_properties_from_env())
         tasks = scan_tasks(table, metadata_location)
         if tasks:
-            warm_reader(table, next(iter(tasks.values())))
+            # Beside the open, not in it: a load waits for the open, and a warm-up read that
+            # stalls on storage must show as a read of its file, not as the table's metadata.
+            args = (table, next(iter(tasks.values())))
+            threading.Thread(target=warm_reader, args=args, name="warm-reader", daemon=True).start()
         return table, arrow_schema(table), tasks
 
     def _register_loop(self) -> None:
@@ -228,6 +233,7 @@ class DataNode(ReadOnlyFlight):
             self.generation = order.generation
             self.store, self.filters = None, None
             previous = self._load_thread
+            self._progress = None  # until the new load starts: not the superseded one's
             self.metrics.ready.set(0)
             self.lifecycle.set(LOADING, "reading data files")
             # A newer assignment (a restarted head) supersedes a load still running: that one
@@ -244,20 +250,21 @@ class DataNode(ReadOnlyFlight):
         if previous is not None:
             previous.join()
         started = time.monotonic()
+
+        def still_current() -> None:
+            if not self._current(order):
+                raise LoadSuperseded()
+
+        progress = self._progress = LoadProgress(still_current)
         try:
-            table, schema, tasks = self._opened(order.metadata_location).result()
+            with progress.reading(f"the table's metadata at {order.metadata_location}"):
+                table, schema, tasks = self._opened(order.metadata_location).result()
             snapshot = table.current_snapshot()
             if (snapshot.snapshot_id if snapshot else None) != order.snapshot_id:
                 raise TableLoadError("the table's snapshot differs from the head's plan; restart the cache")
             missing = [p.path for p in order.pieces if p.path not in tasks]
             if missing:
                 raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
-
-            def progress(rows: int, nbytes: int) -> None:
-                if not self._current(order):
-                    raise LoadSuperseded()
-                self.lifecycle.set(LOADING, f"{rows} rows, {nbytes >> 20} MiB read")
-
             store = NodeStore.load(table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress)
             expected = order.global_stop - order.global_start
             if store.num_rows != expected:
@@ -292,13 +299,17 @@ class DataNode(ReadOnlyFlight):
 
     def status(self) -> dict[str, Any]:
         store = self.store
+        state, progress = self.lifecycle.state, self._progress
+        loading = state == LOADING and progress is not None
         return {
             "role": "data-node",
             "index": self.cfg.node_index,
             "location": self.location,
-            "state": self.lifecycle.state,
-            "detail": self.lifecycle.detail,
+            "state": state,
+            "detail": progress.describe() if loading else self.lifecycle.detail,
             "error": self.lifecycle.error,
+            # What the load has read so far, and its oldest read in flight (a stalled storage read).
+            "loading": progress.status() if loading else None,
             "generation": self.generation,
             "rows": store.num_rows if store else 0,
             "bytes": store.nbytes if store else 0,

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,6 +20,7 @@ import pyarrow.compute as pc
 from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
+from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.plan import Piece
 
 log = logging.getLogger(__name__)
@@ -136,19 +136,15 @@ class NodeStore:
         schema: pa.Schema,
         pieces: list[Piece],
         threads: int,
-        progress: Callable[[int, int], None] | None = None,
+        progress: LoadProgress | None = None,
     ) -> NodeStore:
         """Read every piece in parallel (pyarrow releases the GIL), keeping piece order."""
-        lock = threading.Lock()
-        done = {"rows": 0, "bytes": 0}
+        progress = progress or LoadProgress()
 
         def read(piece: Piece) -> list[pa.RecordBatch]:
-            batches = read_piece(table, tasks[piece.path], piece)
-            with lock:
-                done["rows"] += sum(b.num_rows for b in batches)
-                done["bytes"] += sum(b.nbytes for b in batches)
-                if progress:
-                    progress(done["rows"], done["bytes"])
+            with progress.reading(piece.path):
+                batches = read_piece(table, tasks[piece.path], piece)
+            progress.read(sum(b.num_rows for b in batches), sum(b.nbytes for b in batches))
             return batches
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="load") as pool:

@@ -1,0 +1,86 @@
+"""What a data node's load has read so far, and which reads are still waiting on storage.
+
+A read from an object store that stalls (an endpoint that accepts and never answers, a throttled
+bucket) shows nowhere else: rows stop growing and nothing fails until the SDK's own retries give
+up, often after the cache's deadline. The reads in flight, with how long each has waited, let the
+node's status, the head's detail and every "not ready within" message name the file to look at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+# A read waiting longer than this is named in the head's detail while the load goes on
+# (at a deadline, the oldest read of each node still loading is named however young).
+SLOW_READ_SECONDS = 10.0
+
+
+class LoadProgress:
+    """Rows and bytes read by one load, and the reads in flight (thread-safe)."""
+
+    def __init__(self, on_read: Callable[[], None] | None = None):
+        self._lock = threading.Lock()
+        self._on_read = on_read  # after each finished read; may raise to stop the load
+        self.rows = 0
+        self.bytes = 0
+        self._waiting: dict[int, tuple[str, float]] = {}  # token -> (what, since)
+        self._next = 0
+
+    @contextlib.contextmanager
+    def reading(self, what: str) -> Iterator[None]:
+        """Mark ``what`` (a data file, the table's metadata) as being read until the block ends."""
+        with self._lock:
+            token, self._next = self._next, self._next + 1
+            self._waiting[token] = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._waiting[token]
+
+    def read(self, rows: int, nbytes: int) -> None:
+        with self._lock:
+            self.rows += rows
+            self.bytes += nbytes
+        if self._on_read:
+            self._on_read()
+
+    def oldest(self) -> tuple[str, float] | None:
+        """(what, seconds waited) of the read waiting longest, or None when none is in flight."""
+        with self._lock:
+            if not self._waiting:
+                return None
+            what, since = min(self._waiting.values(), key=lambda item: item[1])
+        return what, time.monotonic() - since
+
+    def status(self) -> dict[str, Any]:
+        oldest = self.oldest()
+        return {
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "oldest_read": {"what": oldest[0], "seconds": round(oldest[1], 1)} if oldest else None,
+        }
+
+    def describe(self) -> str:
+        text = f"{self.rows} rows, {self.bytes >> 20} MiB read"
+        oldest = self.oldest()
+        if oldest and oldest[1] >= SLOW_READ_SECONDS:
+            text += f"; waiting {oldest[1]:.0f}s on {oldest[0]}"
+        return text
+
+
+def waiting_reads(
+    nodes: Iterable[tuple[int, dict[str, Any]]], at_least: float = SLOW_READ_SECONDS, below: float = float("inf")
+) -> str:
+    """'data node 1 has waited 42s on a read of s3://...' for each node (index, status) whose
+    oldest read in flight has waited from ``at_least`` to ``below`` seconds; '' when none has."""
+    said = []
+    for index, status in nodes:
+        oldest = (status.get("loading") or {}).get("oldest_read")
+        if oldest and at_least <= oldest["seconds"] < below:
+            said.append(f"data node {index} has waited {oldest['seconds']:.0f}s on a read of {oldest['what']}")
+    return "; ".join(said)

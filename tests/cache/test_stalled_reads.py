@@ -1,0 +1,118 @@
+"""A read from storage that stalls is named: in the node's status, the head's detail, and the
+message of a cache that gives up. The stall is real: a data file replaced by a FIFO, whose open
+blocks until a writer comes, as a read from an object store that accepts and never answers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kubeflow_data_cache import load_progress
+from kubeflow_data_cache.load_progress import LoadProgress, waiting_reads
+from kubeflow_data_cache.plan import open_table, scan_tasks
+from kubeflow_data_cache.sample import create_sample_table
+from tests.cache.inprocess import get, wait_for
+from tests.conftest import LocalCache
+
+
+def test_progress_counts_reads_and_names_the_oldest_in_flight(monkeypatch):
+    finished = []
+    progress = LoadProgress(on_read=lambda: finished.append(progress.rows))
+    assert progress.oldest() is None and progress.status()["oldest_read"] is None
+    with progress.reading("a.parquet"):
+        time.sleep(0.05)
+        with progress.reading("b.parquet"):
+            what, seconds = progress.oldest()
+            assert what == "a.parquet" and seconds >= 0.05
+        progress.read(10, 2 << 20)
+    assert progress.oldest() is None and finished == [10]
+    assert progress.describe() == "10 rows, 2 MiB read"
+    monkeypatch.setattr(load_progress, "SLOW_READ_SECONDS", 0.0)
+    with progress.reading("s3://b/t/c.parquet"):
+        assert "waiting 0s on s3://b/t/c.parquet" in progress.describe()
+        status = {"loading": progress.status()}
+    assert waiting_reads([(1, status)], at_least=0) == "data node 1 has waited 0s on a read of s3://b/t/c.parquet"
+    assert waiting_reads([(1, status)], at_least=0, below=0) == ""
+    assert waiting_reads([(1, {"loading": None}), (2, {})], at_least=0) == ""
+
+
+def test_a_failing_on_read_stops_the_load_there():
+    def stop():
+        raise RuntimeError("superseded")
+
+    progress = LoadProgress(on_read=stop)
+    with pytest.raises(RuntimeError, match="superseded"):
+        progress.read(1, 1)
+
+
+@contextlib.contextmanager
+def stalled_file(path: Path) -> Iterator[str]:
+    """Replace a data file with a FIFO; on exit, let the blocked reader through to an empty file
+    (a failed read), so no thread stays stuck in this process."""
+    path.unlink()
+    os.mkfifo(path)
+    try:
+        yield path.name
+    finally:
+        # A writer opening and closing the FIFO ends every open() blocked on it (EOF).
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def a_data_file(metadata_location: str) -> Path:
+    table = open_table(metadata_location, {})
+    return Path(sorted(scan_tasks(table, metadata_location))[-1].removeprefix("file://"))
+
+
+def test_the_head_names_a_node_waiting_on_a_read(cluster, tmp_path, monkeypatch):
+    monkeypatch.setattr(load_progress, "SLOW_READ_SECONDS", 0.3)
+    table = create_sample_table(str(tmp_path / "wh"), 3000, 3)
+    with stalled_file(a_data_file(table.metadata_location)) as name:
+        head, head_health, _node, node_health = cluster(table.metadata_location)
+        wait_for(lambda: "has waited" in head.lifecycle.detail)
+        status = json.loads(get(head_health.port, "/status")[1])
+        assert status["state"] == "loading" and name in status["detail"]
+        assert "data node 0 has waited" in status["detail"]
+        code, body = get(head_health.port, "/ready")
+        assert code == 503 and name in body
+        mine = json.loads(get(node_health.port, "/status")[1])
+        assert mine["state"] == "loading" and name in mine["loading"]["oldest_read"]["what"]
+        assert mine["loading"]["rows"] == 2000, "the other two files were read"  # 1000 rows a file
+        assert f"on {mine['loading']['oldest_read']['what']}" in mine["detail"]
+        # Let the read through: the FIFO ends empty, and the load fails naming the file.
+    wait_for(lambda: head.lifecycle.state == "failed")
+    assert name in head.lifecycle.error and "cannot read data file" in head.lifecycle.error
+
+
+def test_local_gives_up_naming_the_read_it_waits_on(tmp_path):
+    table = create_sample_table(str(tmp_path / "wh"), 3000, 3)
+    with stalled_file(a_data_file(table.metadata_location)) as name:
+        cache = LocalCache(table.metadata_location, 2, args=("--startup-timeout", "5"))
+        with pytest.raises(RuntimeError) as err:
+            cache.wait_ready(timeout=60)
+        assert cache.proc.returncode == 1
+    message = str(err.value)
+    assert "not ready within 5s" in message or "did not finish within 5s" in message
+    assert "has waited" in message and name in message
+
+
+def test_a_stalled_warm_up_read_does_not_hold_the_open(tmp_path):
+    """The node warms its Parquet reader on the first file while the cluster forms; that read
+    stalling must not block the load, which then names the file rather than the metadata."""
+    from kubeflow_data_cache.node import DataNode
+
+    table = create_sample_table(str(tmp_path / "wh"), 3000, 3)
+    tasks = scan_tasks(open_table(table.metadata_location, {}), table.metadata_location)
+    first = Path(next(iter(tasks)).removeprefix("file://"))  # the file the warm-up reads
+    with stalled_file(first):
+        opened = threading.Thread(target=DataNode._open, args=(table.metadata_location,), daemon=True)
+        opened.start()
+        opened.join(30)
+        assert not opened.is_alive(), "opening the table waited on the warm-up read"
