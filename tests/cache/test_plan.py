@@ -274,6 +274,49 @@ def test_a_bad_request_on_the_metadata_names_the_session_token_and_region():
     assert refusal is not None and "AWS_SESSION_TOKEN" in str(refusal) and "AWS_REGION" in str(refusal)
 
 
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": SECRET}, "the access key in AWS_ACCESS_KEY_ID;"),
+        (
+            {
+                "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+                "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_SESSION_TOKEN": "FQoGZXIvEXAMPLETOKEN",
+            },
+            "AWS_ACCESS_KEY_ID with AWS_SESSION_TOKEN",
+        ),
+        (
+            {"AWS_ROLE_ARN": "arn:aws:iam::1:role/reader", "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"},
+            "web identity (IRSA) for role arn:aws:iam::1:role/reader; check that role's policy on the bucket, "
+            "and that the pod reaches AWS STS",
+        ),
+        ({"AWS_PROFILE": "data"}, "the profile 'data'"),
+        ({}, "no AWS credentials are set"),
+    ],
+)
+def test_a_denied_metadata_read_says_which_credentials_signed_it(monkeypatch, env, said):
+    """The SDK falls back silently (an IRSA exchange that cannot reach STS sends the request
+    unsigned), so a 403 alone cannot tell a missing credential from a missing permission."""
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SESSION_TOKEN",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_PROFILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    err = OSError("When reading information for key 'm.json' in bucket 'b': AWS Error ACCESS_DENIED during HeadObject")
+    refusal = str(_open_error("s3://b/m.json", "s3://b/m.json", err))
+    assert "was denied" in refusal and said in refusal
+    assert SECRET not in refusal and "FQoGZXIvEXAMPLETOKEN" not in refusal
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 400), files=st.integers(1, 6), nodes=st.integers(1, 7))
 def test_property_real_tables_every_row_loaded_once(tmp_path_factory, rows, files, nodes):

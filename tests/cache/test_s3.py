@@ -122,6 +122,7 @@ def test_denied_read_names_the_credentials(moto_s3, s3_tables, bad):
     code, stderr = failed_run(s3_tables["events"].metadata_location, {**moto_s3.env(), **bad})
     assert code != 0
     assert "was denied" in stderr and "check the AWS credentials" in stderr
+    assert "signed with the access key in AWS_ACCESS_KEY_ID; check that key's secret" in stderr
     secret = bad.get("AWS_SECRET_ACCESS_KEY", moto_s3.secret_key)
     assert secret not in stderr, "a secret key must never reach the logs"
 

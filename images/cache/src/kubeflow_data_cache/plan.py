@@ -127,6 +127,31 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return props
 
 
+def credential_source(env: dict[str, str] | None = None) -> str:
+    """Which AWS credentials a request was signed with (never their values), and what to check.
+
+    The SDK walks its chain silently: a web-identity exchange that cannot reach STS, or no
+    credentials found at all, sends the request unsigned, and the store's 403 then reads just
+    like a key without permission."""
+    env = dict(os.environ if env is None else env)
+    if env.get("AWS_ACCESS_KEY_ID"):
+        with_token = " with AWS_SESSION_TOKEN" if env.get("AWS_SESSION_TOKEN") else ""
+        return f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
+    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
+        return (
+            f"credentials from web identity (IRSA) for role {env['AWS_ROLE_ARN']}; check that role's policy on "
+            "the bucket, and that the pod reaches AWS STS: when the exchange fails the request goes unsigned, "
+            "which is denied the same way"
+        )
+    if env.get("AWS_PROFILE"):
+        return f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
+    return (
+        "no AWS credentials are set in the environment (AWS_ACCESS_KEY_ID, or AWS_ROLE_ARN with "
+        "AWS_WEB_IDENTITY_TOKEN_FILE), so the SDK's default chain was used, and without any credentials "
+        "the request goes unsigned"
+    )
+
+
 def open_table(metadata_location: str, properties: dict[str, str] | None = None):
     """Open the table a ``metadata.json`` describes, with errors that say what to fix."""
     from pyiceberg.table import StaticTable
@@ -174,7 +199,7 @@ def _open_error(metadata_location: str, location: str, err: Exception) -> TableL
     if isinstance(err, PermissionError) or (isinstance(err, OSError) and "ACCESS_DENIED" in str(err)):
         return TableLoadError(
             f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
-            "or the pod's IAM role"
+            f"or the pod's IAM role: {credential_source()}"
         )
     # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
     if isinstance(err, OSError) and "HTTP status 400" in str(err):

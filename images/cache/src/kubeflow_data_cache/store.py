@@ -21,7 +21,7 @@ from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, TableLoadError
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.plan import Piece
+from kubeflow_data_cache.plan import Piece, credential_source
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ def read_piece(table, task, piece: Piece) -> list[pa.RecordBatch]:
             if pos >= piece.stop:
                 break
     except Exception as err:
-        raise TableLoadError(f"cannot read data file {piece.path}: {err}") from err
+        denied = f" ({credential_source()})" if "ACCESS_DENIED" in str(err) else ""
+        raise TableLoadError(f"cannot read data file {piece.path}: {err}{denied}") from err
     got = sum(b.num_rows for b in out)
     if got != piece.stop - piece.start:
         raise TableLoadError(
