@@ -58,6 +58,28 @@ def test_memory_budget_refusal_says_what_is_needed(table_factory):
     assert "can use 0.5 MiB" in stderr
 
 
+def test_rows_that_decode_far_past_their_estimate_stop_the_load_before_an_oom_kill(tmp_path):
+    """One string repeated: its Parquet pages compress ~1000x, so the manifests' statistics say
+    a few MiB where the rows decode to ~400 MiB. The pre-load check passes; the data node must
+    stop at its limit with the reason, not load on into the kernel's OOM kill (here, with no
+    cgroup limit, it would just have loaded past its --memory-limit)."""
+    import pyarrow as pa
+
+    from kubeflow_data_cache.sample import make_catalog
+
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "catalog.db")
+    catalog.create_namespace("demo")
+    rows = 400_000
+    data = pa.table({"id": pa.array(range(rows), pa.int64()), "text": pa.array(["y" * 1000] * rows)})
+    table = catalog.create_table("demo.repeated", schema=data.schema)
+    table.append(data)
+    del data
+    code, stderr = failed_local(catalog.load_table("demo.repeated").metadata_location, "--memory-limit", "500Mi")
+    assert code == 1
+    assert "stopped its load before the kernel's OOM kill" in stderr and "of its 500.0 MiB limit" in stderr
+    assert "give each data node more memory (--memory-limit) or use more data nodes (--data-nodes)" in stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
-from kubeflow_data_cache.memory import check_fits, parse_bytes
+from kubeflow_data_cache.memory import LoadMemoryGuard, check_fits, load_guard_threshold, parse_bytes, resident_bytes
 from kubeflow_data_cache.plan import (
     _open_error,
     assign_rows,
@@ -330,3 +330,23 @@ def test_property_real_tables_every_row_loaded_once(tmp_path_factory, rows, file
         assert store.num_rows == a.rows
         loaded += [i for b in store.batches for i in b.column("id").to_pylist()]
     assert sorted(loaded) == list(range(rows))
+
+
+def test_the_load_guard_stops_within_its_margin_and_projects_the_need():
+    resident = resident_bytes()
+    LoadMemoryGuard(None, 100).check(50)  # no limit known: nothing to guard
+    LoadMemoryGuard(resident * 4, 100).check(50)  # far under the limit
+    # Within 10% of a small limit (here: over it) the load stops, naming this machine's flags.
+    with pytest.raises(MemoryBudgetError) as err:
+        LoadMemoryGuard(int(resident * 1.05), 1000, local=True).check(250)
+    message = str(err.value)
+    assert "stopped its load before the kernel's OOM kill" in message and "25% of its 1000 rows" in message
+    assert "at this rate its rows need about" in message and "(--memory-limit)" in message
+    # In a pod the advice names the pod's settings; with no rows decoded yet, no projection.
+    with pytest.raises(MemoryBudgetError) as err:
+        LoadMemoryGuard(int(resident * 1.05), 1000, local=False).check(0)
+    assert "WORKER_MEM" in str(err.value) and "CLUSTER_SIZE" in str(err.value)
+    assert "at this rate" not in str(err.value)
+    # 10% of a small limit is kept back, at most 128 MiB of a large one.
+    assert load_guard_threshold(500 << 20) == 450 << 20
+    assert load_guard_threshold(16 << 30) == (16 << 30) - (128 << 20)

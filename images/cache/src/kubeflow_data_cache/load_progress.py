@@ -22,10 +22,12 @@ SLOW_READ_SECONDS = 10.0
 class LoadProgress:
     """Rows and bytes read by one load, and the reads in flight (thread-safe)."""
 
-    def __init__(self, on_read: Callable[[], None] | None = None):
+    def __init__(self, on_read: Callable[[], None] | None = None, on_batch: Callable[[], None] | None = None):
         self._lock = threading.Lock()
         self._on_read = on_read  # after each finished read; may raise to stop the load
-        self.rows = 0
+        self._on_batch = on_batch  # after each batch decoded (and each column merged); may raise
+        self.rows = 0  # in finished reads
+        self.decoded = 0  # in decoded batches, finished reads or not
         self.bytes = 0
         self._waiting: dict[int, tuple[str, float]] = {}  # token -> (what, since)
         self._next = 0
@@ -48,6 +50,12 @@ class LoadProgress:
             self.bytes += nbytes
         if self._on_read:
             self._on_read()
+
+    def batch(self, rows: int = 0) -> None:
+        with self._lock:
+            self.decoded += rows
+        if self._on_batch:
+            self._on_batch()
 
     def oldest(self) -> tuple[str, float] | None:
         """(what, seconds waited) of the read waiting longest, or None when none is in flight."""

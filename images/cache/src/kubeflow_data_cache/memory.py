@@ -1,4 +1,5 @@
-"""Resource budgets: the container's memory and CPU limits, resident size, and the pre-load check."""
+"""Resource budgets: the container's memory and CPU limits, resident size, the pre-load check,
+and the guard that stops a load before the kernel's OOM kill."""
 
 from __future__ import annotations
 
@@ -155,3 +156,50 @@ def check_fits(
         f"With {nodes} data node(s), {advice}, or give each data node at least "
         f"{_fmt(peak_max + BASELINE_MEMORY_BYTES)} ({memory_knob})"
     )
+
+
+# A load stops once the node's resident memory comes within this margin of its limit: 10% of
+# it, but no more than 128 MiB (room for the decode step between two checks), so that a load
+# the pre-load check let through (its peak within the limit minus BASELINE_MEMORY_BYTES) is
+# never stopped. That check works from manifest statistics, which cannot see how far strings
+# decode (a repeated value compresses to almost nothing); the kernel's OOM kill would leave only
+# "OOMKilled" and a restart loop, where stopping first leaves the reason and the fix.
+LOAD_GUARD_SHARE = 0.1
+LOAD_GUARD_MAX_MARGIN = 128 << 20
+
+
+def load_guard_threshold(limit: int) -> int:
+    """The resident size at which a load with this memory limit stops."""
+    return int(limit - min(limit * LOAD_GUARD_SHARE, LOAD_GUARD_MAX_MARGIN))
+
+
+class LoadMemoryGuard:
+    """Checks, as a load decodes, that the node stays out of its limit's last margin."""
+
+    def __init__(self, limit: int | None, rows: int, local: bool | None = None):
+        self.limit, self.rows = limit, rows
+        self.local = under_local() if local is None else local
+        self.start = resident_bytes()  # the interpreter, and rows a superseded load may still hold
+
+    def check(self, rows_read: int) -> None:
+        if self.limit is None:
+            return
+        resident = resident_bytes()
+        if resident <= load_guard_threshold(self.limit):
+            return
+        share = rows_read / self.rows if self.rows else 0.0
+        if self.local:
+            nodes_knob, memory_knob = "--data-nodes", "--memory-limit"
+        else:
+            nodes_knob, memory_knob = "CLUSTER_SIZE", "WORKER_MEM / --memory-limit"
+        rate = ""
+        if share > 0:
+            needed = self.start + (resident - self.start) / share
+            rate = f"; at this rate its rows need about {_fmt(needed)}, more at the load's peak"
+        raise MemoryBudgetError(
+            "stopped its load before the kernel's OOM kill: its resident memory "
+            f"reached {_fmt(resident)} of its {_fmt(self.limit)} limit with {share:.0%} of its {self.rows} "
+            f"rows read{rate}. The rows decode larger than the manifests' statistics suggest (highly "
+            f"compressible strings do this); give each data node more memory ({memory_knob}) or use more "
+            f"data nodes ({nodes_knob})"
+        )

@@ -27,7 +27,7 @@ from kubeflow_data_cache.errors import (
 )
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.memory import resident_bytes
+from kubeflow_data_cache.memory import LoadMemoryGuard, resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
@@ -255,7 +255,9 @@ class DataNode(ReadOnlyFlight):
             if not self._current(order):
                 raise LoadSuperseded()
 
-        progress = self._progress = LoadProgress(still_current)
+        rows = order.global_stop - order.global_start
+        guard = LoadMemoryGuard(self.cfg.memory_limit, rows)
+        progress = self._progress = LoadProgress(still_current, on_batch=lambda: guard.check(progress.decoded))
         try:
             with progress.reading(f"the table's metadata at {order.metadata_location}"):
                 table, schema, tasks = self._opened(order.metadata_location).result()
@@ -266,9 +268,8 @@ class DataNode(ReadOnlyFlight):
             if missing:
                 raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
             store = NodeStore.load(table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress)
-            expected = order.global_stop - order.global_start
-            if store.num_rows != expected:
-                raise TableLoadError(f"read {store.num_rows} rows, expected {expected}")
+            if store.num_rows != rows:
+                raise TableLoadError(f"read {store.num_rows} rows, expected {rows}")
         except LoadSuperseded:
             log.info("load %s stopped: a newer assignment arrived", order.generation)
             return

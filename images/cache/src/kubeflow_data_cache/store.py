@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
-from kubeflow_data_cache.errors import BadRequestError, TableLoadError
+from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.plan import Piece, credential_source
 
@@ -32,7 +32,7 @@ def _variable_bytes(batch: pa.RecordBatch) -> int:
     return max(sizes, default=0)
 
 
-def _merge(group: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
+def _merge(group: list[pa.RecordBatch], schema: pa.Schema, on_column: Callable[[], None]) -> pa.RecordBatch:
     """One batch from ``group``, merged a column at a time: each source column is released as
     soon as its copy exists, so the extra memory is one column, not a second copy of the rows."""
     if len(group) == 1:
@@ -45,18 +45,23 @@ def _merge(group: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
     for i in range(len(sources)):
         merged.append(sources[i].combine_chunks())
         sources[i] = None  # the last reference to the source chunks of this column
+        on_column()
     return pa.RecordBatch.from_arrays(merged, schema=schema)
 
 
 def compact(
-    batches: deque[pa.RecordBatch], schema: pa.Schema, variable_limit: int = STORE_CHUNK_VARIABLE_BYTES
+    batches: deque[pa.RecordBatch],
+    schema: pa.Schema,
+    variable_limit: int = STORE_CHUNK_VARIABLE_BYTES,
+    on_column: Callable[[], None] = lambda: None,
 ) -> list[pa.RecordBatch]:
     """Merge the reader's batches into as few chunks as the 32-bit offsets of variable-width
     columns allow (one chunk for a numeric table, however large).
 
     A shuffled read gathers rows, and a gather from one chunk is several times faster than the
     same gather across chunks (5M rows: ~5x for numeric columns). Chunks are merged one at a
-    time and their sources dropped as we go.
+    time and their sources dropped as we go; ``on_column`` runs after each column merged (the
+    load's memory guard: merging holds two copies of one column at a time).
     """
     out: list[pa.RecordBatch] = []
     while batches:
@@ -66,7 +71,7 @@ def compact(
             group.append(batch)
             variable += _variable_bytes(batch)
         del batch
-        out.append(_merge(group, schema))
+        out.append(_merge(group, schema, on_column))
     return out
 
 
@@ -87,9 +92,10 @@ def warm_reader(table, task) -> None:
         next(iter(batches), None)
 
 
-def read_piece(table, task, piece: Piece) -> list[pa.RecordBatch]:
+def read_piece(table, task, piece: Piece, on_batch: Callable[[int], None] = lambda rows: None) -> list[pa.RecordBatch]:
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
-    (which also handles schema evolution by field id)."""
+    (which also handles schema evolution by field id). ``on_batch(rows kept)`` runs after each
+    decoded batch and may raise to stop the read (the load's memory guard)."""
     from pyiceberg.expressions import AlwaysTrue
     from pyiceberg.io.pyarrow import ArrowScan
 
@@ -103,8 +109,11 @@ def read_piece(table, task, piece: Piece) -> list[pa.RecordBatch]:
                 part = batch.slice(a - pos, b - a)
                 out.append(part if part.num_rows == batch.num_rows else _own_copy(part))
             pos += batch.num_rows
+            on_batch(max(0, b - a))
             if pos >= piece.stop:
                 break
+    except DataCacheError:
+        raise  # the guard's own refusal, already saying what to fix
     except Exception as err:
         denied = f" ({credential_source()})" if "ACCESS_DENIED" in str(err) else ""
         raise TableLoadError(f"cannot read data file {piece.path}: {err}{denied}") from err
@@ -144,7 +153,7 @@ class NodeStore:
 
         def read(piece: Piece) -> list[pa.RecordBatch]:
             with progress.reading(piece.path):
-                batches = read_piece(table, tasks[piece.path], piece)
+                batches = read_piece(table, tasks[piece.path], piece, progress.batch)
             progress.read(sum(b.num_rows for b in batches), sum(b.nbytes for b in batches))
             return batches
 
@@ -152,7 +161,7 @@ class NodeStore:
             results = list(pool.map(read, pieces))
         batches = deque(b.cast(schema) if b.schema != schema else b for part in results for b in part)
         del results
-        store = cls(schema, compact(batches, schema))
+        store = cls(schema, compact(batches, schema, on_column=progress.batch))
         # Give cached decode buffers back to the OS (immediate under the data node's jemalloc).
         pa.default_memory_pool().release_unused()
         return store
