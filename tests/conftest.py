@@ -64,6 +64,16 @@ class LocalCache:
         self.stop()
         raise RuntimeError(f"cache not ready (exit code {code}):\n{self.stderr[-4000:]}")
 
+    def wait_failure(self, timeout: float = READY_TIMEOUT_SECONDS) -> str:
+        """For a cache that must fail: the message of that failure. A cache that comes up after
+        all fails the test, and is stopped first, so no cluster outlives its test."""
+        try:
+            line = self.wait_ready(timeout)
+        except RuntimeError as err:
+            return str(err)
+        self.stop()
+        pytest.fail(f"the cache came up ({line}) where it should have failed")
+
     def read_stderr(self) -> str:
         """What the processes wrote to stderr so far, without stopping them (pread leaves the
         file offset the children share untouched)."""

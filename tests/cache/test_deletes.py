@@ -215,8 +215,7 @@ def test_positional_deletes_are_applied_across_the_node_split(writable_table):
 def test_equality_deletes_are_refused_with_a_clear_reason(writable_table):
     table = add_equality_deletes(writable_table, [7, 8, 9])
     cache = LocalCache(table.metadata_location, data_nodes=1, args=("--startup-timeout", "60"))
-    with pytest.raises(RuntimeError):
-        cache.wait_ready(timeout=90)
+    cache.wait_failure(timeout=90)
     assert cache.proc.returncode != 0
     assert "the table has equality deletes (delete file file://" in cache.stderr
     assert "which the cache cannot apply exactly" in cache.stderr

@@ -20,9 +20,8 @@ def data_cache(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 
 def failed_local(metadata_loc: str, *args: str) -> tuple[int, str]:
     cache = LocalCache(metadata_loc, 2, args=args)
-    with pytest.raises(RuntimeError) as err:
-        cache.wait_ready(timeout=DEADLINE)
-    return cache.proc.returncode, str(err.value)
+    message = cache.wait_failure(timeout=DEADLINE)
+    return cache.proc.returncode, message
 
 
 def test_missing_metadata_location_fails_fast(tmp_path):

@@ -61,8 +61,7 @@ def assert_every_row_once(table, rows: int) -> None:
 def failed_run(metadata_loc: str, env: dict[str, str]) -> tuple[int, str]:
     """Run `data-cache local` that must fail: its exit code and stderr, within a deadline."""
     cache = LocalCache(metadata_loc, data_nodes=1, env=env, args=("--startup-timeout", "60"))
-    with pytest.raises(RuntimeError):
-        cache.wait_ready(timeout=FAILURE_TIMEOUT_SECONDS)
+    cache.wait_failure(timeout=FAILURE_TIMEOUT_SECONDS)
     return cache.proc.returncode, cache.stderr
 
 
