@@ -68,3 +68,29 @@ def test_nodes_stop_when_local_is_sigkilled(table_factory):
         assert all(gone(node) for node in nodes), [node.pid for node in nodes if not gone(node)]
     finally:
         cache.stop()  # SIGKILL to its whole session sweeps up whatever is left
+
+
+def test_a_stalled_reader_lets_the_nodes_end_their_own_grace_under_sigterm(table_factory):
+    """SIGTERM to `local` while a reader holds a stream it stopped reading: the node waits out
+    its own grace for streams, says so and exits 0; `local` must not SIGKILL it first."""
+    import pyarrow.flight as flight
+
+    from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
+
+    cache = LocalCache(table_factory(200_000, 2).metadata_location, 1)
+    try:
+        cache.wait_ready()
+        # bdp_probe off: gRPC would otherwise grow the window until the whole stream is buffered.
+        options = [("grpc.http2.bdp_probe", 0)]
+        info = flight.FlightClient(cache.endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+        reader = flight.FlightClient(info.endpoints[0].locations[0].uri.decode(), generic_options=options)
+        stream = reader.do_get(info.endpoints[0].ticket)
+        stream.read_chunk()  # then stop reading: the node's writer blocks on flow control
+        started = time.monotonic()
+        cache.proc.send_signal(signal.SIGTERM)
+        assert cache.proc.wait(timeout=SHUTDOWN_GRACE_SECONDS + 30) == 0
+        assert time.monotonic() - started >= SHUTDOWN_GRACE_SECONDS - 1
+        assert "exiting without them" in cache.read_stderr()
+        reader.close()
+    finally:
+        cache.stop()

@@ -29,7 +29,9 @@ from kubeflow_data_cache.security import call_options, client_for, load_token
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_SECONDS = 10.0
+# The nodes' own grace for open streams, then time to exit: a node that is SIGKILLed at the end
+# of that grace cannot log which streams it left.
+STOP_GRACE_SECONDS = constants.SHUTDOWN_GRACE_SECONDS + 5.0
 
 
 def _node_cmd(role: str, *args: str) -> list[str]:
