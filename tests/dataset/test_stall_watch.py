@@ -60,3 +60,36 @@ def test_an_idle_watcher_ends_its_thread_and_the_next_arm_starts_one(monkeypatch
         assert read.cancelled.wait(5)
     finally:
         watches[0].close()
+
+
+def test_a_dropped_watcher_ends_its_thread_within_a_tick():
+    """A client dropped without close() (a dataset per evaluation, a sweep) must not keep its
+    watcher thread for the whole idle time."""
+    import gc
+
+    watch = StallWatch(0.2)  # ticks every 0.05 s
+    read = _Read()
+    watch.arm(read)
+    watch.disarm(read)
+    thread = watch._thread
+    del watch
+    gc.collect()
+    thread.join(2)
+    assert not thread.is_alive()
+
+
+def test_a_dataset_dropped_after_a_read_leaves_no_watcher_thread(small_cache):
+    import gc
+
+    from kubeflow_data_cache.dataset import DataCacheDataset
+
+    before = set(threading.enumerate())
+    ds = DataCacheDataset(small_cache.endpoint, batch_size=1000, columns=["id"])
+    assert sum(len(batch["id"]) for batch in ds) == 10_000
+    watchers = [t for t in set(threading.enumerate()) - before if t.name == "cache-stall-watch"]
+    assert watchers, "the read armed a watcher"
+    del ds
+    gc.collect()
+    for thread in watchers:
+        thread.join(5)  # well under IDLE_EXIT_SECONDS (30 s)
+    assert not any(t.is_alive() for t in watchers)

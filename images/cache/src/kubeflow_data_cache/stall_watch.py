@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from contextlib import suppress
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-# A watcher with nothing armed for this long ends its thread (the next ``arm`` starts one): a
-# client its owner dropped without closing it (a dataset per evaluation, a sweep in one process)
-# must not leave a thread behind for every one.
+# A watcher with nothing armed for this long ends its thread (the next ``arm`` starts one), so
+# a client kept idle holds no thread. A client its owner dropped without closing it (a dataset
+# per evaluation, a sweep in one process) ends its thread sooner: the thread holds the watcher
+# only weakly, and ends within a tick of it being collected.
 IDLE_EXIT_SECONDS = 30.0
 
 
@@ -39,7 +41,8 @@ class StallWatch:
             self._armed[id(reader)] = (time.monotonic() + self.limit, reader)
             if self._thread is None:
                 self._stop.clear()
-                self._thread = threading.Thread(target=self._run, name="cache-stall-watch", daemon=True)
+                args = (weakref.ref(self), self._stop, min(1.0, self.limit / 4))
+                self._thread = threading.Thread(target=_watch, args=args, name="cache-stall-watch", daemon=True)
                 self._thread.start()
 
     def disarm(self, reader: Any) -> None:
@@ -64,22 +67,34 @@ class StallWatch:
         if thread is not None:
             thread.join()
 
-    def _run(self) -> None:
-        tick = min(1.0, self.limit / 4)
-        idle_since = time.monotonic()
-        while not self._stop.wait(tick):
-            now = time.monotonic()
-            with self._lock:
-                if self._armed:
-                    idle_since = now
-                elif now - idle_since >= IDLE_EXIT_SECONDS:
-                    if self._thread is threading.current_thread():
-                        self._thread = None  # the next arm starts a new one
-                    return
-                expired = [(key, reader) for key, (at, reader) in self._armed.items() if at <= now]
-                for key, _ in expired:
-                    del self._armed[key]
-                    self._stalled.add(key)
-            for _, reader in expired:
-                with suppress(flight.FlightError, pa.ArrowException):
-                    reader.cancel()  # the blocked read returns with an error at once
+    def _tick(self, idle_since: float) -> float | None:
+        """Cancel the reads past their limit; the new ``idle_since``, or None to end the thread."""
+        now = time.monotonic()
+        with self._lock:
+            if self._armed:
+                idle_since = now
+            elif now - idle_since >= IDLE_EXIT_SECONDS:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # the next arm starts a new one
+                return None
+            expired = [(key, reader) for key, (at, reader) in self._armed.items() if at <= now]
+            for key, _ in expired:
+                del self._armed[key]
+                self._stalled.add(key)
+        for _, reader in expired:
+            with suppress(flight.FlightError, pa.ArrowException):
+                reader.cancel()  # the blocked read returns with an error at once
+        return idle_since
+
+
+def _watch(ref: weakref.ref[StallWatch], stop: threading.Event, tick: float) -> None:
+    """The watcher thread: holds its StallWatch only between ticks, so dropping it ends the thread."""
+    idle_since: float | None = time.monotonic()
+    while not stop.wait(tick):
+        watch = ref()
+        if watch is None:
+            return
+        idle_since = watch._tick(idle_since)
+        del watch
+        if idle_since is None:
+            return
