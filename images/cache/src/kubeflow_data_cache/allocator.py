@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,59 @@ def serve_pool():
         return pa.mimalloc_memory_pool()
     except NotImplementedError:
         return pa.default_memory_pool()
+
+
+# How long a data node must have no gathering stream open before the gather pool's free pages
+# are handed back (GatherReclaim). Longer than the gap between two epochs' streams.
+GATHER_RECLAIM_IDLE_SECONDS = 2.0
+
+
+class GatherReclaim:
+    """Hands the gather pool's free pages back to the OS once no gathering stream has been open
+    for GATHER_RECLAIM_IDLE_SECONDS.
+
+    Each gathering stream gathers in its own thread. When that thread exits, mimalloc abandons
+    its heap, and the pages of its batches, freed later by gRPC's threads, stay resident until
+    some thread reclaims them: after a burst of many streams (40 stalled shuffled readers here),
+    a node held ~1.7 GB for 28 MiB of rows until the next job read. A collect from a thread
+    that has used the pool takes them back (1178 -> 128 MiB in a standalone test); a new thread
+    does it each time, after the delay, so streams that follow each other keep their pages.
+    ``pool_of`` is the pool to reclaim (the gather pool).
+    """
+
+    def __init__(self, pool_of=lambda: serve_pool(), idle_seconds: float = GATHER_RECLAIM_IDLE_SECONDS):
+        self._pool_of, self._idle = pool_of, idle_seconds
+        self._lock = threading.Lock()
+        self._open = 0
+        self._generation = 0  # bumped by every opened stream: a reclaim planned before it is void
+        self.reclaims = 0
+
+    def opened(self) -> None:
+        with self._lock:
+            self._open += 1
+            self._generation += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open:
+                return
+            generation = self._generation
+        timer = threading.Timer(self._idle, self._reclaim, args=(generation,))
+        timer.name, timer.daemon = "gather-reclaim", True
+        timer.start()
+
+    def _reclaim(self, generation: int) -> None:
+        with self._lock:
+            if self._open or generation != self._generation:
+                return  # a stream opened meanwhile: it uses those pages
+        import pyarrow as pa
+
+        pool = self._pool_of()
+        # A collect only reaches abandoned pages from a thread whose heap is set up: allocate once.
+        pa.allocate_buffer(64, memory_pool=pool)
+        pool.release_unused()
+        self.reclaims += 1
 
 
 # glibc mallopt parameters (malloc.h).

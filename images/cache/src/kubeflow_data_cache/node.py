@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
+from kubeflow_data_cache.allocator import GatherReclaim
 from kubeflow_data_cache.config import NodeConfig, host_port
 from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
 from kubeflow_data_cache.errors import (
@@ -128,6 +129,7 @@ class DataNode(ReadOnlyFlight):
         self.generation: str | None = None
         self.load_seconds = 0.0
         self._progress: LoadProgress | None = None  # the latest load's
+        self._gathers = GatherReclaim()
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
@@ -384,9 +386,13 @@ class DataNode(ReadOnlyFlight):
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.
         batches = Readahead(store.iter_rows(parts, batch_rows, req.columns), READAHEAD_BATCHES, "gather")
-        return flight.GeneratorStream(schema, self._counted(batches))
+        return flight.GeneratorStream(schema, self._counted(batches, self._gathers))
 
-    def _counted(self, batches: Readahead | Generator[pa.RecordBatch, None, None]) -> Iterator[pa.RecordBatch]:
+    def _counted(
+        self, batches: Readahead | Generator[pa.RecordBatch, None, None], gathers: GatherReclaim | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        if gathers:  # here, not before: a generator never started never runs its finally
+            gathers.opened()
         try:
             for batch in batches:
                 self.metrics.rows_served.inc(batch.num_rows)
@@ -394,3 +400,5 @@ class DataNode(ReadOnlyFlight):
                 yield batch
         finally:  # the client went away mid-stream: stop the source (a Readahead gathering ahead)
             batches.close()
+            if gathers:
+                gathers.closed()
