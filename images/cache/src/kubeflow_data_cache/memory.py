@@ -159,11 +159,12 @@ def check_fits(
 
 
 # A load stops once the node's resident memory comes within this margin of its limit: 10% of
-# it, but no more than 128 MiB (room for the decode step between two checks), so that a load
-# the pre-load check let through (its peak within the limit minus BASELINE_MEMORY_BYTES) is
-# never stopped. That check works from manifest statistics, which cannot see how far strings
-# decode (a repeated value compresses to almost nothing); the kernel's OOM kill would leave only
-# "OOMKilled" and a restart loop, where stopping first leaves the reason and the fix.
+# it, but no more than 128 MiB (room for the decode step between two checks). A load as large
+# as the pre-load check estimated stays clear of it: that check keeps BASELINE_MEMORY_BYTES
+# (400 MiB) aside for an interpreter that takes 150-250 MiB here. But the check works from
+# manifest statistics, which cannot see how far strings decode (a repeated value compresses to
+# almost nothing); the kernel's OOM kill would leave only "OOMKilled" and a restart loop, where
+# stopping first leaves the reason and the fix.
 LOAD_GUARD_SHARE = 0.1
 LOAD_GUARD_MAX_MARGIN = 128 << 20
 

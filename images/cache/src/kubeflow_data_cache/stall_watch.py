@@ -88,7 +88,7 @@ class StallWatch:
 
 
 def _watch(ref: weakref.ref[StallWatch], stop: threading.Event, tick: float) -> None:
-    """The watcher thread: holds its StallWatch only between ticks, so dropping it ends the thread."""
+    """The watcher thread: holds its StallWatch only during a tick, so dropping it ends the thread."""
     idle_since: float | None = time.monotonic()
     while not stop.wait(tick):
         watch = ref()
