@@ -223,3 +223,29 @@ def test_a_burst_of_stalled_shuffled_readers_leaves_no_memory_behind(table_facto
         if holder is not None and holder.poll() is None:
             holder.kill()
         cache.stop()
+
+
+def test_gather_reclaim_waits_for_quiet_and_keeps_one_timer():
+    """Streams that come and go quickly (an epoch's workers, many small filtered reads) set one
+    timer between them, and the pages go back only once none has been open for the delay."""
+    import threading
+    import time
+
+    from kubeflow_data_cache.allocator import GatherReclaim
+
+    reclaim = GatherReclaim(idle_seconds=0.3)
+    for _ in range(50):
+        reclaim.opened()
+        reclaim.closed()
+        timers = [t for t in threading.enumerate() if t.name == "gather-reclaim"]
+        assert len(timers) <= 1
+    reclaim.opened()  # one stays open past the delay: nothing is reclaimed under it
+    time.sleep(0.6)
+    assert reclaim.reclaims == 0
+    reclaim.closed()
+    deadline = time.monotonic() + 5
+    while reclaim.reclaims == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reclaim.reclaims == 1
+    time.sleep(0.5)
+    assert reclaim.reclaims == 1, "one quiet spell, one reclaim"

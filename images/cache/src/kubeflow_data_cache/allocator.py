@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
@@ -73,35 +74,48 @@ class GatherReclaim:
     a node held ~1.7 GB for 28 MiB of rows until the next job read. A collect from a thread
     that has used the pool takes them back (1178 -> 128 MiB in a standalone test); a new thread
     does it each time, after the delay, so streams that follow each other keep their pages.
-    ``pool_of`` is the pool to reclaim (the gather pool).
+    One timer at most is pending, however many streams come and go.
     """
 
     def __init__(self, pool_of=lambda: serve_pool(), idle_seconds: float = GATHER_RECLAIM_IDLE_SECONDS):
         self._pool_of, self._idle = pool_of, idle_seconds
         self._lock = threading.Lock()
         self._open = 0
-        self._generation = 0  # bumped by every opened stream: a reclaim planned before it is void
+        self._last_close = 0.0
+        self._pending = False  # a timer is set: it reschedules itself rather than another starting
         self.reclaims = 0
 
     def opened(self) -> None:
         with self._lock:
             self._open += 1
-            self._generation += 1
 
     def closed(self) -> None:
         with self._lock:
             self._open -= 1
             if self._open:
                 return
-            generation = self._generation
-        timer = threading.Timer(self._idle, self._reclaim, args=(generation,))
+            self._last_close = time.monotonic()
+            if self._pending:
+                return
+            self._pending = True
+        self._schedule(self._idle)
+
+    def _schedule(self, delay: float) -> None:
+        timer = threading.Timer(delay, self._fire)
         timer.name, timer.daemon = "gather-reclaim", True
         timer.start()
 
-    def _reclaim(self, generation: int) -> None:
+    def _fire(self) -> None:
         with self._lock:
-            if self._open or generation != self._generation:
-                return  # a stream opened meanwhile: it uses those pages
+            if self._open:
+                self._pending = False  # the close of the last open stream sets a timer again
+                return
+            wait = self._last_close + self._idle - time.monotonic()
+            if wait <= 0:
+                self._pending = False
+        if wait > 0:
+            self._schedule(wait)  # a stream came and went meanwhile: idle since its close
+            return
         import pyarrow as pa
 
         pool = self._pool_of()
