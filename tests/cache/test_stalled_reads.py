@@ -61,9 +61,26 @@ def stalled_file(path: Path) -> Iterator[str]:
     try:
         yield path.name
     finally:
-        # A writer opening and closing the FIFO ends every open() blocked on it (EOF).
+        # A writer opening and closing the FIFO ends every open() blocked on it (EOF). A reader
+        # of this process may reach its open() only after that (a warm-up read in pyiceberg's
+        # executor, whose thread interpreter shutdown joins): release until none has waited
+        # for half a second.
+        deadline, quiet_since = time.monotonic() + 10, time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - quiet_since < 0.5:
+            if _blocked_on_a_fifo():
+                quiet_since = time.monotonic()
+                with contextlib.suppress(OSError):
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            time.sleep(0.02)
+
+
+def _blocked_on_a_fifo() -> bool:
+    """Whether a thread of this process sits in open() of a FIFO with no writer (Linux)."""
+    for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            if (task / "wchan").read_text() == "wait_for_partner":
+                return True
+    return False
 
 
 def a_data_file(metadata_location: str) -> Path:
@@ -114,3 +131,25 @@ def test_a_stalled_warm_up_read_does_not_hold_the_open(tmp_path):
         opened.start()
         opened.join(30)
         assert not opened.is_alive(), "opening the table waited on the warm-up read"
+
+
+def test_a_node_stuck_in_a_storage_read_still_exits_on_sigterm(tmp_path):
+    """A read blocked on storage cannot be cancelled, and interpreter shutdown joins every
+    executor thread: the node must exit at once anyway, not hang until someone SIGKILLs it (in
+    a pod that stopped by itself after a failed load, nobody would)."""
+    import signal
+
+    import psutil
+
+    table = create_sample_table(str(tmp_path / "wh"), 3000, 3)
+    with stalled_file(a_data_file(table.metadata_location)):
+        cache = LocalCache(table.metadata_location, 1, args=("--startup-timeout", "60"))
+        try:
+            wait_for(lambda: "data nodes ready" in cache.read_stderr(), timeout=30)  # loading
+            node = next(p for p in psutil.Process(cache.proc.pid).children() if "worker" in p.cmdline())
+            time.sleep(1)  # the load is now blocked on the FIFO
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=10)  # raises TimeoutExpired if it is still there
+            assert not node.is_running()
+        finally:
+            cache.stop()

@@ -6,8 +6,10 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import pyarrow as pa
 
@@ -51,7 +53,7 @@ def _start_servers(cfg: NodeConfig) -> tuple[Head | DataNode, HealthServer]:
     return server, health.start()
 
 
-def run_node(cfg: NodeConfig) -> int:
+def run_node(cfg: NodeConfig) -> NoReturn:
     server, health = _start_servers(cfg)
     log.info(
         "%s serving Flight at %s (bind %s), health at :%d%s",
@@ -86,6 +88,10 @@ def run_node(cfg: NodeConfig) -> int:
     health.stop()
     if stopper.is_alive():
         log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)
-        logging.shutdown()
-        os._exit(code)  # the server's own teardown would wait for those streams again
-    return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit here, not through interpreter shutdown: that joins every executor thread, and a read
+    # blocked on storage (an object store that never answers; it cannot be cancelled) would hold
+    # the process for ever, as would the server's own teardown with streams still open.
+    os._exit(code)
