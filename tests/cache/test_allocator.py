@@ -162,6 +162,12 @@ def test_the_worker_command_prepares_its_process_first(monkeypatch):
         raise Prepared
 
     monkeypatch.setattr(allocator, "prepare_data_node", prepare)
+    import kubeflow_data_cache.runner as runner
+
+    def ran(cfg):  # run_node ends in os._exit: a regression must fail this test, not end pytest
+        raise AssertionError("the worker ran without preparing its process first")
+
+    monkeypatch.setattr(runner, "run_node", ran)
     with pytest.raises(Prepared):
         # A short deadline: a worker that skipped the preparation fails soon instead of waiting.
         cli.main(["worker", "--head", "grpc://127.0.0.1:1", "--index", "0", "--startup-timeout", "2"])

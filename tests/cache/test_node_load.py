@@ -77,19 +77,21 @@ def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_tabl
             with lock:
                 spans.append((start, time.monotonic()))
 
-    def slow_progress_load(table, tasks, schema, pieces, threads, progress):
+    gate = threading.Event()  # holds the first load's reads until the new assignment is in
+
+    def held_load(table, tasks, schema, pieces, threads, progress):
         real_read = progress.read
 
-        def slow(rows, nbytes):
-            time.sleep(0.3)  # a long load: time for the new assignment to arrive
-            real_read(rows, nbytes)
+        def held():
+            gate.wait(30)
+            real_read()
 
-        progress.read = slow
+        progress.read = held
         return timed_load(table, tasks, schema, pieces, threads, progress)
 
-    monkeypatch.setattr(NodeStore, "load", staticmethod(slow_progress_load))
+    monkeypatch.setattr(NodeStore, "load", staticmethod(held_load))
     head, _, node, node_health = cluster(small_table.metadata_location)
-    wait_for(lambda: node.status()["state"] == "loading" and node.status()["loading"]["rows"] > 0)
+    wait_for(lambda: (status := node.status())["state"] == "loading" and status["loading"] is not None)
     first = node.generation
     order = {
         "generation": "restarted-head",
@@ -101,6 +103,7 @@ def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_tabl
     }
     head.stop()  # the old head is gone; the new one sends its own generation
     list(flight.FlightClient(node.location).do_action(flight.Action("load", json.dumps(order).encode())))
+    gate.set()
     wait_for(lambda: node.generation == "restarted-head" and node.lifecycle.state == "ready")
     assert first != "restarted-head"
     assert node.store.num_rows == small_table.rows

@@ -295,6 +295,7 @@ SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
             "and that the pod reaches AWS STS",
         ),
         ({"AWS_PROFILE": "data"}, "the profile 'data'"),
+        ({"AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials"}, "EKS Pod Identity"),
         ({}, "no AWS credentials are set"),
     ],
 )
@@ -307,6 +308,8 @@ def test_a_denied_metadata_read_says_which_credentials_signed_it(monkeypatch, en
         "AWS_ROLE_ARN",
         "AWS_WEB_IDENTITY_TOKEN_FILE",
         "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
     ):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -336,17 +339,29 @@ def test_the_load_guard_stops_within_its_margin_and_projects_the_need():
     resident = resident_bytes()
     LoadMemoryGuard(None, 100).check(50)  # no limit known: nothing to guard
     LoadMemoryGuard(resident * 4, 100).check(50)  # far under the limit
-    # Within 10% of a small limit (here: over it) the load stops, naming this machine's flags.
+    # Within the margin of its limit (here: at it) the load stops, naming this machine's flags.
     with pytest.raises(MemoryBudgetError) as err:
-        LoadMemoryGuard(int(resident * 1.05), 1000, local=True).check(250)
+        LoadMemoryGuard(resident, 1000, local=True).check(250)
     message = str(err.value)
     assert "stopped its load before the kernel's OOM kill" in message and "25% of its 1000 rows" in message
     assert "at this rate its rows need about" in message and "(--memory-limit)" in message
     # In a pod the advice names the pod's settings; with no rows decoded yet, no projection.
     with pytest.raises(MemoryBudgetError) as err:
-        LoadMemoryGuard(int(resident * 1.05), 1000, local=False).check(0)
+        LoadMemoryGuard(resident, 1000, local=False).check(0)
     assert "WORKER_MEM" in str(err.value) and "CLUSTER_SIZE" in str(err.value)
     assert "at this rate" not in str(err.value)
+    # Rows that decode wider than the limit allows stop the load once a tenth of them are read,
+    # long before resident memory gets there; earlier, one wide file does not speak for all.
+    roomy = LoadMemoryGuard(resident + (4 << 30), 1000, local=True)
+    roomy.check(50, 400 << 20)  # 5% read: too early to extrapolate their 8 MiB a row
+    roomy.check(100, 100 << 20)  # 10% read, 1 MiB a row: ~1 GiB in all, which fits
+    with pytest.raises(MemoryBudgetError, match="its rows need about"):
+        roomy.check(100, 800 << 20)  # 10% read, 8 MiB a row: ~8 GiB in all, past the limit
     # 10% of a small limit is kept back, at most 128 MiB of a large one.
     assert load_guard_threshold(500 << 20) == 450 << 20
     assert load_guard_threshold(16 << 30) == (16 << 30) - (128 << 20)
+
+
+def test_a_denied_local_metadata_read_says_nothing_of_aws():
+    refusal = str(_open_error("/t/m.metadata.json", "/t/m.metadata.json", PermissionError(13, "Permission denied")))
+    assert "was denied" in refusal and "AWS" not in refusal

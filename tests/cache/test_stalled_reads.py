@@ -22,23 +22,26 @@ from tests.cache.inprocess import get, wait_for
 from tests.conftest import LocalCache
 
 
-def test_progress_counts_reads_and_names_the_oldest_in_flight(monkeypatch):
+def test_progress_counts_batches_and_names_the_read_waiting_longest(monkeypatch):
     finished = []
     progress = LoadProgress(on_read=lambda: finished.append(progress.rows))
     assert progress.oldest() is None and progress.status()["oldest_read"] is None
-    with progress.reading("a.parquet"):
+    with progress.reading("a.parquet") as a:
         time.sleep(0.05)
         with progress.reading("b.parquet"):
             what, seconds = progress.oldest()
             assert what == "a.parquet" and seconds >= 0.05
-        progress.read(10, 2 << 20)
+            # A batch from a.parquet: that read is decoding, not waiting; b.parquet now waits longest.
+            progress.batch(10, 2 << 20, a)
+            assert progress.oldest()[0] == "b.parquet"
+        progress.read()
     assert progress.oldest() is None and finished == [10]
     assert progress.describe() == "10 rows, 2 MiB read"
     monkeypatch.setattr(load_progress, "SLOW_READ_SECONDS", 0.0)
     with progress.reading("s3://b/t/c.parquet"):
         assert "waiting 0s on s3://b/t/c.parquet" in progress.describe()
         status = {"loading": progress.status()}
-    assert waiting_reads([(1, status)], at_least=0) == "data node 1 has waited 0s on a read of s3://b/t/c.parquet"
+    assert waiting_reads([(1, status)]) == "data node 1 has waited 0s on a read of s3://b/t/c.parquet"
     assert waiting_reads([(1, status)], at_least=0, below=0) == ""
     assert waiting_reads([(1, {"loading": None}), (2, {})], at_least=0) == ""
 
@@ -49,7 +52,7 @@ def test_a_failing_on_read_stops_the_load_there():
 
     progress = LoadProgress(on_read=stop)
     with pytest.raises(RuntimeError, match="superseded"):
-        progress.read(1, 1)
+        progress.read()
 
 
 @contextlib.contextmanager
@@ -94,6 +97,7 @@ def test_the_head_names_a_node_waiting_on_a_read(cluster, tmp_path, monkeypatch)
     with stalled_file(a_data_file(table.metadata_location)) as name:
         head, head_health, _node, node_health = cluster(table.metadata_location)
         wait_for(lambda: "has waited" in head.lifecycle.detail)
+        time.sleep(0.5)  # well past the threshold: ages are rounded to 0.1 s in the status
         status = json.loads(get(head_health.port, "/status")[1])
         assert status["state"] == "loading" and name in status["detail"]
         assert "data node 0 has waited" in status["detail"]
@@ -103,6 +107,8 @@ def test_the_head_names_a_node_waiting_on_a_read(cluster, tmp_path, monkeypatch)
         assert mine["state"] == "loading" and name in mine["loading"]["oldest_read"]["what"]
         assert mine["loading"]["rows"] == 2000, "the other two files were read"  # 1000 rows a file
         assert f"on {mine['loading']['oldest_read']['what']}" in mine["detail"]
+        code, body = get(node_health.port, "/ready")  # the node's own readiness says it too
+        assert code == 503 and "waiting" in body and name in body
         # Let the read through: the FIFO ends empty, and the load fails naming the file.
     wait_for(lambda: head.lifecycle.state == "failed")
     assert name in head.lifecycle.error and "cannot read data file" in head.lifecycle.error

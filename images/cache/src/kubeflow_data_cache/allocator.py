@@ -98,7 +98,11 @@ class GatherReclaim:
             if self._pending:
                 return
             self._pending = True
-        self._schedule(self._idle)
+        try:
+            self._schedule(self._idle)
+        except RuntimeError:  # no thread to be had: the next close tries again
+            with self._lock:
+                self._pending = False
 
     def _schedule(self, delay: float) -> None:
         timer = threading.Timer(delay, self._fire)

@@ -20,40 +20,46 @@ SLOW_READ_SECONDS = 10.0
 
 
 class LoadProgress:
-    """Rows and bytes read by one load, and the reads in flight (thread-safe)."""
+    """Rows and bytes decoded by one load, and the reads in flight (thread-safe).
+
+    A read's wait counts from its start or its latest decoded batch: a large file that keeps
+    decoding is not waiting, one whose storage stopped answering is.
+    """
 
     def __init__(self, on_read: Callable[[], None] | None = None, on_batch: Callable[[], None] | None = None):
         self._lock = threading.Lock()
         self._on_read = on_read  # after each finished read; may raise to stop the load
         self._on_batch = on_batch  # after each batch decoded (and each column merged); may raise
-        self.rows = 0  # in finished reads
-        self.decoded = 0  # in decoded batches, finished reads or not
+        self.rows = 0  # decoded and kept, finished reads or not
         self.bytes = 0
-        self._waiting: dict[int, tuple[str, float]] = {}  # token -> (what, since)
+        self._waiting: dict[int, list] = {}  # token -> [what, since the start or its last batch]
         self._next = 0
 
     @contextlib.contextmanager
-    def reading(self, what: str) -> Iterator[None]:
-        """Mark ``what`` (a data file, the table's metadata) as being read until the block ends."""
+    def reading(self, what: str) -> Iterator[int]:
+        """Mark ``what`` (a data file, the table's metadata) as being read until the block ends;
+        yields the token that ``batch`` takes."""
         with self._lock:
             token, self._next = self._next, self._next + 1
-            self._waiting[token] = (what, time.monotonic())
+            self._waiting[token] = [what, time.monotonic()]
         try:
-            yield
+            yield token
         finally:
             with self._lock:
                 del self._waiting[token]
 
-    def read(self, rows: int, nbytes: int) -> None:
-        with self._lock:
-            self.rows += rows
-            self.bytes += nbytes
+    def read(self) -> None:
+        """A read finished."""
         if self._on_read:
             self._on_read()
 
-    def batch(self, rows: int = 0) -> None:
+    def batch(self, rows: int = 0, nbytes: int = 0, token: int | None = None) -> None:
+        """A batch decoded (``rows`` kept of it, ``nbytes`` their size) by read ``token``."""
         with self._lock:
-            self.decoded += rows
+            self.rows += rows
+            self.bytes += nbytes
+            if token in self._waiting:
+                self._waiting[token][1] = time.monotonic()
         if self._on_batch:
             self._on_batch()
 
@@ -76,16 +82,22 @@ class LoadProgress:
     def describe(self) -> str:
         text = f"{self.rows} rows, {self.bytes >> 20} MiB read"
         oldest = self.oldest()
-        if oldest and oldest[1] >= SLOW_READ_SECONDS:
+        if oldest and oldest[1] >= slow_read_seconds():
             text += f"; waiting {oldest[1]:.0f}s on {oldest[0]}"
         return text
 
 
+def slow_read_seconds() -> float:
+    return SLOW_READ_SECONDS  # read when asked, so that tests can lower it
+
+
 def waiting_reads(
-    nodes: Iterable[tuple[int, dict[str, Any]]], at_least: float = SLOW_READ_SECONDS, below: float = float("inf")
+    nodes: Iterable[tuple[int, dict[str, Any]]], at_least: float | None = None, below: float = float("inf")
 ) -> str:
     """'data node 1 has waited 42s on a read of s3://...' for each node (index, status) whose
-    oldest read in flight has waited from ``at_least`` to ``below`` seconds; '' when none has."""
+    oldest read in flight has waited from ``at_least`` (default SLOW_READ_SECONDS) to ``below``
+    seconds; '' when none has."""
+    at_least = slow_read_seconds() if at_least is None else at_least
     said = []
     for index, status in nodes:
         oldest = (status.get("loading") or {}).get("oldest_read")

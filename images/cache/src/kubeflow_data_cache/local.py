@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from kubeflow_data_cache.config import (
     seconds_setting,
     tls_setting,
 )
-from kubeflow_data_cache.load_progress import SLOW_READ_SECONDS, waiting_reads
+from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
 from kubeflow_data_cache.security import call_options, client_for, load_token
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 # The nodes' own grace for open streams, then time to exit: a node that is SIGKILLed at the end
 # of that grace cannot log which streams it left.
 STOP_GRACE_SECONDS = constants.SHUTDOWN_GRACE_SECONDS + 5.0
+# While the cache loads, a detail whose numbers alone change (rows read, a stalled read's age)
+# is logged at most this often.
+PROGRESS_LOG_SECONDS = 5.0
 
 
 def _node_cmd(role: str, *args: str) -> list[str]:
@@ -108,6 +112,7 @@ class LocalCluster:
         client = client_for(self.location, self.tls_root_certs)
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
+        last_shape, last_logged = None, 0.0
         while True:
             # Before asking the head: a status from a port whose head is gone is not ours.
             dead = self._dead()
@@ -128,12 +133,16 @@ class LocalCluster:
                 raise RuntimeError(status.get("error") or "the load failed")
             if status.get("detail") != last_detail:
                 last_detail = status.get("detail")
-                log.info("cache %s: %s", status.get("state"), last_detail)
+                # A new state or wording at once; only counts and ages changed: every few seconds.
+                shape = (status.get("state"), re.sub(r"\d+", "#", last_detail or ""))
+                if shape != last_shape or time.monotonic() - last_logged >= PROGRESS_LOG_SECONDS:
+                    log.info("cache %s: %s", status.get("state"), last_detail)
+                    last_shape, last_logged = shape, time.monotonic()
             if time.monotonic() > deadline:
                 # The head's detail names the reads waiting SLOW_READ_SECONDS or more; at the
                 # deadline the younger ones are worth naming too.
                 nodes = ((n["index"], n) for n in status.get("nodes", []))
-                reads = waiting_reads(nodes, at_least=0, below=SLOW_READ_SECONDS)
+                reads = waiting_reads(nodes, at_least=0, below=slow_read_seconds())
                 why = "; ".join(filter(None, [last_detail, reads]))
                 raise RuntimeError(f"the cache was not ready within {self.startup_timeout:.0f}s ({why})")
             time.sleep(0.1)

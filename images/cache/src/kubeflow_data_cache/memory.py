@@ -159,14 +159,18 @@ def check_fits(
 
 
 # A load stops once the node's resident memory comes within this margin of its limit: 10% of
-# it, but no more than 128 MiB (room for the decode step between two checks). A load as large
-# as the pre-load check estimated stays clear of it: that check keeps BASELINE_MEMORY_BYTES
-# (400 MiB) aside for an interpreter that takes 150-250 MiB here. But the check works from
-# manifest statistics, which cannot see how far strings decode (a repeated value compresses to
-# almost nothing); the kernel's OOM kill would leave only "OOMKilled" and a restart loop, where
-# stopping first leaves the reason and the fix.
+# it, but no more than 128 MiB. A load as large as the pre-load check estimated stays clear of
+# it: that check keeps BASELINE_MEMORY_BYTES (400 MiB) aside for an interpreter that takes
+# 150-250 MiB here. But the check works from manifest statistics, which cannot see how far
+# strings decode (a repeated value compresses to almost nothing); the kernel's OOM kill would
+# leave only "OOMKilled" and a restart loop, where stopping first leaves the reason and the fix.
+# The check runs after each decoded batch (pyiceberg decodes up to 131,072 rows at once), so
+# one batch of very wide rows can still overshoot the margin: hence also the projection below.
 LOAD_GUARD_SHARE = 0.1
 LOAD_GUARD_MAX_MARGIN = 128 << 20
+# The projection waits for this share of the node's rows: one wide file read first must not
+# speak for all of them.
+LOAD_GUARD_PROJECT_AFTER = 0.1
 
 
 def load_guard_threshold(limit: int) -> int:
@@ -175,31 +179,42 @@ def load_guard_threshold(limit: int) -> int:
 
 
 class LoadMemoryGuard:
-    """Checks, as a load decodes, that the node stays out of its limit's last margin."""
+    """Checks, as a load decodes, that the node's rows will fit and that it stays out of its
+    limit's last margin.
+
+    The projection (the Arrow bytes decoded so far, per row, times the node's rows, on top of
+    what the process held when the load began) stops a load at its first batches when the rows
+    decode far larger than estimated, long before memory runs out; Arrow bytes, not resident
+    growth, because decode scratch would inflate the early rate. The resident check catches
+    the rest (rows whose width differs from file to file, merge copies).
+    """
 
     def __init__(self, limit: int | None, rows: int, local: bool | None = None):
         self.limit, self.rows = limit, rows
         self.local = under_local() if local is None else local
         self.start = resident_bytes()  # the interpreter, and rows a superseded load may still hold
 
-    def check(self, rows_read: int) -> None:
+    def check(self, rows_read: int, bytes_read: int = 0) -> None:
         if self.limit is None:
             return
+        threshold = load_guard_threshold(self.limit)
         resident = resident_bytes()
-        if resident <= load_guard_threshold(self.limit):
+        projected = self.start + bytes_read / rows_read * self.rows if rows_read else 0
+        early = rows_read < self.rows * LOAD_GUARD_PROJECT_AFTER  # too early to extrapolate
+        if resident <= threshold and (early or projected <= threshold):
             return
         share = rows_read / self.rows if self.rows else 0.0
         if self.local:
             nodes_knob, memory_knob = "--data-nodes", "--memory-limit"
         else:
             nodes_knob, memory_knob = "CLUSTER_SIZE", "WORKER_MEM / --memory-limit"
-        rate = ""
-        if share > 0:
-            needed = self.start + (resident - self.start) / share
-            rate = f"; at this rate its rows need about {_fmt(needed)}, more at the load's peak"
+        if resident > threshold:
+            what = f"its resident memory reached {_fmt(resident)} of its {_fmt(self.limit)} limit"
+        else:
+            what = f"its resident memory is {_fmt(resident)} of its {_fmt(self.limit)} limit"
+        rate = f"; at this rate its rows need about {_fmt(projected)}, more at the load's peak" if rows_read else ""
         raise MemoryBudgetError(
-            "stopped its load before the kernel's OOM kill: its resident memory "
-            f"reached {_fmt(resident)} of its {_fmt(self.limit)} limit with {share:.0%} of its {self.rows} "
+            f"stopped its load before the kernel's OOM kill: {what} with {share:.0%} of its {self.rows} "
             f"rows read{rate}. The rows decode larger than the manifests' statistics suggest (highly "
             f"compressible strings do this); give each data node more memory ({memory_knob}) or use more "
             f"data nodes ({nodes_knob})"

@@ -235,12 +235,12 @@ class DataNode(ReadOnlyFlight):
             self.generation = order.generation
             self.store, self.filters = None, None
             previous = self._load_thread
-            self._progress = None  # until the new load starts: not the superseded one's
             self.metrics.ready.set(0)
             self.lifecycle.set(LOADING, "reading data files")
             # A newer assignment (a restarted head) supersedes a load still running: that one
             # stops at its next piece, and this one reads only once it has, so the node never
-            # holds two loads at once (the memory check counts one).
+            # holds two loads at once (the memory check counts one). Until then the status shows
+            # the old load's reads: one stuck on storage is what this load waits for.
             thread = threading.Thread(target=self._load, args=(order, previous), name="load", daemon=True)
             self._load_thread = thread
         thread.start()
@@ -259,7 +259,9 @@ class DataNode(ReadOnlyFlight):
 
         rows = order.global_stop - order.global_start
         guard = LoadMemoryGuard(self.cfg.memory_limit, rows)
-        progress = self._progress = LoadProgress(still_current, on_batch=lambda: guard.check(progress.decoded))
+        progress = LoadProgress(still_current, on_batch=lambda: guard.check(progress.rows, progress.bytes))
+        self._progress = progress
+        self.lifecycle.live_detail = progress.describe  # /ready and /status say what it waits on
         try:
             with progress.reading(f"the table's metadata at {order.metadata_location}"):
                 table, schema, tasks = self._opened(order.metadata_location).result()
@@ -309,7 +311,7 @@ class DataNode(ReadOnlyFlight):
             "index": self.cfg.node_index,
             "location": self.location,
             "state": state,
-            "detail": progress.describe() if loading else self.lifecycle.detail,
+            "detail": self.lifecycle.detail,
             "error": self.lifecycle.error,
             # What the load has read so far, and its oldest read in flight (a stalled storage read).
             "loading": progress.status() if loading else None,
@@ -399,6 +401,8 @@ class DataNode(ReadOnlyFlight):
                 self.metrics.bytes_served.inc(batch.nbytes)
                 yield batch
         finally:  # the client went away mid-stream: stop the source (a Readahead gathering ahead)
-            batches.close()
-            if gathers:
-                gathers.closed()
+            try:
+                batches.close()
+            finally:
+                if gathers:
+                    gathers.closed()

@@ -128,27 +128,30 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def credential_source(env: dict[str, str] | None = None) -> str:
-    """Which AWS credentials a request was signed with (never their values), and what to check.
+    """Which AWS credentials a request was signed with (never their values), and what to check,
+    in the order the SDK's default chain takes them.
 
     The SDK walks its chain silently: a web-identity exchange that cannot reach STS, or no
-    credentials found at all, sends the request unsigned, and the store's 403 then reads just
-    like a key without permission."""
+    credentials found at all, falls through to the next source or sends the request unsigned,
+    and the store's 403 then reads just like a key without permission."""
     env = dict(os.environ if env is None else env)
     if env.get("AWS_ACCESS_KEY_ID"):
         with_token = " with AWS_SESSION_TOKEN" if env.get("AWS_SESSION_TOKEN") else ""
         return f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
+    if env.get("AWS_PROFILE"):
+        return f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
     if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
         return (
             f"credentials from web identity (IRSA) for role {env['AWS_ROLE_ARN']}; check that role's policy on "
-            "the bucket, and that the pod reaches AWS STS: when the exchange fails the request goes unsigned, "
-            "which is denied the same way"
+            "the bucket, and that the pod reaches AWS STS: when the exchange fails the SDK falls back to the "
+            "node's instance role, or sends the request unsigned, which is denied the same way"
         )
-    if env.get("AWS_PROFILE"):
-        return f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
+    if env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI") or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        return "credentials from the container credentials endpoint (EKS Pod Identity, ECS); check that role's policy"
     return (
-        "no AWS credentials are set in the environment (AWS_ACCESS_KEY_ID, or AWS_ROLE_ARN with "
-        "AWS_WEB_IDENTITY_TOKEN_FILE), so the SDK's default chain was used, and without any credentials "
-        "the request goes unsigned"
+        "no AWS credentials are set in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, or AWS_ROLE_ARN with "
+        "AWS_WEB_IDENTITY_TOKEN_FILE), so the SDK's default chain was used: a shared credentials file's default "
+        "profile, else the node's instance role, else the request went unsigned"
     )
 
 
@@ -197,6 +200,8 @@ def _open_error(metadata_location: str, location: str, err: Exception) -> TableL
         )
     # pyarrow's S3 filesystem reports a 403 as a plain OSError naming the AWS error.
     if isinstance(err, PermissionError) or (isinstance(err, OSError) and "ACCESS_DENIED" in str(err)):
+        if not location.startswith(("s3://", "s3a://")):
+            return TableLoadError(f"access to METADATA_LOC {metadata_location!r} was denied ({err})")
         return TableLoadError(
             f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
             f"or the pod's IAM role: {credential_source()}"

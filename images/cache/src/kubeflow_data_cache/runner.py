@@ -79,19 +79,26 @@ def run_node(cfg: NodeConfig) -> NoReturn:
             stop.wait(cfg.failure_grace)  # keep /ready and /status answering with the reason meanwhile
             code = 1
             break
-    # Readiness goes first, so no new reader is sent here; then the Flight server waits for its
-    # calls, but a reader that stopped reading mid-stream would hold it for ever: bounded.
-    server.lifecycle.set(STOPPING, "shutting down")
-    stopper = threading.Thread(target=server.stop, name="shutdown", daemon=True)
-    stopper.start()
-    stopper.join(SHUTDOWN_GRACE_SECONDS)
-    health.stop()
-    if stopper.is_alive():
-        log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Exit here, not through interpreter shutdown: that joins every executor thread, and a read
-    # blocked on storage (an object store that never answers; it cannot be cancelled) would hold
-    # the process for ever, as would the server's own teardown with streams still open.
-    os._exit(code)
+    # Exit through os._exit whatever happens below, not through interpreter shutdown: that
+    # joins every executor thread, and a read blocked on storage (an object store that never
+    # answers; it cannot be cancelled) would hold the process for ever, as would the server's
+    # own teardown with streams still open.
+    try:
+        # Readiness goes first, so no new reader is sent here; then the Flight server waits for
+        # its calls, but a reader that stopped reading mid-stream would hold it for ever: bounded.
+        server.lifecycle.set(STOPPING, "shutting down")
+        stopper = threading.Thread(target=server.stop, name="shutdown", daemon=True)
+        stopper.start()
+        stopper.join(SHUTDOWN_GRACE_SECONDS)
+        health.stop()
+        if stopper.is_alive():
+            log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)
+    except BaseException:
+        log.exception("shutting down")
+        code = code or 1
+    finally:
+        logging.shutdown()
+        with contextlib.suppress(Exception):  # a closed or broken pipe must not stop the exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)

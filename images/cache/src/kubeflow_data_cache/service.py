@@ -38,8 +38,20 @@ class Lifecycle:
         self._lock = threading.Lock()
         self.state = WAITING
         self.error: str | None = None
-        self.detail = "waiting for the cluster to form"
+        self._detail = "waiting for the cluster to form"
+        # While loading, a detail computed when asked (a data node's reads in flight, which age
+        # without any event to set a new detail on): /ready, /status and NotReadyError use it.
+        self.live_detail: Callable[[], str] | None = None
         self.failed_event = threading.Event()
+
+    @property
+    def detail(self) -> str:
+        live = self.live_detail
+        return live() if live is not None and self.state == LOADING else self._detail
+
+    @detail.setter
+    def detail(self, value: str) -> None:
+        self._detail = value
 
     def set(self, state: str, detail: str = "") -> None:
         with self._lock:

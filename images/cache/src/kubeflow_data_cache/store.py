@@ -92,9 +92,11 @@ def warm_reader(table, task) -> None:
         next(iter(batches), None)
 
 
-def read_piece(table, task, piece: Piece, on_batch: Callable[[int], None] = lambda rows: None) -> list[pa.RecordBatch]:
+def read_piece(
+    table, task, piece: Piece, on_batch: Callable[[int, int], None] = lambda rows, nbytes: None
+) -> list[pa.RecordBatch]:
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
-    (which also handles schema evolution by field id). ``on_batch(rows kept)`` runs after each
+    (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs after each
     decoded batch and may raise to stop the read (the load's memory guard)."""
     from pyiceberg.expressions import AlwaysTrue
     from pyiceberg.io.pyarrow import ArrowScan
@@ -105,11 +107,13 @@ def read_piece(table, task, piece: Piece, on_batch: Callable[[int], None] = lamb
     try:
         for batch in scan.to_record_batches([task]):
             a, b = max(piece.start, pos), min(piece.stop, pos + batch.num_rows)
+            kept = 0
             if a < b:
                 part = batch.slice(a - pos, b - a)
                 out.append(part if part.num_rows == batch.num_rows else _own_copy(part))
+                kept = out[-1].nbytes
             pos += batch.num_rows
-            on_batch(max(0, b - a))
+            on_batch(max(0, b - a), kept)
             if pos >= piece.stop:
                 break
     except DataCacheError:
@@ -152,9 +156,11 @@ class NodeStore:
         progress = progress or LoadProgress()
 
         def read(piece: Piece) -> list[pa.RecordBatch]:
-            with progress.reading(piece.path):
-                batches = read_piece(table, tasks[piece.path], piece, progress.batch)
-            progress.read(sum(b.num_rows for b in batches), sum(b.nbytes for b in batches))
+            with progress.reading(piece.path) as token:
+                batches = read_piece(
+                    table, tasks[piece.path], piece, lambda rows, nbytes: progress.batch(rows, nbytes, token)
+                )
+            progress.read()
             return batches
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="load") as pool:
