@@ -77,8 +77,8 @@ class GatherReclaim:
     One timer at most is pending, however many streams come and go.
     """
 
-    def __init__(self, pool_of=lambda: serve_pool(), idle_seconds: float = GATHER_RECLAIM_IDLE_SECONDS):
-        self._pool_of, self._idle = pool_of, idle_seconds
+    def __init__(self, idle_seconds: float = GATHER_RECLAIM_IDLE_SECONDS):
+        self._idle = idle_seconds
         self._lock = threading.Lock()
         self._open = 0
         self._last_close = 0.0
@@ -122,7 +122,7 @@ class GatherReclaim:
             return
         import pyarrow as pa
 
-        pool = self._pool_of()
+        pool = serve_pool()
         # A collect only reaches abandoned pages from a thread whose heap is set up: allocate once.
         pa.allocate_buffer(64, memory_pool=pool)
         pool.release_unused()

@@ -255,10 +255,10 @@ class Head(ReadOnlyFlight):
             ready = sum(1 for s in self.node_status.values() if s.get("state") == READY)
             # Rows held by ready nodes, and read so far by loading ones.
             rows = sum(s.get("rows", 0) + (s.get("loading") or {}).get("rows", 0) for s in self.node_status.values())
-            news = [self._unreachable(), waiting_reads(sorted(self.node_status.items()))]
+            counts = f"{ready}/{self.cfg.data_nodes} data nodes ready"
+            lost, nodes = self._unreachable(), sorted(self.node_status.items())
             self.lifecycle.set(
-                LOADING,
-                "; ".join([f"{ready}/{self.cfg.data_nodes} data nodes ready, {rows} rows loaded", *filter(None, news)]),
+                LOADING, "; ".join(filter(None, [f"{counts}, {rows} rows loaded", lost, waiting_reads(nodes)]))
             )
             if ready == self.cfg.data_nodes and all(
                 s.get("generation") == self.generation for s in self.node_status.values()
@@ -267,12 +267,8 @@ class Head(ReadOnlyFlight):
             self._reload_restarted()  # a node that restarted mid-load starts over, not never
             if time.monotonic() > deadline:
                 # At the deadline, any read still in flight is worth naming, however young.
-                news[1] = waiting_reads(sorted(self.node_status.items()), at_least=0)
-                raise DataCacheError(
-                    f"the load did not finish within {self.cfg.startup_timeout:.0f}s "
-                    + "; ".join([f"({ready}/{self.cfg.data_nodes} data nodes ready", *filter(None, news)])
-                    + ")"
-                )
+                why = "; ".join(filter(None, [counts, lost, waiting_reads(nodes, at_least=0)]))
+                raise DataCacheError(f"the load did not finish within {self.cfg.startup_timeout:.0f}s ({why})")
             self._wait_for_news()
 
     def _reload_restarted(self) -> None:

@@ -163,7 +163,7 @@ class DataNode(ReadOnlyFlight):
         tasks = scan_tasks(table, metadata_location)
         if tasks:
             # Beside the open, not in it: a load waits for the open, and a warm-up read that
-            # stalls on storage must show as a read of its file, not as the table's metadata.
+            # stalls on storage must not hold the load (whose own reads are the ones named).
             args = (table, next(iter(tasks.values())))
             threading.Thread(target=warm_reader, args=args, name="warm-reader", daemon=True).start()
         return table, arrow_schema(table), tasks

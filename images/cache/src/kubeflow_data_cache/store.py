@@ -96,8 +96,8 @@ def read_piece(
     table, task, piece: Piece, on_batch: Callable[[int, int], None] = lambda rows, nbytes: None
 ) -> list[pa.RecordBatch]:
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
-    (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs after each
-    decoded batch and may raise to stop the read (the load's memory guard)."""
+    (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs
+    after each decoded batch and may raise to stop the read (the load's memory guard)."""
     from pyiceberg.expressions import AlwaysTrue
     from pyiceberg.io.pyarrow import ArrowScan
 
