@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from kubeflow_cache_initializer.kube import with_bounded_retries
 from kubeflow_cache_initializer.main import main
 from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
 
@@ -25,7 +26,7 @@ def fake() -> Iterator[FakeKube]:
 
 @pytest.fixture
 def api_client(fake: FakeKube) -> Iterator[client.ApiClient]:
-    configuration = client.Configuration(host=fake.url)
+    configuration = with_bounded_retries(client.Configuration(host=fake.url))  # as main's _api_client
     configuration.api_key = {"authorization": TOKEN}
     configuration.api_key_prefix = {"authorization": "Bearer"}
     with client.ApiClient(configuration) as api:

@@ -346,6 +346,8 @@ def _handler(fake: FakeKube):
         def _send(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
+            if code == 429:  # the API server's rate limit (priority and fairness) says when to come back
+                self.send_header("Retry-After", "1")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()

@@ -41,7 +41,7 @@ def test_a_restart_adopts_the_cache_it_created(fake, make_sim, run_initializer, 
 
     assert (code, error) == (0, "")
     assert _uids(fake) == before
-    assert _creates(fake) == [("serviceaccounts", 409), ("leaderworkersets", 409), ("services", 409)]
+    assert _creates(fake) == [("serviceaccounts", 409), ("services", 409), ("leaderworkersets", 409)]
     assert not [r for r in fake.responses if r[0] == "PATCH"]
     assert sim.created == ["job-a-cache"]
     assert "adopted LeaderWorkerSet team-a/job-a-cache, created by an earlier run" in caplog.text
@@ -57,7 +57,7 @@ def test_a_restart_after_a_crash_between_creates_finishes_the_job(fake, make_sim
     code, error = run_initializer(env)
 
     assert (code, error) == (0, "")
-    assert _creates(fake) == [("serviceaccounts", 409), ("leaderworkersets", 201), ("services", 201)]
+    assert _creates(fake) == [("serviceaccounts", 409), ("services", 201), ("leaderworkersets", 201)]
     assert sim.created == ["job-a-cache"]
 
 

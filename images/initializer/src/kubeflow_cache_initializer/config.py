@@ -25,6 +25,11 @@ STORAGE_URI_SCHEME = "cache://"
 METADATA_LOC_SCHEMES = ("s3://", "s3a://", "file://")
 # A Kubernetes resource.Quantity ("1", "500m", "2Gi", "1.5e3").
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+_DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+# A cache pod's interpreter (pyarrow, pyiceberg, gRPC) takes about 130-200 MiB before any row,
+# and a data node's own memory check keeps 400 MiB aside for it: less is a typo ("500m", "512").
+MIN_MEMORY_BYTES = 400 << 20
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
@@ -173,6 +178,28 @@ class _Reader:
         return False
 
 
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes quantity already matched by _QUANTITY, in bytes (or cores, for a CPU)."""
+    match = _QUANTITY.match(quantity)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    number, suffix = quantity[: match.start(3)] if match.group(3) else quantity, match.group(3) or ""
+    if suffix[:1] in "eE" and suffix[1:].lstrip("+-").isdigit():
+        return float(quantity)
+    return float(number) * (_BINARY.get(suffix) or _DECIMAL[suffix])
+
+
+def _check_memory(r: _Reader, name: str, value: str) -> None:
+    """Memory quantities that cannot be meant: millibytes, and less than the interpreter needs."""
+    if not _QUANTITY.match(value):
+        return  # already named as malformed
+    if value[-1:] in ("m", "u", "n"):
+        r._bad(name, f"a memory size such as {value[:-1]}Mi ({value[-1]} means a thousandth of a byte)", value)
+        return
+    if quantity_bytes(value) < MIN_MEMORY_BYTES:
+        r._bad(name, f"at least {MIN_MEMORY_BYTES >> 20}Mi (a cache pod's interpreter alone needs about that)", value)
+
+
 def parse_storage_uri(uri: str) -> tuple[str, str]:
     """`cache://<schema>/<table>` -> (schema, table); ValueError when it is not of that form."""
     if not uri.startswith(STORAGE_URI_SCHEME):
@@ -239,6 +266,8 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     head_mem = r.matching("HEAD_MEM", _QUANTITY, quantity, c.DEFAULT_HEAD_MEM)
     worker_cpu = r.matching("WORKER_CPU", _QUANTITY, quantity, c.DEFAULT_WORKER_CPU)
     worker_mem = r.matching("WORKER_MEM", _QUANTITY, quantity, c.DEFAULT_WORKER_MEM)
+    for name, value in (("HEAD_MEM", head_mem), ("WORKER_MEM", worker_mem)):
+        _check_memory(r, name, value)
     iam_role = r.matching("IAM_ROLE", _IAM_ROLE, "an IAM role ARN, arn:aws:iam::<account>:role/<name>", "") or None
     readiness = Probe(
         initial_delay_seconds=r.integer(

@@ -16,13 +16,21 @@ class ConfigError(InitializerError):
 class KubeApiError(InitializerError):
     """The Kubernetes API answered an error that the initializer cannot work around."""
 
-    def __init__(self, verb: str, what: str, status: int, reason: str, message: str):
+    def __init__(self, verb: str, what: str, status: int, reason: str, message: str, retry_after: float | None = None):
         self.verb = verb
         self.what = what
         self.status = status
         self.reason = reason
         self.message = message
+        self.retry_after = retry_after  # seconds, from the answer's Retry-After header
+        self.retried_seconds: float | None = None  # how long the call was retried before this
         super().__init__(f"{verb} {what} failed: HTTP {status} {reason}: {message}")
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.retried_seconds is not None:
+            text += f" (still failing after {self.retried_seconds:.0f}s of retries)"
+        return text
 
     @property
     def not_found(self) -> bool:

@@ -103,16 +103,39 @@ def head_pod_ip(pods: dict[str, dict]) -> str | None:
     return None
 
 
-def fetch_head_status(pod_ip: str, port: int, timeout: float = c.STATUS_HTTP_TIMEOUT_SECONDS) -> dict | None:
-    """The head's `/status` JSON, or None when it does not answer (yet)."""
+def fetch_head_status(
+    pod_ip: str, port: int, timeout: float = c.STATUS_HTTP_TIMEOUT_SECONDS
+) -> tuple[dict | None, str | None]:
+    """The head's `/status` JSON and None; or None and why it did not answer (yet)."""
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    url = f"http://{host}:{port}{c.STATUS_PATH}"
     try:
-        with _OPENER.open(f"http://{host}:{port}{c.STATUS_PATH}", timeout=timeout) as response:
+        with _OPENER.open(url, timeout=timeout) as response:
             status = json.load(response)
     except (OSError, ValueError) as err:
         log.debug("head /status on %s not available: %s", pod_ip, err)
-        return None
-    return status if isinstance(status, dict) else None
+        return None, f"GET {url}: {getattr(err, 'reason', None) or err}"
+    if not isinstance(status, dict):
+        return None, f"GET {url}: not a JSON object"
+    return status, None
+
+
+def not_ready_reason(pod: dict) -> str:
+    """What a cache pod that is not ready waits on, in a few words: the timeout message names it."""
+    name = pod_name(pod)
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        # SchedulingGated (Kueue and other gate users), Unschedulable: the scheduler's own words.
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"{name} not scheduled: {cond.get('reason', '')}: {cond.get('message', '')}".rstrip(": ")
+    for cs in _container_statuses(status):
+        waiting = (cs.get("state") or {}).get("waiting")
+        if waiting:  # ContainerCreating (CNI, volumes), PodInitializing, a pull in progress...
+            detail = f"{waiting.get('reason', '')}: {waiting.get('message', '')}".rstrip(": ")
+            return f"{name} container {cs.get('name')} waiting: {detail}"
+    if status.get("phase") == "Running":  # loading (the head line says how far), or its probe fails
+        return f"{name} running, not ready"
+    return f"{name} {status.get('phase') or 'Pending'}"
 
 
 def status_failure(status: dict) -> str | None:

@@ -6,8 +6,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.apply import ensure
 from kubeflow_cache_initializer.builders import (
+    CacheNames,
     build_leader_worker_set,
     build_service,
     build_service_account,
@@ -15,7 +17,12 @@ from kubeflow_cache_initializer.builders import (
     owner_reference,
 )
 from kubeflow_cache_initializer.config import Config
-from kubeflow_cache_initializer.errors import InitializerError, KubeApiError, TrainJobNotFoundError
+from kubeflow_cache_initializer.errors import (
+    ForeignObjectError,
+    InitializerError,
+    KubeApiError,
+    TrainJobNotFoundError,
+)
 from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS, SERVICES, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import wait_until_ready
 
@@ -44,11 +51,39 @@ def get_train_job(kube: Kube, cfg: Config) -> dict:
         raise
 
 
+def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
+    """Refuse to run where another TrainJob already holds one of the cache's names.
+
+    Trainer names a TrainJob's JobSet after it, and the JobSet names its headless Service after
+    itself; the LeaderWorkerSet names its own headless Service after itself too. So TrainJob
+    `foo-cache` and the cache of TrainJob `foo` (LeaderWorkerSet `foo-cache`) would share one
+    Service name: whichever comes second finds the Service there and one side's DNS breaks.
+    """
+    for name, ours in ((names.cache, "the cache's LeaderWorkerSet"), (names.service, "the cache's Service")):
+        if name == cfg.train_job_name:
+            continue
+        try:
+            kube.get(TRAINJOBS, cfg.namespace, name)
+        except KubeApiError as err:
+            if err.not_found:
+                continue
+            raise
+        raise ForeignObjectError(
+            f"TrainJob {name} exists in namespace {cfg.namespace}, and {ours} for TrainJob "
+            f"{cfg.train_job_name} takes the same name: their headless Services would collide and break "
+            f"each other's DNS. Rename one of the two TrainJobs (no TrainJob may be named like another's "
+            f"plus `{c.CACHE_NAME_SUFFIX}` or `{c.SERVICE_NAME_SUFFIX}`)"
+        )
+
+
 def run(kube: Kube, cfg: Config) -> CacheReady:
     """Bring the cache up for the TrainJob and return once it serves; raise `InitializerError` otherwise."""
     deadline = time.monotonic() + cfg.ready_timeout_seconds
+    # An API server or webhook restarting (no answer, 429, 5xx) is waited out, up to this run's deadline.
+    kube.deadline = deadline
     names = cache_names(cfg)
     train_job = get_train_job(kube, cfg)
+    check_no_name_clash(kube, cfg, names)
     log.info(
         "%s cache %s for TrainJob %s: table %s.%s at %s, 1 head + %d data nodes",
         "shared" if cfg.shared else "dedicated",
@@ -70,6 +105,9 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         shared=cfg.shared,
         deadline=deadline,
     )
+    # The Service first: it holds no resources, so a refusal here (a foreign Service under its
+    # name) leaves no cache pods behind; once the LeaderWorkerSet exists, any failure deletes it.
+    ensure(kube, SERVICES, build_service(cfg, [job_owner]), job_owner, shared=False, deadline=deadline)
     ensure(
         kube,
         LEADER_WORKER_SETS,
@@ -78,7 +116,6 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         shared=cfg.shared,
         deadline=deadline,
     )
-    ensure(kube, SERVICES, build_service(cfg, [job_owner]), job_owner, shared=False, deadline=deadline)
     try:
         status = wait_until_ready(kube, cfg, deadline)
     except InitializerError:

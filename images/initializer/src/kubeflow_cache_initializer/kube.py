@@ -4,13 +4,21 @@ One `Resource` per kind and one `Kube` method per verb: get, list, watch, create
 merge patch, which custom resources accept too) and delete. Errors become `KubeApiError` with
 the HTTP status and the API's reason. Authentication, TLS and the host come from the
 `kubernetes` client's `ApiClient`, so in-cluster config and kubeconfig both work.
+
+A call that fails in a way that passes (no answer, 429, 5xx: an API server or an admission
+webhook restarting) is tried again with backoff, honouring Retry-After, until the run's
+deadline (`Kube.deadline`); each retry is logged, and `Kube.troubles` holds the calls failing
+now for the timeout message. Retrying a POST or PATCH whose answer was lost is safe here:
+create answers 409 and `apply.ensure` adopts, and patches carry a resourceVersion guard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +30,20 @@ from kubernetes import client
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.errors import KubeApiError
 
+log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
+# Statuses that pass: 0 (no answer, refused, reset), the API server's rate limit and its own or
+# a webhook's troubles. 403, 404, 409, 422... are answers no retry changes.
+TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
+RETRY_INITIAL_SECONDS = 0.5
+RETRY_MAX_SECONDS = 10.0
 # urllib3 by default sends a GET whose answer never came three more times: against a hung API
-# server one call took 4 x API_REQUEST_TIMEOUT_SECONDS (2 min). One more try covers a dropped
-# connection; connection failures (an API server restarting) keep a few tries with backoff.
-API_RETRIES = urllib3.Retry(total=3, connect=3, read=1, status=0, backoff_factor=0.5)
+# server one call took 4 x API_REQUEST_TIMEOUT_SECONDS (2 min). One more try of a GET or DELETE
+# covers a dropped connection (urllib3 never resends a POST or PATCH itself); a few quick
+# connection retries cover a blip. Longer outages are `Kube._call`'s retries, under the deadline.
+# Statuses are left to `Kube._call` (respect_retry_after_header off): urllib3 would otherwise
+# answer a 429's Retry-After itself and, its status budget spent, report it as unreachable.
+API_RETRIES = urllib3.Retry(total=3, connect=3, read=1, status=0, backoff_factor=0.5, respect_retry_after_header=False)
 
 
 def with_bounded_retries(configuration: client.Configuration) -> client.Configuration:
@@ -103,11 +120,70 @@ class WatchStream:
 class Kube:
     """get / list / watch / create / patch / delete of namespaced resources as dicts."""
 
-    def __init__(self, api_client: client.ApiClient, request_timeout: float = c.API_REQUEST_TIMEOUT_SECONDS):
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        request_timeout: float = c.API_REQUEST_TIMEOUT_SECONDS,
+        deadline: float | None = None,
+    ):
         self.api_client = api_client
         self.request_timeout = request_timeout
+        self.deadline = deadline  # time.monotonic() until which passing failures are retried; None: never
+        # "verb what" -> (monotonic time it began failing, its latest error), while it is retried.
+        self.troubles: dict[str, tuple[float, str]] = {}
 
-    def _call(
+    def trouble_line(self) -> str | None:
+        """The calls failing now, for a timeout message: the API was the trouble, not the cache."""
+        now = time.monotonic()
+        troubles = list(self.troubles.values())  # a copy: watcher threads change it
+        if not troubles:
+            return None
+        return "; ".join(f"the API has failed for {now - since:.0f}s: {error}" for since, error in troubles)
+
+    def _call(self, verb: str, *args: Any, stop: threading.Event | None = None, **kwargs: Any) -> Any:
+        """One API call, tried again while it fails in a way that passes and the deadline allows.
+
+        ``stop`` ends the retries early (a watcher being stopped), raising the latest error.
+        """
+        failing_since: float | None = None
+        key = ""  # "verb what" of the failing call, set at its first failure
+        delay = RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                result = self._call_once(verb, *args, **kwargs)
+            except KubeApiError as err:
+                key = f"{err.verb} {err.what}"
+                pause = self._retry_pause(err, delay)
+                if pause is None or (stop is not None and stop.is_set()):
+                    self.troubles.pop(key, None)
+                    if failing_since is not None:
+                        err.retried_seconds = time.monotonic() - failing_since
+                    raise
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                self.troubles[key] = (failing_since, str(err))
+                log.warning("%s; trying again in %.1fs", err, pause)
+                if stop is not None:
+                    stop.wait(pause)
+                else:
+                    time.sleep(pause)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+                continue
+            if key:
+                self.troubles.pop(key, None)
+            return result
+
+    def _retry_pause(self, err: KubeApiError, delay: float) -> float | None:
+        """Seconds to wait before trying ``err``'s call again, or None when it must not be."""
+        if err.status not in TRANSIENT_STATUSES or self.deadline is None:
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        # The last try comes at the deadline itself, not one backoff step before it.
+        return min(err.retry_after if err.retry_after is not None else delay, remaining)
+
+    def _call_once(
         self,
         verb: str,
         method: str,
@@ -150,6 +226,7 @@ class Kube:
                 response.status,
                 status.get("reason") or response.reason or "",
                 status.get("message", ""),
+                retry_after=_retry_after(response.headers.get("Retry-After")),
             )
         if stream_seconds is not None:
             return WatchStream(response.response)
@@ -164,7 +241,13 @@ class Kube:
         return found.get("items") or [], found["metadata"]["resourceVersion"]
 
     def watch(
-        self, resource: Resource, namespace: str, resource_version: str, timeout_seconds: int, **selectors: str
+        self,
+        resource: Resource,
+        namespace: str,
+        resource_version: str,
+        timeout_seconds: int,
+        stop: threading.Event | None = None,
+        **selectors: str,
     ) -> WatchStream:
         query = [
             ("watch", "true"),
@@ -173,7 +256,9 @@ class Kube:
             ("timeoutSeconds", str(timeout_seconds)),
             *_selector_query(selectors),
         ]
-        return self._call("watch", "GET", resource, namespace, query=query, stream_seconds=float(timeout_seconds))
+        return self._call(
+            "watch", "GET", resource, namespace, query=query, stream_seconds=float(timeout_seconds), stop=stop
+        )
 
     def create(self, resource: Resource, namespace: str, body: dict) -> dict:
         return self._call("create", "POST", resource, namespace, body=body)
@@ -185,6 +270,14 @@ class Kube:
     def delete(self, resource: Resource, namespace: str, name: str) -> None:
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         self._call("delete", "DELETE", resource, namespace, name, body=body)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the API server sends whole seconds), or None when absent or a date."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
 
 
 def _selector_query(selectors: dict[str, str]) -> list[tuple[str, str]]:

@@ -4,9 +4,10 @@ Two watcher threads feed one queue with the API's events (re-listing after a 410
 waiting loop keeps the latest LeaderWorkerSet and pods, logs `2/3 cache pods ready` and the
 head's load progress whenever they change, and asks the head's `/status` at most every
 `CACHE_STATUS_POLL_SECONDS` (sooner when the LeaderWorkerSet or the head pod changes). It
-returns once the LeaderWorkerSet is Available and the head reports `ready`; it raises
-`CacheFailedError` as soon as a pod or the head shows a hopeless state, and `CacheTimeoutError`
-at the deadline.
+returns once the LeaderWorkerSet is Available and the head reports `ready` (or, when the head's
+`/status` cannot be reached from here, once Available has held for a few poll periods); it
+raises `CacheFailedError` as soon as a pod or the head shows a hopeless state, and
+`CacheTimeoutError` at the deadline, naming each pod that is not ready and what it waits on.
 """
 
 from __future__ import annotations
@@ -21,18 +22,27 @@ from kubeflow_cache_initializer import health
 from kubeflow_cache_initializer.builders import cache_names, pods_selector
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, InitializerError, KubeApiError
-from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, PODS, Kube, Resource, WatchStream
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, PODS, TRANSIENT_STATUSES, Kube, Resource, WatchStream
 
 log = logging.getLogger(__name__)
-TRANSIENT_WATCH_FAILURES = 3
-# Unreachable (0) and the API server's own troubles: watch again rather than give up.
-TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 WATCH_RETRY_SECONDS = 1.0
+WATCH_RETRY_MAX_SECONDS = 10.0
 STOP_JOIN_SECONDS = 5.0
+# Not-ready pods named in a progress line or the timeout message; the rest are counted.
+NOT_READY_NAMED = 3
+# How long (in CACHE_STATUS_POLL_SECONDS periods) the head's /status may stay unreachable while
+# the LeaderWorkerSet is Available before the Available condition alone is taken as ready
+# (see _Progress.ready).
+STATUS_UNREACHABLE_PERIODS = 3
 
 
 class _Watcher(threading.Thread):
-    """Watches one resource from a resourceVersion until stopped or the deadline; events go to a queue."""
+    """Watches one resource from a resourceVersion until stopped or the deadline; events go to a queue.
+
+    A watch that breaks, or that the API answers with a passing error (5xx, 429, no answer), is
+    watched again with backoff until the deadline: an API server restarting costs a pause, not
+    the run. Its trouble is in ``kube.troubles`` meanwhile, so the timeout message names it.
+    """
 
     def __init__(self, kube: Kube, resource: Resource, namespace: str, version: str, deadline: float, out, **selectors):
         super().__init__(name=f"watch-{resource.plural}", daemon=True)
@@ -40,6 +50,7 @@ class _Watcher(threading.Thread):
         self.version, self.deadline, self.out, self.selectors = version, deadline, out, selectors
         self.stopped = threading.Event()
         self.stream: WatchStream | None = None
+        self.trouble_key = f"watch {resource.plural} in namespace {namespace}"
 
     def stop(self) -> None:
         self.stopped.set()
@@ -47,38 +58,38 @@ class _Watcher(threading.Thread):
             self.stream.close()
 
     def run(self) -> None:
-        failures = 0
+        failing_since: float | None = None
+        delay = WATCH_RETRY_SECONDS
         while not self.stopped.is_set():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 return
             try:
                 self._watch_once(max(1, min(int(remaining) + 1, c.MAX_WATCH_SECONDS)))
-                failures = 0
+                failing_since, delay = None, WATCH_RETRY_SECONDS
+                self.kube.troubles.pop(self.trouble_key, None)
+                continue
             except KubeApiError as err:
                 if err.status not in TRANSIENT_STATUSES:  # 403, 404...: no retry will help
                     if not self.stopped.is_set():
                         self.out.put((self.resource, "FAILED", err))
                     return
-                failures = self._retry(failures, err)
+                error: Exception = err
             except Exception as err:  # a dropped connection: watch again from the last version
-                failures = self._retry(failures, err)
-
-    def _retry(self, failures: int, err: Exception) -> int:
-        """Count one transient failure; give up (FAILED) after a few in a row, else pause briefly."""
-        failures += 1
-        if self.stopped.is_set():
-            return failures
-        if failures >= TRANSIENT_WATCH_FAILURES:
-            self.out.put((self.resource, "FAILED", err))
-            self.stopped.set()
-            return failures
-        log.debug("watch of %s interrupted (%s); watching again", self.resource.plural, err)
-        self.stopped.wait(WATCH_RETRY_SECONDS)
-        return failures
+                error = err
+            if self.stopped.is_set():
+                return
+            if failing_since is None:
+                failing_since = time.monotonic()
+            self.kube.troubles[self.trouble_key] = (failing_since, f"watch of {self.resource.plural}: {error}")
+            log.info("watch of %s interrupted (%s); watching again in %.0fs", self.resource.plural, error, delay)
+            self.stopped.wait(min(delay, max(0.0, self.deadline - time.monotonic())))
+            delay = min(delay * 2, WATCH_RETRY_MAX_SECONDS)
 
     def _watch_once(self, seconds: int) -> None:
-        self.stream = self.kube.watch(self.resource, self.namespace, self.version, seconds, **self.selectors)
+        self.stream = self.kube.watch(
+            self.resource, self.namespace, self.version, seconds, stop=self.stopped, **self.selectors
+        )
         if self.stopped.is_set():
             self.stream.close()
             return
@@ -104,11 +115,14 @@ def _available(lws: dict | None) -> bool:
 class _Progress:
     """The latest state of the cache and what has been logged about it."""
 
-    def __init__(self, cfg: Config, lws: dict, pods: list[dict]):
+    def __init__(self, cfg: Config, lws: dict, pods: list[dict], kube: Kube | None = None):
         self.cfg = cfg
+        self.kube = kube
         self.lws: dict | None = lws
         self.pods = {health.pod_name(p): p for p in pods}
         self.status: dict | None = None
+        self.status_error: str | None = None  # why the head's /status did not answer, at the last poll
+        self.unreachable_since: float | None = None  # /status failing while the LeaderWorkerSet is Available
         self.logged: dict[str, str] = {}
         self.unschedulable_since: dict[str, float] = {}
         self.start_error_since: dict[str, float] = {}
@@ -133,12 +147,34 @@ class _Progress:
         return health.is_head(obj)
 
     def pods_line(self) -> str:
+        """`2/3 cache pods ready`, and what the others wait on (the first few, by name)."""
         ready = sum(1 for pod in self.pods.values() if health.is_ready(pod))
-        return f"{ready}/{self.cfg.cluster_size} cache pods ready"
+        waiting = [
+            health.not_ready_reason(pod)
+            for pod in sorted(self.pods.values(), key=health.pod_name)
+            if not health.is_ready(pod)
+        ]
+        line = f"{ready}/{self.cfg.cluster_size} cache pods ready"
+        if waiting:
+            more = len(waiting) - NOT_READY_NAMED
+            line += " (" + "; ".join(waiting[:NOT_READY_NAMED]) + (f"; and {more} more" if more > 0 else "") + ")"
+        return line
+
+    def head_line(self) -> str:
+        line = health.describe_status(self.status)
+        return f"{line} ({self.status_error})" if self.status is None and self.status_error else line
 
     def summary(self) -> str:
-        missing = self.missing_pods()
-        return f"{self.pods_line()}; {health.describe_status(self.status)}" + (f"; {missing}" if missing else "")
+        parts = [self.pods_line(), self.head_line(), self.missing_pods(), self.kube and self.kube.trouble_line()]
+        return "; ".join(part for part in parts if part)
+
+    def took_status(self, status: dict | None, error: str | None) -> None:
+        """Keep one /status poll's answer, counting failed ones while the group is Available."""
+        self.status, self.status_error = status, error
+        if status is None and error is not None and _available(self.lws):
+            self.unreachable_since = self.unreachable_since or time.monotonic()
+        else:
+            self.unreachable_since = None
 
     def missing_pods(self) -> str | None:
         """What to check when some of the group's pods were never created (None when all exist).
@@ -156,7 +192,7 @@ class _Progress:
         )
 
     def log_changes(self) -> None:
-        for key, line in (("pods", self.pods_line()), ("head", health.describe_status(self.status))):
+        for key, line in (("pods", self.pods_line()), ("head", self.head_line())):
             if self.logged.get(key) != line:
                 self.logged[key] = line
                 log.info("%s", line)
@@ -201,7 +237,26 @@ class _Progress:
             raise CacheFailedError(f"{problem} (for {now - started:.0f}s)")
 
     def ready(self) -> bool:
-        return _available(self.lws) and (self.status or {}).get("state") == "ready"
+        if not _available(self.lws):
+            return False
+        if (self.status or {}).get("state") == "ready":
+            return True
+        # Available means every cache pod passed its readiness probe, and the head's /ready
+        # answers 200 only once every data node has loaded: the cache is ready. Its /status is
+        # wanted for the progress line, but a NetworkPolicy may let the kubelet reach the pods
+        # and not this initializer; that must not throw away a loaded cache at the deadline.
+        grace = STATUS_UNREACHABLE_PERIODS * self.cfg.status_poll_seconds
+        if self.unreachable_since is not None and time.monotonic() - self.unreachable_since >= grace:
+            log.warning(
+                "the LeaderWorkerSet is Available (every cache pod passed its readiness probe), but the head's "
+                "/status has not answered for %.0fs (%s): taking the cache as ready. If a NetworkPolicy "
+                "isolates the cache pods, training pods must still reach the Service on port %d",
+                time.monotonic() - self.unreachable_since,
+                self.status_error,
+                c.FLIGHT_PORT,
+            )
+            return True
+        return False
 
 
 def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict:
@@ -225,7 +280,7 @@ def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict:
     for watcher in watchers:
         watcher.start()
     try:
-        return _wait(cfg, _Progress(cfg, lws, pods), events, deadline)
+        return _wait(cfg, _Progress(cfg, lws, pods, kube), events, deadline)
     finally:
         for watcher in watchers:
             watcher.stop()
@@ -239,7 +294,7 @@ def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float
         now = time.monotonic()
         if now >= next_status_at:
             ip = health.head_pod_ip(progress.pods)
-            progress.status = health.fetch_head_status(ip, cfg.health_port) if ip else None
+            progress.took_status(*(health.fetch_head_status(ip, cfg.health_port) if ip else (None, None)))
             next_status_at = time.monotonic() + cfg.status_poll_seconds
         progress.log_changes()
         progress.check()
