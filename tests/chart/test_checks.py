@@ -64,3 +64,9 @@ def test_a_chart_without_its_crds_is_refused(tmp_path):
     shutil.rmtree(chart / "crds")
     with helm_python.Chart.load(chart) as loaded, pytest.raises(helm_python.HelmRenderError, match="make sync-crds"):
         loaded.render({}, name="kubeflow-trainer", namespace="kubeflow-system", is_install=True)
+
+
+def test_several_controllers_without_leader_election_are_refused():
+    with pytest.raises(helm_python.HelmRenderError, match="would run 3 Trainer controllers at once"):
+        render_chart({"manager": {"replicas": 3, "config": {"leaderElect": False}}})
+    render_chart({"manager": {"replicas": 3}})  # leader election on (the default): fine

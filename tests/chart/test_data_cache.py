@@ -6,7 +6,7 @@ import re
 import helm_python
 import pytest
 
-from tests.chart.render import container, env_of, one, render_chart, render_notes, replicated_job, select
+from tests.chart.render import DATA_CACHE, container, env_of, one, render_chart, render_notes, replicated_job, select
 
 RUNTIME = "torch-distributed-with-cache"
 ROLE = "kubeflow-trainer-cache-initializer"
@@ -236,3 +236,22 @@ def test_notes_wait_for_each_installed_controller(values, waited):
         assert len(picked) == 1, (selector, picked)
         found.update(picked)
     assert found == waited
+
+
+def test_initializer_pull_secrets_go_on_each_namespace_service_account():
+    """A private registry for the initializer image: its pods take the secret from their ServiceAccount."""
+    values = {
+        **DATA_CACHE,
+        "dataCache": {
+            **DATA_CACHE["dataCache"],
+            "namespaces": ["team-a", "team-b"],
+            "initializer": {"imagePullSecrets": [{"name": "regcred"}]},
+        },
+    }
+    accounts = [o for o in render_chart(values) if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == ACCOUNT]
+    assert sorted(a["metadata"]["namespace"] for a in accounts) == ["team-a", "team-b"]
+    assert all(a["imagePullSecrets"] == [{"name": "regcred"}] for a in accounts)
+    default = [
+        o for o in render_chart(DATA_CACHE) if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == ACCOUNT
+    ]
+    assert default and all("imagePullSecrets" not in a for a in default)

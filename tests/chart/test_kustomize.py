@@ -154,6 +154,18 @@ def test_addon_overlay_adds_the_cache_alone():
         assert obj == one(full, obj["kind"], obj["metadata"]["name"])
 
 
+def test_data_cache_objects_carry_the_recommended_labels_and_the_runtime_file_is_applied_as_is():
+    """Selecting by label (`-l app.kubernetes.io/component=data-cache`) finds the runtime too; its
+    pod templates keep only the runtime file's labels (Trainer reads them)."""
+    runtime_file = yaml.safe_load((MANIFESTS_DIR.parent / "runtimes" / "torch-distributed-with-cache.yaml").read_text())
+    for obj in build_kustomize(ADDON):
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == "data-cache", obj["kind"]
+        assert {"app.kubernetes.io/name", "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by"} <= set(labels)
+        if obj["kind"] == "ClusterTrainingRuntime":
+            assert obj["spec"] == runtime_file["spec"]
+
+
 def test_namespace_rbac_takes_its_namespace_from_the_command_line():
     objects = build_kustomize("overlays/data-cache/namespace-rbac")
     assert sorted(o["kind"] for o in objects) == ["RoleBinding", "ServiceAccount"]

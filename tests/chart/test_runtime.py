@@ -41,9 +41,10 @@ def test_chart_renders_the_source_unchanged_with_default_values(cache_objects):
     assert rendered == source()
 
 
-def test_kustomize_applies_the_source_unchanged():
+def test_kustomize_applies_the_source_unchanged_but_for_the_recommended_labels():
     rendered = one(build_kustomize("overlays/data-cache"), "ClusterTrainingRuntime", RUNTIME)
-    assert rendered == source()
+    assert rendered["metadata"]["labels"]["app.kubernetes.io/component"] == "data-cache"
+    assert without_added_labels(rendered, "app.kubernetes.io/") == source()
 
 
 def test_initializer_step_meets_the_contract():

@@ -28,7 +28,8 @@ def helm_cli():
         ({"dataCache": {"serviceAccount": {"name": ""}}}, r"/dataCache/serviceAccount/name"),
         ({"dataCache": {"lws": {"install": "no"}}}, r"/dataCache/lws/install"),
         ({"webhook": {"failurePolicy": "Never"}}, r"/webhook/failurePolicy"),
-        ({"manager": {"replicas": -1}}, r"/manager/replicas"),
+        # No controller: its webhooks fail closed, so every TrainJob and runtime change is refused.
+        ({"manager": {"replicas": 0}}, r"/manager/replicas': minimum: got 0, want 1"),
         ({"managr": {}}, r"additional properties 'managr' not allowed"),
         # A tag inside the repository would render repo:tag:tag.
         ({"manager": {"image": {"repository": "ghcr.io/me/trainer:v2.1.0"}}}, r"/manager/image/repository"),

@@ -60,6 +60,9 @@ seccompProfile:
 {{- if hasKey .Values.lws "install" }}
 {{- fail "lws.install is not a value of this chart (lws.* goes to the LeaderWorkerSet subchart as is): LeaderWorkerSet is installed with dataCache.enabled=true; to skip it, set dataCache.lws.install=false" }}
 {{- end }}
+{{- if and (gt (int .Values.manager.replicas) 1) (not .Values.manager.config.leaderElect) }}
+{{- fail (printf "manager.replicas=%d with manager.config.leaderElect=false would run %d Trainer controllers at once, each acting on every TrainJob; keep leaderElect=true (the default) or set replicas to 1" (int .Values.manager.replicas) (int .Values.manager.replicas)) }}
+{{- end }}
 {{- if not (.Files.Glob "crds/*.yaml") }}
 {{- fail "the chart's crds/ folder holds no CRDs, so the Trainer CRDs would not be installed: run `make sync-crds` (or hack/sync-crds.sh) in the source tree first; `helm dependency build` fetches the subcharts only" }}
 {{- end }}
