@@ -1,24 +1,28 @@
 """Epoch into tensors: DataCacheDataset against reading the same table directly each epoch.
 
 Every method ends in the same place: dicts of ``batch_size``-row tensors of the numeric
-columns, consumed by the same loop. The direct readers load the projected columns, convert each
-column to a tensor once with the cache's own ``column_to_tensor`` (no copy) and cut it with one
-``split()`` per column, as the cache does (the cheapest honest conversion; shuffled: one
-torch.randperm gather first, a stronger shuffle than the cache's block shuffle). Methods alternate within each repeat, so machine load drifts hit all alike.
+columns, consumed by the same loop. The direct readers load the projected columns and hand the
+read rows to DataCacheDataset's own conversion (tensors without a copy, one ``split()`` per
+column); shuffled, they first permute the rows with the cache's own block permutation for that
+epoch (one Arrow take), a shuffle as strong as the one the cache serves, so the figures compare
+how the rows are got, not how much they are shuffled. Methods alternate within each repeat, so machine load
+drifts hit all alike.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-import torch
 
 from bench.stats import CaseResult, gb, paired_ratio
 from bench.tables import BenchTable
-from kubeflow_data_cache.dataset import DataCacheDataset, column_to_tensor
+from kubeflow_data_cache.dataset import DataCacheDataset, World
+from kubeflow_data_cache.protocol import ShardRequest
+from kubeflow_data_cache.sharding import EpochOrder
 
 CACHE = "cache"
 PYICEBERG = "pyiceberg"
@@ -26,19 +30,21 @@ PYARROW_DATASET = "pyarrow.dataset"
 PYICEBERG_S3 = "pyiceberg-s3"
 
 
-def tensor_batches(table: pa.Table, batch_size: int, shuffle: bool, seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The direct readers' conversion: one tensor per column, optionally permuted, sliced."""
-    # copy=False as DataCacheDataset does: a freshly read table is the reader's alone.
-    tensors = {
-        name: column_to_tensor(name, table.column(name).combine_chunks(), copy=False) for name in table.column_names
-    }
+def tensor_batches(table: pa.Table, converter: DataCacheDataset, shuffle: bool, epoch: int) -> Iterator[Any]:
+    """The direct readers' path from a read table to the training loop's batches.
+
+    Shuffled, the rows are permuted by the cache's own block permutation for (seed 0, ``epoch``)
+    with one Arrow take (the cache's reader interleaves its nodes' blocks on top, which does not
+    make its order any more random); the rows are then converted and cut by DataCacheDataset's
+    own conversion (``converter`` is never iterated, so it never connects), as the cache's
+    reader converts what it receives.
+    """
     if shuffle:
-        perm = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed))
-        tensors = {name: t[perm] for name, t in tensors.items()}
-    # Cut as DataCacheDataset cuts: one split() per column makes every view at once.
-    names = list(tensors)
-    for parts in zip(*(t.split(batch_size) for t in tensors.values()), strict=True):
-        yield dict(zip(names, parts, strict=True))
+        request = ShardRequest(
+            shuffle=True, seed=0, epoch=epoch, block_size=converter.shard_request(World()).block_size
+        )
+        table = table.take(pa.array(EpochOrder(table.num_rows, request).rows(0, table.num_rows)))
+    return (batch for batch, _ in converter._rebatch(iter(table.to_batches())))
 
 
 def consume(batches) -> tuple[int, int]:
@@ -63,6 +69,7 @@ def _methods(endpoint: str, local: BenchTable, s3: BenchTable | None, columns, b
         shuffle: DataCacheDataset(endpoint, batch_size=batch_size, columns=columns, shuffle=shuffle, seed=0)
         for shuffle in (False, True)
     }
+    converter = DataCacheDataset(endpoint, batch_size=batch_size, columns=columns)
 
     def cache(shuffle: bool, epoch: int):
         dataset = datasets[shuffle]
@@ -74,13 +81,13 @@ def _methods(endpoint: str, local: BenchTable, s3: BenchTable | None, columns, b
 
         def read(shuffle: bool, epoch: int):
             arrow = opened.scan(selected_fields=tuple(columns)).to_arrow()
-            return tensor_batches(arrow, batch_size, shuffle, epoch)
+            return tensor_batches(arrow, converter, shuffle, epoch)
 
         return read
 
     def dataset(shuffle: bool, epoch: int):
         arrow = ds.dataset(paths, format="parquet").to_table(columns=list(columns))
-        return tensor_batches(arrow, batch_size, shuffle, epoch)
+        return tensor_batches(arrow, converter, shuffle, epoch)
 
     methods = {CACHE: cache, PYICEBERG: iceberg(local), PYARROW_DATASET: dataset}
     if s3 is not None:
