@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"wrote {json_path} and {png_path} in {result['duration_seconds']:.0f}s")
     block = report.markdown(result, command)
     for h in report.headline(result):
-        met = {True: "met", False: "NOT met", None: "not measured"}[h["met"]]
         measured = "n/a" if h["measured"] is None else f"{h['measured']:.2f}"
-        progress(f"target {h['figure']}: {measured} ({h['target']}): {met}")
+        progress(f"target {h['figure']}: {measured} ({h['target']}): met {report.verdict_text(h)}")
     if args.no_readme:
         return 0
     # The quick grid's table is README's performance section; the full grid's is in docs/benchmarks.md.

@@ -112,6 +112,18 @@ class CacheProcess:
             stop_process(self.proc)
             self._stderr.join(timeout=5)
 
+    def data_node_pids(self) -> dict[int, int]:
+        """Data node index -> pid, from the `data-cache worker --index K` children of `local`."""
+        import psutil
+
+        pids = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                args = child.cmdline()
+                if "worker" in args and "--index" in args:
+                    pids[int(args[args.index("--index") + 1])] = child.pid
+        return pids
+
     def status(self) -> dict[str, Any]:
         from kubeflow_data_cache.client import CacheClient
 

@@ -30,13 +30,14 @@ def _cluster_cases(
     with CacheProcess(table.metadata_location, nodes, table.env) as cache:
         status = cache.status()
         memory.record(mem, status, baseline_bytes)
+        memory.reset_peaks(cache)
         for clients in cfg.clients:
             results.append(serve.run(cache, table.rows, nodes, clients, cfg.repeats, cfg.serve_repeat_bytes, progress))
         if table.rows in cfg.epoch_sizes and nodes == cfg.epoch_nodes:
             s3 = tables.s3(table.rows) if table.rows in cfg.s3_sizes else None
             results += epoch.run(cache.endpoint, table, s3, nodes, cfg.repeats, cfg.batch_size, cfg.columns, progress)
             results += resume.run(cache.endpoint, table.rows, nodes, cfg.repeats, progress)
-        memory.record_served(mem, cache, cache.status())
+        memory.record_served(mem, cache, baseline_bytes)
     return results, status, cache
 
 

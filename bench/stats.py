@@ -72,6 +72,15 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _git_dirty() -> bool | None:
+    """Whether the tree differs from the commit (results of uncommitted code say so)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -105,6 +114,7 @@ def machine_facts() -> dict[str, Any]:
             "numpy": numpy.__version__,
         },
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
     }
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 from bench.config import CHILD_TIMEOUT_SECONDS
 from bench.procs import CacheProcess
-from bench.stats import CaseResult, gb
+from bench.stats import CaseResult, gb, paired_ratio
 from bench.tables import BenchTable
 
 # What a user's fresh process runs to get the whole table in memory without the cache.
@@ -82,13 +83,19 @@ def record_cluster(result: CaseResult, cache: CacheProcess, status: dict) -> Non
 
 
 def finish(result: CaseResult, progress) -> CaseResult:
-    """Ratios from medians: cluster starts and to_arrow() calls alternate but are not pairs."""
+    """Ratios per pair: each cluster start is paired with the pyiceberg reads taken just before it
+    (record_baseline, then the start), so a slow spell of the machine hits both sides of a pair."""
     raw = result.raw
-    med = {k: sorted(v)[len(v) // 2] for k, v in raw.items()}
-    result.add("ratio_head_to_warm", med["head_load_seconds"] / med["to_arrow_seconds"])
-    if "to_arrow_cold_seconds" in raw:
-        result.add("ratio_wall_to_cold", med["ready_wall_seconds"] / med["to_arrow_cold_seconds"])
-        result.add("ratio_head_to_fresh_call", med["head_load_seconds"] / med["to_arrow_fresh_call_seconds"])
+    med = {k: statistics.median(v) for k, v in raw.items()}
+    pairs = {
+        "ratio_head_to_warm": ("head_load_seconds", "to_arrow_seconds"),
+        "ratio_wall_to_cold": ("ready_wall_seconds", "to_arrow_cold_seconds"),
+        "ratio_head_to_fresh_call": ("head_load_seconds", "to_arrow_fresh_call_seconds"),
+    }
+    for name, (cache_side, pyiceberg_side) in pairs.items():
+        if pyiceberg_side in raw:
+            for ratio in paired_ratio(raw[cache_side], raw[pyiceberg_side]):
+                result.add(name, ratio)
     cold = (
         f", cold process {med['to_arrow_cold_seconds']:.2f}s (its call {med['to_arrow_fresh_call_seconds']:.2f}s)"
         if "to_arrow_cold_seconds" in raw

@@ -72,7 +72,17 @@ def test_core_figures_are_present(smoke_result):
     figures = load["figures"]
     assert 0 < figures["to_arrow_fresh_call_seconds"]["max"] < figures["to_arrow_cold_seconds"]["min"]
     memory = report.find(smoke_result, case="memory")
-    assert {"resident_bytes", "arrow_bytes", "baseline_bytes", "resident_bytes_after_serve"} <= memory["figures"].keys()
+    assert {
+        "resident_bytes",
+        "arrow_bytes",
+        "baseline_bytes",
+        "resident_bytes_after_serve",
+        "overhead_ratio_after_serve",
+        "overhead_ratio_peak_serving",
+    } <= memory["figures"].keys()
+    # The peak while serving is a high-water mark since ready: never below the idle figure after it.
+    figures = memory["figures"]
+    assert figures["resident_bytes_peak_serving"]["max"] >= figures["resident_bytes_after_serve"]["min"]
     epoch = report.find(smoke_result, case="epoch", variant="pyiceberg", shuffled=False)
     assert "cache_speedup" in epoch["figures"]
 
@@ -133,3 +143,19 @@ def test_serve_repeats_read_the_table_enough_times_to_move_the_asked_bytes():
     assert serve_passes(table_bytes=100, repeat_bytes=100) == 1
     assert serve_passes(table_bytes=100, repeat_bytes=101) == 2
     assert serve_passes(table_bytes=117 << 20, repeat_bytes=256 << 20) == 3
+
+
+@pytest.mark.parametrize(
+    ("values", "op", "met"),
+    [
+        ([0.7, 0.65, 0.8, 0.62, 0.9], ">=", True),
+        ([0.7, 0.55, 0.8, 0.62, 0.9], ">=", True),  # 4 of 5 meet it
+        ([0.7, 0.55, 0.58, 0.62, 0.9], ">=", "noise"),  # 3 of 5: the repeats straddle it
+        ([0.5, 0.55, 0.58, 0.62, 0.4], ">=", False),
+        ([1.1], "<=", True),
+        ([1.4], "<=", False),
+        ([], "<=", None),
+    ],
+)
+def test_a_verdict_needs_most_repeats_on_one_side_of_the_target(values, op, met):
+    assert report.verdict(values, op, 0.6 if op == ">=" else 1.3) == met
