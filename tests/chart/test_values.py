@@ -31,6 +31,9 @@ def helm_cli():
         # No controller: its webhooks fail closed, so every TrainJob and runtime change is refused.
         ({"manager": {"replicas": 0}}, r"/manager/replicas': minimum: got 0, want 1"),
         ({"managr": {}}, r"additional properties 'managr' not allowed"),
+        # The controller's resources and tolerations follow the same rules as the cache's.
+        ({"manager": {"resources": {"requests": {"cpu": -1}}}}, r"/manager/resources/requests/cpu"),
+        ({"manager": {"tolerations": [{"key": "a", "operator": "Maybe"}]}}, r"/manager/tolerations/0/operator"),
         # A tag inside the repository would render repo:tag:tag.
         ({"manager": {"image": {"repository": "ghcr.io/me/trainer:v2.1.0"}}}, r"/manager/image/repository"),
         ({"dataCache": {"namespaces": None}}, r"/dataCache': missing property 'namespaces'"),
