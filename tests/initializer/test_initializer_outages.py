@@ -3,8 +3,12 @@ cannot reach, names another TrainJob holds, pods that wait on something, and the
 
 from __future__ import annotations
 
+import contextlib
+import json
+import queue
 import re
 import socket
+import threading
 import time
 
 import pytest
@@ -15,7 +19,8 @@ from kubeflow_cache_initializer.builders import build_service
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
 from kubeflow_cache_initializer.health import not_ready_reason
-from kubeflow_cache_initializer.kube import TRAINJOBS, Kube
+from kubeflow_cache_initializer.kube import PODS, RETRY_INITIAL_SECONDS, TRAINJOBS, Kube
+from kubeflow_cache_initializer.wait import _Watcher
 
 from .support import MINIMAL, NAMESPACE, add_train_job, initializer_env
 
@@ -72,7 +77,8 @@ def test_an_api_server_that_does_not_answer_is_retried_until_the_deadline():
     assert 0.9 <= time.monotonic() - started < 5
     assert caught.value.retried_seconds >= 0.9
     assert str(caught.value).endswith("of retries)")
-    assert kube.troubles == {}  # given up: no longer "failing now"
+    # Given up at the deadline while still failing: a timeout message built now still names it.
+    assert "get trainjobs.trainer.kubeflow.org job-a in namespace team-a failed: HTTP 0" in kube.trouble_line()
 
 
 def test_without_a_deadline_nothing_is_retried():
@@ -195,3 +201,161 @@ def test_an_unforeseen_failure_still_exits_1_with_a_termination_message(tmp_path
         "the initializer failed unexpectedly: ValueError: Expecting value: line 1 column 1 (char 0)"
     )
     assert "Traceback" in caplog.text
+
+
+class _BreakingServer:
+    """An API server whose first answer breaks mid-body (headers sent, then the connection
+    closed), and whose later answers are whole."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        body = json.dumps({"kind": "TrainJob", "metadata": {"name": "job-a"}}).encode()
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                self.requests += 1
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                if self.requests == 1:
+                    conn.sendall((head + "\r\n").encode() + body[:5])  # then the connection drops
+                else:
+                    conn.sendall((head + "Connection: close\r\n\r\n").encode() + body)
+
+
+def test_an_answer_that_breaks_mid_body_is_retried_like_no_answer():
+    server = _BreakingServer()
+    configuration = client.Configuration(host=f"http://127.0.0.1:{server.port}")
+    configuration.retries = 0
+    kube = Kube(client.ApiClient(configuration), deadline=time.monotonic() + 10)
+
+    assert kube.get(TRAINJOBS, NAMESPACE, "job-a")["metadata"]["name"] == "job-a"
+    assert server.requests == 2
+    server.sock.close()
+
+
+def test_a_retry_after_of_zero_still_backs_off():
+    kube = Kube(client.ApiClient(client.Configuration()), deadline=time.monotonic() + 60)
+    err = KubeApiError("get", "trainjobs", 429, "TooManyRequests", "slow down", retry_after=0)
+    assert kube._retry_pause(err, 4.0) == RETRY_INITIAL_SECONDS
+    assert kube._retry_pause(KubeApiError("get", "trainjobs", 503, "", "", retry_after=None), 4.0) == 4.0
+
+
+def test_the_failed_run_deletes_its_cache_even_through_an_api_outage(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    fake.fail_next[("pods", "watch")] = [503] * 50
+    fake.fail_next[("leaderworkersets", "delete")] = [503]  # the outage is still on at the deadline
+
+    code, _ = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="2"))
+
+    assert code == 1
+    assert fake.fail_next[("leaderworkersets", "delete")] == []
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+def test_an_unforeseen_failure_while_waiting_still_deletes_the_cache(fake, run_initializer, monkeypatch):
+    from kubeflow_cache_initializer import initializer
+
+    def broken(kube, cfg, deadline):
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    add_train_job(fake, "job-a")
+    monkeypatch.setattr(initializer, "wait_until_ready", broken)
+
+    code, error = run_initializer(initializer_env(None))  # no simulated pods: the wait is replaced
+
+    assert code == 1 and error.startswith("the initializer failed unexpectedly: ValueError")
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+class _Events:
+    """A watch stream: its events, then a broken connection or a quiet open watch."""
+
+    def __init__(self, events, broken: bool) -> None:
+        self.events, self.broken, self.closed = events, broken, threading.Event()
+
+    def __iter__(self):
+        yield from self.events
+        if self.broken:
+            raise ConnectionResetError("reset by peer")
+        self.closed.wait(20)
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class _ReconnectingKube(Kube):
+    """Its first watch breaks after one event; the next one stays open and healthy."""
+
+    def __init__(self) -> None:
+        super().__init__(api_client=None, deadline=time.monotonic() + 30)
+        self.watches = 0
+
+    def _call_once(self, verb, *args, **kwargs):
+        self.watches += 1
+        event = ("MODIFIED", {"metadata": {"resourceVersion": str(self.watches + 1)}})
+        return _Events([event], broken=self.watches == 1)
+
+
+def test_a_watch_that_reconnects_clears_its_trouble():
+    """The timeout message must not blame an API that has recovered."""
+    kube = _ReconnectingKube()
+    events: queue.Queue = queue.Queue()
+    watcher = _Watcher(kube, PODS, NAMESPACE, "1", time.monotonic() + 30, events)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 10
+        while events.qsize() < 2 and time.monotonic() < deadline:  # one event from each watch
+            time.sleep(0.05)
+        assert kube.watches == 2
+        assert kube.trouble_line() is None
+    finally:
+        watcher.stop()
+        watcher.join(5)
+
+
+def test_a_loaded_cache_seen_only_at_the_deadline_is_not_thrown_away(fake, make_sim, run_initializer, caplog):
+    """Available, /status unreachable, and the deadline comes before the grace: taken as ready."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(
+        make_sim("healthy"),
+        CACHE_READY_TIMEOUT_SECONDS="3",
+        CACHE_STATUS_POLL_SECONDS="5",  # grace of 3 polls = 15 s, past the deadline
+        CACHE_HEALTH_PORT=str(_closed_port()),
+    )
+
+    assert run_initializer(env) == (0, "")
+    assert "the head's /status could not be read from here" in caplog.text
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is not None
+
+
+def test_an_answer_that_is_not_json_fails_at_once_quoting_it():
+    """A proxy's HTML page where the API's JSON was due: an answer, not an outage to wait out."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    page = b"<html><body>Proxy login</body></html>"
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = sock.accept()
+                with conn:
+                    conn.recv(65536)
+                    head = f"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: {len(page)}\r\n"
+                    conn.sendall((head + "Connection: close\r\n\r\n").encode() + page)
+
+    threading.Thread(target=serve, daemon=True).start()
+    configuration = client.Configuration(host=f"http://127.0.0.1:{sock.getsockname()[1]}")
+    kube = Kube(client.ApiClient(configuration), deadline=time.monotonic() + 30)
+    started = time.monotonic()
+    with pytest.raises(KubeApiError) as caught:
+        kube.get(TRAINJOBS, NAMESPACE, "job-a")
+    sock.close()
+    assert time.monotonic() - started < 5
+    assert "the answer is not JSON: '<html><body>Proxy login" in str(caught.value)

@@ -19,7 +19,6 @@ from kubeflow_cache_initializer.builders import (
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import (
     ForeignObjectError,
-    InitializerError,
     KubeApiError,
     TrainJobNotFoundError,
 )
@@ -27,6 +26,8 @@ from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS
 from kubeflow_cache_initializer.wait import wait_until_ready
 
 log = logging.getLogger(__name__)
+# How long the delete of a failed run's dedicated cache may be retried through an API outage.
+CLEANUP_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class CacheReady:
     cache: str
     service: str
     flight_url: str
-    status: dict
+    status: dict | None  # None: taken as ready from the LeaderWorkerSet alone (/status unreachable)
 
 
 def get_train_job(kube: Kube, cfg: Config) -> dict:
@@ -118,10 +119,11 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     )
     try:
         status = wait_until_ready(kube, cfg, deadline)
-    except InitializerError:
+    except Exception:
         # Whatever ended the wait (a hopeless pod, the deadline, an API error such as a missing
-        # watch grant), this run reports failure and its dedicated cache would hold its CPU and
-        # memory until the TrainJob is deleted. A retried initializer creates it again.
+        # watch grant, something unforeseen), this run reports failure and its dedicated cache
+        # would hold its CPU and memory until the TrainJob is deleted. A retried initializer
+        # creates it again.
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
         raise
@@ -129,7 +131,12 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
 
 
 def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:
-    """Free a dedicated cache's pods once it can no longer serve: the TrainJob fails, its cache goes."""
+    """Free a dedicated cache's pods once it can no longer serve: the TrainJob fails, its cache goes.
+
+    The run's deadline has usually passed by now, and an API outage may be what ended it: the
+    delete gets its own CLEANUP_SECONDS of retries.
+    """
+    kube.deadline = time.monotonic() + CLEANUP_SECONDS
     try:
         kube.delete(LEADER_WORKER_SETS, cfg.namespace, name)
         log.info("deleted LeaderWorkerSet %s so that its pods free their resources", name)

@@ -66,6 +66,11 @@ class Resource:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
 
+    def describe(self, namespace: str, name: str | None = None) -> str:
+        """`leaderworkersets.leaderworkerset.x-k8s.io job-a-cache in namespace team-a`, for messages."""
+        group = f".{self.group}" if self.group else ""
+        return f"{self.plural}{group}" + (f" {name}" if name else "") + f" in namespace {namespace}"
+
     def path(self, namespace: str, name: str | None = None) -> str:
         base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
         path = f"{base}/namespaces/{quote(namespace, safe='')}/{self.plural}"
@@ -155,16 +160,20 @@ class Kube:
                 key = f"{err.verb} {err.what}"
                 pause = self._retry_pause(err, delay)
                 if pause is None or (stop is not None and stop.is_set()):
-                    self.troubles.pop(key, None)
                     if failing_since is not None:
                         err.retried_seconds = time.monotonic() - failing_since
+                    if err.status not in TRANSIENT_STATUSES or self.deadline is None:
+                        self.troubles.pop(key, None)  # an answer, not an outage
+                    # else: given up at the deadline, still failing: the timeout message names it
                     raise
                 if failing_since is None:
                     failing_since = time.monotonic()
                 self.troubles[key] = (failing_since, str(err))
                 log.warning("%s; trying again in %.1fs", err, pause)
                 if stop is not None:
-                    stop.wait(pause)
+                    if stop.wait(pause):  # stopped while waiting: no further request
+                        self.troubles.pop(key, None)
+                        raise
                 else:
                     time.sleep(pause)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
@@ -180,8 +189,10 @@ class Kube:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             return None
-        # The last try comes at the deadline itself, not one backoff step before it.
-        return min(err.retry_after if err.retry_after is not None else delay, remaining)
+        # The last try comes at the deadline itself, not one backoff step before it; a
+        # Retry-After of 0 still waits the first backoff step, so it cannot make a busy loop.
+        wait = delay if err.retry_after is None else max(err.retry_after, RETRY_INITIAL_SECONDS)
+        return min(wait, remaining)
 
     def _call_once(
         self,
@@ -208,14 +219,17 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         read_timeout = self.request_timeout if stream_seconds is None else stream_seconds + self.request_timeout
-        group = f".{resource.group}" if resource.group else ""
-        what = f"{resource.plural}{group}" + (f" {name}" if name else "") + f" in namespace {namespace}"
+        what = resource.describe(namespace, name)
         try:
             response = self.api_client.call_api(*serialized, _request_timeout=(self.request_timeout, read_timeout))
+            if stream_seconds is not None and 200 <= response.status <= 299:
+                return WatchStream(response.response)
+            # The body is read here, not by call_api: a connection that breaks or stalls mid-body
+            # (IncompleteRead, ReadTimeout) is as unreachable as one that never answered.
+            raw = response.read()
         except urllib3.exceptions.HTTPError as err:
             raise KubeApiError(verb, what, 0, "Unreachable", str(err)) from err
         if not 200 <= response.status <= 299:
-            raw = response.read()
             try:
                 status = json.loads(raw)
             except ValueError:
@@ -228,9 +242,11 @@ class Kube:
                 status.get("message", ""),
                 retry_after=_retry_after(response.headers.get("Retry-After")),
             )
-        if stream_seconds is not None:
-            return WatchStream(response.response)
-        return json.loads(response.read())
+        try:
+            return json.loads(raw)
+        except ValueError as err:  # e.g. a proxy's HTML page: an answer, but not the API's
+            text = raw[:200].decode(errors="replace")
+            raise KubeApiError(verb, what, response.status, "NotJSON", f"the answer is not JSON: {text!r}") from err
 
     def get(self, resource: Resource, namespace: str, name: str) -> dict:
         return self._call("get", "GET", resource, namespace, name)

@@ -60,7 +60,12 @@ def main(
         log.exception("the initializer failed unexpectedly")
         _write_termination_message(termination_log, f"the initializer failed unexpectedly: {type(err).__name__}: {err}")
         return 1
-    log.info("cache %s ready at %s: %s", ready.cache, ready.flight_url, describe_status(ready.status))
+    detail = (
+        describe_status(ready.status)
+        if ready.status is not None
+        else "every cache pod passed its readiness probe (the head's /status could not be read from here)"
+    )
+    log.info("cache %s ready at %s: %s", ready.cache, ready.flight_url, detail)
     return 0
 
 

@@ -50,7 +50,10 @@ class _Watcher(threading.Thread):
         self.version, self.deadline, self.out, self.selectors = version, deadline, out, selectors
         self.stopped = threading.Event()
         self.stream: WatchStream | None = None
-        self.trouble_key = f"watch {resource.plural} in namespace {namespace}"
+        # The key Kube._call files a failing `watch` under: one entry, whichever layer saw it.
+        self.trouble_key = f"watch {resource.describe(namespace)}"
+        self.failing_since: float | None = None
+        self.delay = WATCH_RETRY_SECONDS
 
     def stop(self) -> None:
         self.stopped.set()
@@ -58,38 +61,40 @@ class _Watcher(threading.Thread):
             self.stream.close()
 
     def run(self) -> None:
-        failing_since: float | None = None
-        delay = WATCH_RETRY_SECONDS
         while not self.stopped.is_set():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 return
             try:
                 self._watch_once(max(1, min(int(remaining) + 1, c.MAX_WATCH_SECONDS)))
-                failing_since, delay = None, WATCH_RETRY_SECONDS
-                self.kube.troubles.pop(self.trouble_key, None)
                 continue
             except KubeApiError as err:
                 if err.status not in TRANSIENT_STATUSES:  # 403, 404...: no retry will help
                     if not self.stopped.is_set():
                         self.out.put((self.resource, "FAILED", err))
                     return
-                error: Exception = err
+                error = str(err)
             except Exception as err:  # a dropped connection: watch again from the last version
-                error = err
-            if self.stopped.is_set():
-                return
-            if failing_since is None:
-                failing_since = time.monotonic()
-            self.kube.troubles[self.trouble_key] = (failing_since, f"watch of {self.resource.plural}: {error}")
-            log.info("watch of %s interrupted (%s); watching again in %.0fs", self.resource.plural, error, delay)
-            self.stopped.wait(min(delay, max(0.0, self.deadline - time.monotonic())))
-            delay = min(delay * 2, WATCH_RETRY_MAX_SECONDS)
+                error = f"watch {self.resource.describe(self.namespace)} broke: {err}"
+            if self.stopped.is_set() or time.monotonic() >= self.deadline:
+                return  # the wait is over: its own message says so
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.kube.troubles[self.trouble_key] = (self.failing_since, error)
+            log.info("%s; watching again in %.0fs", error, self.delay)
+            self.stopped.wait(min(self.delay, max(0.0, self.deadline - time.monotonic())))
+            self.delay = min(self.delay * 2, WATCH_RETRY_MAX_SECONDS)
+
+    def _connected(self) -> None:
+        """A watch is open again: whatever failed before has passed."""
+        self.failing_since, self.delay = None, WATCH_RETRY_SECONDS
+        self.kube.troubles.pop(self.trouble_key, None)
 
     def _watch_once(self, seconds: int) -> None:
         self.stream = self.kube.watch(
             self.resource, self.namespace, self.version, seconds, stop=self.stopped, **self.selectors
         )
+        self._connected()
         if self.stopped.is_set():
             self.stream.close()
             return
@@ -236,7 +241,9 @@ class _Progress:
         if now - started >= grace:
             raise CacheFailedError(f"{problem} (for {now - started:.0f}s)")
 
-    def ready(self) -> bool:
+    def ready(self, at_deadline: bool = False) -> bool:
+        """Whether the cache serves; ``at_deadline``: the last look, which takes an unreachable
+        /status at its word before the grace has run (the alternative deletes a loaded cache)."""
         if not _available(self.lws):
             return False
         if (self.status or {}).get("state") == "ready":
@@ -246,7 +253,7 @@ class _Progress:
         # wanted for the progress line, but a NetworkPolicy may let the kubelet reach the pods
         # and not this initializer; that must not throw away a loaded cache at the deadline.
         grace = STATUS_UNREACHABLE_PERIODS * self.cfg.status_poll_seconds
-        if self.unreachable_since is not None and time.monotonic() - self.unreachable_since >= grace:
+        if self.unreachable_since is not None and (time.monotonic() - self.unreachable_since >= grace or at_deadline):
             log.warning(
                 "the LeaderWorkerSet is Available (every cache pod passed its readiness probe), but the head's "
                 "/status has not answered for %.0fs (%s): taking the cache as ready. If a NetworkPolicy "
@@ -259,8 +266,9 @@ class _Progress:
         return False
 
 
-def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict:
-    """Block until the cache is Available and its head reports ready; return the head's status."""
+def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict | None:
+    """Block until the cache is Available and its head reports ready; return the head's status
+    (None when the cache was taken as ready without it: its /status could not be reached)."""
     namespace, name = cfg.namespace, cache_names(cfg).cache
     lws = kube.get(LEADER_WORKER_SETS, namespace, name)
     pods, pods_version = kube.list(PODS, namespace, label_selector=pods_selector(cfg))
@@ -288,7 +296,7 @@ def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict:
             watcher.join(STOP_JOIN_SECONDS)
 
 
-def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float) -> dict:
+def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float) -> dict | None:
     next_status_at = 0.0
     while True:
         now = time.monotonic()
@@ -299,9 +307,11 @@ def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float
         progress.log_changes()
         progress.check()
         if progress.ready():
-            return progress.status or {}
+            return progress.status
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            if progress.ready(at_deadline=True):
+                return progress.status
             raise CacheTimeoutError(
                 f"the cache was not ready within CACHE_READY_TIMEOUT_SECONDS={cfg.ready_timeout_seconds:g}: "
                 f"{progress.summary()}"
