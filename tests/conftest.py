@@ -20,6 +20,8 @@ from kubeflow_data_cache.sample import SampleTable, create_sample_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_SECONDS = 120.0
+# How long a process whose stdout closed gets to exit (data-cache local stops its nodes first).
+EXIT_WAIT_SECONDS = 30.0
 
 
 def free_port() -> int:
@@ -59,6 +61,10 @@ class LocalCache:
                 if line.startswith("READY"):
                     return line.strip()
                 if line == "":
+                    # stdout closed: the process is on its way out. Let it finish (stopping its
+                    # nodes first, then its last message) rather than SIGTERM it mid-exit.
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=max(0.0, min(EXIT_WAIT_SECONDS, deadline - time.monotonic())))
                     break
         code = self.proc.poll()
         self.stop()

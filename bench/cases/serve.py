@@ -3,7 +3,7 @@
 After one untimed read, each repeat reads the table enough times in a row to move about
 ``repeat_bytes`` per client (BenchConfig.serve_repeat_bytes). The loopback limit is measured in the same repeat, just after the
 DoGet reads: N TCP connections on 127.0.0.1 moving the same number of bytes with large sends,
-so both figures see the same machine load.
+so both figures see the same machine load; the fastest of LOOPBACK_TRIES runs is the ceiling.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ CHUNK_BYTES = 4 << 20  # large sends: what the kernel can move, not Python's per
 # are not in cache into fresh batches: a 4 MiB buffer sent again and again would stay cache-hot
 # and overstate the ceiling.
 SPAN_BYTES = 64 << 20
+# Loopback runs per repeat; the fastest is the ceiling.
+LOOPBACK_TRIES = 3
 
 
 def serve_passes(table_bytes: int, repeat_bytes: int) -> int:
@@ -193,7 +195,9 @@ def run(
             wall = max(r["end"] for r in reads) - min(r["start"] for r in reads)
             bare = bare_procs.read(passes)
             bare_wall = max(r["end"] for r in bare) - min(r["start"] for r in bare)
-            loop = loopback_seconds(nbytes * passes, clients)
+            # The ceiling is the best the machine did in this repeat: a loopback run slowed by
+            # a neighbour would read as DoGet beating it (ratios above 100% were seen).
+            loop = min(loopback_seconds(nbytes * passes, clients) for _ in range(LOOPBACK_TRIES))
             get_seconds.append(wall)
             loop_seconds.append(loop)
             bare_seconds.append(bare_wall)

@@ -186,8 +186,9 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def trim_glibc_malloc() -> bool:
-    """Return the free memory of every glibc arena to the OS (``malloc_trim(0)``); False where
-    the C library is not glibc. Cheap when idle: the freed pages are few and already free."""
+    """Return the free memory of every glibc arena to the OS (``malloc_trim(0)``). True when
+    some was released; False when none was, or where the C library is not glibc. Cheap when
+    idle: the pages it hands back are already free."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
