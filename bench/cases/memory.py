@@ -58,23 +58,39 @@ def reset_peaks(cache: CacheProcess) -> None:
 
 def peak_bytes(pid: int) -> float:
     """The process's resident high-water mark (VmHWM) since start or the last reset_peak."""
+    return _status_kib(pid, "VmHWM:") * 1024
+
+
+def _status_kib(pid: int, field: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return float(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+        if line.startswith(field):
+            return float(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def resident_now(pid: int) -> float:
+    """The process's resident set now (VmRSS)."""
+    return _status_kib(pid, "VmRSS:") * 1024
 
 
 def record_served(result: CaseResult, cache: CacheProcess, baseline_bytes: float) -> None:
     """After the serve, epoch and resume cases: the node once idle again, its peak while
-    serving (since reset_peaks), and the bytes served per /metrics."""
+    serving (since reset_peaks), and the bytes served per /metrics.
+
+    Resident sizes are read from each node process itself: the head's status carries what its
+    supervision poll last saw (every few seconds), which can predate the hand-back.
+    """
     time.sleep(SETTLE_SECONDS)
     status = cache.status()
     pids = cache.data_node_pids()
     nodes = [n for n in status["nodes"] if n["rows"] > 0]
+    idle = {n["index"]: resident_now(pids[n["index"]]) for n in nodes}
     # The kernel's counters lag a little (per-thread caches), so a high-water mark read just
     # after a resident figure can come out a few pages below it: the peak is at least the idle one.
-    peaks = {n["index"]: max(peak_bytes(pids[n["index"]]), n["resident_bytes"]) for n in nodes}
-    result.add("resident_bytes_after_serve", max(n["resident_bytes"] for n in nodes))
+    peaks = {k: max(peak_bytes(pids[k]), idle[k]) for k in idle}
+    for n in nodes:
+        n["resident_bytes"] = idle[n["index"]]
+    result.add("resident_bytes_after_serve", max(idle.values()))
     result.add("resident_bytes_peak_serving", max(peaks.values()))
     result.add("overhead_ratio_after_serve", max((n["resident_bytes"] - baseline_bytes) / n["bytes"] for n in nodes))
     result.add("overhead_ratio_peak_serving", max((peaks[n["index"]] - baseline_bytes) / n["bytes"] for n in nodes))
