@@ -45,11 +45,15 @@ MET_SHARE = 0.75
 VERDICTS = {True: "yes", False: "no", None: "n/a", "noise": "within noise"}
 
 
+def repeats_met(values: list[float], op: str, target: float) -> int:
+    return sum((v >= target) if op == ">=" else (v <= target) for v in values)
+
+
 def verdict(values: list[float], op: str, target: float) -> bool | str | None:
     """True / False when the repeats agree (MET_SHARE of them), "noise" when they straddle the target."""
     if not values:
         return None
-    share = sum((v >= target) if op == ">=" else (v <= target) for v in values) / len(values)
+    share = repeats_met(values, op, target) / len(values)
     if share >= MET_SHARE:
         return True
     if share <= 1 - MET_SHARE:
@@ -94,7 +98,7 @@ def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "measured": med(case, figure),
                 "target": f"{op} {target:.0%}" if unit == "pct" else f"{op} {target:g}x",
                 "met": met,
-                "repeats_met": sum((v >= target) if op == ">=" else (v <= target) for v in values),
+                "repeats_met": repeats_met(values, op, target),
                 "repeats": len(values),
                 "unit": unit,
             }

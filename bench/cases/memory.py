@@ -88,12 +88,10 @@ def record_served(result: CaseResult, cache: CacheProcess, baseline_bytes: float
     # The kernel's counters lag a little (per-thread caches), so a high-water mark read just
     # after a resident figure can come out a few pages below it: the peak is at least the idle one.
     peaks = {k: max(peak_bytes(pids[k]), idle[k]) for k in idle}
-    for n in nodes:
-        n["resident_bytes"] = idle[n["index"]]
-    result.add("resident_bytes_after_serve", max(idle.values()))
-    result.add("resident_bytes_peak_serving", max(peaks.values()))
-    result.add("overhead_ratio_after_serve", max((n["resident_bytes"] - baseline_bytes) / n["bytes"] for n in nodes))
-    result.add("overhead_ratio_peak_serving", max((peaks[n["index"]] - baseline_bytes) / n["bytes"] for n in nodes))
+    arrow = {n["index"]: n["bytes"] for n in nodes}
+    for name, resident in (("after_serve", idle), ("peak_serving", peaks)):
+        result.add(f"resident_bytes_{name}", max(resident.values()))
+        result.add(f"overhead_ratio_{name}", max((resident[k] - baseline_bytes) / arrow[k] for k in resident))
     served = [cache.metric(n["location"], "data_cache_bytes_served_total") for n in status["nodes"]]
     if all(s is not None for s in served):
         result.add("bytes_served_metric", sum(served))

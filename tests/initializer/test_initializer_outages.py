@@ -203,42 +203,48 @@ def test_an_unforeseen_failure_still_exits_1_with_a_termination_message(tmp_path
     assert "Traceback" in caplog.text
 
 
-class _BreakingServer:
-    """An API server whose first answer breaks mid-body (headers sent, then the connection
-    closed), and whose later answers are whole."""
+def _answer(body: bytes, content_type: str = "application/json", cut_at: int | None = None) -> bytes:
+    """A raw HTTP 200 with ``body``; with ``cut_at``, only that much of it (the connection then drops)."""
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+    if cut_at is not None:
+        return (head + "\r\n").encode() + body[:cut_at]
+    return (head + "Connection: close\r\n\r\n").encode() + body
 
-    def __init__(self) -> None:
+
+class _RawServer:
+    """An API server on loopback answering each connection with the next of ``answers`` (the
+    last one over and over), then closing it."""
+
+    def __init__(self, *answers: bytes) -> None:
+        self.answers, self.requests = answers, 0
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.requests = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
+    def kube(self, deadline_seconds: float) -> Kube:
+        configuration = client.Configuration(host=f"http://127.0.0.1:{self.sock.getsockname()[1]}")
+        configuration.retries = 0  # only Kube's own retries
+        return Kube(client.ApiClient(configuration), deadline=time.monotonic() + deadline_seconds)
+
     def _serve(self) -> None:
-        body = json.dumps({"kind": "TrainJob", "metadata": {"name": "job-a"}}).encode()
-        while True:
-            try:
+        with contextlib.suppress(OSError):
+            while True:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                self.requests += 1
-                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                if self.requests == 1:
-                    conn.sendall((head + "\r\n").encode() + body[:5])  # then the connection drops
-                else:
-                    conn.sendall((head + "Connection: close\r\n\r\n").encode() + body)
+                with conn:
+                    conn.recv(65536)
+                    self.requests += 1  # before answering: the client may check it once answered
+                    conn.sendall(self.answers[min(self.requests - 1, len(self.answers) - 1)])
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def test_an_answer_that_breaks_mid_body_is_retried_like_no_answer():
-    server = _BreakingServer()
-    configuration = client.Configuration(host=f"http://127.0.0.1:{server.port}")
-    configuration.retries = 0
-    kube = Kube(client.ApiClient(configuration), deadline=time.monotonic() + 10)
+    body = json.dumps({"kind": "TrainJob", "metadata": {"name": "job-a"}}).encode()
+    server = _RawServer(_answer(body, cut_at=5), _answer(body))
 
-    assert kube.get(TRAINJOBS, NAMESPACE, "job-a")["metadata"]["name"] == "job-a"
+    assert server.kube(10).get(TRAINJOBS, NAMESPACE, "job-a")["metadata"]["name"] == "job-a"
     assert server.requests == 2
-    server.sock.close()
+    server.close()
 
 
 def test_a_retry_after_of_zero_still_backs_off():
@@ -338,24 +344,11 @@ def test_a_loaded_cache_seen_only_at_the_deadline_is_not_thrown_away(fake, make_
 
 def test_an_answer_that_is_not_json_fails_at_once_quoting_it():
     """A proxy's HTML page where the API's JSON was due: an answer, not an outage to wait out."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    page = b"<html><body>Proxy login</body></html>"
-
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = sock.accept()
-                with conn:
-                    conn.recv(65536)
-                    head = f"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: {len(page)}\r\n"
-                    conn.sendall((head + "Connection: close\r\n\r\n").encode() + page)
-
-    threading.Thread(target=serve, daemon=True).start()
-    configuration = client.Configuration(host=f"http://127.0.0.1:{sock.getsockname()[1]}")
-    kube = Kube(client.ApiClient(configuration), deadline=time.monotonic() + 30)
+    server = _RawServer(_answer(b"<html><body>Proxy login</body></html>", "text/html"))
     started = time.monotonic()
     with pytest.raises(KubeApiError) as caught:
-        kube.get(TRAINJOBS, NAMESPACE, "job-a")
-    sock.close()
+        server.kube(30).get(TRAINJOBS, NAMESPACE, "job-a")
+    server.close()
     assert time.monotonic() - started < 5
+    assert server.requests == 1  # not retried
     assert "the answer is not JSON: '<html><body>Proxy login" in str(caught.value)

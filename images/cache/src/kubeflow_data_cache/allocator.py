@@ -147,12 +147,12 @@ DATA_NODE_GLIBC_ARENAS = 2
 _glibc_tuned: bool | None = None
 
 
-def _glibc_mallopt():
-    """glibc's ``mallopt``, or None where the C library is not glibc (musl, macOS)."""
+def _glibc(function: str):
+    """glibc's ``function``, or None where the C library is not glibc (musl, macOS)."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl and macOS have no such symbol
-        return libc.mallopt
+        return getattr(libc, function)
     except (OSError, AttributeError):
         return None
 
@@ -175,7 +175,7 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
     _glibc_tuned = False
     if environ.get("DATA_CACHE_TUNE_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    mallopt = _glibc_mallopt()
+    mallopt = _glibc("mallopt")
     if mallopt is None:
         return False
     _glibc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD)) and bool(
@@ -189,9 +189,8 @@ def trim_glibc_malloc() -> bool:
     """Return the free memory of every glibc arena to the OS (``malloc_trim(0)``). True when
     some was released; False when none was, or where the C library is not glibc. Cheap when
     idle: the pages it hands back are already free."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(trim(0))
@@ -206,7 +205,7 @@ def cap_glibc_arenas(arenas: int, environ: Mapping[str, str] | None = None) -> b
     environ = os.environ if environ is None else environ
     if environ.get("MALLOC_ARENA_MAX"):
         return False
-    mallopt = _glibc_mallopt()
+    mallopt = _glibc("mallopt")
     return mallopt is not None and bool(mallopt(_M_ARENA_MAX, arenas))
 
 

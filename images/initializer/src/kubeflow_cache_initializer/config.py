@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kubernetes.utils import parse_quantity
+
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.errors import ConfigError
 from kubeflow_cache_initializer.placement import (
@@ -25,8 +27,6 @@ STORAGE_URI_SCHEME = "cache://"
 METADATA_LOC_SCHEMES = ("s3://", "s3a://", "file://")
 # A Kubernetes resource.Quantity ("1", "500m", "2Gi", "1.5e3").
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
-_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
-_DECIMAL = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
 # A cache pod's interpreter (pyarrow, pyiceberg, gRPC) takes about 130-200 MiB before any row,
 # and a data node's own memory check keeps 400 MiB aside for it: less is a typo ("500m", "512").
 MIN_MEMORY_BYTES = 400 << 20
@@ -178,17 +178,6 @@ class _Reader:
         return False
 
 
-def quantity_bytes(quantity: str) -> float:
-    """A Kubernetes quantity already matched by _QUANTITY, in bytes (or cores, for a CPU)."""
-    match = _QUANTITY.match(quantity)
-    if match is None:
-        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
-    number, suffix = quantity[: match.start(3)] if match.group(3) else quantity, match.group(3) or ""
-    if suffix[:1] in "eE" and suffix[1:].lstrip("+-").isdigit():
-        return float(quantity)
-    return float(number) * (_BINARY.get(suffix) or _DECIMAL[suffix])
-
-
 def _check_memory(r: _Reader, name: str, value: str) -> None:
     """Memory quantities that cannot be meant: millibytes, and less than the interpreter needs."""
     if not _QUANTITY.match(value):
@@ -196,7 +185,7 @@ def _check_memory(r: _Reader, name: str, value: str) -> None:
     if value[-1:] in ("m", "u", "n"):
         r._bad(name, f"a memory size such as {value[:-1]}Mi ({value[-1]} means a thousandth of a byte)", value)
         return
-    if quantity_bytes(value) < MIN_MEMORY_BYTES:
+    if parse_quantity(value) < MIN_MEMORY_BYTES:
         r._bad(name, f"at least {MIN_MEMORY_BYTES >> 20}Mi (a cache pod's interpreter alone needs about that)", value)
 
 

@@ -157,7 +157,7 @@ class Kube:
             try:
                 result = self._call_once(verb, *args, **kwargs)
             except KubeApiError as err:
-                key = f"{err.verb} {err.what}"
+                key = trouble_key(err.verb, err.what)
                 pause = self._retry_pause(err, delay)
                 if pause is None or (stop is not None and stop.is_set()):
                     if failing_since is not None:
@@ -286,6 +286,11 @@ class Kube:
     def delete(self, resource: Resource, namespace: str, name: str) -> None:
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         self._call("delete", "DELETE", resource, namespace, name, body=body)
+
+
+def trouble_key(verb: str, what: str) -> str:
+    """How ``Kube.troubles`` files a failing call: one entry per call, whichever layer retries it."""
+    return f"{verb} {what}"
 
 
 def _retry_after(value: str | None) -> float | None:

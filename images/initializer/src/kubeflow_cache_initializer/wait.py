@@ -22,7 +22,15 @@ from kubeflow_cache_initializer import health
 from kubeflow_cache_initializer.builders import cache_names, pods_selector
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, InitializerError, KubeApiError
-from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, PODS, TRANSIENT_STATUSES, Kube, Resource, WatchStream
+from kubeflow_cache_initializer.kube import (
+    LEADER_WORKER_SETS,
+    PODS,
+    TRANSIENT_STATUSES,
+    Kube,
+    Resource,
+    WatchStream,
+    trouble_key,
+)
 
 log = logging.getLogger(__name__)
 WATCH_RETRY_SECONDS = 1.0
@@ -50,8 +58,7 @@ class _Watcher(threading.Thread):
         self.version, self.deadline, self.out, self.selectors = version, deadline, out, selectors
         self.stopped = threading.Event()
         self.stream: WatchStream | None = None
-        # The key Kube._call files a failing `watch` under: one entry, whichever layer saw it.
-        self.trouble_key = f"watch {resource.describe(namespace)}"
+        self.trouble_key = trouble_key("watch", resource.describe(namespace))  # as Kube._call files it
         self.failing_since: float | None = None
         self.delay = WATCH_RETRY_SECONDS
 
