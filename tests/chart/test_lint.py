@@ -10,7 +10,14 @@ import pytest
 from tests.chart.render import CHART_DIR, REPO_ROOT, prepared_chart
 
 
-@pytest.mark.parametrize("values", [{}, {"dataCache": {"enabled": True}}])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"dataCache": {"enabled": True}},
+        {"dataCache": {"enabled": True, "metrics": {"podMonitor": {"enabled": True}}}},
+    ],
+)
 def test_helm_lint_strict_is_clean(values):
     report = helm_python.lint(prepared_chart(), values, strict=True, kube_version="v1.31.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]

@@ -42,4 +42,12 @@ CACHE_TOLERATIONS: {{ toJson . | quote }}
 {{- if and (kindIs "bool" $lwsInstall) $lwsInstall (not .Values.dataCache.enabled) }}
 {{- fail "dataCache.lws.install=true requires dataCache.enabled=true: LeaderWorkerSet is only installed for the data cache (leave dataCache.lws.install unset, or set dataCache.enabled=true)" }}
 {{- end }}
+{{- with .Values.dataCache.metrics.podMonitor }}
+{{- if and .enabled (not $.Values.dataCache.enabled) }}
+{{- fail "dataCache.metrics.podMonitor.enabled=true requires dataCache.enabled=true: the PodMonitor scrapes the cache pods (set dataCache.enabled=true, or leave the PodMonitor off)" }}
+{{- end }}
+{{- if and .enabled (not .allNamespaces) (not $.Values.dataCache.namespaces) }}
+{{- fail "dataCache.metrics.podMonitor scrapes the cache pods of dataCache.namespaces, which is empty: list the namespaces that run cached TrainJobs there, or set dataCache.metrics.podMonitor.allNamespaces=true" }}
+{{- end }}
+{{- end }}
 {{- end }}

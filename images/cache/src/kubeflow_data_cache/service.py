@@ -79,6 +79,8 @@ class Lifecycle:
         raise NotReadyError(f"the cache is not ready yet ({self.state}: {self.detail}); retry shortly")
 
 
+# Where Prometheus scrapes each process (the chart's PodMonitor names it too).
+METRICS_PATH = "/metrics"
 # From a cached answer (~100 us) to a head slowed by thousands of readers starting at once.
 REQUEST_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -265,7 +267,7 @@ class HealthServer:
                     self._send(200 if ready else 503, "text/plain", (reason + "\n").encode())
                 elif path == "/status":
                     self._send(200, "application/json", json.dumps(status_()).encode())
-                elif path == "/metrics":
+                elif path == METRICS_PATH:
                     self._send(200, CONTENT_TYPE_LATEST, generate_latest(metrics_.registry))
                 else:
                     self._send(404, "text/plain", b"not found: try /ready, /live, /status or /metrics\n")
