@@ -16,7 +16,13 @@ from tests.chart.render import DATA_CACHE, NAMESPACE, build_kustomize, one, rend
 from tests.initializer.support import MINIMAL
 
 NAME = "kubeflow-trainer-data-cache"
-ENABLED = {"dataCache": {"enabled": True, "metrics": {"podMonitor": {"enabled": True}}}}
+
+
+def with_monitor(**settings) -> dict:
+    return {"dataCache": {"enabled": True, "metrics": {"podMonitor": {"enabled": True, **settings}}}}
+
+
+ENABLED = with_monitor()
 
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
@@ -75,10 +81,6 @@ def pod_monitor(values: dict) -> dict:
     monitor = one(render_chart(values), "PodMonitor", NAME)
     jsonschema.validate(monitor, POD_MONITOR_FIELDS)
     return monitor
-
-
-def with_monitor(**settings) -> dict:
-    return {"dataCache": {"enabled": True, "metrics": {"podMonitor": {"enabled": True, **settings}}}}
 
 
 def cache_pod_templates(env: dict) -> list[dict]:

@@ -8,6 +8,15 @@ app.kubernetes.io/component: data-cache
 {{ include "trainer.fullname" . }}-cache-initializer
 {{- end }}
 
+{{/* The PodMonitor's name and namespace: its template and the NOTES both name it. */}}
+{{- define "trainer.dataCache.podMonitor.name" -}}
+{{ include "trainer.fullname" . }}-data-cache
+{{- end }}
+
+{{- define "trainer.dataCache.podMonitor.namespace" -}}
+{{ .Values.dataCache.metrics.podMonitor.namespace | default .Release.Namespace }}
+{{- end }}
+
 {{- define "trainer.dataCache.initializerImage" -}}
 {{- include "trainer.imageRef" .Values.dataCache.initializer.image }}
 {{- end }}
