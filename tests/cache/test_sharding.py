@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.protocol import ShardRequest
-from kubeflow_data_cache.sharding import EpochOrder, endpoint_rows, node_rows, shard_ranges, shard_size
+from kubeflow_data_cache.sharding import (
+    ORDER_WINDOW_ROWS,
+    EpochOrder,
+    endpoint_rows,
+    node_rows,
+    shard_ranges,
+    shard_size,
+)
 from tests.cache.inprocess import get, wait_for
 
 
@@ -18,13 +25,16 @@ def node_offsets(total: int, nodes: int) -> list[int]:
     return [k * total // nodes for k in range(nodes)] + [total]
 
 
-def rows_of_shard(total: int, nodes: int, req: ShardRequest) -> tuple[list[int], list[int]]:
+def rows_of_shard(
+    total: int, nodes: int, req: ShardRequest, window: int = ORDER_WINDOW_ROWS
+) -> tuple[list[int], list[int]]:
     """What the data nodes together serve for one shard, and how many rows each served."""
     offs = node_offsets(total, nodes)
     out: list[int] = []
     served = []
     for k in range(nodes):
-        mine = [r + offs[k] for part in node_rows(offs[k], offs[k + 1] - offs[k], total, req) for r in part]
+        parts = node_rows(offs[k], offs[k + 1] - offs[k], total, req, window_rows=window)
+        mine = [r + offs[k] for part in parts for r in part]
         served.append(len(mine))
         out.extend(mine)
     return out, served
@@ -39,13 +49,14 @@ def rows_of_shard(total: int, nodes: int, req: ShardRequest) -> tuple[list[int],
     shuffle=st.booleans(),
     seed=st.one_of(st.integers(0, 2**31), st.integers(2**44, 2**64 - 1)),  # microsecond-clock seeds too
     epoch=st.integers(0, 50),
+    window=st.integers(1, 700),  # a node computes its order this many positions at a time
 )
-def test_every_row_exactly_once_over_all_shards(total, shards, nodes, block, shuffle, seed, epoch):
+def test_every_row_exactly_once_over_all_shards(total, shards, nodes, block, shuffle, seed, epoch, window):
     seen: list[int] = []
     offs = node_offsets(total, nodes)
     for s in range(shards):
         req = ShardRequest(shard=s, num_shards=shards, shuffle=shuffle, seed=seed, epoch=epoch, block_size=block)
-        rows, served = rows_of_shard(total, nodes, req)
+        rows, served = rows_of_shard(total, nodes, req, window)
         assert len(rows) == shard_size(total, req)
         # The head's per-endpoint counts (in tickets) are exactly what each node streams.
         assert endpoint_rows(offs, total, req) == served
@@ -183,11 +194,12 @@ def test_endpoint_counts_are_exact_for_uneven_nodes_and_wrapping_shards(
     shards=st.integers(1, 6),
     block=st.integers(1, 400),
     batch=st.integers(1, 64),
+    window=st.integers(1, 700),
     shuffle=st.booleans(),
     even=st.sampled_from([None, "drop", "pad"]),
     data=st.data(),
 )
-def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, cut, shards, block, batch, shuffle, even, data):
+def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, cut, shards, block, batch, window, shuffle, even, data):
     """A node told to skip starts where the whole stream would be after that many rows: counted
     across wrapped ranges (pad) and partial blocks, windows smaller or larger than blocks."""
     split = int(total * cut)
@@ -200,9 +212,9 @@ def test_a_skipped_stream_is_the_rest_of_the_whole_one(total, cut, shards, block
         batch_size=batch,
         even=even,
     )
-    whole = [int(r) for p in node_rows(*node, total, req) for r in p]
+    whole = [int(r) for p in node_rows(*node, total, req, window_rows=window) for r in p]
     skip = data.draw(st.integers(0, len(whole)))
-    parts = list(node_rows(*node, total, req, skip))
+    parts = list(node_rows(*node, total, req, skip, window))
     assert shuffle or all(isinstance(p, range) for p in parts)  # unshuffled stays zero-copy slices
     assert [int(r) for p in parts for r in p] == whole[skip:]
 
@@ -241,3 +253,15 @@ def test_the_head_refuses_a_shuffle_of_too_many_blocks_naming_the_block_size(clu
         with pytest.raises(BadRequestError, match=r"10000 rows into 10000 blocks.*use block_size >= 100"):
             client.get_flight_info(ShardRequest(shuffle=True, block_size=1))
         assert client.get_flight_info(ShardRequest(shuffle=True, block_size=100)).total_records == small_table.rows
+
+
+@pytest.mark.parametrize("block", [1024, 300_000])
+def test_a_shuffled_node_computes_its_order_a_bounded_window_at_a_time(block):
+    """A node's order arrays are its stream's memory while it is computed: at most a window of
+    positions (or two blocks, when they are larger) at a time, whatever the transfer batch."""
+    total = 2_000_000
+    req = ShardRequest(shuffle=True, epoch=1, batch_size=1 << 20, block_size=block)
+    node = (0, total // 2)
+    sizes = [len(part) for part in node_rows(*node, total, req)]
+    assert sum(sizes) == total // 2
+    assert max(sizes) <= max(ORDER_WINDOW_ROWS, 2 * block)

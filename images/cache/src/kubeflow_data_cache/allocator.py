@@ -141,9 +141,14 @@ GLIBC_TRIM_THRESHOLD = 128 << 20
 # A data node's glibc arenas. Left alone, glibc gives threads their own arenas (up to 8 per
 # core), and each gRPC thread's keeps its freed message buffers: with the thresholds above, a
 # node's resident memory grew by ~250 MiB over 30 shuffled whole-table reads here (a 56 MiB
-# node), ~90 MiB with two arenas, at the same speed. Nodes only: in a trainer, torch's CPU
-# threads allocate through glibc too, and fewer arenas could make them wait on each other.
-DATA_NODE_GLIBC_ARENAS = 2
+# node), ~90 MiB with two arenas, at the same speed. One arena, because malloc_trim only
+# shortens the main arena's heap: the free top of any other arena's heap goes back to the OS
+# only from free(), once it exceeds the trim threshold, which at 128 MiB (above) is more than
+# such a heap can hold. With two, ~10-15 MiB a node stayed resident after shuffled reads however
+# long it sat idle; with one, ~3-4 MiB, and reads measured as fast (paired runs, 1 to 4 readers).
+# Nodes only: in a trainer, torch's CPU threads allocate through glibc too, and fewer arenas
+# could make them wait on each other.
+DATA_NODE_GLIBC_ARENAS = 1
 _glibc_tuned: bool | None = None
 
 
@@ -186,7 +191,8 @@ def tune_glibc_malloc(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def trim_glibc_malloc() -> bool:
-    """Return the free memory of every glibc arena to the OS (``malloc_trim(0)``). True when
+    """Return glibc's free memory to the OS (``malloc_trim(0)``): the free chunks of every arena,
+    and the free top of the main arena's heap only (why data nodes keep one arena). True when
     some was released; False when none was, or where the C library is not glibc. Cheap when
     idle: the pages it hands back are already free."""
     trim = _glibc("malloc_trim")
