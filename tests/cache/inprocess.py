@@ -38,17 +38,18 @@ FLAGS = {"host": "127.0.0.1", "advertise_host": "127.0.0.1", "port": 0, "health_
 
 @pytest.fixture
 def cluster():
-    """start(metadata_loc, with_node=True) -> (head, head_health, node, node_health); all stopped after."""
+    """start(metadata_loc, with_node=True, **node_flags) -> (head, head_health, node, node_health);
+    all stopped after."""
     started = []
 
-    def start(metadata_loc: str, with_node: bool = True):
+    def start(metadata_loc: str, with_node: bool = True, **node_flags):
         head = Head(build_config("head", {**FLAGS, "metadata_loc": metadata_loc, "data_nodes": 1}, env={}))
         head_health = HealthServer("127.0.0.1", 0, head.lifecycle, head.metrics, head.status).start()
         started.append((head, head_health))
         head.start()
         node = None
         if with_node:
-            cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})
+            cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location, **node_flags}, env={})
             node = DataNode(cfg)
             node_health = HealthServer("127.0.0.1", 0, node.lifecycle, node.metrics, node.status).start()
             started.append((node, node_health))

@@ -120,16 +120,26 @@ class GatherReclaim:
         if wait > 0:
             self._schedule(wait)  # a stream came and went meanwhile: idle since its close
             return
-        import pyarrow as pa
-
-        pool = serve_pool()
-        # A collect only reaches abandoned pages from a thread whose heap is set up: allocate once.
-        pa.allocate_buffer(64, memory_pool=pool)
-        pool.release_unused()
-        # gRPC's send buffers and the gathers' index arrays went through glibc, whose tuned trim
-        # threshold (tune_glibc_malloc) keeps what they freed in its arenas: hand that back too.
-        trim_glibc_malloc()
+        reclaim_gather_memory()
         self.reclaims += 1
+
+    @property
+    def open_streams(self) -> int:
+        return self._open
+
+
+def reclaim_gather_memory() -> None:
+    """Hand the gather pool's free pages, and glibc's free memory, back to the OS: when a node
+    goes idle (GatherReclaim), or when it nears its memory limit (memory.ServeMemoryGuard)."""
+    import pyarrow as pa
+
+    pool = serve_pool()
+    # A collect only reaches abandoned pages from a thread whose heap is set up: allocate once.
+    pa.allocate_buffer(64, memory_pool=pool)
+    pool.release_unused()
+    # gRPC's send buffers and the gathers' index arrays went through glibc, whose tuned trim
+    # threshold (tune_glibc_malloc) keeps what they freed in its arenas: hand that back too.
+    trim_glibc_malloc()
 
 
 # glibc mallopt parameters (malloc.h).

@@ -36,6 +36,10 @@ class NotReadyError(DataCacheError):
     """The cache has not finished loading (or its load failed)."""
 
 
+class NodeBusyError(DataCacheError):
+    """A data node cannot start another stream now (too near its memory limit); retry shortly."""
+
+
 class StaleTicketError(DataCacheError):
     """A ticket was issued for another load of this data node; ask the head again."""
 

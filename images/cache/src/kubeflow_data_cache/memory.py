@@ -1,17 +1,24 @@
 """Resource budgets: the container's memory and CPU limits, resident size, the pre-load check,
-and the guard that stops a load before the kernel's OOM kill."""
+the guard that stops a load before the kernel's OOM kill, and the one that holds back new
+gathering streams near it."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
-from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError
+from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, NodeBusyError
+
+log = logging.getLogger(__name__)
 
 _UNITS = {
     "": 1,
@@ -178,6 +185,11 @@ def load_guard_threshold(limit: int) -> int:
     return int(limit - min(limit * LOAD_GUARD_SHARE, LOAD_GUARD_MAX_MARGIN))
 
 
+def _knobs(local: bool) -> tuple[str, str]:
+    """The settings that give data nodes more count and memory: `data-cache local`'s flags, or the pod's."""
+    return ("--data-nodes", "--memory-limit") if local else ("CLUSTER_SIZE", "WORKER_MEM / --memory-limit")
+
+
 class LoadMemoryGuard:
     """Checks, as a load decodes, that the node's rows will fit and that it stays out of its
     limit's last margin.
@@ -204,10 +216,7 @@ class LoadMemoryGuard:
         if resident <= threshold and (early or projected <= threshold):
             return
         share = rows_read / self.rows if self.rows else 0.0
-        if self.local:
-            nodes_knob, memory_knob = "--data-nodes", "--memory-limit"
-        else:
-            nodes_knob, memory_knob = "CLUSTER_SIZE", "WORKER_MEM / --memory-limit"
+        nodes_knob, memory_knob = _knobs(self.local)
         if resident > threshold:
             what = f"its resident memory reached {_fmt(resident)} of its {_fmt(self.limit)} limit"
         else:
@@ -219,3 +228,96 @@ class LoadMemoryGuard:
             f"compressible strings do this); give each data node more memory ({memory_knob}) or use more "
             f"data nodes ({nodes_knob})"
         )
+
+
+# What one gathering stream (shuffled or filtered) may hold on its node at once, in batches: its
+# readahead queue (READAHEAD_BATCHES), the batch being gathered, the one gRPC is sending, and
+# the allocator's pages around them. A shuffled all-column stream of 3.8 MB batches that its
+# reader stopped reading measured 31-39 MiB on its node (docs/cache.md).
+GATHER_STREAM_BATCHES = 10
+# A stream's batches take a moment to show in the node's resident memory, and readers open their
+# streams together at each epoch's start: a stream admitted this recently still counts at its
+# full size on top of what is resident, so a burst cannot all be let in on one reading of it.
+GATHER_STREAM_RAMP_SECONDS = 2.0
+
+
+class ServeMemoryGuard:
+    """Admits a new gathering stream only while the node's memory has room for its batches.
+
+    The pre-load check keeps BASELINE_MEMORY_BYTES aside for the interpreter and for serving,
+    but every open shuffled or filtered stream holds a few gathered batches: with wide rows and
+    many readers they could push a node into the kernel's OOM kill, which ends every stream on
+    it and has the whole cache group reload. A stream whose batches would bring the node's
+    resident memory into the load guard's last margin (load_guard_threshold), counting streams
+    admitted in the last GATHER_STREAM_RAMP_SECONDS at their full size, is first met with a
+    reclaim of freed serving memory, and refused if that is not enough: UNAVAILABLE, which
+    readers retry with backoff while open streams finish and free their batches. A stream with
+    none other open or starting is always admitted, since waiting would free nothing. In-order
+    reads send zero-copy slices of the rows and are not held back.
+    """
+
+    def __init__(
+        self,
+        limit: int | None,
+        reclaim: Callable[[], None],
+        resident: Callable[[], int] | None = None,
+        local: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.limit = limit
+        self._reclaim = reclaim
+        self._resident = resident or (lambda: resident_bytes())  # looked up per call
+        self.local = under_local() if local is None else local
+        self._clock = clock
+        self._lock = threading.Lock()  # one reclaim at a time; admissions far from the limit are cheap
+        self._recent: deque[tuple[float, int]] = deque()  # (admitted at, its size), oldest first
+        self._refusing = False
+        self.refused = 0
+
+    def _ramping(self) -> int:
+        """The size of streams admitted too recently to show in resident memory yet."""
+        horizon = self._clock() - GATHER_STREAM_RAMP_SECONDS
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+        return sum(size for _, size in self._recent)
+
+    def admit(self, batch_bytes: int, open_streams: int, node: int) -> None:
+        """Return if a stream of ``batch_bytes`` batches fits, else raise NodeBusyError."""
+        if self.limit is None:
+            return
+        threshold = load_guard_threshold(self.limit)
+        need = batch_bytes * GATHER_STREAM_BATCHES
+        with self._lock:
+            ramping = self._ramping()
+            resident = self._resident()
+            if resident + ramping + need > threshold:
+                self._reclaim()
+                resident = self._resident()
+            # With no other stream open or starting, nothing would free memory for a reader that
+            # waits: one stream at a time always goes (the load check left room for it).
+            alone = open_streams == 0 and not ramping
+            if alone or resident + ramping + need <= threshold:
+                self._recent.append((self._clock(), need))
+                if self._refusing:
+                    self._refusing = False
+                    log.info(
+                        "memory back to %s of %s: starting shuffled and filtered streams again",
+                        _fmt(resident),
+                        _fmt(self.limit),
+                    )
+                return
+            self.refused += 1
+            first = not self._refusing
+            self._refusing = True
+            just_started = f" ({len(self._recent)} just started)" if ramping else ""
+        nodes_knob, memory_knob = _knobs(self.local)
+        message = (
+            f"data node {node} is too near its memory limit to start another shuffled or filtered stream: "
+            f"{_fmt(resident)} resident of {_fmt(self.limit)}, with {open_streams} such stream(s) open, each "
+            f"holding up to ~{_fmt(need)}{just_started}; retry shortly (readers retry UNAVAILABLE). If it persists, give data "
+            f"nodes more memory ({memory_knob}), use more of them ({nodes_knob}), or read with fewer "
+            "DataLoader workers or fewer columns"
+        )
+        if first:  # once per spell of refusals: readers retrying would otherwise flood the log
+            log.warning("%s", message)
+        raise NodeBusyError(message)

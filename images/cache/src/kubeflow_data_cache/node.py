@@ -16,19 +16,20 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
-from kubeflow_data_cache.allocator import GatherReclaim
+from kubeflow_data_cache.allocator import GatherReclaim, reclaim_gather_memory
 from kubeflow_data_cache.config import NodeConfig, host_port
 from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
 from kubeflow_data_cache.errors import (
     BadRequestError,
     ClusterFormationError,
+    NodeBusyError,
     StaleTicketError,
     TableLoadError,
     first_line,
 )
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.memory import LoadMemoryGuard, resident_bytes
+from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
@@ -130,6 +131,7 @@ class DataNode(ReadOnlyFlight):
         self.load_seconds = 0.0
         self._progress: LoadProgress | None = None  # the latest load's
         self._gathers = GatherReclaim()
+        self._serve_guard = ServeMemoryGuard(cfg.memory_limit, reclaim_gather_memory)
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
@@ -322,6 +324,8 @@ class DataNode(ReadOnlyFlight):
             "resident_bytes": resident_bytes(),
             "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,
+            # Shuffled or filtered streams refused so far because the node was near its memory limit.
+            "refused_streams": self._serve_guard.refused,
             "load_seconds": round(self.load_seconds, 3),
         }
 
@@ -384,6 +388,14 @@ class DataNode(ReadOnlyFlight):
             self.metrics.rows_served.inc(sum(b.num_rows for b in batches))
             self.metrics.bytes_served.inc(sum(b.nbytes for b in batches))
             return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
+        # A gathering stream holds a few batches of its own: none is started that would take the
+        # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
+        batch_bytes = int(batch_rows * store.row_bytes(req.columns))
+        try:
+            self._serve_guard.admit(batch_bytes, self._gathers.open_streams, self.cfg.node_index)
+        except NodeBusyError:
+            self.metrics.streams_refused.inc()
+            raise
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.

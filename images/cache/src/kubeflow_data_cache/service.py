@@ -19,7 +19,14 @@ import pyarrow.flight as flight
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kubeflow_data_cache.errors import BadRequestError, DataCacheError, NotReadyError, StaleTicketError, first_line
+from kubeflow_data_cache.errors import (
+    BadRequestError,
+    DataCacheError,
+    NodeBusyError,
+    NotReadyError,
+    StaleTicketError,
+    first_line,
+)
 from kubeflow_data_cache.memory import resident_bytes
 
 log = logging.getLogger(__name__)
@@ -97,6 +104,11 @@ class Metrics:
         self.ready = Gauge("data_cache_ready", "1 when loaded and serving", registry=r)
         self.rows_served = Counter("data_cache_rows_served", "Rows sent to clients", registry=r)
         self.bytes_served = Counter("data_cache_bytes_served", "Arrow bytes sent to clients", registry=r)
+        self.streams_refused = Counter(
+            "data_cache_streams_refused",
+            "Shuffled or filtered DoGet streams a data node refused (UNAVAILABLE) near its memory limit",
+            registry=r,
+        )
         self.requests = Counter("data_cache_requests", "Flight calls", ["method"], registry=r)
         self.errors = Counter("data_cache_errors", "Flight calls that failed", ["method", "code"], registry=r)
         # The handler's own time: a whole unary call; for DoGet, checking the ticket and setting up
@@ -141,7 +153,7 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
             except (BadRequestError, StaleTicketError) as err:
                 metrics.errors.labels(method=method, code="INVALID_ARGUMENT").inc()
                 raise pa.ArrowInvalid(str(err)) from None
-            except NotReadyError as err:
+            except (NotReadyError, NodeBusyError) as err:
                 metrics.errors.labels(method=method, code="UNAVAILABLE").inc()
                 raise flight.FlightUnavailableError(str(err)) from None
             except NotImplementedError as err:

@@ -185,9 +185,13 @@ class NodeStore:
     ) -> int:
         """Rows per served batch: ``requested``, or fewer where the columns' average row would
         make a batch larger than ``max_bytes`` (at least one row)."""
-        names = self.schema.names if columns is None else columns
-        row_bytes = sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
+        row_bytes = self.row_bytes(columns)
         return max(1, min(requested, int(max_bytes // row_bytes) if row_bytes else requested))
+
+    def row_bytes(self, columns: tuple[str, ...] | None) -> float:
+        """The average bytes of a row's ``columns`` (all when None)."""
+        names = self.schema.names if columns is None else columns
+        return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))

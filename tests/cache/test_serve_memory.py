@@ -1,0 +1,213 @@
+"""Near its memory limit, a data node holds back new shuffled and filtered streams (UNAVAILABLE,
+which readers retry) instead of letting their batches bring on the kernel's OOM kill."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pyarrow.flight as flight
+import pytest
+
+from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.errors import CacheUnavailableError, NodeBusyError
+from kubeflow_data_cache.memory import (
+    GATHER_STREAM_BATCHES,
+    GATHER_STREAM_RAMP_SECONDS,
+    ServeMemoryGuard,
+    load_guard_threshold,
+)
+from kubeflow_data_cache.protocol import ShardRequest
+from tests.cache.inprocess import cluster, get, wait_for  # noqa: F401 - cluster is a fixture
+
+MiB = 1 << 20
+LIMIT = 1 << 30  # its last margin: 10% of it, 102.4 MiB
+
+
+def test_the_guard_admits_what_fits_and_reclaims_before_it_refuses(caplog):
+    resident, reclaims = [900 * MiB], []
+    guard = ServeMemoryGuard(LIMIT, lambda: reclaims.append(1), resident=lambda: resident[0], local=False)
+    assert abs(load_guard_threshold(LIMIT) - 921.6 * MiB) < 1
+    guard.admit(MiB, open_streams=0, node=3)  # 900 MiB + 10 batches of 1 MiB: under 921.6 MiB
+    assert reclaims == [] and guard.refused == 0
+
+    resident[0] = 915 * MiB  # 925 MiB with the stream's batches: into the margin
+    caplog.set_level(logging.INFO, logger="kubeflow_data_cache.memory")
+    for _ in range(2):
+        with pytest.raises(NodeBusyError) as refused:
+            guard.admit(MiB, open_streams=5, node=3)
+    message = str(refused.value)
+    assert "data node 3 is too near its memory limit" in message
+    assert "915.0 MiB resident of 1.00 GiB, with 5 such stream(s) open" in message
+    assert f"up to ~{GATHER_STREAM_BATCHES}.0 MiB" in message and "retry shortly" in message
+    assert "WORKER_MEM / --memory-limit" in message and "CLUSTER_SIZE" in message
+    assert reclaims == [1, 1], "each refusal is tried with a reclaim first"
+    assert guard.refused == 2
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "one warning per spell of refusals, not one per retry"
+
+    def frees_enough():  # the freed pages of finished streams go back: room again
+        reclaims.append(1)
+        resident[0] = 800 * MiB
+
+    guard._reclaim = frees_enough
+    guard.admit(MiB, open_streams=5, node=3)
+    assert guard.refused == 2
+    assert any("starting shuffled and filtered streams again" in r.getMessage() for r in caplog.records)
+
+    # Alone (no stream open or just started), a stream goes whatever the memory: waiting for
+    # others to finish would free nothing.
+    alone = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: LIMIT, local=False)
+    alone.admit(MiB, open_streams=0, node=3)
+    with pytest.raises(NodeBusyError):  # that one is now starting
+        alone.admit(MiB, open_streams=0, node=3)
+
+    unlimited = ServeMemoryGuard(None, lambda: reclaims.append(1), resident=lambda: 1 << 60)
+    unlimited.admit(1 << 40, open_streams=1000, node=0)  # no limit known: nothing to guard
+
+
+def test_streams_opened_together_count_at_full_size_until_they_show():
+    """Readers open their streams together at an epoch's start, before any batch is gathered: the
+    guard must not let them all in on one reading of resident memory."""
+    now = [0.0]
+    guard = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: 500 * MiB, local=False, clock=lambda: now[0])
+    admitted = 0
+    with pytest.raises(NodeBusyError, match=r"with 42 such stream\(s\) open.*\(42 just started\)"):
+        for _ in range(100):
+            guard.admit(MiB, open_streams=admitted, node=0)
+            admitted += 1
+    assert admitted == 42  # (921.6 - 500) MiB of room, 10 MiB a stream
+    now[0] += GATHER_STREAM_RAMP_SECONDS + 0.1  # by now their batches show in resident memory
+    guard.admit(MiB, open_streams=admitted, node=0)
+
+
+def test_local_refusals_name_the_local_flags():
+    guard = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: LIMIT, local=True)
+    with pytest.raises(NodeBusyError, match="more memory \\(--memory-limit\\), use more of them \\(--data-nodes\\)"):
+        guard.admit(MiB, open_streams=1, node=0)
+
+
+def _shuffled_endpoint(head, batch_size: int = 65536) -> flight.FlightEndpoint:
+    body = json.dumps({"shard": 0, "num_shards": 1, "shuffle": True, "epoch": 1, "batch_size": batch_size})
+    info = flight.FlightClient(head.location).get_flight_info(flight.FlightDescriptor.for_command(body.encode()))
+    (endpoint,) = info.endpoints
+    return endpoint
+
+
+def _stalled_stream(endpoint: flight.FlightEndpoint):
+    """A shuffled stream opened and left unread: its node keeps gathering it (small batches, and
+    no flow-control window growth, so it cannot all be sent at once)."""
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
+    client = flight.FlightClient(endpoint.locations[0].uri.decode(), generic_options=options)
+    reader = client.do_get(endpoint.ticket)
+    reader.read_chunk()
+    return client, reader
+
+
+def test_a_node_at_its_limit_refuses_gathering_streams_and_readers_wait(cluster, small_table, monkeypatch):  # noqa: F811
+    import kubeflow_data_cache.memory as memory
+
+    head, _head_health, node, node_health = cluster(small_table.metadata_location, memory_limit="8Gi")
+    wait_for(lambda: head.lifecycle.state == "ready")
+    at_limit = node.cfg.memory_limit
+    held = _stalled_stream(_shuffled_endpoint(head, batch_size=16))  # admitted: memory was low
+    wait_for(lambda: node._gathers.open_streams == 1)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: at_limit)
+
+    endpoint = _shuffled_endpoint(head)
+    with pytest.raises(flight.FlightUnavailableError, match="data node 0 is too near its memory limit"):
+        flight.FlightClient(endpoint.locations[0]).do_get(endpoint.ticket).read_all()
+    # In-order reads send zero-copy slices of the rows: they are not held back.
+    with CacheClient(head.location) as client:
+        assert sum(b.num_rows for b in client.read_shard(ShardRequest(), interleave=False)) == small_table.rows
+    metrics = get(node_health.port, "/metrics")[1]
+    assert "data_cache_streams_refused_total 1.0" in metrics
+    assert 'data_cache_errors_total{code="UNAVAILABLE",method="DoGet"} 1.0' in metrics
+    assert json.loads(get(node_health.port, "/status")[1])["refused_streams"] == 1
+
+    # A reader retries: once streams elsewhere free their memory, its shuffled read is whole.
+    calls = []
+
+    def frees_up_later() -> int:
+        calls.append(1)
+        return at_limit if len(calls) <= 6 else 0  # each refusal reads memory twice (before and after a reclaim)
+
+    monkeypatch.setattr(memory, "resident_bytes", frees_up_later)
+    with CacheClient(head.location, deadline_seconds=30) as client:
+        ids = np.concatenate(
+            [b.column("id").to_numpy() for b in client.read_shard(ShardRequest(shuffle=True, epoch=2))]
+        )
+    assert len(calls) > 6, "the reader was refused first"
+    assert np.array_equal(np.sort(ids), np.arange(small_table.rows))
+
+    # Memory that never frees up: the reader gives up after its deadline, naming the node and why.
+    monkeypatch.setattr(memory, "resident_bytes", lambda: at_limit)
+    unavailable = r"data node .* stayed unavailable .*too near its memory limit"
+    with (
+        CacheClient(head.location, deadline_seconds=2) as client,
+        pytest.raises(CacheUnavailableError, match=unavailable),
+    ):
+        list(client.read_shard(ShardRequest(shuffle=True, epoch=3)))
+    held[1].cancel()
+    held[0].close()
+
+
+_HOLDER = """
+import json, sys, time
+import pyarrow.flight as flight
+head = flight.FlightClient(sys.argv[1])
+body = {"shard": 0, "num_shards": 1, "shuffle": True, "epoch": 1}
+info = head.get_flight_info(flight.FlightDescriptor.for_command(json.dumps(body).encode()))
+held, refused, reason = [], 0, ""
+for _ in range(int(sys.argv[2])):
+    for ep in info.endpoints:
+        # One connection each, and no window growth: each stream stalls after a batch or so.
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
+        client = flight.FlightClient(ep.locations[0].uri.decode(), generic_options=options)
+        try:
+            stream = client.do_get(ep.ticket)
+            stream.read_chunk()
+            held.append((client, stream))
+        except flight.FlightUnavailableError as err:
+            refused, reason = refused + 1, str(err).splitlines()[0]
+print(json.dumps({"held": len(held), "refused": refused, "reason": reason}), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_burst_of_stalled_readers_is_held_back_under_the_memory_limit(table_factory):
+    """Real memory, real processes: 40 shuffled all-column readers that stop reading. Without a
+    limit they took this node from ~150 to ~840 MiB here; with 600 MiB it admits what fits, refuses
+    the rest, and stays under its limit, then serves whole reads once they are gone."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from kubeflow_data_cache.dataset import DataCacheDataset
+    from tests.conftest import LocalCache
+
+    limit = 600 << 20
+    cache = LocalCache(table_factory(300_000, 3).metadata_location, 1, args=("--memory-limit", "600Mi"))
+    holder = None
+    try:
+        cache.wait_ready()
+        node = next(p for p in psutil.Process(cache.proc.pid).children() if "worker" in p.cmdline())
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, cache.endpoint, "40"], stdout=subprocess.PIPE, text=True
+        )
+        burst = json.loads(holder.stdout.readline())
+        assert burst["held"] >= 1 and burst["refused"] >= 1, burst
+        assert "data node 0 is too near its memory limit" in burst["reason"]
+        assert node.memory_info().rss < limit, "the held streams took the node past its limit"
+        holder.kill()
+        holder.wait(10)
+        dataset = DataCacheDataset(cache.endpoint, batch_size=4096, columns=["id"], shuffle=True, deadline_seconds=60)
+        ids = np.concatenate([batch["id"].numpy() for batch in dataset])
+        assert np.array_equal(np.sort(ids), np.arange(300_000))
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        cache.stop()
