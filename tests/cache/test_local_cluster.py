@@ -3,6 +3,7 @@ it did not start, and its nodes do not outlive it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 
 import psutil
 
+from kubeflow_data_cache.runner import DUMP_STACKS_SIGNAL
 from tests.cache.conftest import read_path_shards
 from tests.cache.test_config_errors import assert_one_line_error
 from tests.conftest import LocalCache
@@ -65,7 +67,15 @@ def test_nodes_stop_when_local_is_sigkilled(table_factory):
         deadline = time.monotonic() + DEADLINE
         while not all(gone(node) for node in nodes) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(gone(node) for node in nodes), [node.pid for node in nodes if not gone(node)]
+        stuck = [node for node in nodes if not gone(node)]
+        for node in stuck:  # what it is doing: every thread's stack, to the shared stderr
+            with contextlib.suppress(psutil.Error):
+                node.send_signal(DUMP_STACKS_SIGNAL)
+        time.sleep(1 if stuck else 0)
+        assert not stuck, (
+            f"still running {DEADLINE}s after `local` was killed: {[(n.pid, n.cmdline()) for n in stuck]}\n"
+            f"{cache.read_stderr()[-6000:]}"
+        )
     finally:
         cache.stop()  # SIGKILL to its whole session sweeps up whatever is left
 
@@ -92,5 +102,23 @@ def test_a_stalled_reader_lets_the_nodes_end_their_own_grace_under_sigterm(table
         assert time.monotonic() - started >= SHUTDOWN_GRACE_SECONDS - 1
         assert "exiting without them" in cache.read_stderr()
         reader.close()
+    finally:
+        cache.stop()
+
+
+def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(table_factory):
+    """An operator's view into a process that seems stuck (`kill -USR1`), which leaves it running."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
+    try:
+        location = cache.wait_ready().split()[1]
+        head = next(p for p in psutil.Process(cache.proc.pid).children() if "head" in p.cmdline())
+        head.send_signal(DUMP_STACKS_SIGNAL)
+        deadline = time.monotonic() + DEADLINE
+        while "Current thread" not in cache.read_stderr() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        dump = cache.read_stderr()
+        assert "Current thread" in dump and "Thread 0x" in dump, dump[-3000:]
+        assert "run_node" in dump  # the main thread's Python stack, waiting for a signal to stop
+        assert read_path_shards(location).num_rows == 2000
     finally:
         cache.stop()

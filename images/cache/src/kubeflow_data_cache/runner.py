@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -21,6 +22,8 @@ from kubeflow_data_cache.node import DataNode
 from kubeflow_data_cache.service import STOPPING, HealthServer
 
 log = logging.getLogger(__name__)
+
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
 
 
 def _write_termination_log(path: str, message: str) -> None:
@@ -66,6 +69,10 @@ def run_node(cfg: NodeConfig) -> NoReturn:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr (the pod's log): what a
+    # process that seems stuck is doing, without stopping it. Dumped from the signal handler
+    # itself, so it works even when no thread gives up the interpreter.
+    faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
     if cfg.role == "head":
         server.start()
     else:
