@@ -173,26 +173,6 @@ def test_the_worker_command_prepares_its_process_first(monkeypatch):
         cli.main(["worker", "--head", "grpc://127.0.0.1:1", "--index", "0", "--startup-timeout", "2"])
 
 
-_HOLDER = """
-import json, sys, time
-import pyarrow.flight as flight
-head = flight.FlightClient(sys.argv[1])
-body = {"shard": 0, "num_shards": 1, "shuffle": True, "epoch": 1}
-info = head.get_flight_info(flight.FlightDescriptor.for_command(json.dumps(body).encode()))
-held = []
-for _ in range(int(sys.argv[2])):
-    for ep in info.endpoints:
-        # One connection each, and no window growth: each stream stalls after a batch or so.
-        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
-        client = flight.FlightClient(ep.locations[0].uri.decode(), generic_options=options)
-        stream = client.do_get(ep.ticket)
-        stream.read_chunk()
-        held.append((client, stream))
-print("HELD", flush=True)
-time.sleep(600)
-"""
-
-
 @pytest.mark.slow
 def test_a_burst_of_stalled_shuffled_readers_leaves_no_memory_behind(table_factory):
     """Each stalled shuffled stream holds a few gathered batches, gathered in a thread that ends
@@ -204,30 +184,27 @@ def test_a_burst_of_stalled_shuffled_readers_leaves_no_memory_behind(table_facto
     import psutil
 
     from kubeflow_data_cache.allocator import GATHER_RECLAIM_IDLE_SECONDS
+    from tests.cache.stalled_readers import stalled_readers
     from tests.conftest import LocalCache
 
     cache = LocalCache(table_factory(300_000, 3).metadata_location, 1)
-    holder = None
     try:
         cache.wait_ready()
         node = next(p for p in psutil.Process(cache.proc.pid).children() if "worker" in p.cmdline())
         idle = node.memory_info().rss
-        cmd = [sys.executable, "-c", _HOLDER, cache.endpoint, "20"]
-        holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        assert holder.stdout.readline().strip() == "HELD"
-        time.sleep(1)
-        burst = node.memory_info().rss - idle
-        assert burst > 150 << 20, f"the stalled streams should hold gathered batches ({burst >> 20} MiB)"
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(10)
+        with stalled_readers(cache.endpoint, 20) as (holder, got):
+            assert got["held"] == 20, got
+            time.sleep(1)
+            burst = node.memory_info().rss - idle
+            assert burst > 150 << 20, f"the stalled streams should hold gathered batches ({burst >> 20} MiB)"
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
         deadline = time.monotonic() + GATHER_RECLAIM_IDLE_SECONDS + 15
         while node.memory_info().rss - idle > burst / 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         left = node.memory_info().rss - idle
         assert left <= burst / 3, f"{left >> 20} MiB of a {burst >> 20} MiB burst still resident"
     finally:
-        if holder is not None and holder.poll() is None:
-            holder.kill()
         cache.stop()
 
 

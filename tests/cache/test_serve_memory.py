@@ -20,6 +20,7 @@ from kubeflow_data_cache.memory import (
 )
 from kubeflow_data_cache.protocol import ShardRequest
 from tests.cache.inprocess import cluster, get, wait_for  # noqa: F401 - cluster is a fixture
+from tests.cache.stalled_readers import STALLED_STREAM_OPTIONS, stalled_readers
 
 MiB = 1 << 20
 LIMIT = 1 << 30  # its last margin: 10% of it, 102.4 MiB
@@ -98,8 +99,7 @@ def _shuffled_endpoint(head, batch_size: int = 65536) -> flight.FlightEndpoint:
 def _stalled_stream(endpoint: flight.FlightEndpoint):
     """A shuffled stream opened and left unread: its node keeps gathering it (small batches, and
     no flow-control window growth, so it cannot all be sent at once)."""
-    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
-    client = flight.FlightClient(endpoint.locations[0].uri.decode(), generic_options=options)
+    client = flight.FlightClient(endpoint.locations[0].uri.decode(), generic_options=STALLED_STREAM_OPTIONS)
     reader = client.do_get(endpoint.ticket)
     reader.read_chunk()
     return client, reader
@@ -153,37 +153,11 @@ def test_a_node_at_its_limit_refuses_gathering_streams_and_readers_wait(cluster,
     held[0].close()
 
 
-_HOLDER = """
-import json, sys, time
-import pyarrow.flight as flight
-head = flight.FlightClient(sys.argv[1])
-body = {"shard": 0, "num_shards": 1, "shuffle": True, "epoch": 1}
-info = head.get_flight_info(flight.FlightDescriptor.for_command(json.dumps(body).encode()))
-held, refused, reason = [], 0, ""
-for _ in range(int(sys.argv[2])):
-    for ep in info.endpoints:
-        # One connection each, and no window growth: each stream stalls after a batch or so.
-        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
-        client = flight.FlightClient(ep.locations[0].uri.decode(), generic_options=options)
-        try:
-            stream = client.do_get(ep.ticket)
-            stream.read_chunk()
-            held.append((client, stream))
-        except flight.FlightUnavailableError as err:
-            refused, reason = refused + 1, str(err).splitlines()[0]
-print(json.dumps({"held": len(held), "refused": refused, "reason": reason}), flush=True)
-time.sleep(600)
-"""
-
-
 @pytest.mark.slow
 def test_a_burst_of_stalled_readers_is_held_back_under_the_memory_limit(table_factory):
     """Real memory, real processes: 40 shuffled all-column readers that stop reading. Without a
     limit they took this node from ~150 to ~840 MiB here; with 600 MiB it admits what fits, refuses
     the rest, and stays under its limit, then serves whole reads once they are gone."""
-    import subprocess
-    import sys
-
     import psutil
 
     from kubeflow_data_cache.dataset import DataCacheDataset
@@ -191,23 +165,15 @@ def test_a_burst_of_stalled_readers_is_held_back_under_the_memory_limit(table_fa
 
     limit = 600 << 20
     cache = LocalCache(table_factory(300_000, 3).metadata_location, 1, args=("--memory-limit", "600Mi"))
-    holder = None
     try:
         cache.wait_ready()
         node = next(p for p in psutil.Process(cache.proc.pid).children() if "worker" in p.cmdline())
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, cache.endpoint, "40"], stdout=subprocess.PIPE, text=True
-        )
-        burst = json.loads(holder.stdout.readline())
-        assert burst["held"] >= 1 and burst["refused"] >= 1, burst
-        assert "data node 0 is too near its memory limit" in burst["reason"]
-        assert node.memory_info().rss < limit, "the held streams took the node past its limit"
-        holder.kill()
-        holder.wait(10)
+        with stalled_readers(cache.endpoint, 40) as (_holder, burst):
+            assert burst["held"] >= 1 and burst["refused"] >= 1, burst
+            assert "data node 0 is too near its memory limit" in burst["reason"]
+            assert node.memory_info().rss < limit, "the held streams took the node past its limit"
         dataset = DataCacheDataset(cache.endpoint, batch_size=4096, columns=["id"], shuffle=True, deadline_seconds=60)
         ids = np.concatenate([batch["id"].numpy() for batch in dataset])
         assert np.array_equal(np.sort(ids), np.arange(300_000))
     finally:
-        if holder is not None and holder.poll() is None:
-            holder.kill()
         cache.stop()
