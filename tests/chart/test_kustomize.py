@@ -15,7 +15,7 @@ from tests.chart.render import (
     shared_dir,
 )
 
-OVERLAYS = ["overlays/manager", "overlays/data-cache", "overlays/data-cache/namespace-rbac"]
+OVERLAYS = ["overlays/manager", "overlays/data-cache", "overlays/data-cache/namespace-rbac", "overlays/trainer"]
 ADDON = "overlays/data-cache/addon"
 # LeaderWorkerSet keeps its own namespace, as upstream installs it (manifests/third-party/lws).
 LWS_NAMESPACE = "lws-system"
@@ -133,6 +133,20 @@ def test_manager_overlay_has_trainer_and_jobset_only():
         "jobsets.jobset.x-k8s.io",
     }
     assert select(objects, "ClusterTrainingRuntime") == []
+
+
+def test_trainer_overlay_is_the_manager_overlay_without_jobset():
+    """For a cluster that runs JobSet from its own release: the manager overlay would install a
+    second JobSet under the same cluster-wide names (bindings, webhooks); this one leaves it out."""
+    key = lambda o: (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))  # noqa: E731
+    trainer = {key(o): o for o in build_kustomize("overlays/trainer")}
+    manager = {key(o): o for o in build_kustomize("overlays/manager")}
+    jobset = {(kind, name) for kind, name, _ in map(key, build_kustomize("third-party/jobset"))}
+    assert not {(kind, name) for kind, name, _ in trainer} & jobset
+    assert {k for k in manager if k[:2] not in jobset} == set(trainer)
+    for k, obj in trainer.items():
+        assert obj == manager[k]
+    one(list(trainer.values()), "Deployment", "kubeflow-trainer-controller-manager")
 
 
 def test_data_cache_overlay_adds_lws_runtime_and_cluster_role():

@@ -51,7 +51,13 @@ def test_chart_crds_validate():
 
 @pytest.mark.parametrize(
     "overlay",
-    ["overlays/manager", "overlays/data-cache", "overlays/data-cache/addon", "overlays/data-cache/namespace-rbac"],
+    [
+        "overlays/manager",
+        "overlays/trainer",
+        "overlays/data-cache",
+        "overlays/data-cache/addon",
+        "overlays/data-cache/namespace-rbac",
+    ],
 )
 def test_kustomize_objects_validate(overlay):
     validate_objects(build_kustomize(overlay))
