@@ -205,12 +205,67 @@ def test_digests_pin_every_image_the_chart_names():
     assert env_of(init)["CACHE_IMAGE"]["value"] == f"ghcr.io/kubeflow-data-cache/cache:v0.1.0@{d['cache']}"
 
 
+def test_the_subchart_controllers_pin_by_a_digest_after_their_tag():
+    """JobSet's and LWS's charts have no digest value; a digest after the tag pins them."""
+    digest = "sha256:" + "d" * 64
+    values = {
+        "jobset": {"image": {"tag": f"v0.10.1@{digest}"}},
+        "lws": {"image": {"manager": {"tag": f"v0.7.0@{digest}"}}},
+        "dataCache": {"enabled": True},
+    }
+    images = {
+        c["image"]
+        for d in select(render_chart(values), "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    assert f"registry.k8s.io/jobset/jobset:v0.10.1@{digest}" in images
+    assert f"registry.k8s.io/lws/lws:v0.7.0@{digest}" in images
+    with pytest.raises(helm_python.HelmValuesError, match="jobset/image/tag"):
+        render_chart({"jobset": {"image": {"tag": "v0.10.1@sha256:abc"}}})
+
+
 def test_notes_give_the_next_steps():
     notes = render_notes({"dataCache": {"enabled": True, "namespaces": ["team-a"]}})
-    assert "kubectl create rolebinding kubeflow-trainer-cache-initializer -n team-a" in notes
+    assert "kubectl create rolebinding kubeflow-trainer-cache-initializer -n <namespace>" in notes
     assert "--clusterrole=kubeflow-trainer-cache-initializer" in notes
+    assert "kubectl apply -n team-a" in notes
     assert "kind: TrainJob" in notes and "storageUri: cache://" in notes
+    assert "patch serviceaccount" not in notes and "PodMonitor" not in notes
     assert "dataCache.enabled=true" in render_notes()
+
+
+def test_the_notes_upgrade_command_adds_a_namespace_the_chart_accepts():
+    """The suggested --set lists the bound namespaces plus the new one (a name already bound,
+    as a fixed example name was, would be refused as a duplicate)."""
+    values = {"dataCache": {"enabled": True, "namespaces": ["team-a", "team-b"]}}
+    listed = re.search(r"--set 'dataCache\.namespaces=\{(.*)\}'", render_notes(values)).group(1).split(",")
+    assert listed == ["team-a", "team-b", "<namespace>"]
+    upgraded = {"dataCache": {"enabled": True, "namespaces": [n.replace("<namespace>", "team-c") for n in listed]}}
+    bound = {o["metadata"]["namespace"] for o in select(render_chart(upgraded), "RoleBinding")}
+    assert {"team-a", "team-b", "team-c"} <= bound
+
+
+def test_notes_bind_by_hand_with_the_pull_secrets_and_say_what_is_not_scraped():
+    values = {
+        "dataCache": {
+            "enabled": True,
+            "namespaces": ["team-a"],
+            "initializer": {"imagePullSecrets": [{"name": "regcred"}]},
+            "cache": {"imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}]},
+            "metrics": {"podMonitor": {"enabled": True}},
+        }
+    }
+    notes = render_notes(values)
+    # The ServiceAccount made by hand gets what the chart's own ones get.
+    patch = re.search(r"kubectl patch serviceaccount \S+ -n <namespace> \\\n\s+-p '(.*)'", notes)
+    sa = next(
+        o for o in render_chart(values) if o["kind"] == "ServiceAccount" and o["metadata"]["namespace"] == "team-a"
+    )
+    assert json.loads(patch.group(1)) == {"imagePullSecrets": sa["imagePullSecrets"]}
+    assert "pull with regcred, mirror: create these Secrets in <namespace> too" in notes
+    assert "dataCache.metrics.podMonitor.allNamespaces=true" in notes
+    values["dataCache"]["metrics"]["podMonitor"]["allNamespaces"] = True
+    assert "allNamespaces=true" not in render_notes(values)
 
 
 @pytest.mark.parametrize(
