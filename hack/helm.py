@@ -1,7 +1,7 @@
 """A small Helm CLI over helm_python (no helm binary needed): lint, template, package, deps, readme.
 
-    hack/helm.py lint CHART [--set k=v ...] [-f values.yaml ...]
-    hack/helm.py template CHART [--name N] [--namespace NS] [--set k=v ...] [-f values.yaml ...]
+    hack/helm.py lint CHART [--set k=v ...] [--set-json k=JSON ...] [--set-string k=v ...] [-f values.yaml ...]
+    hack/helm.py template CHART [--name N] [--namespace NS] [the same value flags]
     hack/helm.py package CHART [--destination DIR]
     hack/helm.py deps CHART           # fill CHART/charts/ (network, else ../shared/charts)
     hack/helm.py readme CHART [--check]
@@ -80,13 +80,21 @@ def fill_subcharts(chart: Path, *, network: bool = False) -> list[str]:
     return done
 
 
-def parse_values(sets: list[str], files: list[str]) -> dict:
+def parse_values(
+    sets: list[str], files: list[str], set_jsons: list[str] | None = None, set_strings: list[str] | None = None
+) -> dict:
+    """Values as helm merges its flags: ``-f`` files, then ``--set-json``, ``--set``, ``--set-string``."""
     helm = _helm()
     values: dict = {}
     for path in files:
         _merge(values, helm.values_from_yaml(Path(path).read_text()))
-    for expression in sets:
-        _merge(values, helm.parse_set_string(expression))
+    for parse, expressions in (
+        (helm.parse_set_json, set_jsons or []),
+        (helm.parse_set_string, sets),
+        (helm.parse_set_string_values, set_strings or []),
+    ):
+        for expression in expressions:
+            _merge(values, parse(expression))
     return values
 
 
@@ -231,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("chart", type=Path)
         if name in ("lint", "template"):
             p.add_argument("--set", action="append", default=[], dest="sets")
+            p.add_argument("--set-json", action="append", default=[], dest="set_jsons")
+            p.add_argument("--set-string", action="append", default=[], dest="set_strings")
             p.add_argument("-f", "--values", action="append", default=[], dest="files")
         if name == "template":
             p.add_argument("--name", default="kubeflow-trainer")
@@ -248,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "lint":
-            return lint(chart, parse_values(args.sets, args.files))
+            return lint(chart, parse_values(args.sets, args.files, args.set_jsons, args.set_strings))
         if args.command == "template":
-            sys.stdout.write(template(chart, parse_values(args.sets, args.files), args.name, args.namespace))
+            values = parse_values(args.sets, args.files, args.set_jsons, args.set_strings)
+            sys.stdout.write(template(chart, values, args.name, args.namespace))
             return 0
         if args.command == "package":
             print(package(chart, args.destination))
