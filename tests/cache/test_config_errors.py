@@ -110,6 +110,10 @@ def test_garbage_key_file_is_one_line_not_a_grpc_traceback(tmp_path, self_signed
         (["local", "--port", "70000"], {}, ["`--port`", "0 to 65535"]),
         (["local", "--startup-timeout", "inf"], {}, ["`--startup-timeout`", "finite"]),
         (["local", "--memory-limit", "0.5"], {}, ["`--memory-limit`", "less than one byte"]),
+        # A Secret made from a file that ends in a newline: every call's header failed, and the
+        # cache never formed (the deadline, then "head not answering").
+        (["head", "--port", "0"], {"DATA_CACHE_TOKEN": "tok\n"}, ["DATA_CACHE_TOKEN", "trailing newline"]),
+        (["local"], {"DATA_CACHE_TOKEN": "tok\n"}, ["DATA_CACHE_TOKEN", "line break"]),
     ],
 )
 def test_bad_values_exit_2_with_one_line(args, env, fragments):

@@ -39,6 +39,7 @@ from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential
 from kubeflow_data_cache.interleave import interleave as interleave_streams
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
+from kubeflow_data_cache.security import check_token
 from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
@@ -106,25 +107,6 @@ def check_endpoint(endpoint: str) -> None:
     if not endpoint.startswith("grpc+unix://") and not uri_port(endpoint):
         # Without one, gRPC would quietly dial port 443.
         raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
-
-
-def check_token(token: object, source: str = "token") -> None:
-    """None (send no token) or a token a bearer header can carry; a ValueError naming where it
-    came from (``source``) otherwise. The value is never shown: it is a secret."""
-    if token is None:
-        return
-    if not isinstance(token, str):
-        raise ValueError(f"{source} should be the cache's token as a string, or None; got a {type(token).__name__}")
-    if not token:
-        raise ValueError(
-            f"{source} is empty: pass the cache's token, or None to use DATA_CACHE_TOKEN / DATA_CACHE_TOKEN_FILE"
-        )
-    if not all(" " <= char <= "~" for char in token):
-        # gRPC refuses such a header only when the call is made, with a message about metadata.
-        raise ValueError(
-            f"{source} holds a line break, a control or a non-ASCII character, which a request header cannot "
-            "carry: check how it was set (a trailing newline, say)"
-        )
 
 
 def check_root_certs(pem: bytes) -> None:

@@ -14,17 +14,49 @@ AUTH_HEADER = "authorization"
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:
-    """The token from ``DATA_CACHE_TOKEN`` or the file ``DATA_CACHE_TOKEN_FILE`` (a mounted Secret)."""
+    """The token from ``DATA_CACHE_TOKEN`` or the file ``DATA_CACHE_TOKEN_FILE`` (a mounted Secret).
+
+    A token a request header cannot carry (a line break: an env value from a Secret made from a
+    file that ends in a newline) is refused here, as clients refuse it: passed on, every call
+    between head and nodes failed on its header and the cache never formed.
+    """
     if token and token_file:
         raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
+    source = "DATA_CACHE_TOKEN"
     if token_file:
+        source = f"DATA_CACHE_TOKEN_FILE {token_file!r}"
         try:
             token = Path(token_file).read_text().strip()
         except OSError as err:
-            raise ConfigError(f"cannot read DATA_CACHE_TOKEN_FILE {token_file!r}: {err.strerror}") from None
+            raise ConfigError(f"cannot read {source}: {err.strerror}") from None
         if not token:
-            raise ConfigError(f"DATA_CACHE_TOKEN_FILE {token_file!r} is empty")
-    return token or None
+            raise ConfigError(f"{source} is empty")
+    if not token:
+        return None
+    try:
+        check_token(token, source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return token
+
+
+def check_token(token: object, source: str = "token") -> None:
+    """None (send no token) or a token a bearer header can carry; a ValueError naming where it
+    came from (``source``) otherwise. The value is never shown: it is a secret."""
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise ValueError(f"{source} should be the cache's token as a string, or None; got a {type(token).__name__}")
+    if not token:
+        raise ValueError(
+            f"{source} is empty: pass the cache's token, or None to use DATA_CACHE_TOKEN / DATA_CACHE_TOKEN_FILE"
+        )
+    if not all(" " <= char <= "~" for char in token):
+        # gRPC refuses such a header only when the call is made, with a message about metadata.
+        raise ValueError(
+            f"{source} holds a line break, a control or a non-ASCII character, which a request header cannot "
+            "carry: check how it was set (a trailing newline, say)"
+        )
 
 
 def call_options(token: str | None, timeout: float | None = None) -> flight.FlightCallOptions:
