@@ -110,6 +110,8 @@ def test_garbage_key_file_is_one_line_not_a_grpc_traceback(tmp_path, self_signed
         (["local", "--port", "70000"], {}, ["`--port`", "0 to 65535"]),
         (["local", "--startup-timeout", "inf"], {}, ["`--startup-timeout`", "finite"]),
         (["local", "--memory-limit", "0.5"], {}, ["`--memory-limit`", "less than one byte"]),
+        # An address no interface holds, with port 0 (as `local` starts its nodes): the host is the fix.
+        (["head", "--port", "0", "--health-port", "0", "--host", "192.0.2.7"], {}, ["`BIND_HOST` (--host)"]),
         # A Secret made from a file that ends in a newline: every call's header failed, and the
         # cache never formed (the deadline, then "head not answering").
         (["head", "--port", "0"], {"DATA_CACHE_TOKEN": "tok\n"}, ["DATA_CACHE_TOKEN", "trailing newline"]),

@@ -101,3 +101,31 @@ def test_lws_env_is_read(tmp_path):
     """LWS_GROUP_SIZE=1 means no data node: the head refuses with the variable's name."""
     result = data_cache("head", env={"PATH": "/usr/bin:/bin", "METADATA_LOC": "x", "LWS_GROUP_SIZE": "1"})
     assert result.returncode == 2 and "`LWS_GROUP_SIZE` should be >= 2" in result.stderr
+
+
+def test_a_worker_indexed_by_lws_names_its_index_in_every_log_line():
+    """In a pod the index comes from LWS_WORKER_INDEX, not --index: the log prefix follows it
+    (it read `node-` for every data node, so their logs could not be told apart)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:  # the node's own port and the head's (nobody answers there)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"PATH": "/usr/bin:/bin", "LWS_WORKER_INDEX": "3", "LWS_LEADER_ADDRESS": "127.0.0.1"}
+    env |= {"FLIGHT_PORT": str(port), "HEALTH_PORT": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubeflow_data_cache", "worker"], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "serving Flight" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+        assert "serving Flight" in line, line
+        assert " node-2 INFO " in line
+    finally:
+        proc.terminate()
+        proc.wait(30)

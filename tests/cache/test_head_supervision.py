@@ -75,6 +75,28 @@ def test_a_data_node_the_head_refuses_fails_at_once_with_the_reason(cluster, sma
         node.stop()
 
 
+def test_a_data_node_that_cannot_reach_its_head_says_why_in_its_log(monkeypatch, caplog):
+    """On Kubernetes a probe's /ready body reaches no log, and the deadline is minutes away: the
+    node's own log names the head and the error while it keeps trying, not only at the end."""
+    import logging
+
+    monkeypatch.setattr(node_module, "REGISTER_WARN_AFTER_SECONDS", 0.3)
+    monkeypatch.setattr(node_module, "REGISTER_WARN_EVERY_SECONDS", 60.0)
+    cfg = build_config("worker", {**FLAGS, "index": 0, "head": "grpc://127.0.0.1:1", "startup_timeout": 600}, env={})
+    node = DataNode(cfg)
+    warned = lambda: [r for r in caplog.records if r.levelno == logging.WARNING and "cannot register" in r.message]  # noqa: E731
+    try:
+        with caplog.at_level(logging.WARNING, logger="kubeflow_data_cache.node"):
+            node.start_registering()
+            wait_for(lambda: warned(), timeout=20)
+            (record,) = warned()
+            assert "grpc://127.0.0.1:1" in record.message and "gives up in" in record.message
+            assert "onnect" in record.message  # the connection error itself
+            assert not node.lifecycle.failed_event.is_set()  # still trying
+    finally:
+        node.stop()
+
+
 def test_an_index_taken_by_a_data_node_that_still_answers_is_refused(cluster, small_table):
     """A second worker started with the same index, or a caller re-pointing an index elsewhere,
     would take the slot in turns and send readers to it; the node that answers keeps it."""

@@ -86,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_format(role: str) -> str:
+    return f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+
+
 def _setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=level, stream=sys.stderr, format=_log_format(role))
     # Library chatter (botocore retries, pyiceberg warnings) would drown the progress lines.
     for noisy in ("botocore", "urllib3", "s3fs", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -118,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             from kubeflow_data_cache.config import build_config
             from kubeflow_data_cache.runner import run_node
 
-            return run_node(build_config(args.command, vars(args)))
+            cfg = build_config(args.command, vars(args))
+            if args.command == "worker":
+                # The index may come from LWS_WORKER_INDEX (a pod) rather than --index.
+                for handler in logging.getLogger().handlers:
+                    handler.setFormatter(logging.Formatter(_log_format(f"node-{cfg.node_index}")))
+            return run_node(cfg)
         if args.command == "local":
             from kubeflow_data_cache.local import LocalCluster, run_local
 

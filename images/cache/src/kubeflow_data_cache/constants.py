@@ -10,6 +10,11 @@ INTERNAL_COLUMN_PREFIX = "__dc_"
 STARTUP_TIMEOUT_SECONDS = 600.0
 # Data nodes re-register this often, so a restarted head finds them again.
 REGISTER_INTERVAL_SECONDS = 5.0
+# A data node that cannot reach its head says so in its log once it has failed for this long
+# (a head still starting is not worth a warning), then every REGISTER_WARN_EVERY_SECONDS: on
+# Kubernetes a probe's /ready body is not in any log or event, and the deadline is minutes away.
+REGISTER_WARN_AFTER_SECONDS = 5.0
+REGISTER_WARN_EVERY_SECONDS = 30.0
 # How often the head polls data nodes while they load, and afterwards.
 LOAD_POLL_SECONDS = 0.05
 SUPERVISE_POLL_SECONDS = 5.0

@@ -23,6 +23,7 @@ from kubeflow_data_cache.config import (
     seconds_setting,
     tls_setting,
 )
+from kubeflow_data_cache.errors import first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
@@ -123,8 +124,8 @@ class LocalCluster:
                 status = json.loads(raw[0].body.to_pybytes())
             except flight.FlightUnauthenticatedError as err:
                 raise RuntimeError(f"the head refused our token: {err}") from None
-            except Exception:
-                status = {"state": "starting", "detail": "head not answering yet"}
+            except Exception as err:  # the reason, too: a TLS name mismatch shows only here
+                status = {"state": "starting", "detail": f"head not answering yet: {first_line(err)}"}
             if status.get("state") == "ready":
                 return status
             if should_stop():

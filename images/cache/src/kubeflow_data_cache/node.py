@@ -18,7 +18,13 @@ import pyarrow.flight as flight
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.allocator import GatherReclaim, reclaim_gather_memory
 from kubeflow_data_cache.config import NodeConfig, host_port
-from kubeflow_data_cache.constants import READAHEAD_BATCHES, REGISTER_INTERVAL_SECONDS, RPC_TIMEOUT_SECONDS
+from kubeflow_data_cache.constants import (
+    READAHEAD_BATCHES,
+    REGISTER_INTERVAL_SECONDS,
+    REGISTER_WARN_AFTER_SECONDS,
+    REGISTER_WARN_EVERY_SECONDS,
+    RPC_TIMEOUT_SECONDS,
+)
 from kubeflow_data_cache.errors import (
     BadRequestError,
     ClusterFormationError,
@@ -175,6 +181,8 @@ class DataNode(ReadOnlyFlight):
         client = client_for(self.cfg.head_location, self.cfg.tls_root_certs)
         deadline = time.monotonic() + self.cfg.startup_timeout
         delay, last_error = 0.1, ""
+        failing_since: float | None = None
+        warned_at = float("-inf")
         while not self._stop.is_set():
             body = {
                 "index": self.cfg.node_index,
@@ -192,7 +200,7 @@ class DataNode(ReadOnlyFlight):
                     )
                 self._registered.set()
                 self.lifecycle.waiting_detail("waiting for the cluster to form")  # the head answers: no stale reason
-                delay = REGISTER_INTERVAL_SECONDS
+                delay, failing_since, warned_at = REGISTER_INTERVAL_SECONDS, None, float("-inf")
             except flight.FlightUnauthenticatedError as err:
                 self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
                 return
@@ -209,6 +217,21 @@ class DataNode(ReadOnlyFlight):
                 self.lifecycle.waiting_detail(
                     f"cannot register with the head at {self.cfg.head_location} yet: {last_error}"
                 )
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if (
+                    now - failing_since >= REGISTER_WARN_AFTER_SECONDS
+                    and now - warned_at >= REGISTER_WARN_EVERY_SECONDS
+                ):
+                    log.warning(
+                        "data node %d cannot register with the head at %s (failing for %.0fs%s): %s",
+                        self.cfg.node_index,
+                        self.cfg.head_location,
+                        now - failing_since,
+                        "" if self._registered.is_set() else f"; gives up in {max(0.0, deadline - now):.0f}s",
+                        last_error,
+                    )
+                    warned_at = now
                 if not self._registered.is_set() and time.monotonic() > deadline:
                     self.lifecycle.fail(
                         str(

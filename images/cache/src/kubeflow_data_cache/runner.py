@@ -35,8 +35,9 @@ def _write_termination_log(path: str, message: str) -> None:
 
 def _start_servers(cfg: NodeConfig) -> tuple[Head | DataNode, HealthServer]:
     """The Flight and health servers, or a ConfigError naming the port that cannot be bound."""
-    if cfg.flight_port:  # 0 binds whatever port is free
-        claim_port(cfg.bind_host, cfg.flight_port, label("FLIGHT_PORT", "--port"), label("BIND_HOST", "--host"))
+    # Also for port 0 (whatever port is free, as `local` starts its nodes): a host this machine
+    # cannot bind is named as the host, not as a port to change.
+    claim_port(cfg.bind_host, cfg.flight_port, label("FLIGHT_PORT", "--port"), label("BIND_HOST", "--host"))
     try:
         server = Head(cfg) if cfg.role == "head" else DataNode(cfg)
     except pa.ArrowException as err:  # taken between the check and the bind, or refused by gRPC
