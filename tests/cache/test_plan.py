@@ -209,14 +209,28 @@ def test_the_load_peak_estimate_covers_a_real_loads_peak_without_overstating_it(
     assert estimate > loaded
 
 
-@pytest.mark.parametrize(("text", "value"), [("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024), ("1e9", 10**9), ("1.5Gi", 3 << 29)],
+)
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
-def test_parse_bytes_rejects_garbage():
-    with pytest.raises(ConfigError, match="MEMORY_LIMIT.*4Gi"):
-        parse_bytes("lots")
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("lots", "a Kubernetes quantity such as 4Gi"),
+        # As Kubernetes reads them: m is a thousandth (500m was taken as 500 MB), and the
+        # suffixes are case-sensitive, with no B.
+        ("500m", "fraction of a byte (m means a thousandth): write 500Mi or 500M"),
+        ("2GB", "case-sensitive, with no B"),
+        ("4gi", "case-sensitive"),
+    ],
+)
+def test_parse_bytes_refuses_what_kubernetes_would_not_read_as_bytes(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_bytes(text)
 
 
 def test_missing_metadata_names_the_variable(tmp_path):

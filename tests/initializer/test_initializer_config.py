@@ -108,7 +108,7 @@ BAD_INPUT = [
     ({"CACHE_IMAGE": ""}, "`CACHE_IMAGE` is required: the data cache image", "e.g."),
     ({"CLUSTER_SIZE": "zero"}, "`CLUSTER_SIZE` should be an integer >= 2, got 'zero'", ""),
     ({"CLUSTER_SIZE": "1"}, "`CLUSTER_SIZE` should be an integer >= 2, got '1'", ""),
-    ({"HEAD_MEM": "lots"}, "`HEAD_MEM` should be a Kubernetes quantity such as 500m, 2 or 4Gi, got 'lots'", ""),
+    ({"HEAD_MEM": "lots"}, "`HEAD_MEM` should be a Kubernetes quantity such as 512Mi, 4Gi or 8G, got 'lots'", ""),
     ({"WORKER_CPU": "-1"}, "`WORKER_CPU` should be a Kubernetes quantity", "'-1'"),
     ({"IAM_ROLE": "admin"}, "`IAM_ROLE` should be an IAM role ARN, arn:aws:iam::<account>:role/<name>", "'admin'"),
     ({"READINESS_PERIOD_SECONDS": "0"}, "`READINESS_PERIOD_SECONDS` should be an integer >= 1, got '0'", ""),

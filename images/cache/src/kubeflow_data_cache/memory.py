@@ -20,27 +20,48 @@ from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, NodeBusyE
 
 log = logging.getLogger(__name__)
 
+# Kubernetes quantity suffixes (case matters: `m` is a thousandth, `M` a million).
 _UNITS = {
     "": 1,
     "k": 1000,
-    "m": 1000**2,
-    "g": 1000**3,
-    "t": 1000**4,
-    "ki": 1024,
-    "mi": 1024**2,
-    "gi": 1024**3,
-    "ti": 1024**4,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "P": 1000**5,
+    "E": 1000**6,
+    "Ki": 1024,
+    "Mi": 1024**2,
+    "Gi": 1024**3,
+    "Ti": 1024**4,
+    "Pi": 1024**5,
+    "Ei": 1024**6,
 }
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+_FRACTIONS = {"m": "a thousandth", "u": "a millionth", "n": "a billionth"}
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
 
 
 def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
-    """``4Gi``, ``512Mi``, ``2G``, ``1073741824`` -> bytes (Kubernetes quantity style)."""
-    match = _QUANTITY.match(str(text))
+    """A Kubernetes memory quantity in bytes: ``4Gi``, ``512Mi``, ``2G``, ``1e9``, ``1073741824``.
+
+    As Kubernetes reads it (the container's limit reaches a pod as a byte count): ``m`` is a
+    thousandth, so ``500m`` is half a byte and refused, not 500 MB; ``4gi`` or ``2GB`` are not
+    quantities at all.
+    """
+    raw = str(text).strip()
+    match = _QUANTITY.match(raw)
     if not match:
-        raise ConfigError(f"`{name}` should be a byte count such as 4Gi, 512Mi or 1073741824, got {text!r}")
-    number, unit = match.groups()
-    value = int(float(number) * _UNITS[(unit or "").lower()])
+        raise ConfigError(
+            f"`{name}` should be a byte count or a Kubernetes quantity such as 4Gi, 512Mi or 2G "
+            f"(suffixes are case-sensitive, with no B), got {text!r}"
+        )
+    number, suffix = match.groups()
+    if suffix in ("n", "u", "m"):
+        raise ConfigError(
+            f"`{name}` {text!r} is a fraction of a byte ({suffix} means {_FRACTIONS[suffix]}): "
+            f"write {number}Mi or {number}M"
+        )
+    exponent = bool(suffix) and suffix[0] in "eE"
+    value = int(float(number + suffix)) if exponent else int(float(number) * _UNITS[suffix or ""])
     # 0 means "no limit given" (the cgroup limit applies); a fraction of a byte is a typo, not that.
     if value == 0 and float(number) > 0:
         raise ConfigError(f"`{name}` {text!r} is less than one byte: give a size such as 4Gi or 512Mi")

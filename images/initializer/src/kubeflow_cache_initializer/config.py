@@ -250,11 +250,12 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     if cache_image and any(ch.isspace() for ch in cache_image):
         r._bad("CACHE_IMAGE", "an image reference without spaces", cache_image)
     cluster_size = r.integer("CLUSTER_SIZE", c.DEFAULT_CLUSTER_SIZE, minimum=2)
-    quantity = "a Kubernetes quantity such as 500m, 2 or 4Gi"
-    head_cpu = r.matching("HEAD_CPU", _QUANTITY, quantity, c.DEFAULT_HEAD_CPU)
-    head_mem = r.matching("HEAD_MEM", _QUANTITY, quantity, c.DEFAULT_HEAD_MEM)
-    worker_cpu = r.matching("WORKER_CPU", _QUANTITY, quantity, c.DEFAULT_WORKER_CPU)
-    worker_mem = r.matching("WORKER_MEM", _QUANTITY, quantity, c.DEFAULT_WORKER_MEM)
+    cpus = "a Kubernetes quantity such as 500m, 2 or 1.5"
+    memory = "a Kubernetes quantity such as 512Mi, 4Gi or 8G"
+    head_cpu = r.matching("HEAD_CPU", _QUANTITY, cpus, c.DEFAULT_HEAD_CPU)
+    head_mem = r.matching("HEAD_MEM", _QUANTITY, memory, c.DEFAULT_HEAD_MEM)
+    worker_cpu = r.matching("WORKER_CPU", _QUANTITY, cpus, c.DEFAULT_WORKER_CPU)
+    worker_mem = r.matching("WORKER_MEM", _QUANTITY, memory, c.DEFAULT_WORKER_MEM)
     for name, value in (("HEAD_MEM", head_mem), ("WORKER_MEM", worker_mem)):
         _check_memory(r, name, value)
     iam_role = r.matching("IAM_ROLE", _IAM_ROLE, "an IAM role ARN, arn:aws:iam::<account>:role/<name>", "") or None
