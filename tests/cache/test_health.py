@@ -62,6 +62,9 @@ def test_served_rows_are_counted(cluster, small_table):
     assert 'data_cache_requests_total{method="DoGet"} 1.0' in metrics
     head_metrics = get(head_health.port, "/metrics")[1]
     assert 'data_cache_requests_total{method="GetFlightInfo"} 1.0' in head_metrics
+    # Which table each scraped pod caches (SCHEMA_NAME.TABLE_NAME; the defaults here).
+    assert 'data_cache_info{role="head",table="default.table"} 1.0' in head_metrics
+    assert 'data_cache_info{role="data-node",table="default.table"} 1.0' in metrics
     # Every call is timed, once, on the role that answered it.
     assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 1.0' in head_metrics
     assert 'data_cache_request_seconds_count{method="DoGet"} 1.0' in metrics

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 class Head(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
-        self.metrics = metrics or Metrics("head")
+        self.metrics = metrics or Metrics("head", f"{cfg.schema_name}.{cfg.table_name}")
         super().__init__(**server_kwargs(cfg, self.metrics))
         self.cfg = cfg
         self.lifecycle = Lifecycle()

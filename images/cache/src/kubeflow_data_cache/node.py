@@ -126,7 +126,7 @@ class LoadOrder:
 
 class DataNode(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
-        self.metrics = metrics or Metrics("data-node")
+        self.metrics = metrics or Metrics("data-node", f"{cfg.schema_name}.{cfg.table_name}")
         super().__init__(**server_kwargs(cfg, self.metrics))
         self.cfg = cfg
         self.lifecycle = Lifecycle()

@@ -95,7 +95,7 @@ REQUEST_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 class Metrics:
     """Prometheus metrics of one process (its own registry, so tests can run many in one process)."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, table: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rows_loaded = Gauge("data_cache_rows_loaded", "Rows held in memory", registry=r)
@@ -122,7 +122,8 @@ class Metrics:
         )
         memory = Gauge("data_cache_resident_memory_bytes", "Resident memory of the process", registry=r)
         memory.set_function(resident_bytes)
-        Gauge("data_cache_info", "Role of this process", ["role"], registry=r).labels(role=role).set(1)
+        info = Gauge("data_cache_info", "Role of this process and the table it caches", ["role", "table"], registry=r)
+        info.labels(role=role, table=table).set(1)
 
 
 # The gRPC status each pyarrow Flight error class stands for (FlightServerError: any other).
