@@ -170,9 +170,8 @@ class Certificate:
         return {"DATA_CACHE_TLS_CERT": str(self.cert_file), "DATA_CACHE_TLS_KEY": str(self.key_file)}
 
 
-@pytest.fixture(scope="session")
-def self_signed_cert(tmp_path_factory) -> Certificate:
-    """A self-signed certificate for 127.0.0.1 and localhost: server certificate and root of trust."""
+def make_cert(folder: Path, ip: str, dns: str) -> Certificate:
+    """A self-signed certificate for ``ip`` and ``dns``: server certificate and root of trust."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -190,19 +189,24 @@ def self_signed_cert(tmp_path_factory) -> Certificate:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)), x509.DNSName(dns)]),
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
-    folder = tmp_path_factory.mktemp("tls")
     cert_file, key_file = folder / "tls.crt", folder / "tls.key"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_file.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return Certificate(cert_file, key_file)
+
+
+@pytest.fixture(scope="session")
+def self_signed_cert(tmp_path_factory) -> Certificate:
+    """A self-signed certificate for 127.0.0.1 and localhost: server certificate and root of trust."""
+    return make_cert(tmp_path_factory.mktemp("tls"), "127.0.0.1", "localhost")
 
 
 def run_data_cache(

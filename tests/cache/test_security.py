@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.errors import CacheUnavailableError
 from kubeflow_data_cache.security import TokenAuthFactory
-from tests.cache.conftest import Certificate, read_path_shards
+from tests.cache.conftest import Certificate, make_cert, read_path_shards, run_data_cache
 from tests.conftest import LocalCache
 
 TOKEN = "s3cr3t-T0ken-5f2b9c"
@@ -257,3 +258,18 @@ def test_calls_refused_for_the_token_are_counted(small_table):
         client.close()
     finally:
         head.stop()
+
+
+def test_local_names_the_tls_error_when_its_certificate_does_not_cover_the_nodes(small_table, tmp_path):
+    """A certificate whose names leave out the address the nodes use: nothing connects, and
+    `local` said only "head not answering yet" at its deadline. Now it gives gRPC's reason."""
+    elsewhere = make_cert(tmp_path, "10.9.9.9", "elsewhere.example")
+    result = run_data_cache(
+        *("local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "1", "--port", "0"),
+        *("--startup-timeout", "8"),
+        env={**os.environ, **elsewhere.env()},
+        timeout=90,
+    )
+    assert result.returncode == 1
+    (line,) = [ln for ln in result.stderr.splitlines() if "was not ready within 8s" in ln]
+    assert "head not answering yet: " in line and "127.0.0.1" in line, line

@@ -72,3 +72,32 @@ def test_a_stalled_reader_does_not_hold_a_stopping_node(table_factory, tmp_path)
         client.close()
     finally:
         stop_processes([head, node], 15)
+
+
+def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small_table):
+    """A terminal's Ctrl-C reaches the whole process group, nodes included: while they were still
+    importing, it printed their KeyboardInterrupt tracebacks and nothing else. `local` stops them."""
+    import os
+
+    import psutil
+
+    local = ["local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "2", "--port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubeflow_data_cache", *local],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own, as a terminal's foreground job is
+    )
+    deadline = time.monotonic() + 30
+    while len(psutil.Process(proc.pid).children()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    children = psutil.Process(proc.pid).children()
+    assert len(children) == 3, "local should have started its head and two data nodes"
+    time.sleep(0.3)  # the nodes' interpreters are up and importing (pyarrow, pyiceberg: seconds)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert proc.returncode == 1 and "stopped by a signal before the cache was ready" in stderr, stderr
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"still running after local stopped: {[p.cmdline() for p in alive]}"

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pyarrow.flight as flight
 
@@ -37,6 +38,21 @@ STOP_GRACE_SECONDS = constants.SHUTDOWN_GRACE_SECONDS + 5.0
 # While the cache loads, a detail whose numbers alone change (rows read, a stalled read's age)
 # is logged at most this often.
 PROGRESS_LOG_SECONDS = 5.0
+# How long the head may refuse connections (it is starting) before its error joins the progress line.
+HEAD_UNANSWERED_DETAIL_SECONDS = 3.0
+
+
+def _child_preexec(die_with_parent: Callable[[], None] | None) -> Callable[[], None]:
+    """Each node's ``preexec_fn``: die with us, and ignore the terminal's Ctrl-C until its own
+    handlers are in (runner.run_node): the SIGINT that reaches the whole process group otherwise
+    interrupted the nodes' imports, printing their tracebacks. We stop them with SIGTERM."""
+
+    def preexec() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if die_with_parent is not None:
+            die_with_parent()
+
+    return preexec
 
 
 def _node_cmd(role: str, *args: str) -> list[str]:
@@ -87,7 +103,7 @@ class LocalCluster:
         self.port = claim_port(self.host, self.port, label("--port"), label("--host"))
         # The nodes' memory refusal names our flags; each node gets SIGTERM if we die, even by SIGKILL.
         env = {**os.environ, LOCAL_ENV: "1"}
-        preexec = die_with_parent()
+        preexec = _child_preexec(die_with_parent())
         common = ["--host", self.host, "--advertise-host", self.host, "--health-port", "0", "--failure-grace", "1"]
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
@@ -114,6 +130,7 @@ class LocalCluster:
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
         last_shape, last_logged = None, 0.0
+        unanswered_since: float | None = None
         while True:
             # Before asking the head: a status from a port whose head is gone is not ours.
             dead = self._dead()
@@ -124,8 +141,18 @@ class LocalCluster:
                 status = json.loads(raw[0].body.to_pybytes())
             except flight.FlightUnauthenticatedError as err:
                 raise RuntimeError(f"the head refused our token: {err}") from None
-            except Exception as err:  # the reason, too: a TLS name mismatch shows only here
-                status = {"state": "starting", "detail": f"head not answering yet: {first_line(err)}"}
+            except Exception as err:
+                # After a few seconds, why: a TLS name mismatch shows only here (a head still
+                # starting refuses connections, not worth showing at every start).
+                unanswered_since = unanswered_since or time.monotonic()
+                why = (
+                    f": {first_line(err)}"
+                    if time.monotonic() - unanswered_since >= HEAD_UNANSWERED_DETAIL_SECONDS
+                    else ""
+                )
+                status = {"state": "starting", "detail": f"head not answering yet{why}"}
+            else:
+                unanswered_since = None
             if status.get("state") == "ready":
                 return status
             if should_stop():
