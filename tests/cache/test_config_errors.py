@@ -175,3 +175,12 @@ def test_local_help_describes_every_flag():
         ("--startup-timeout STARTUP_TIMEOUT", "(default 300)"),
     ]:
         assert f"{flag} " in text and help_text in text.split(f"{flag} ", 1)[1].split(" --")[0], flag
+
+
+def test_local_exits_2_when_its_nodes_refuse_their_settings():
+    """A setting only the nodes read (MEMORY_LIMIT from the environment) is still a settings
+    error: local exits 2 as its nodes did, after their error line, not 1 as for a failed load."""
+    result = data_cache("local", "--metadata-loc", "/nonexistent/metadata.json", env={"MEMORY_LIMIT": "lots"})
+    assert result.returncode == 2, result.stderr
+    assert "error: `MEMORY_LIMIT` should be a byte count" in result.stderr
+    assert "exited with code 2" in result.stderr

@@ -139,6 +139,10 @@ def test_the_advised_node_count_is_one_whose_real_estimate_fits(table_factory):
     # A budget below one file's read scratch: no node count is named.
     with pytest.raises(MemoryBudgetError, match="more data nodes alone would not fit it"):
         check_fits(loaded, peaks_for(2), [BASELINE_MEMORY_BYTES + 1024] * 2, peaks_for=peaks_for)
+    # A limit that does not even hold the interpreter: that is the reason, not a file's scratch.
+    with pytest.raises(MemoryBudgetError, match="no number of data nodes fits a limit at or below the 400") as err:
+        check_fits(loaded, peaks_for(2), [100 << 20] * 2, peaks_for=peaks_for)
+    assert "read scratch" not in str(err.value)
 
 
 def test_memory_refusal_under_local_names_its_flags_in_mib():

@@ -24,7 +24,7 @@ from kubeflow_data_cache.config import (
     seconds_setting,
     tls_setting,
 )
-from kubeflow_data_cache.errors import first_line
+from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
@@ -75,6 +75,10 @@ class LocalCluster:
         self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
         if memory_limit:
             parse_bytes(memory_limit, "--memory-limit")
+        if not metadata_loc.strip():
+            raise ConfigError(
+                "--metadata-loc is empty: give the table's metadata.json (s3://, s3a://, file:// or a path)"
+            )
         check_metadata_location(metadata_loc)
         self.metadata_loc, self.data_nodes, self.host = metadata_loc, data_nodes, host
         self.memory_limit = memory_limit
@@ -209,6 +213,7 @@ def run_local(cluster: LocalCluster) -> int:
         return 0
     except RuntimeError as err:
         log.error("cache failed: %s", err)
-        return 1
+        # A node that refused its settings (exit 2, its error line printed) is a settings error of ours.
+        return 2 if any(proc.returncode == 2 for _, proc in cluster.procs) else 1
     finally:
         cluster.stop()

@@ -171,11 +171,12 @@ def check_fits(
         nodes_knob, memory_knob = f"--data-nodes {needed_nodes}", "--memory-limit"
     else:
         nodes_knob, memory_knob = f"CLUSTER_SIZE={(needed_nodes or 0) + 1}", "WORKER_MEM / --memory-limit"
-    advice = (
-        f"use at least {needed_nodes} data nodes ({nodes_knob})"
-        if needed_nodes
-        else "more data nodes alone would not fit it (one file's read scratch is too large), so raise their memory"
-    )
+    if not usable:  # no node count helps a limit that does not even hold the interpreter
+        advice = f"no number of data nodes fits a limit at or below the {_fmt(BASELINE_MEMORY_BYTES)} kept for the interpreter"
+    elif needed_nodes:
+        advice = f"use at least {needed_nodes} data nodes ({nodes_knob})"
+    else:
+        advice = "more data nodes alone would not fit it (one file's read scratch is too large), so raise their memory"
     raise MemoryBudgetError(
         f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics); "
         f"data node {node} would hold {_fmt(need)}, {_fmt(peak)} at its peak while loading (decoding "
