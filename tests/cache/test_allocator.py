@@ -10,7 +10,7 @@ import sys
 import pyarrow as pa
 import pytest
 
-from kubeflow_data_cache.allocator import configure_data_node, serve_pool
+from kubeflow_data_cache.allocator import configure_data_node
 
 _CHILD = """
 import sys
@@ -73,9 +73,43 @@ def test_operator_setting_wins():
     assert backend == "system"
 
 
-def test_serve_pool_is_a_separate_pool_when_available():
-    pool = serve_pool()
-    assert pool.backend_name in ("mimalloc", pa.default_memory_pool().backend_name)
+_GATHER_POOL_SCRIPT = """
+from kubeflow_data_cache.allocator import prepare_data_node, serve_pool
+prepare_data_node()  # what `data-cache worker` runs first
+import pyarrow as pa
+print(serve_pool().backend_name, pa.default_memory_pool().backend_name)
+"""
+
+
+def _gather_pool(**env: str) -> list[str]:
+    environ = {k: v for k, v in os.environ.items() if k not in ("DATA_CACHE_TUNE_MALLOC", "ARROW_DEFAULT_MEMORY_POOL")}
+    out = subprocess.run(
+        [sys.executable, "-c", _GATHER_POOL_SCRIPT], capture_output=True, text=True, timeout=60, env=environ | env
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_data_nodes_gather_through_tuned_glibc_and_apart_from_the_rows():
+    """Gathered batches are freed by other threads than the ones that made them: tuned glibc
+    (one arena) reuses that memory for the next batch, where mimalloc kept it per thread."""
+    _require_glibc()
+    gather, rows = _gather_pool()
+    assert gather == "system" and rows != "system"
+
+
+def test_gathers_use_mimalloc_where_glibc_is_left_alone():
+    """Untuned glibc would map and unmap every batch: gathers then keep mimalloc's pages."""
+    gather, rows = _gather_pool(DATA_CACHE_TUNE_MALLOC="0")
+    assert gather == ("mimalloc" if _built(pa.mimalloc_memory_pool) else rows)
+
+
+def _built(pool_factory) -> bool:
+    try:
+        pool_factory()
+    except NotImplementedError:
+        return False
+    return True
 
 
 def test_client_malloc_tuning_is_on_by_default_and_can_be_turned_off(monkeypatch):
