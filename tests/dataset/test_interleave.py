@@ -57,7 +57,10 @@ def _stream_of(row: int) -> int:
 @given(lengths=st.lists(st.integers(0, 300), min_size=2, max_size=5), unit=st.integers(1, 8))
 def test_every_stretch_of_the_read_holds_each_stream_in_proportion(lengths, unit):
     """No stream runs out long before the others: after any prefix, each stream has given its
-    share of the rows, within two units (a plain rotation gives the short streams out first)."""
+    share of the rows, within a unit for each stream and one more (a plain rotation gives the
+    short streams out first). The spread places units, not rows: a stream's short last unit
+    takes a whole unit's place, so streams that each end on one are a little ahead in rows
+    (three streams of 26 rows against one of 290, in units of 5: 2.5 units)."""
     firsts = [1000 * i for i in range(len(lengths))]
     whole = ids(interleave([stream(f, n, 7) for f, n in zip(firsts, lengths, strict=True)], lengths, unit))
     total = len(whole)
@@ -65,7 +68,7 @@ def test_every_stretch_of_the_read_holds_each_stream_in_proportion(lengths, unit
     for position, row in enumerate(whole, start=1):
         given_so_far[_stream_of(row)] += 1
         for j, n in enumerate(lengths):
-            assert abs(given_so_far[j] - n * position / total) <= 2 * unit + 1
+            assert abs(given_so_far[j] - n * position / total) <= (len(lengths) + 1) * unit + 1
 
 
 def test_equal_streams_alternate_unit_by_unit():
