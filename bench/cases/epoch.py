@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 
@@ -22,7 +23,7 @@ from bench.stats import CaseResult, gb, paired_ratio
 from bench.tables import BenchTable
 from kubeflow_data_cache.dataset import DataCacheDataset, World
 from kubeflow_data_cache.protocol import ShardRequest
-from kubeflow_data_cache.sharding import EpochOrder
+from kubeflow_data_cache.sharding import node_rows
 
 CACHE = "cache"
 PYICEBERG = "pyiceberg"
@@ -33,9 +34,11 @@ PYICEBERG_S3 = "pyiceberg-s3"
 def tensor_batches(table: pa.Table, converter: DataCacheDataset, shuffle: bool, epoch: int) -> Iterator[Any]:
     """The direct readers' path from a read table to the training loop's batches.
 
-    Shuffled, the rows are permuted by the cache's own block permutation for (seed 0, ``epoch``)
-    with one Arrow take (the cache's reader interleaves its nodes' blocks on top, which does not
-    make its order any more random); the rows are then converted and cut by DataCacheDataset's
+    Shuffled, the rows are permuted as one data node holding every row would stream them for
+    (seed 0, ``epoch``): the cache's block permutation, each window's rows dealt out across its
+    blocks (sharding.node_rows), with one Arrow take (the cache's reader interleaves its nodes'
+    streams on top, which does not make its order any more random); the rows are then converted
+    and cut by DataCacheDataset's
     own conversion (``converter`` is never iterated, so it never connects), as the cache's
     reader converts what it receives.
     """
@@ -43,7 +46,8 @@ def tensor_batches(table: pa.Table, converter: DataCacheDataset, shuffle: bool, 
         request = ShardRequest(
             shuffle=True, seed=0, epoch=epoch, block_size=converter.shard_request(World()).block_size
         )
-        table = table.take(pa.array(EpochOrder(table.num_rows, request).rows(0, table.num_rows)))
+        order = np.concatenate(list(node_rows(0, table.num_rows, table.num_rows, request)))
+        table = table.take(pa.array(order))
     return (batch for batch, _ in converter._rebatch(iter(table.to_batches())))
 
 

@@ -136,6 +136,41 @@ def test_shuffle_quality():
     assert np.median(np.abs(np.diff(first))) > total // 10  # ...but consecutive blocks are far apart
 
 
+def _training_batches(total: int, nodes: int, epoch: int, batch: int = 1024) -> list[np.ndarray]:
+    """The row ids of each full batch a reader of one shuffled shard gets with the defaults: the
+    nodes' streams (node_rows), interleaved as the client does, cut into ``batch`` rows."""
+    import pyarrow as pa
+
+    from kubeflow_data_cache.interleave import interleave
+
+    req = ShardRequest(shuffle=True, epoch=epoch)
+    offs = node_offsets(total, nodes)
+    streams, lengths = [], []
+    for k in range(nodes):
+        rows = np.concatenate([p + offs[k] for p in node_rows(offs[k], offs[k + 1] - offs[k], total, req)])
+        streams.append(iter([pa.record_batch([pa.array(rows)], names=["id"])]))
+        lengths.append(len(rows))
+    ids = np.concatenate([b.column(0).to_numpy() for b in interleave(streams, lengths, req.block_size)])
+    return [ids[i : i + batch] for i in range(0, len(ids) - batch + 1, batch)]
+
+
+@pytest.mark.parametrize("total", [60_000, 200_000])
+def test_a_default_shuffled_batch_mixes_many_blocks_and_not_the_same_rows_every_epoch(total):
+    """With block_size equal to batch_size (both 1024 by default) a batch was one block, 1024
+    consecutive rows of the table, and the same block made a batch again in later epochs (39 of
+    59 batches of a 60K-row table; a median 43-56% of a batch's rows together again). Each node
+    now deals its rows out across the blocks of a window (sharding.deal)."""
+    epochs = [_training_batches(total, 2, epoch) for epoch in (0, 1)]
+    blocks_per_batch = [len(np.unique(b // 1024)) for b in epochs[0]]
+    assert np.median(blocks_per_batch) >= 16, blocks_per_batch
+    batch_of = np.full(total, -1)
+    for i, b in enumerate(epochs[0]):
+        batch_of[b] = i
+    # For each batch of the next epoch: the largest share of its rows that shared one batch before.
+    together = [np.bincount(batch_of[b][batch_of[b] >= 0]).max() / len(b) for b in epochs[1]]
+    assert np.median(together) < 0.1 and max(together) < 0.2, sorted(together)[-5:]
+
+
 def test_shuffled_positions_are_consistent_across_ranges():
     """Any sub-range of positions computes the same rows as the whole order (nodes rely on it)."""
     order = EpochOrder(10_007, ShardRequest(shuffle=True, seed=3, block_size=100))

@@ -4,7 +4,8 @@ Rows live in a *virtual* space ``0..M-1`` (the table, or the rows matching a fil
 order is a permutation of that space: a permutation of blocks of ``block_size`` rows, then a
 permutation of the rows inside each block. Both come from hashing ``(seed, epoch, id)``, so any
 node can compute any part of the order without computing the rest. Shards are contiguous runs
-of positions in that order; see docs/protocol.md.
+of positions in that order. A node streams its rows of a shard window by window, each window's
+rows dealt out across its blocks (``deal``), so a batch is not one block; see docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -195,25 +196,6 @@ class EpochOrder:
                 counts -= _counts_by_range(self.rows(cut_lo, cut_hi), bounds)
         return counts
 
-    def seek(self, lo: int, hi: int, row_lo: int, row_hi: int, skip: int) -> int:
-        """The position in ``[lo, hi)`` of the row in ``[row_lo, row_hi)`` that comes after the
-        first ``skip`` of them: where a node's stream that leaves out ``skip`` rows starts
-        (``skip`` is below their count). Whole blocks are counted, and one block computed."""
-        if not self.shuffle:
-            return max(lo, row_lo) + skip
-        first, last = self._blocks(lo, hi)
-        begin = self.order[first : last + 1] * self.block
-        per_block = np.minimum(begin + self.sizes[first : last + 1], row_hi) - np.maximum(begin, row_lo)
-        ahead = np.cumsum(np.clip(per_block, 0, None))  # rows in range up to each block's end
-        block_start = int(self.starts[first])
-        if block_start < lo:  # the first block's positions before lo are not in [lo, hi)
-            ahead -= int(_counts_by_range(self.rows(block_start, lo), np.array([row_lo, row_hi]))[0])
-        b = int(np.searchsorted(ahead, skip, side="right"))  # the block holding the row
-        before = int(ahead[b - 1]) if b else 0
-        start, stop = max(lo, int(self.starts[first + b])), min(hi, int(self.starts[first + b + 1]))
-        rows = self.rows(start, stop)
-        return start + int(np.flatnonzero((rows >= row_lo) & (rows < row_hi))[skip - before])
-
 
 def _counts_by_range(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """How many of ``rows`` fall in each ``[bounds[k], bounds[k+1])`` (rows outside all: none)."""
@@ -316,13 +298,38 @@ def node_rows(
     window = max(window_rows, 2 * req.block_size)
     mine_bounds = np.array([lo_node, hi_node], dtype=np.int64)
     for lo, hi in shard_ranges(total, req):
-        if skip:
-            here = int(order.counts_in(lo, hi, mine_bounds)[0])
-            if skip >= here:
-                skip -= here
-                continue
-            lo, skip = order.seek(lo, hi, lo_node, hi_node, skip), 0
-        for start in range(lo, hi, window):
-            mine = order.rows_in(start, min(hi, start + window), lo_node, hi_node)
+        # Windows on multiples of ``window`` in the epoch's positions, cut at the shard's ends: the
+        # same for a resumed stream (dealing depends on the window) and for any shard count inside.
+        for start in range(lo - lo % window, hi, window):
+            a, b = max(lo, start), min(hi, start + window)
+            if skip:  # whole windows already served are counted, not computed
+                here = int(order.counts_in(a, b, mine_bounds)[0])
+                if skip >= here:
+                    skip -= here
+                    continue
+            mine = deal(order.rows_in(a, b, lo_node, hi_node), req.block_size)[skip:]
+            skip = 0
             if len(mine):
                 yield mine - node_offset
+
+
+def deal(rows: np.ndarray, block: int) -> np.ndarray:
+    """A window's rows dealt out across its ``block``-row runs: the first row of every run, then
+    the second of every run, and so on.
+
+    The block permutation alone leaves each block's rows together: with ``batch_size`` equal to
+    ``block_size`` (the defaults), a training batch was one block, a contiguous range of the
+    table, and the same rows made up a batch again in later epochs. Dealt, any ``block`` rows in
+    a row hold about ``block / runs`` rows from each of the window's runs (2**17 positions: 64
+    blocks of 1024 on each of 2 nodes), and the runs are different blocks every epoch.
+    """
+    runs = -(-len(rows) // block)
+    if runs < 2:
+        return rows
+    # Transposes, not an index array: the full runs as a (runs, block) matrix read column by
+    # column, the short last run's rows joining the first ``last`` columns (a third of the time).
+    whole = (runs - 1) * block
+    last = len(rows) - whole
+    full = rows[:whole].reshape(runs - 1, block)
+    first = np.concatenate((full[:, :last], rows[whole:][None, :])).T.reshape(-1)
+    return np.concatenate((first, full[:, last:].T.reshape(-1)))
