@@ -194,6 +194,21 @@ def test_a_node_frozen_before_its_stream_starts_is_given_up_on_within_the_deadli
     assert re.search(rf"data node {location} stayed unavailable .*stalled", str(error))
 
 
+def test_a_frozen_node_is_given_up_on_at_the_deadline_not_a_stall_limit_later(cluster, monkeypatch):
+    """Each wait on a frozen node lasts the stall limit, but the last one only what is left of the
+    deadline: with waits of 60 s a deadline of 70 s gave up after 120 s (here 2 s and 3 s: 4 s)."""
+    monkeypatch.setattr(client_module, "STREAM_STALL_SECONDS", 2.0)
+    deadline = 3.0
+    with node_frozen_mid_stream(cluster, deadline_seconds=deadline) as (location, batches):
+        started = time.monotonic()
+        with pytest.raises(CacheUnavailableError, match=rf"data node {location} stayed unavailable"):
+            for _ in batches:
+                pass
+        waited = time.monotonic() - started
+    # The stall watcher ticks every half second at this limit: the last wait may end that late.
+    assert waited < deadline + 0.8, f"gave up {waited - deadline:.1f}s after the deadline"
+
+
 def test_node_that_stays_down_is_named(cluster):
     location = cluster.wait_ready()["nodes"][1]["location"]
     cluster.kill_node(1)

@@ -69,6 +69,8 @@ KEPT_CLIENT_IDLE_SECONDS = 300.0
 # A stream read that waits this long for its next batch (at most deadline_seconds) is cancelled
 # and retried like a broken stream: the data node has stopped sending (stall_watch.py).
 STREAM_STALL_SECONDS = 60.0
+# A retry's wait is cut to what is left of the deadline, but not below this (one more try).
+MIN_STALL_WAIT_SECONDS = 0.5
 # Batches each endpoint stream reads ahead in its own thread, so all of a shard's data nodes send
 # at once while the consumer converts (bounded memory per stream).
 STREAM_READAHEAD_BATCHES = 2
@@ -377,8 +379,9 @@ class CacheClient:
                 wire, skip = endpoint.ticket, received
             reader = None
             try:
-                reader = self._open_stream(location, wire)
-                for batch in drop_rows(self._batches(reader, location), skip):
+                limit = self._wait_limit(failing_since)
+                reader = self._open_stream(location, wire, limit)
+                for batch in drop_rows(self._batches(reader, location, limit), skip):
                     if batch.num_rows == 0:
                         continue
                     received += batch.num_rows
@@ -423,8 +426,17 @@ class CacheClient:
             time.sleep(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
-    def _open_stream(self, location: str, ticket: flight.Ticket) -> flight.FlightStreamReader:
-        """``do_get``, given up on (StreamStalledError, retried) after the stall limit.
+    def _wait_limit(self, failing_since: float | None) -> float:
+        """How long a read may wait on a node: the stall limit, or while retrying, what is left of
+        the deadline if less (the last try waited up to STREAM_STALL_SECONDS past it: a deadline
+        of 70 s gave up after 120)."""
+        if failing_since is None:
+            return self._stall_watch.limit
+        left = failing_since + self.deadline_seconds - time.monotonic()
+        return max(MIN_STALL_WAIT_SECONDS, min(self._stall_watch.limit, left))
+
+    def _open_stream(self, location: str, ticket: flight.Ticket, limit: float) -> flight.FlightStreamReader:
+        """``do_get``, given up on (StreamStalledError, retried) after ``limit`` seconds.
 
         do_get returns once the node has sent its first message. A frozen node never sends it,
         and a call still opening cannot be cancelled (closing the client does not end it), so it
@@ -432,32 +444,33 @@ class CacheClient:
         cancels the stream if it still gets one.
         """
         opening = _Opening(self._client(location), ticket, self._options(None))
-        if not opening.done.wait(self._stall_watch.limit) and opening.abandon():
-            raise StreamStalledError(
-                f"data node {location} did not start its stream within {self._stall_watch.limit:.0f}s (stalled)"
-            )
+        if not opening.done.wait(limit) and opening.abandon():
+            raise StreamStalledError(f"data node {location} did not start its stream within {limit:.0f}s (stalled)")
         return opening.result()
 
     def _not_whole(self, location: str, what: str) -> DataCacheError:
         return DataCacheError(f"data node {location}'s stream {what}; the shard would not be exact")
 
-    def _batches(self, reader: flight.FlightStreamReader, location: str) -> Iterator[pa.RecordBatch]:
-        while (chunk := self._next_chunk(reader, location)) is not None:
+    def _batches(self, reader: flight.FlightStreamReader, location: str, limit: float) -> Iterator[pa.RecordBatch]:
+        """The stream's batches; the first awaited for ``limit``, the rest for the stall limit
+        (a node that sent has answered: a retry's shorter wait is over)."""
+        while (chunk := self._next_chunk(reader, location, limit)) is not None:
+            limit = self._stall_watch.limit
             yield chunk.data
 
-    def _next_chunk(self, reader: flight.FlightStreamReader, location: str) -> flight.FlightStreamChunk | None:
+    def _next_chunk(
+        self, reader: flight.FlightStreamReader, location: str, limit: float
+    ) -> flight.FlightStreamChunk | None:
         """The stream's next chunk (None at its end), or StreamStalledError when the node sent
-        nothing for the stall limit: the caller retries it as a broken stream."""
-        self._stall_watch.arm(reader)
+        nothing for ``limit`` seconds: the caller retries it as a broken stream."""
+        self._stall_watch.arm(reader, limit)
         try:
             return reader.read_chunk()
         except StopIteration:
             return None
         except (flight.FlightError, pa.ArrowException) as err:
             if self._stall_watch.stalled(reader):
-                raise StreamStalledError(
-                    f"data node {location} sent nothing for {self._stall_watch.limit:.0f}s (stalled)"
-                ) from err
+                raise StreamStalledError(f"data node {location} sent nothing for {limit:.0f}s (stalled)") from err
             raise
         finally:
             self._stall_watch.disarm(reader)

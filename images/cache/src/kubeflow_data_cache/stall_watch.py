@@ -36,9 +36,10 @@ class StallWatch:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def arm(self, reader: Any) -> None:
+    def arm(self, reader: Any, limit: float | None = None) -> None:
+        """Cancel ``reader`` unless disarmed within ``limit`` seconds (default: the watcher's)."""
         with self._lock:
-            self._armed[id(reader)] = (time.monotonic() + self.limit, reader)
+            self._armed[id(reader)] = (time.monotonic() + (self.limit if limit is None else limit), reader)
             if self._thread is None:
                 self._stop.clear()
                 args = (weakref.ref(self), self._stop, min(1.0, self.limit / 4))
