@@ -266,7 +266,30 @@ def test_a_shuffled_state_keeps_the_stream_lengths_its_rows_were_counted_in(cach
     assert state["streams"] == [ROWS // 2, ROWS // 2]  # two data nodes, half the table each
     unshuffled = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
     next(iter(unshuffled))
-    assert unshuffled.state_dict()["streams"] is None  # in order, the split does not matter
+    assert unshuffled.state_dict()["streams"] == [ROWS // 2, ROWS // 2]  # kept for the shard's size
+
+
+def test_an_in_order_resume_follows_the_table_whatever_the_split_but_not_another_table(cache, cache_factory):
+    """In order, rows follow the table: a cache with another number of data nodes continues the
+    same epoch. A table of another size is another table (or snapshot): resuming by the row
+    count was accepted silently, reading some rows twice and others never."""
+    world = World(0, 1, 0, 1)
+
+    def in_order(c) -> DataCacheDataset:
+        return DataCacheDataset(c.endpoint, batch_size=100, columns=["id"])
+
+    saving = in_order(cache)
+    batches = saving._iter_world(world)
+    head = ids_of(next(batches) for _ in range(7))
+    state = saving.state_dict()
+    full = ids_of(in_order(cache)._iter_world(world))
+    resumed = in_order(cache_factory(ROWS, 3, data_nodes=3))  # the same table, split in three
+    resumed.load_state_dict(state)
+    assert head + ids_of(resumed._iter_world(world)) == full
+    other = in_order(cache_factory(ROWS + 2_000, 3))
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="a shard of 10000 rows, but the cache now serves it as a shard of 12000"):
+        next(other._iter_world(world))
 
 
 def test_resuming_against_a_cache_that_splits_the_shard_otherwise_is_refused(cache, cache_factory):

@@ -535,9 +535,23 @@ def _check_streams(request: ShardRequest, progress: _Progress, skip: int, length
     ``skip`` rows mean other rows when the cache splits the shard otherwise (another number of
     data nodes, another table): resuming would repeat some rows and leave out others.
     """
-    if not request.shuffle:
-        return  # in order, the rows follow the table whatever the split
     saved = progress.streams
+    if not request.shuffle:
+        # In order, the rows follow the table whatever the split: another number of data nodes
+        # is fine, but a shard of another size is another table (or snapshot), whose rows past
+        # the saved count are not the rest of the saved epoch.
+        if None in lengths:
+            return
+        now = [int(n) for n in lengths]
+        if skip and saved is not None and sum(saved) != sum(now):
+            _refuse_resume(
+                skip,
+                f"a shard of {sum(saved)} rows",
+                f"a shard of {sum(now)} rows",
+                "another table or snapshot: the rows after the saved count are not the rest of the saved epoch",
+            )
+        progress.streams = now
+        return
     if None in lengths:  # an older cache, whose tickets do not say: its streams simply rotate
         if skip and saved is not None and not rotation_order(saved, request.block_size):
             _refuse_resume(skip, f"streams of {saved} rows", "streams of unknown lengths (an older cache)")
@@ -552,12 +566,16 @@ def _check_streams(request: ShardRequest, progress: _Progress, skip: int, length
     progress.streams = now  # only once accepted: a state saved after a refusal keeps the old split
 
 
-def _refuse_resume(skip: int, saved: str, now: str) -> None:
+def _refuse_resume(
+    skip: int,
+    saved: str,
+    now: str,
+    why: str = "another number of data nodes, or rows split otherwise: the order differs",
+) -> None:
     raise ValueError(
-        f"the saved state counted {skip} rows of this shuffled shard in {saved}, but the cache now serves "
-        f"it as {now} (another number of data nodes, or rows split otherwise): the order differs, so "
-        "resuming would repeat rows and leave others out; start the epoch again (skip load_state_dict, "
-        "or set_epoch to the next epoch)"
+        f"the saved state counted {skip} rows of this shard in {saved}, but the cache now serves it as {now} "
+        f"({why}), so resuming would repeat rows and leave others out; start the epoch again (skip "
+        "load_state_dict, or set_epoch to the next epoch)"
     )
 
 
