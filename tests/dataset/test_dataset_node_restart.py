@@ -215,3 +215,22 @@ def test_node_that_stays_down_is_named(cluster):
     ds = DataCacheDataset(cluster.endpoint, columns=["id"], deadline_seconds=2)
     with pytest.raises(CacheUnavailableError, match=f"data node {location} stayed unavailable"):
         list(ds)
+
+
+def test_a_head_that_stops_answering_is_named_not_the_endpoint_setting(cluster):
+    """A head that answered and then hung (SIGSTOP): the endpoint is right, so the error says the
+    head stopped answering instead of telling the reader to set DATA_CACHE_ENDPOINT."""
+    cluster.wait_ready()
+    client = CacheClient(cluster.endpoint, deadline_seconds=2)
+    request = ShardRequest(columns=("id",))
+    client.get_flight_info(request)
+    head = cluster.procs["head"]
+    os.kill(head.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(CacheUnavailableError, match=rf"head at {cluster.endpoint} stopped answering") as err:
+            client.get_flight_info(request)
+        assert "DATA_CACHE_ENDPOINT" not in str(err.value)
+    finally:
+        os.kill(head.pid, signal.SIGCONT)
+        client.close()
+    cluster.wait_ready()

@@ -160,6 +160,7 @@ class CacheClient:
         self._clients: dict[str, flight.FlightClient] = {}
         self._lock = threading.Lock()
         self._stall_watch = StallWatch(min(self.deadline_seconds, STREAM_STALL_SECONDS))
+        self._head_answered = False  # a head that answered once is at the right address
         tune_glibc_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
     # -- connections -------------------------------------------------------------------------
@@ -225,6 +226,13 @@ class CacheClient:
                 f"the data cache at {location} was still not ready after {waited:.0f}s ({what}): {reason}; "
                 "a larger deadline_seconds waits longer"
             )
+        if location == self.endpoint and (self._head_answered or isinstance(err, flight.FlightTimedOutError)):
+            # The address is right (it answered before, or took the call and sent nothing): the
+            # head itself stopped answering, and the endpoint hint would send the reader astray.
+            return CacheUnavailableError(
+                f"the data cache's head at {location} stopped answering ({what}, {waited:.0f}s): {reason}; check "
+                "the head (in Kubernetes, the cache's leader pod: its status, events and log)"
+            )
         if location == self.endpoint:
             return CacheUnavailableError(
                 f"could not reach the data cache at {location} for {what} within {waited:.0f}s: {reason}; {ENDPOINT_HINT}"
@@ -242,7 +250,10 @@ class CacheClient:
             # The last try starts at the deadline: give it a moment (a timeout of 0 would be none).
             remaining = max(deadline - time.monotonic(), MIN_CALL_SECONDS)
             try:
-                return call(remaining)
+                answer = call(remaining)
+                if location == self.endpoint:
+                    self._head_answered = True
+                return answer
             except _TRANSIENT as err:
                 if "wrong version number" in str(err).lower():
                     raise CacheUnavailableError(
