@@ -231,9 +231,23 @@ def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
     with pytest.raises(ValueError, match="tls_root_certs should be PEM certificates"):
         DataCacheDataset("grpc+tls://h:1", tls_root_certs=b"garbage")
     # Without a port gRPC would quietly dial 443.
-    for endpoint in ("grpc://127.0.0.1", "grpc+tls://cache", "grpc://h:0", "grpc://h:70000", "grpc://h:port"):
-        with pytest.raises(ValueError, match="should name its port"):
+    for endpoint in ("grpc://127.0.0.1", "grpc+tls://cache", "grpc://h:port"):
+        with pytest.raises(ValueError, match="^endpoint should name its port"):
             DataCacheDataset(endpoint)
+    for endpoint, port in (("grpc://h:0", 0), ("grpc://h:70000", 70000)):
+        with pytest.raises(ValueError, match=f"^endpoint names port {port}, outside 1 to 65535"):
+            DataCacheDataset(endpoint)
+
+
+def test_an_endpoint_from_the_environment_is_named_with_what_is_wrong(monkeypatch):
+    """An env file's stray space or a port past 65535 read as "should name its port", and as if
+    the argument had been wrong."""
+    monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://cache:50051 ")
+    with pytest.raises(ValueError, match="^DATA_CACHE_ENDPOINT has spaces around it"):
+        DataCacheDataset()
+    monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://cache:99999")
+    with pytest.raises(ValueError, match="^DATA_CACHE_ENDPOINT names port 99999, outside 1 to 65535"):
+        DataCacheDataset()
 
 
 def test_an_empty_endpoint_or_a_token_no_header_can_carry_is_refused(monkeypatch):

@@ -101,14 +101,22 @@ class StreamStalledError(flight.FlightUnavailableError):
 MIN_CALL_SECONDS = 0.5
 
 
-def check_endpoint(endpoint: str) -> None:
+def check_endpoint(endpoint: str, source: str = "the cache endpoint") -> None:
+    """A URI gRPC can dial, or a ValueError naming ``source`` (the argument, or the variable it
+    came from) and what is wrong with it."""
     if not isinstance(endpoint, str) or "://" not in endpoint or endpoint.partition("://")[0] not in ENDPOINT_SCHEMES:
-        raise ValueError(
-            f"the cache endpoint should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}"
-        )
-    if not endpoint.startswith("grpc+unix://") and not uri_port(endpoint):
-        # Without one, gRPC would quietly dial port 443.
-        raise ValueError(f"the cache endpoint should name its port (grpc://host:50051), got {endpoint!r}")
+        raise ValueError(f"{source} should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}")
+    if endpoint != endpoint.strip():
+        # A YAML or env file's stray space: gRPC would fail to parse it only when dialling.
+        raise ValueError(f"{source} has spaces around it (a copied value?), got {endpoint!r}")
+    if endpoint.startswith("grpc+unix://") or uri_port(endpoint):
+        return
+    _, _, rest = endpoint.partition("://")
+    named = rest.rpartition("@")[2].split("/")[0].rpartition(":")[2]
+    if named.isdigit():
+        raise ValueError(f"{source} names port {named}, outside 1 to 65535, got {endpoint!r}")
+    # Without one, gRPC would quietly dial port 443.
+    raise ValueError(f"{source} should name its port (grpc://host:50051), got {endpoint!r}")
 
 
 def check_root_certs(pem: bytes) -> None:

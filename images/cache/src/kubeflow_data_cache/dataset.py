@@ -76,6 +76,12 @@ def default_endpoint(env: dict[str, str] | None = None) -> str:
     )
 
 
+def _endpoint_source(env: dict[str, str] | None = None) -> str:
+    """Where default_endpoint found the endpoint, for error messages."""
+    env = os.environ if env is None else env
+    return "DATA_CACHE_ENDPOINT" if env.get("DATA_CACHE_ENDPOINT") else "the endpoint made from TRAIN_JOB_NAME"
+
+
 def default_token(env: dict[str, str] | None = None) -> str | None:
     """``DATA_CACHE_TOKEN``, else the contents of ``DATA_CACHE_TOKEN_FILE``, else None."""
     env = os.environ if env is None else env
@@ -214,7 +220,9 @@ class DataCacheDataset(IterableDataset):
         # None, not any false value, means "from the environment": an empty string from a config
         # file is a mistake to name, not a reason to connect wherever the environment points.
         self.endpoint = endpoint if endpoint is not None else default_endpoint()
-        check_endpoint(self.endpoint)  # here, not at the first batch inside a DataLoader worker
+        # Here, not at the first batch inside a DataLoader worker; naming where the value came from.
+        source = "endpoint" if endpoint is not None else _endpoint_source()
+        check_endpoint(self.endpoint, source)
         check_token(token)
         self.token = token if token is not None else default_token()
         self.batch_size = size
