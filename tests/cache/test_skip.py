@@ -18,7 +18,16 @@ import pytest
 
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError
-from kubeflow_data_cache.protocol import PROTOCOL_VERSION, SKIP_VERSION, ShardRequest, Ticket, ticket_rows, with_skip
+from kubeflow_data_cache.protocol import (
+    ORDER_VERSION,
+    PROTOCOL_VERSION,
+    SKIP_VERSION,
+    ShardRequest,
+    Ticket,
+    ticket_order,
+    ticket_rows,
+    with_skip,
+)
 from tests.cache.inprocess import get, wait_for
 
 
@@ -183,6 +192,20 @@ def test_skip_tickets_keep_the_heads_fields_and_old_nodes_refuse_them():
     assert ticket_rows(raw) == 10
     assert ticket_rows(b"not json") is None
     assert ticket_rows(json.dumps({**head_ticket, "rows": "10"}).encode()) is None
+
+
+def test_shuffled_tickets_say_the_order_their_node_streams(small_cache):
+    """A resumed position means rows only in the order it was counted in: heads say theirs on
+    every shuffled ticket; a ticket that says nothing is from before the dealt order (1)."""
+    with CacheClient(small_cache.endpoint) as client:
+        shuffled = client.get_flight_info(ShardRequest(shuffle=True)).endpoints
+        in_order = client.get_flight_info(ShardRequest()).endpoints
+    assert {Ticket.from_json(e.ticket.ticket).order for e in shuffled} == {ORDER_VERSION}
+    assert {ticket_order(e.ticket.ticket) for e in shuffled} == {ORDER_VERSION} and ORDER_VERSION == 2
+    assert {Ticket.from_json(e.ticket.ticket).order for e in in_order} == {None}
+    legacy = Ticket("g", 0, 0, 10, 10, ShardRequest(shuffle=True), rows=10).to_json()
+    assert "order" not in json.loads(legacy) and ticket_order(legacy) == 1
+    assert ticket_order(b"not json") == 1
 
 
 @pytest.mark.parametrize(

@@ -381,10 +381,37 @@ def test_a_refused_resume_leaves_the_saved_split_in_the_state(cache, cache_facto
 
 
 def test_states_are_version_2_and_version_1_ones_are_still_read(cache):
-    state, head = _saved_mid_epoch(cache, World(0, 1, 0, 1), 5)
+    world = World(0, 1, 0, 1)
+    state, _ = _saved_mid_epoch(cache, world, 5)
     assert state["version"] == 2  # a client before stream lengths refuses it instead of misreading it
-    old = {k: v for k, v in state.items() if k != "streams"} | {"version": 1}
+    assert state["order"] == 2  # counted in the order this cache streams (protocol.ORDER_VERSION)
+    # A shuffled version 1 state was counted in the block order before nodes dealt their windows:
+    # the same count means other rows now, so it is read but its resume refused, naming both.
+    old = {k: v for k, v in state.items() if k not in ("streams", "order")} | {"version": 1}
     resumed = make(cache)
-    resumed.load_state_dict(old)  # equal streams: the old rotation and the spread order agree
-    full = ids_of(_epoch(cache, World(0, 1, 0, 1), None))
-    assert head + ids_of(resumed._iter_world(World(0, 1, 0, 1))) == full
+    resumed.load_state_dict(old)
+    with pytest.raises(ValueError, match="in shuffled order 1, but the cache now serves it as order 2"):
+        next(resumed._iter_world(world))
+    # In order, a version 1 state resumes where it stopped.
+    in_order = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    batches = in_order._iter_world(world)
+    head = ids_of(next(batches) for _ in range(5))
+    old = {k: v for k, v in in_order.state_dict().items() if k not in ("streams", "order")} | {"version": 1}
+    again = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    again.load_state_dict(old)
+    full = ids_of(DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])._iter_world(world))
+    assert head + ids_of(again._iter_world(world)) == full
+
+
+def test_a_shuffled_state_counted_in_another_order_is_refused(cache):
+    """A checkpoint from a cache version whose nodes ordered shuffled streams otherwise (tickets
+    without ``order``: the block order) resumed on this one would repeat rows and skip others."""
+    world = World(0, 1, 0, 1)
+    state, _ = _saved_mid_epoch(cache, world, 9)
+    resumed = make(cache)
+    resumed.load_state_dict(state | {"order": 1})
+    with pytest.raises(ValueError, match="the cache's version changed how its data nodes order a shuffled stream"):
+        next(resumed._iter_world(world))
+    again = make(cache)
+    again.load_state_dict(state)  # counted in this cache's own order: resumes
+    next(again._iter_world(world))

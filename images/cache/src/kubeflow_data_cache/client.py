@@ -37,7 +37,7 @@ from kubeflow_data_cache.errors import (
 )
 from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential_point
 from kubeflow_data_cache.interleave import interleave as interleave_streams
-from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_rows, with_skip
+from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_order, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import check_token
 from kubeflow_data_cache.stall_watch import StallWatch
@@ -315,7 +315,7 @@ class CacheClient:
         request: ShardRequest,
         interleave: bool = True,
         start: int = 0,
-        check_streams: Callable[[list[int | None]], None] | None = None,
+        check_streams: Callable[[list[int | None], int], None] | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """Every record batch of one shard, from all of its data nodes; with ``start``, all but
         the first ``start`` rows (a resumed read).
@@ -335,7 +335,8 @@ class CacheClient:
         (an older version) sends them, and they are dropped here as they arrive.
 
         ``check_streams`` is called with each stream's row count (None where the cache does not
-        say) before any stream opens; it may raise to refuse the read.
+        say) and the order the nodes stream a shuffled shard in (protocol.ORDER_VERSION; 1 for a
+        cache that does not say) before any stream opens; it may raise to refuse the read.
         """
         start = _row_count(start)
         info = self.get_flight_info(request)
@@ -347,7 +348,7 @@ class CacheClient:
         endpoints = list(info.endpoints)
         lengths = [ticket_rows(e.ticket.ticket) for e in endpoints]
         if check_streams is not None:
-            check_streams(lengths)
+            check_streams(lengths, max((ticket_order(e.ticket.ticket) for e in endpoints), default=1))
         nodes_skip = None not in lengths
         served = start if nodes_skip else 0
         if not served:

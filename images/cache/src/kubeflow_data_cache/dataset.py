@@ -43,7 +43,8 @@ __all__ = ["DataCacheDataset", "World", "column_to_tensor", "default_endpoint"]
 CACHE_PORT = 50051
 # 2: a shuffled state keeps its stream lengths ("streams"), and its rows count in the spread
 # order (interleave.py); a client before that would resume it in another order, so it refuses
-# version 2. Version 1 states are still read.
+# version 2. Version 1 states are still read. A state also keeps the shuffled order its rows
+# were counted in ("order", protocol.ORDER_VERSION; absent: 1), checked on resume.
 STATE_VERSION = 2
 READABLE_STATE_VERSIONS = (1, 2)
 # Rows converted per call of from_arrow_rb_to_tensor: large enough that per-call overhead
@@ -177,6 +178,9 @@ class _Progress:
     # A shuffled read's stream lengths (rows per data node in this shard): the interleaved order,
     # hence what a row count means, depends on them. None until the head has answered.
     streams: list[int] | None = None
+    # The order the nodes stream a shuffled shard in (protocol.ORDER_VERSION), which a row count
+    # means as much as the lengths. None until the head has answered, or unshuffled.
+    order: int | None = None
 
 
 class DataCacheDataset(IterableDataset):
@@ -332,14 +336,14 @@ class DataCacheDataset(IterableDataset):
     def _iter_world(self, world: World) -> Iterator[Any]:
         """Set up this reader's epoch now (so state_dict is right at once), then stream."""
         request = self.shard_request(world)
-        skip, streams = self._take_resume(world)
+        skip, streams, order = self._take_resume(world)
         slot = None
         if get_worker_info() is not None:
             slot = world.worker_id % WORKER_SLOTS
             self._worker_reads[slot] = self.epoch + 1
         else:  # this process reads now: what workers read before is no longer the position
             self._worker_reads.clear()
-        self._progress = _Progress(self.epoch, world.shard, world.num_shards, rows=skip, streams=streams)
+        self._progress = _Progress(self.epoch, world.shard, world.num_shards, skip, streams, order)
         return self._stream(request, skip, self._progress, slot)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
@@ -349,7 +353,7 @@ class DataCacheDataset(IterableDataset):
                 request,
                 interleave=request.shuffle,
                 start=skip,
-                check_streams=lambda lengths: _check_streams(request, progress, skip, lengths),
+                check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
             )
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
@@ -481,6 +485,7 @@ class DataCacheDataset(IterableDataset):
             "num_shards": progress.num_shards,
             "rows": progress.rows,
             "streams": progress.streams,
+            "order": progress.order,
             **self._fingerprint(),
         }
 
@@ -522,22 +527,27 @@ class DataCacheDataset(IterableDataset):
         self._epoch.value = saved
         self._resume = dict(state) if state["rows"] > 0 else None
 
-    def _take_resume(self, world: World) -> tuple[int, list[int] | None]:
-        """Rows to leave out of this reader's epoch, and the stream lengths they were counted in."""
+    def _take_resume(self, world: World) -> tuple[int, list[int] | None, int | None]:
+        """Rows to leave out of this reader's epoch, and the stream lengths and shuffled order
+        they were counted in (None where the state does not say)."""
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != self.epoch:
-            return 0, None
+            return 0, None, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
-        return int(state["rows"]), (list(streams) if streams is not None else None)
+        order = state.get("order")  # absent in states saved before orders were versioned
+        return int(state["rows"]), (list(streams) if streams is not None else None), order
 
 
-def _check_streams(request: ShardRequest, progress: _Progress, skip: int, lengths: list[int | None]) -> None:
-    """Keep a shuffled read's stream lengths, and refuse to resume a position counted in others.
+def _check_streams(
+    request: ShardRequest, progress: _Progress, skip: int, lengths: list[int | None], order: int
+) -> None:
+    """Keep a read's stream lengths (and a shuffled one's order), and refuse to resume a position
+    counted in others.
 
     A shuffled shard interleaves its data nodes' streams by their lengths (interleave.py), so
     ``skip`` rows mean other rows when the cache splits the shard otherwise (another number of
@@ -560,6 +570,17 @@ def _check_streams(request: ShardRequest, progress: _Progress, skip: int, length
             )
         progress.streams = now
         return
+    # A position saved before orders were versioned was counted in the first one (an older client
+    # or cache): against a cache that deals its windows, the same count means other rows.
+    saved_order = progress.order if progress.order is not None else 1
+    if skip and saved_order != order:
+        _refuse_resume(
+            skip,
+            f"shuffled order {saved_order}",
+            f"order {order}",
+            "the cache's version changed how its data nodes order a shuffled stream (protocol.ORDER_VERSION)",
+        )
+    progress.order = order
     if None in lengths:  # an older cache, whose tickets do not say: its streams simply rotate
         if skip and saved is not None and not rotation_order(saved, request.block_size):
             _refuse_resume(skip, f"streams of {saved} rows", "streams of unknown lengths (an older cache)")

@@ -390,7 +390,10 @@ class Head(ReadOnlyFlight):
         per_node = endpoint_rows(offsets, total, req)
         for node, streamed in enumerate(per_node):
             if streamed:
-                ticket = protocol.Ticket(self.generation, node, offsets[node], counts[node], total, req, rows=streamed)
+                order = protocol.ORDER_VERSION if req.shuffle else None
+                ticket = protocol.Ticket(
+                    self.generation, node, offsets[node], counts[node], total, req, rows=streamed, order=order
+                )
                 endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
         rows = sum(per_node)
         return flight.FlightInfo(schema, descriptor, endpoints, rows, rows * self._row_bytes(schema))

@@ -21,6 +21,11 @@ PROTOCOL_VERSION = 1
 # Tickets that carry a skip say so in their version: a node from before skipping (which accepts
 # version 1 only) refuses them, rather than ignore the skip and send rows the client already has.
 SKIP_VERSION = 2
+# How a data node orders a shuffled stream; a head says so in each shuffled ticket (``order``).
+# 1: the block permutation as it is (tickets without the field); 2: each window's rows dealt out
+# across its blocks (sharding.deal). A reader resuming mid-epoch must see the order its saved
+# position was counted in: another one puts other rows after the same count.
+ORDER_VERSION = 2
 EVEN_MODES = ("drop", "pad")
 DEFAULT_BLOCK_SIZE = 1024
 DEFAULT_BATCH_SIZE = 65536
@@ -168,6 +173,7 @@ class Ticket:
     request: ShardRequest
     rows: int | None = None
     skip: int = 0
+    order: int | None = None  # ORDER_VERSION, on shuffled tickets
 
     def __post_init__(self) -> None:
         _as_int("skip", self.skip)
@@ -189,6 +195,8 @@ class Ticket:
         }
         if self.rows is not None:
             body.update(rows=self.rows, skip=self.skip)
+        if self.order is not None:
+            body["order"] = self.order
         return json.dumps(body, sort_keys=True).encode()
 
     @classmethod
@@ -213,6 +221,7 @@ class Ticket:
                 request=ShardRequest.from_dict(data["request"]),
                 rows=data.get("rows"),
                 skip=skip,
+                order=data.get("order"),
             )
         except KeyError as missing:
             raise BadRequestError(f"malformed ticket: missing field {missing}") from None
@@ -226,6 +235,16 @@ def ticket_rows(raw: bytes) -> int | None:
     except (ValueError, RecursionError, AttributeError):  # as _loads, and JSON that is not an object
         return None
     return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 else None
+
+
+def ticket_order(raw: bytes) -> int:
+    """The shuffled order a head's ticket says its node streams (ORDER_VERSION); 1 where it says
+    nothing (a cache from before the versions, or a ticket this client cannot read)."""
+    try:
+        order = json.loads(raw).get("order", 1)
+    except (ValueError, RecursionError, AttributeError):
+        return 1
+    return order if isinstance(order, int) and not isinstance(order, bool) else 1
 
 
 def with_skip(raw: bytes, skip: int) -> bytes:
