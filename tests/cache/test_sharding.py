@@ -292,11 +292,24 @@ def test_the_head_refuses_a_shuffle_of_too_many_blocks_naming_the_block_size(clu
 
 @pytest.mark.parametrize("block", [1024, 300_000])
 def test_a_shuffled_node_computes_its_order_a_bounded_window_at_a_time(block):
-    """A node's order arrays are its stream's memory while it is computed: at most a window of
-    positions (or two blocks, when they are larger) at a time, whatever the transfer batch."""
+    """A node's order arrays are its stream's memory while it is computed: about ORDER_WINDOW_ROWS
+    of its own rows (or two blocks, when they are larger) at a time, whatever the transfer batch.
+    A window holds the node's blocks by chance: a little more or less than its share."""
     total = 2_000_000
     req = ShardRequest(shuffle=True, epoch=1, batch_size=1 << 20, block_size=block)
-    node = (0, total // 2)
-    sizes = [len(part) for part in node_rows(*node, total, req)]
-    assert sum(sizes) == total // 2
-    assert max(sizes) <= max(ORDER_WINDOW_ROWS, 2 * block)
+    for node in ((0, total // 2), (total // 2, total // 2)):
+        sizes = [len(part) for part in node_rows(*node, total, req)]
+        assert sum(sizes) == total // 2
+        assert max(sizes) <= 1.5 * max(ORDER_WINDOW_ROWS, 2 * block)
+
+
+@pytest.mark.parametrize("nodes", [2, 16, 128])
+def test_each_node_deals_about_a_window_of_its_own_rows_however_many_nodes(nodes):
+    """Counted in positions alone, a window gave each of 128 nodes one block: nothing to deal,
+    and a batch was one block again. Windows are sized by the node's share of the rows."""
+    total = 16_000_000
+    req = ShardRequest(shuffle=True, epoch=2)
+    share = total // nodes
+    first = next(node_rows(0, share, total, req))
+    blocks = len(np.unique(first[: req.block_size] // req.block_size))
+    assert len(first) >= ORDER_WINDOW_ROWS // 2 and blocks >= 32, (len(first), blocks)

@@ -18,11 +18,14 @@ import numpy as np
 from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.protocol import ShardRequest
 
-# Shuffled node_rows computes the order this many positions at a time (or two blocks, when
-# blocks are larger). Each window's arrays and temporaries take ~40 bytes a position while it is
-# computed: at 8 transfer batches of 64K rows (the previous window), a shuffled stream held
-# ~13 MiB more on its node than at 2**17 positions, which computes the order as fast here.
-ORDER_WINDOW_ROWS = 1 << 17
+# Shuffled node_rows computes (and deals) the order about this many of the node's own rows at a
+# time (order_window; or two blocks, when blocks are larger): for each of 2 nodes, windows of
+# 2**17 positions. Each window's arrays and temporaries take ~40 bytes a position while it is
+# computed: at 8 transfer batches of 64K rows (an earlier window), a shuffled stream held ~13 MiB
+# more on its node, and computed the order no faster. Dealt, a window of 2**17 of a node's rows
+# read 5-10% slower than 2**16 (its gathers spread over twice the blocks) and mixed no better.
+# Part of the shuffled order (protocol.ORDER_VERSION).
+ORDER_WINDOW_ROWS = 1 << 16
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -196,6 +199,25 @@ class EpochOrder:
                 counts -= _counts_by_range(self.rows(cut_lo, cut_hi), bounds)
         return counts
 
+    def seek(self, lo: int, hi: int, row_lo: int, row_hi: int, skip: int) -> int:
+        """The position in ``[lo, hi)`` of the row in ``[row_lo, row_hi)`` that comes after the
+        first ``skip`` of them: where a node's stream that leaves out ``skip`` rows starts
+        (``skip`` is below their count). Whole blocks are counted, and one block computed."""
+        if not self.shuffle:
+            return max(lo, row_lo) + skip
+        first, last = self._blocks(lo, hi)
+        begin = self.order[first : last + 1] * self.block
+        per_block = np.minimum(begin + self.sizes[first : last + 1], row_hi) - np.maximum(begin, row_lo)
+        ahead = np.cumsum(np.clip(per_block, 0, None))  # rows in range up to each block's end
+        block_start = int(self.starts[first])
+        if block_start < lo:  # the first block's positions before lo are not in [lo, hi)
+            ahead -= int(_counts_by_range(self.rows(block_start, lo), np.array([row_lo, row_hi]))[0])
+        b = int(np.searchsorted(ahead, skip, side="right"))  # the block holding the row
+        before = int(ahead[b - 1]) if b else 0
+        start, stop = max(lo, int(self.starts[first + b])), min(hi, int(self.starts[first + b + 1]))
+        rows = self.rows(start, stop)
+        return start + int(np.flatnonzero((rows >= row_lo) & (rows < row_hi))[skip - before])
+
 
 def _counts_by_range(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """How many of ``rows`` fall in each ``[bounds[k], bounds[k+1])`` (rows outside all: none)."""
@@ -293,24 +315,41 @@ def node_rows(
             if a + left_out < b:
                 yield range(a + left_out - node_offset, b - node_offset)
         return
+    if node_total <= 0:
+        return
     order = epoch_order(total, req)
-    # At least two blocks: a window inside one block would compute that block again for each.
-    window = max(window_rows, 2 * req.block_size)
+    window = order_window(node_total, total, req.block_size, window_rows)
     mine_bounds = np.array([lo_node, hi_node], dtype=np.int64)
     for lo, hi in shard_ranges(total, req):
+        first = lo - lo % window
+        if skip:  # counted, not computed: the window holding the first row still to send
+            here = int(order.counts_in(lo, hi, mine_bounds)[0])
+            if skip >= here:
+                skip -= here
+                continue
+            at = order.seek(lo, hi, lo_node, hi_node, skip)
+            first = at - at % window
+            skip -= int(order.counts_in(lo, max(lo, first), mine_bounds)[0])
         # Windows on multiples of ``window`` in the epoch's positions, cut at the shard's ends: the
         # same for a resumed stream (dealing depends on the window) and for any shard count inside.
-        for start in range(lo - lo % window, hi, window):
+        for start in range(first, hi, window):
             a, b = max(lo, start), min(hi, start + window)
-            if skip:  # whole windows already served are counted, not computed
-                here = int(order.counts_in(a, b, mine_bounds)[0])
-                if skip >= here:
-                    skip -= here
-                    continue
             mine = deal(order.rows_in(a, b, lo_node, hi_node), req.block_size)[skip:]
             skip = 0
             if len(mine):
                 yield mine - node_offset
+
+
+def order_window(node_total: int, total: int, block: int, window_rows: int = ORDER_WINDOW_ROWS) -> int:
+    """Positions a node orders (and deals) at a time: about ``window_rows`` of its own rows.
+
+    A node holds ``node_total`` of the ``total`` rows, so a window of positions holds that share
+    of them: counted in positions alone, a window of 2**17 positions gave each of 128 nodes one
+    block, and nothing to deal. At least two blocks: a window inside one block would compute that block
+    again for each. Part of the shuffled order (protocol.ORDER_VERSION): changing it changes
+    which rows a resumed count means.
+    """
+    return max(-(-window_rows * total // node_total), 2 * block)
 
 
 def deal(rows: np.ndarray, block: int) -> np.ndarray:
@@ -320,8 +359,8 @@ def deal(rows: np.ndarray, block: int) -> np.ndarray:
     The block permutation alone leaves each block's rows together: with ``batch_size`` equal to
     ``block_size`` (the defaults), a training batch was one block, a contiguous range of the
     table, and the same rows made up a batch again in later epochs. Dealt, any ``block`` rows in
-    a row hold about ``block / runs`` rows from each of the window's runs (2**17 positions: 64
-    blocks of 1024 on each of 2 nodes), and the runs are different blocks every epoch.
+    a row hold about ``block / runs`` rows from each of the window's runs (about 2**16 of the
+    node's rows: 64 blocks of 1024), and the runs are different blocks every epoch.
     """
     runs = -(-len(rows) // block)
     if runs < 2:
