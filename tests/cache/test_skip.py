@@ -208,6 +208,21 @@ def test_shuffled_tickets_say_the_order_their_node_streams(small_cache):
     assert ticket_order(b"not json") == 1
 
 
+def test_a_stream_reopened_on_a_cache_that_orders_otherwise_is_refused(small_cache):
+    """A stream broken mid-read is reopened after the rows received, from the head's fresh ticket.
+    If the cache came back in another version whose nodes order shuffled streams otherwise, the
+    same count means other rows: refused, not continued."""
+    request = ShardRequest(shuffle=True, epoch=4)
+    with CacheClient(small_cache.endpoint) as client:
+        endpoint = client.get_flight_info(request).endpoints[0]
+        was = replace(Ticket.from_json(endpoint.ticket.ticket), order=None)  # a ticket from before the versions
+        old = flight.FlightEndpoint(was.to_json(), endpoint.locations)
+        location = endpoint.locations[0].uri.decode()
+        with pytest.raises(BadRequestError, match=f"shuffled order {ORDER_VERSION}, not 1"):
+            client._fresh_endpoint(request, old, location)
+        assert client._fresh_endpoint(request, endpoint, location).ticket == endpoint.ticket
+
+
 @pytest.mark.parametrize(
     "request_",
     [

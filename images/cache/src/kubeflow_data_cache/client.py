@@ -104,11 +104,11 @@ MIN_CALL_SECONDS = 0.5
 def check_endpoint(endpoint: str, source: str = "the cache endpoint") -> None:
     """A URI gRPC can dial, or a ValueError naming ``source`` (the argument, or the variable it
     came from) and what is wrong with it."""
-    if not isinstance(endpoint, str) or "://" not in endpoint or endpoint.partition("://")[0] not in ENDPOINT_SCHEMES:
-        raise ValueError(f"{source} should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}")
-    if endpoint != endpoint.strip():
+    if isinstance(endpoint, str) and endpoint and endpoint != endpoint.strip():
         # A YAML or env file's stray space: gRPC would fail to parse it only when dialling.
         raise ValueError(f"{source} has spaces around it (a copied value?), got {endpoint!r}")
+    if not isinstance(endpoint, str) or "://" not in endpoint or endpoint.partition("://")[0] not in ENDPOINT_SCHEMES:
+        raise ValueError(f"{source} should be a grpc:// or grpc+tls:// URI (grpc://host:50051), got {endpoint!r}")
     if endpoint.startswith("grpc+unix://") or uri_port(endpoint):
         return
     _, _, rest = endpoint.partition("://")
@@ -234,9 +234,10 @@ class CacheClient:
                 f"the data cache at {location} was still not ready after {waited:.0f}s ({what}): {reason}; "
                 "a larger deadline_seconds waits longer"
             )
-        if location == self.endpoint and (self._head_answered or isinstance(err, flight.FlightTimedOutError)):
-            # The address is right (it answered before, or took the call and sent nothing): the
-            # head itself stopped answering, and the endpoint hint would send the reader astray.
+        if location == self.endpoint and self._head_answered:
+            # The address is right (it answered before): the head itself stopped answering, and
+            # the endpoint hint would send the reader astray. (A timeout alone proves nothing: a
+            # connection to a wrong address that drops packets times out too.)
             return CacheUnavailableError(
                 f"the data cache's head at {location} stopped answering ({what}, {waited:.0f}s): {reason}; check "
                 "the head (in Kubernetes, the cache's leader pod: its status, events and log)"
@@ -399,9 +400,9 @@ class CacheClient:
                 wire, skip = endpoint.ticket, received
             reader = None
             try:
-                limit = self._wait_limit(failing_since)
-                reader = self._open_stream(location, wire, limit)
-                for batch in drop_rows(self._batches(reader, location, limit), skip):
+                until = failing_since + self.deadline_seconds if failing_since is not None else None
+                reader = self._open_stream(location, wire, self._wait_limit(until))
+                for batch in drop_rows(self._batches(reader, location, until), skip):
                     if batch.num_rows == 0:
                         continue
                     received += batch.num_rows
@@ -446,14 +447,13 @@ class CacheClient:
             time.sleep(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
-    def _wait_limit(self, failing_since: float | None) -> float:
-        """How long a read may wait on a node: the stall limit, or while retrying, what is left of
-        the deadline if less (the last try waited up to STREAM_STALL_SECONDS past it: a deadline
-        of 70 s gave up after 120)."""
-        if failing_since is None:
+    def _wait_limit(self, until: float | None) -> float:
+        """How long a read may wait on a node: the stall limit, or while retrying (``until``: the
+        deadline), what is left of it if less (the last try waited up to STREAM_STALL_SECONDS
+        past it: a deadline of 70 s gave up after 120)."""
+        if until is None:
             return self._stall_watch.limit
-        left = failing_since + self.deadline_seconds - time.monotonic()
-        return max(MIN_STALL_WAIT_SECONDS, min(self._stall_watch.limit, left))
+        return max(MIN_STALL_WAIT_SECONDS, min(self._stall_watch.limit, until - time.monotonic()))
 
     def _open_stream(self, location: str, ticket: flight.Ticket, limit: float) -> flight.FlightStreamReader:
         """``do_get``, given up on (StreamStalledError, retried) after ``limit`` seconds.
@@ -471,11 +471,13 @@ class CacheClient:
     def _not_whole(self, location: str, what: str) -> DataCacheError:
         return DataCacheError(f"data node {location}'s stream {what}; the shard would not be exact")
 
-    def _batches(self, reader: flight.FlightStreamReader, location: str, limit: float) -> Iterator[pa.RecordBatch]:
-        """The stream's batches; the first awaited for ``limit``, the rest for the stall limit
-        (a node that sent has answered: a retry's shorter wait is over)."""
-        while (chunk := self._next_chunk(reader, location, limit)) is not None:
-            limit = self._stall_watch.limit
+    def _batches(
+        self, reader: flight.FlightStreamReader, location: str, until: float | None
+    ) -> Iterator[pa.RecordBatch]:
+        """The stream's batches; the first awaited until the retry's deadline (``until``), the
+        rest for the stall limit (a node that sent a batch has answered)."""
+        while (chunk := self._next_chunk(reader, location, self._wait_limit(until))) is not None:
+            until = None
             yield chunk.data
 
     def _next_chunk(
@@ -516,6 +518,12 @@ class CacheClient:
             same_rows = now.rows is None or was.rows is None or now.rows == was.rows  # None: another version
             if (now.offset, now.node_rows, now.total) != (was.offset, was.node_rows, was.total) or not same_rows:
                 break
+            if request.shuffle and (now.order or 1) != (was.order or 1):
+                # A cache of another version: the rows it sends after the same count are others.
+                raise BadRequestError(
+                    f"data node {was.node} ({location}) came back streaming this shard in shuffled order "
+                    f"{now.order or 1}, not {was.order or 1} (a cache of another version); start the epoch again"
+                )
             return endpoint
         raise BadRequestError(
             f"data node {was.node} ({location}) reloaded with other rows for this shard; start the epoch again"

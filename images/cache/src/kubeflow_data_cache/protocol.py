@@ -177,6 +177,8 @@ class Ticket:
 
     def __post_init__(self) -> None:
         _as_int("skip", self.skip)
+        if self.order is not None:
+            _as_int("order", self.order)
         if self.rows is not None:
             _as_int("rows", self.rows)
             _require(self.skip <= self.rows, f"'skip' ({self.skip}) is past the stream's {self.rows} rows")
