@@ -215,7 +215,10 @@ def test_the_load_peak_estimate_covers_a_real_loads_peak_without_overstating_it(
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024), ("1e9", 10**9), ("1.5Gi", 3 << 29)],
+    [
+        *(("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024), ("1e9", 10**9)),
+        *(("1.5Gi", 3 << 29), ("1E", 10**18), ("8Ei", 8 << 60)),  # exa, not an exponent
+    ],
 )
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
@@ -230,6 +233,7 @@ def test_parse_bytes(text, value):
         ("500m", "fraction of a byte (m means a thousandth): write 500Mi or 500M"),
         ("2GB", "case-sensitive, with no B"),
         ("4gi", "case-sensitive"),
+        ("1e400", "too large to be a memory size"),
     ],
 )
 def test_parse_bytes_refuses_what_kubernetes_would_not_read_as_bytes(text, message):

@@ -37,7 +37,7 @@ _UNITS = {
     "Ei": 1024**6,
 }
 _FRACTIONS = {"m": "a thousandth", "u": "a millionth", "n": "a billionth"}
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([eE][+-]?[0-9]+)|([KMGTPE]i|[numkMGTPE]))?$")
 
 
 def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
@@ -54,14 +54,16 @@ def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
             f"`{name}` should be a byte count or a Kubernetes quantity such as 4Gi, 512Mi or 2G "
             f"(suffixes are case-sensitive, with no B), got {text!r}"
         )
-    number, suffix = match.groups()
+    number, exponent, suffix = match.groups()
     if suffix in ("n", "u", "m"):
         raise ConfigError(
             f"`{name}` {text!r} is a fraction of a byte ({suffix} means {_FRACTIONS[suffix]}): "
             f"write {number}Mi or {number}M"
         )
-    exponent = bool(suffix) and suffix[0] in "eE"
-    value = int(float(number + suffix)) if exponent else int(float(number) * _UNITS[suffix or ""])
+    try:
+        value = int(float(number + exponent)) if exponent else int(float(number) * _UNITS[suffix or ""])
+    except OverflowError:
+        raise ConfigError(f"`{name}` {text!r} is too large to be a memory size") from None
     # 0 means "no limit given" (the cgroup limit applies); a fraction of a byte is a typo, not that.
     if value == 0 and float(number) > 0:
         raise ConfigError(f"`{name}` {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
