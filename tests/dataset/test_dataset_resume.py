@@ -380,10 +380,10 @@ def test_a_refused_resume_leaves_the_saved_split_in_the_state(cache, cache_facto
         next(retried._iter_world(World(0, 1, 0, 1)))
 
 
-def test_states_are_version_2_and_version_1_ones_are_still_read(cache):
+def test_states_are_version_3_and_older_ones_are_still_read(cache):
     world = World(0, 1, 0, 1)
     state, _ = _saved_mid_epoch(cache, world, 5)
-    assert state["version"] == 2  # a client before stream lengths refuses it instead of misreading it
+    assert state["version"] == 3  # a client before the order checks refuses it instead of misreading it
     assert state["order"] == 2  # counted in the order this cache streams (protocol.ORDER_VERSION)
     # A shuffled version 1 state was counted in the block order before nodes dealt their windows:
     # the same count means other rows now, so it is read but its resume refused, naming both.
@@ -412,6 +412,10 @@ def test_a_shuffled_state_counted_in_another_order_is_refused(cache):
     resumed.load_state_dict(state | {"order": 1})
     with pytest.raises(ValueError, match="the cache's version changed how its data nodes order a shuffled stream"):
         next(resumed._iter_world(world))
+    version_2 = make(cache)  # saved by the client before orders were kept: taken as the block order
+    version_2.load_state_dict({k: v for k, v in state.items() if k != "order"} | {"version": 2})
+    with pytest.raises(ValueError, match="in shuffled order 1, but the cache now serves it as order 2"):
+        next(version_2._iter_world(world))
     again = make(cache)
     again.load_state_dict(state)  # counted in this cache's own order: resumes
     next(again._iter_world(world))

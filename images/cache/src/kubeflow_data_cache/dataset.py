@@ -43,10 +43,12 @@ __all__ = ["DataCacheDataset", "World", "column_to_tensor", "default_endpoint"]
 CACHE_PORT = 50051
 # 2: a shuffled state keeps its stream lengths ("streams"), and its rows count in the spread
 # order (interleave.py); a client before that would resume it in another order, so it refuses
-# version 2. Version 1 states are still read. A state also keeps the shuffled order its rows
-# were counted in ("order", protocol.ORDER_VERSION; absent: 1), checked on resume.
-STATE_VERSION = 2
-READABLE_STATE_VERSIONS = (1, 2)
+# version 2. 3: a state also keeps the shuffled order its rows were counted in ("order",
+# protocol.ORDER_VERSION; absent: 1) and an in-order one its stream lengths, both checked on
+# resume; a client before that would not check them, so it refuses version 3. Versions 1 and 2
+# are still read.
+STATE_VERSION = 3
+READABLE_STATE_VERSIONS = (1, 2, 3)
 # Rows converted per call of from_arrow_rb_to_tensor: large enough that per-call overhead
 # vanishes, small enough to bound the memory held between batches; with wide rows, fewer, so a
 # run holds about CONVERT_MAX_BYTES (but always at least one batch).
