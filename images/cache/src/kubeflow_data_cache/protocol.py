@@ -229,24 +229,27 @@ class Ticket:
             raise BadRequestError(f"malformed ticket: missing field {missing}") from None
 
 
+def _ticket_count(raw: bytes, name: str) -> int | None:
+    """Field ``name`` of a head's ticket as a count (an int >= 0), or None where the ticket does
+    not hold one (an older cache, or a ticket this client cannot read)."""
+    try:
+        value = json.loads(raw).get(name)
+    except (ValueError, RecursionError, AttributeError):  # as _loads, and JSON that is not an object
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def ticket_rows(raw: bytes) -> int | None:
     """The rows a head's ticket says its stream holds; None where it does not say (an older
     cache, or a ticket this client cannot read: then it is passed on as it is)."""
-    try:
-        rows = json.loads(raw).get("rows")
-    except (ValueError, RecursionError, AttributeError):  # as _loads, and JSON that is not an object
-        return None
-    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 else None
+    return _ticket_count(raw, "rows")
 
 
 def ticket_order(raw: bytes) -> int:
     """The shuffled order a head's ticket says its node streams (ORDER_VERSION); 1 where it says
     nothing (a cache from before the versions, or a ticket this client cannot read)."""
-    try:
-        order = json.loads(raw).get("order", 1)
-    except (ValueError, RecursionError, AttributeError):
-        return 1
-    return order if isinstance(order, int) and not isinstance(order, bool) else 1
+    order = _ticket_count(raw, "order")
+    return 1 if order is None else order
 
 
 def with_skip(raw: bytes, skip: int) -> bytes:
