@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from kubeflow_data_cache import constants
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.memory import available_cpus, container_memory_limit, parse_bytes
-from kubeflow_data_cache.security import load_token, tls_certificates
+from kubeflow_data_cache.security import CLUSTER_KEY_ENV, load_cluster_key, load_token, tls_certificates
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class NodeConfig:
     head_location: str  # worker: where the head's Flight server is
     memory_limit: int | None
     token: str | None
+    cluster_key: str | None
     tls: list[tuple[bytes, bytes]]
     startup_timeout: float
     failure_grace: float
@@ -255,6 +256,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         head_location=head_location,
         memory_limit=memory_limit,
         token=load_token(pick("token", "DATA_CACHE_TOKEN"), pick("token_file", "DATA_CACHE_TOKEN_FILE")),
+        cluster_key=load_cluster_key(env.get(CLUSTER_KEY_ENV)),
         tls=tls,
         startup_timeout=seconds_setting(
             label("DATA_CACHE_STARTUP_TIMEOUT_SECONDS", "--startup-timeout"),

@@ -38,7 +38,7 @@ from kubeflow_data_cache.plan import (
     plan_table,
     s3_properties_from_env,
 )
-from kubeflow_data_cache.security import call_options, client_for
+from kubeflow_data_cache.security import call_options, client_for, key_matches
 from kubeflow_data_cache.service import (
     DEGRADED,
     FAILED,
@@ -104,6 +104,7 @@ class Head(ReadOnlyFlight):
                 "global_start": a.global_start,
                 "global_stop": a.global_stop,
                 "pieces": [p.to_dict() for p in a.pieces],
+                **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
             },
         )
 
@@ -435,6 +436,15 @@ class Head(ReadOnlyFlight):
         return [(protocol.ACTION_STATUS, "JSON status of the cache: load state, rows, bytes, per-node detail")]
 
     def _register(self, body: dict[str, Any]) -> None:
+        if not key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
+            # Who registers decides where readers are sent: only a node holding our key may.
+            log.warning(
+                "refused a data node registration without this head's cluster key (index %r)", body.get("index")
+            )
+            raise BadRequestError(
+                "register: the cluster key is missing or wrong: give the head and every data node the same "
+                "DATA_CACHE_CLUSTER_KEY"
+            )
         try:
             index, location = int(body["index"]), str(body["location"])
         except (KeyError, TypeError, ValueError):

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
-from kubeflow_data_cache.security import call_options, client_for, load_token
+from kubeflow_data_cache.security import CLUSTER_KEY_ENV, call_options, client_for, load_token
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class LocalCluster:
         self.port = claim_port(self.host, self.port, label("--port"), label("--host"))
         # The nodes' memory refusal names our flags; each node gets SIGTERM if we die, even by SIGKILL.
         env = {**os.environ, LOCAL_ENV: "1"}
+        # Head and nodes prove themselves to each other with a key no reader holds (security.py).
+        env.setdefault(CLUSTER_KEY_ENV, secrets.token_urlsafe(24))
         preexec = _child_preexec(die_with_parent())
         common = ["--host", self.host, "--advertise-host", self.host, "--health-port", "0", "--failure-grace", "1"]
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]

@@ -39,7 +39,7 @@ from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, reside
 from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for
+from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for, key_matches
 from kubeflow_data_cache.service import (
     LOADING,
     READY,
@@ -190,6 +190,7 @@ class DataNode(ReadOnlyFlight):
                 "memory_limit": self.cfg.memory_limit,
                 "load_threads": self.cfg.load_threads,
                 "generation": self.generation,
+                **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
             }
             try:
                 action = flight.Action(protocol.ACTION_REGISTER, json.dumps(body).encode())
@@ -253,7 +254,20 @@ class DataNode(ReadOnlyFlight):
 
     # --- loading -----------------------------------------------------------------------------
     def _start_load(self, body: dict[str, Any]) -> None:
+        # A load replaces what this node serves: only from the head (its key), and only the
+        # table this node was given, so no caller can make it read (and serve) another one.
+        if not key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
+            log.warning("refused a load without the cluster key")
+            raise BadRequestError(
+                "load: the cluster key is missing or wrong: this action is the head's; give the head and every "
+                "data node the same DATA_CACHE_CLUSTER_KEY"
+            )
         order = LoadOrder.parse(body)  # before touching anything: a bad body changes nothing
+        if self.cfg.metadata_loc and order.metadata_location != self.cfg.metadata_loc:
+            raise BadRequestError(
+                f"load: this data node serves the table at {self.cfg.metadata_loc!r} (its METADATA_LOC), not "
+                f"{order.metadata_location!r}: give the head and its data nodes the same METADATA_LOC"
+            )
         with self._load_lock:
             if self.generation == order.generation:
                 return  # the head re-sent the same assignment: already loading or loaded

@@ -43,6 +43,8 @@ MAX_SHARDS = 1 << 20
 ACTION_STATUS = "status"
 ACTION_REGISTER = "register"  # data node -> head
 ACTION_LOAD = "load"  # head -> data node
+# In register and load bodies where DATA_CACHE_CLUSTER_KEY is set (security.load_cluster_key).
+CLUSTER_KEY_FIELD = "cluster_key"
 ACTION_COUNT = "count"  # head -> data node: rows matching a filter
 
 

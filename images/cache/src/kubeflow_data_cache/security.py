@@ -11,6 +11,7 @@ import pyarrow.flight as flight
 from kubeflow_data_cache.errors import ConfigError
 
 AUTH_HEADER = "authorization"
+CLUSTER_KEY_ENV = "DATA_CACHE_CLUSTER_KEY"
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:
@@ -22,7 +23,6 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     """
     if token and token_file:
         raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
-    source = "DATA_CACHE_TOKEN"
     if token_file:
         source = f"DATA_CACHE_TOKEN_FILE {token_file!r}"
         try:
@@ -31,13 +31,45 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
             raise ConfigError(f"cannot read {source}: {err.strerror}") from None
         if not token:
             raise ConfigError(f"{source} is empty")
-    if not token:
+        return _checked_secret(token, source, "")
+    if token is None:
         return None
+    return _checked_secret(token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one")
+
+
+def load_cluster_key(key: str | None) -> str | None:
+    """``DATA_CACHE_CLUSTER_KEY``: the secret the head and its data nodes show each other.
+
+    A data node's ``register`` (to the head) and the head's ``load`` (to a data node) change
+    what the cache serves, so where a key is set they carry it and are refused without it. Readers
+    never need it: the reader token (DATA_CACHE_TOKEN) alone no longer lets a trainer, or any pod
+    that can reach the port, register a data node of its own or make one load another table.
+    """
+    if key is None:
+        return None
+    return _checked_secret(key, CLUSTER_KEY_ENV, "give the head and every data node the same key, or unset it on all")
+
+
+def _checked_secret(value: str, source: str, fix: str) -> str:
+    """A secret as set: refused when empty (set from a Secret key that is there but empty, it
+    would turn auth off without a word), when a header cannot carry it, or when it starts or ends
+    with a space (a copy-paste slip that no peer's copy matches)."""
+    if not value.strip():
+        raise ConfigError(f"{source} is set but empty: {fix}")
     try:
-        check_token(token, source)
+        check_token(value, source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return token
+    if value.strip() != value:
+        raise ConfigError(f"{source} starts or ends with a space: {fix or 'remove it'}")
+    return value
+
+
+def key_matches(expected: str | None, given: object) -> bool:
+    """Whether an action body's ``cluster_key`` is the expected one (anything, where none is set)."""
+    if expected is None:
+        return True
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def check_token(token: object, source: str = "token") -> None:

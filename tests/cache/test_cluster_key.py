@@ -1,0 +1,145 @@
+"""The head and its data nodes prove themselves to each other (DATA_CACHE_CLUSTER_KEY), and a
+data node loads only its own table: no other caller, reader or not, can change what it serves."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from kubeflow_data_cache.config import build_config
+from kubeflow_data_cache.dataset import DataCacheDataset
+from kubeflow_data_cache.errors import ConfigError
+from kubeflow_data_cache.head import Head
+from kubeflow_data_cache.node import DataNode
+from tests.cache.conftest import run_data_cache
+from tests.cache.inprocess import FLAGS, wait_for
+from tests.conftest import LocalCache
+
+KEY = "k3y-of-the-cluster-7Qx"
+ROWS, OTHER_ROWS = 1200, 777
+
+
+@pytest.fixture(scope="module")
+def keyed_cache(table_factory) -> Iterator[LocalCache]:
+    cache = LocalCache(table_factory(ROWS, 2).metadata_location, data_nodes=2, env={"DATA_CACHE_CLUSTER_KEY": KEY})
+    try:
+        cache.wait_ready()
+        yield cache
+    finally:
+        cache.stop()
+
+
+def action(location: str, kind: str, body: dict) -> list[bytes]:
+    with flight.connect(location) as client:
+        results = client.do_action(flight.Action(kind, json.dumps(body).encode()), flight.FlightCallOptions(timeout=10))
+        return [r.body.to_pybytes() for r in results]
+
+
+def status(location: str) -> dict:
+    return json.loads(b"".join(action(location, "status", {})))
+
+
+def load_body(metadata_location: str, rows: int, key: str | None) -> dict:
+    body = {
+        "generation": "not-the-heads",
+        "metadata_location": metadata_location,
+        "snapshot_id": None,
+        "global_start": 0,
+        "global_stop": rows,
+        "pieces": [],
+    }
+    return body if key is None else {**body, "cluster_key": key}
+
+
+def ids(endpoint: str) -> list[int]:
+    return sorted(i for batch in DataCacheDataset(endpoint, columns=["id"]) for i in batch["id"].tolist())
+
+
+@pytest.mark.parametrize("key", [None, "a-guess"], ids=["no key", "wrong key"])
+def test_a_data_node_refuses_a_load_without_the_cluster_key(keyed_cache, table_factory, key):
+    node = status(keyed_cache.endpoint)["nodes"][0]["location"]
+    other = table_factory(OTHER_ROWS, 1).metadata_location
+    with pytest.raises(pa.ArrowInvalid, match="load: the cluster key is missing or wrong.*DATA_CACHE_CLUSTER_KEY"):
+        action(node, "load", load_body(other, 0, key))
+    assert status(node)["state"] == "ready"
+    assert ids(keyed_cache.endpoint) == list(range(ROWS)), "the node still serves its own rows"
+
+
+def test_a_data_node_loads_only_the_table_it_was_given_even_with_the_key(keyed_cache, table_factory):
+    """Holding the key is not enough to point a node at another table (a confused deputy: it would
+    read whatever its storage credentials reach, and serve it)."""
+    node = status(keyed_cache.endpoint)["nodes"][1]["location"]
+    other = table_factory(OTHER_ROWS, 1).metadata_location
+    with pytest.raises(pa.ArrowInvalid, match=r"serves the table at .*\(its METADATA_LOC\), not .*same METADATA_LOC"):
+        action(node, "load", load_body(other, 0, KEY))
+    assert status(node)["state"] == "ready"
+    assert ids(keyed_cache.endpoint) == list(range(ROWS))
+
+
+@pytest.mark.parametrize("key", [None, "a-guess"], ids=["no key", "wrong key"])
+def test_the_head_refuses_a_registration_without_the_cluster_key(keyed_cache, key):
+    """Who registers decides where readers are sent: a stranger must not take a node's place."""
+    before = [n["location"] for n in status(keyed_cache.endpoint)["nodes"]]
+    body = {"index": 0, "location": "grpc://127.0.0.1:9", "load_threads": 1}
+    if key is not None:
+        body["cluster_key"] = key
+    with pytest.raises(pa.ArrowInvalid, match="register: the cluster key is missing or wrong"):
+        action(keyed_cache.endpoint, "register", body)
+    assert [n["location"] for n in status(keyed_cache.endpoint)["nodes"]] == before
+    assert ids(keyed_cache.endpoint) == list(range(ROWS))
+
+
+def test_a_data_node_with_another_key_fails_naming_the_setting(small_table):
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location}
+    head = Head(build_config("head", {**flags, "data_nodes": 1}, env={"DATA_CACHE_CLUSTER_KEY": "key-one-Zq"}))
+    head.start()
+    node = DataNode(
+        build_config(
+            "worker", {**flags, "index": 0, "head": head.location}, env={"DATA_CACHE_CLUSTER_KEY": "key-two-Zq"}
+        )
+    )
+    try:
+        node.start_registering()
+        wait_for(lambda: node.lifecycle.error, timeout=30)
+        assert "refused to register it" in node.lifecycle.error
+        assert "DATA_CACHE_CLUSTER_KEY" in node.lifecycle.error
+        assert "key-one-Zq" not in node.lifecycle.error and "key-two-Zq" not in node.lifecycle.error
+        assert head.registered == {}
+    finally:
+        node.stop()
+        head.stop()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("DATA_CACHE_TOKEN", "", "is set but empty"),
+        ("DATA_CACHE_TOKEN", "  ", "is set but empty"),
+        ("DATA_CACHE_TOKEN", " tok3n", "starts or ends with a space"),
+        ("DATA_CACHE_CLUSTER_KEY", "", "is set but empty"),
+        ("DATA_CACHE_CLUSTER_KEY", "k3y ", "starts or ends with a space"),
+        ("DATA_CACHE_CLUSTER_KEY", "k3y\n", "holds a line break"),
+    ],
+)
+def test_a_secret_set_empty_or_padded_is_refused_not_taken_as_no_auth(name, value, says):
+    """A Secret key that exists but is empty would have turned auth off without a word."""
+    flags = {**FLAGS, "metadata_loc": "/tmp/t/metadata.json", "data_nodes": 1}
+    with pytest.raises(ConfigError, match=rf"{name} {says}"):
+        build_config("head", flags, env={name: value})
+
+
+def test_the_cli_exits_2_on_an_empty_cluster_key(tmp_path):
+    done = run_data_cache(
+        "head",
+        "--metadata-loc",
+        str(tmp_path / "metadata.json"),
+        "--data-nodes",
+        "1",
+        env={"PATH": "/usr/bin:/bin", "DATA_CACHE_CLUSTER_KEY": ""},
+    )
+    assert done.returncode == 2
+    assert "DATA_CACHE_CLUSTER_KEY is set but empty" in done.stderr
