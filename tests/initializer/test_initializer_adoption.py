@@ -130,3 +130,57 @@ def test_a_cache_being_deleted_is_waited_for_then_created_again(fake, make_sim, 
     assert fake.get("leaderworkersets", NAMESPACE, name)["metadata"]["uid"] != old_uid
     assert sim.created == [name]
     assert "is being deleted; waiting for it to go" in caplog.text
+
+
+def _keys(lws: dict) -> list[str | None]:
+    """Each pod template's DATA_CACHE_CLUSTER_KEY."""
+    templates = lws["spec"]["leaderWorkerTemplate"]
+    return [
+        next((e.get("value") for e in templates[t]["spec"]["containers"][0]["env"] if e["name"] == CLUSTER_KEY), None)
+        for t in ("leaderTemplate", "workerTemplate")
+    ]
+
+
+CLUSTER_KEY = "DATA_CACHE_CLUSTER_KEY"
+
+
+def test_every_cache_gets_a_cluster_key_of_its_own_and_a_restart_keeps_it(fake, make_sim, run_initializer, caplog):
+    """Head and data nodes share a random key; a restarted initializer adopts the cache with the
+    key it was made with (a new one would read as drift and restart the cache's pods)."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    assert run_initializer(env)[0] == 0
+    first = _keys(fake.get("leaderworkersets", NAMESPACE, "job-a-cache"))
+    assert first[0] is not None and first[0] == first[1] and len(first[0]) >= 32
+
+    fake.responses.clear()
+    assert run_initializer(env) == (0, "")
+    assert _keys(fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == first
+    assert not [r for r in fake.responses if r[0] == "PATCH"]
+
+    assert run_initializer({**env, "TRAIN_JOB_NAME": "job-b"})[0] == 0
+    other = _keys(fake.get("leaderworkersets", NAMESPACE, "job-b-cache"))
+    assert other[0] == other[1] and other[0] != first[0]
+    assert first[0] not in caplog.text and other[0] not in caplog.text
+
+
+def test_a_cache_made_without_a_cluster_key_is_adopted_as_it_is(fake, make_sim, run_initializer):
+    """One made by an initializer of before the key: adopting it must not restart its pods."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"))
+    assert run_initializer(env)[0] == 0
+
+    def as_before_the_key(lws: dict) -> None:
+        for template in lws["spec"]["leaderWorkerTemplate"].values():
+            if isinstance(template, dict) and "spec" in template:
+                container = template["spec"]["containers"][0]
+                container["env"] = [e for e in container["env"] if e["name"] != CLUSTER_KEY]
+
+    fake.update("leaderworkersets", NAMESPACE, "job-a-cache", as_before_the_key)
+    fake.responses.clear()
+
+    assert run_initializer(env) == (0, "")
+    assert _keys(fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == [None, None]
+    assert not [r for r in fake.responses if r[0] == "PATCH"]

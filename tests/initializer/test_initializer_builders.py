@@ -9,7 +9,10 @@ from kubeflow_cache_initializer.builders import (
     build_service,
     build_service_account,
     cache_names,
+    cluster_key_of,
+    new_cluster_key,
     shared_cache_name,
+    with_cluster_key,
 )
 from kubeflow_cache_initializer.config import load_config
 
@@ -224,3 +227,32 @@ def test_the_validator_rejects_what_the_api_server_would_prune_or_refuse():
     service["spec"]["ports"][0]["port"] = "50051"
     with pytest.raises(ObjectInvalid, match="port"):
         validate_sent_object(service)
+
+
+def test_head_and_data_nodes_get_the_same_cluster_key_and_the_cache_takes_it():
+    key = new_cluster_key()
+    assert key != new_cluster_key() and len(key) >= 32
+    lws = build_leader_worker_set(load_config(FULL), [OWNER], key)
+    filled = {"POD_IP": "10.0.0.7", "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
+    from kubeflow_data_cache.config import build_config
+
+    for template, role, lws_env in [
+        ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
+        ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),
+    ]:
+        env = {k: v for k, v in _env(_container(lws, template)).items() if isinstance(v, str)}
+        assert env["DATA_CACHE_CLUSTER_KEY"] == key
+        assert build_config(role, {}, {**env, **filled, **lws_env}).cluster_key == key
+    assert cluster_key_of(lws) == key
+    assert cluster_key_of(build_leader_worker_set(load_config(FULL), [OWNER])) is None
+
+
+def test_a_kept_cluster_key_takes_the_place_of_the_new_one_and_none_removes_it():
+    lws = build_leader_worker_set(load_config(FULL), [OWNER], "new-key")
+    kept = with_cluster_key(lws, "old-key")
+    names = [e["name"] for e in _container(lws, "workerTemplate")["env"]]
+    assert [e["name"] for e in _container(kept, "workerTemplate")["env"]] == names  # same place: no drift
+    assert cluster_key_of(kept) == "old-key" and cluster_key_of(lws) == "new-key"
+    gone = with_cluster_key(lws, None)
+    assert cluster_key_of(gone) is None
+    assert "DATA_CACHE_CLUSTER_KEY" not in str(gone)

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer.builders import cluster_key_of, with_cluster_key
 from kubeflow_cache_initializer.errors import CacheTimeoutError, ForeignObjectError, InitializerError, KubeApiError
 from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, Kube, Resource
 
@@ -106,6 +107,10 @@ def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, 
             f"{_describe(existing)} already exists and is not owned by {owner['kind']} {owner['name']} "
             f"(uid {owner['uid']}); it is owned by {held_by}. Delete it, or rename the TrainJob"
         )
+    if resource == LEADER_WORKER_SETS:
+        # Each run draws a new cluster key: compared as it is, it would read as drift and restart
+        # the pods of the cache this TrainJob already has. The key it was made with stays.
+        desired = with_cluster_key(desired, cluster_key_of(existing))
     fields = _desired_fields(desired)
     drift = differences(fields, existing)
     for path, keys in _exact_map_extras(desired, existing).items():

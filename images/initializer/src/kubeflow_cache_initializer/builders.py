@@ -8,7 +8,9 @@ each TrainJob gets its own Service `{TRAIN_JOB_NAME}-cache-service` to the cache
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import secrets
 from dataclasses import dataclass
 
 from kubeflow_cache_initializer import constants as c
@@ -131,7 +133,7 @@ def build_service(cfg: Config, owners: list[dict]) -> dict:
     }
 
 
-def _cache_env(cfg: Config) -> list[dict]:
+def _cache_env(cfg: Config, cluster_key: str | None) -> list[dict]:
     env = [
         {"name": "METADATA_LOC", "value": cfg.metadata_loc},
         {"name": "SCHEMA_NAME", "value": cfg.schema_name},
@@ -146,6 +148,8 @@ def _cache_env(cfg: Config) -> list[dict]:
             "valueFrom": {"resourceFieldRef": {"containerName": c.CACHE_CONTAINER, "resource": "limits.memory"}},
         },
     ]
+    if cluster_key is not None:
+        env.append({"name": c.CLUSTER_KEY_ENV, "value": cluster_key})
     return env + [{"name": name, "value": value} for name, value in cfg.cache_env]
 
 
@@ -159,13 +163,15 @@ def _http_probe(path: str, initial: int, period: int, timeout: int, failures: in
     }
 
 
-def _pod_template(cfg: Config, component: str, args: tuple[str, ...], cpu: str, memory: str) -> dict:
+def _pod_template(
+    cfg: Config, component: str, args: tuple[str, ...], cpu: str, memory: str, cluster_key: str | None
+) -> dict:
     r = cfg.readiness
     container = {
         "name": c.CACHE_CONTAINER,
         "image": cfg.cache_image,
         "args": list(args),
-        "env": _cache_env(cfg),
+        "env": _cache_env(cfg, cluster_key),
         "ports": [
             {"name": c.FLIGHT_PORT_NAME, "containerPort": c.FLIGHT_PORT, "protocol": "TCP"},
             {"name": c.HEALTH_PORT_NAME, "containerPort": cfg.health_port, "protocol": "TCP"},
@@ -218,8 +224,12 @@ def _pod_template(cfg: Config, component: str, args: tuple[str, ...], cpu: str, 
     return pod
 
 
-def build_leader_worker_set(cfg: Config, owners: list[dict]) -> dict:
-    """One group of `CLUSTER_SIZE` pods: the leader runs `data-cache head`, the workers `data-cache worker`."""
+def build_leader_worker_set(cfg: Config, owners: list[dict], cluster_key: str | None = None) -> dict:
+    """One group of `CLUSTER_SIZE` pods: the leader runs `data-cache head`, the workers `data-cache worker`.
+
+    ``cluster_key`` (new_cluster_key) goes to every pod as DATA_CACHE_CLUSTER_KEY: only pods
+    holding it can register as the cache's data nodes or tell them what to load.
+    """
     return {
         "apiVersion": LEADER_WORKER_SETS.api_version,
         "kind": LEADER_WORKER_SETS.kind,
@@ -230,8 +240,49 @@ def build_leader_worker_set(cfg: Config, owners: list[dict]) -> dict:
             "leaderWorkerTemplate": {
                 "size": cfg.cluster_size,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": _pod_template(cfg, c.COMPONENT_HEAD, c.HEAD_ARGS, cfg.head_cpu, cfg.head_mem),
-                "workerTemplate": _pod_template(cfg, c.COMPONENT_WORKER, c.WORKER_ARGS, cfg.worker_cpu, cfg.worker_mem),
+                "leaderTemplate": _pod_template(
+                    cfg, c.COMPONENT_HEAD, c.HEAD_ARGS, cfg.head_cpu, cfg.head_mem, cluster_key
+                ),
+                "workerTemplate": _pod_template(
+                    cfg, c.COMPONENT_WORKER, c.WORKER_ARGS, cfg.worker_cpu, cfg.worker_mem, cluster_key
+                ),
             },
         },
     }
+
+
+def new_cluster_key() -> str:
+    """A fresh random key for one cache (not pure: each call differs)."""
+    return secrets.token_urlsafe(c.CLUSTER_KEY_BYTES)
+
+
+def _templates(lws: dict) -> list[dict]:
+    spec = lws.get("spec", {}).get("leaderWorkerTemplate", {})
+    return [spec[name] for name in ("leaderTemplate", "workerTemplate") if name in spec]
+
+
+def cluster_key_of(lws: dict) -> str | None:
+    """The DATA_CACHE_CLUSTER_KEY a LeaderWorkerSet's pods were given, or None."""
+    for template in _templates(lws):
+        for container in template.get("spec", {}).get("containers", []):
+            for var in container.get("env") or []:
+                if var.get("name") == c.CLUSTER_KEY_ENV:
+                    return var.get("value")
+    return None
+
+
+def with_cluster_key(lws: dict, key: str | None) -> dict:
+    """A copy of a built LeaderWorkerSet whose pods get ``key`` where they had one (in its
+    place in the env, so the lists compare equal), or no key at all when ``key`` is None."""
+    out = copy.deepcopy(lws)
+    for template in _templates(out):
+        for container in template["spec"]["containers"]:
+            env = container["env"]
+            at = [i for i, var in enumerate(env) if var["name"] == c.CLUSTER_KEY_ENV]
+            if key is None:
+                container["env"] = [var for var in env if var["name"] != c.CLUSTER_KEY_ENV]
+            elif at:
+                env[at[0]] = {"name": c.CLUSTER_KEY_ENV, "value": key}
+            else:
+                env.append({"name": c.CLUSTER_KEY_ENV, "value": key})
+    return out

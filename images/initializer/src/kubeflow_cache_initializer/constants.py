@@ -70,3 +70,7 @@ SHARED_HASH_CHARS = 10
 
 # The pod's namespace, as Kubernetes mounts it.
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+# The key a cache's head and data nodes show each other (the cache image's security.py): one
+# random key per cache, in both pod templates' env; readers never need it.
+CLUSTER_KEY_ENV = "DATA_CACHE_CLUSTER_KEY"
+CLUSTER_KEY_BYTES = 24

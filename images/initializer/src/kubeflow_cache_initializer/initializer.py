@@ -14,6 +14,7 @@ from kubeflow_cache_initializer.builders import (
     build_service,
     build_service_account,
     cache_names,
+    new_cluster_key,
     owner_reference,
 )
 from kubeflow_cache_initializer.config import Config
@@ -112,7 +113,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     ensure(
         kube,
         LEADER_WORKER_SETS,
-        build_leader_worker_set(cfg, [cache_owner]),
+        build_leader_worker_set(cfg, [cache_owner], new_cluster_key()),
         cache_owner,
         shared=cfg.shared,
         deadline=deadline,
