@@ -12,6 +12,7 @@ import time
 
 import psutil
 
+from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.runner import DUMP_STACKS_SIGNAL
 from tests.cache.conftest import read_path_shards
 from tests.cache.test_config_errors import assert_one_line_error
@@ -51,6 +52,21 @@ def test_port_0_picks_a_free_port_and_names_it(table_factory):
         location = cache.wait_ready(timeout=DEADLINE).split()[1]
         assert not location.endswith(":0")
         assert read_path_shards(location).num_rows == 2000
+    finally:
+        cache.stop()
+
+
+def test_the_table_names_given_to_local_reach_every_process(table_factory):
+    """Without them, a cache of demo.events reported itself as default.table."""
+    table = table_factory(2000, 1)
+    cache = LocalCache(table.metadata_location, 2, args=("--schema-name", "demo", "--table-name", "events"))
+    try:
+        cache.wait_ready(timeout=DEADLINE)
+        with CacheClient(cache.endpoint) as client:
+            head = client.status()
+            assert head["table"] == "demo.events"
+            for node in head["nodes"]:
+                assert client.status(node["location"])["table"] == "demo.events"
     finally:
         cache.stop()
 

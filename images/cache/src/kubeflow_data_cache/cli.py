@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address every process binds and advertises (default 127.0.0.1)"
     )
     local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi (default the cgroup limit)")
+    local.add_argument("--schema-name", help="schema (namespace) name the cache reports (env SCHEMA_NAME)")
+    local.add_argument("--table-name", help="table name the cache reports (env TABLE_NAME)")
     local.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to start and load before giving up (default 300)"
     )
@@ -129,9 +131,19 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.data_nodes < 1:
                 raise DataCacheError(f"--data-nodes should be >= 1, got {args.data_nodes}")
+            # Given to every process, so /status and data_cache_info name the table (the env's
+            # SCHEMA_NAME / TABLE_NAME reach them anyway).
+            names = (("--schema-name", args.schema_name), ("--table-name", args.table_name))
+            extra = tuple(part for flag, value in names if value for part in (flag, value))
             return run_local(
                 LocalCluster(
-                    args.metadata_loc, args.data_nodes, args.port, args.host, args.memory_limit, args.startup_timeout
+                    args.metadata_loc,
+                    args.data_nodes,
+                    args.port,
+                    args.host,
+                    args.memory_limit,
+                    args.startup_timeout,
+                    extra_args=extra,
                 )
             )
         from kubeflow_data_cache.sample import create_sample_table

@@ -347,6 +347,7 @@ class DataNode(ReadOnlyFlight):
         loading = state == LOADING and progress is not None
         return {
             "role": "data-node",
+            "table": f"{self.cfg.schema_name}.{self.cfg.table_name}",
             "index": self.cfg.node_index,
             "location": self.location,
             "state": state,
