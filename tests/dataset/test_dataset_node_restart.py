@@ -234,3 +234,34 @@ def test_a_head_that_stops_answering_is_named_not_the_endpoint_setting(cluster):
         client.close()
     with CacheClient(cluster.endpoint, deadline_seconds=30) as again:
         assert again.status()["role"] == "head"  # it answers again
+
+
+def test_a_frozen_head_does_not_hold_a_read_of_a_dead_node_past_the_deadline(cluster):
+    """A broken stream asks the head where its node went: with the head frozen too, that question
+    took a flat 30 s (a deadline of 5 s gave up after 30); it now gets what is left of the
+    deadline, and the error says the head did not answer either."""
+    deadline = 4.0
+    for k in range(2):  # an earlier test may have left a node down
+        if f"node-{k}" not in cluster.procs:
+            cluster.start_node(k)
+    location = cluster.wait_ready()["nodes"][0]["location"]
+    client = CacheClient(cluster.endpoint, deadline_seconds=deadline, generic_options=[("grpc.http2.bdp_probe", 0)])
+    batches = client.read_shard(ShardRequest(columns=None, batch_size=1000), interleave=False)
+    for _ in range(10):
+        next(batches)
+    head = cluster.procs["head"]
+    os.kill(head.pid, signal.SIGSTOP)
+    try:
+        cluster.kill_node(0)
+        started = time.monotonic()
+        with pytest.raises(CacheUnavailableError, match=rf"data node {location} stayed unavailable") as err:
+            for _ in batches:
+                pass
+        waited = time.monotonic() - started
+    finally:
+        os.kill(head.pid, signal.SIGCONT)
+        client.close()
+    assert f"the head at {cluster.endpoint} did not answer either" in str(err.value)
+    assert waited < deadline + 2.5, f"gave up {waited - deadline:.1f}s after the deadline"
+    cluster.start_node(0)
+    cluster.wait_ready()

@@ -391,6 +391,7 @@ class CacheClient:
         failing_since: float | None = None
         delay = BACKOFF_INITIAL_SECONDS
         replans = 0
+        head_trouble = ""  # why the head did not say where the node is now, at the last try
         while True:
             location = endpoint.locations[0].uri.decode() if endpoint.locations else self.endpoint
             rows = ticket_rows(endpoint.ticket.ticket)
@@ -420,13 +421,24 @@ class CacheClient:
                 if failing_since is None:  # a stall began when its wait did, not when it was noticed
                     failing_since = now - self._stall_watch.limit if isinstance(err, StreamStalledError) else now
                 if now - failing_since >= self.deadline_seconds:
-                    raise self._unavailable(
+                    error = self._unavailable(
                         err, location, f"DoGet at row {received} of its stream", now - failing_since
-                    ) from err
+                    )
+                    if head_trouble:
+                        error = CacheUnavailableError(
+                            f"{error}; the head at {self.endpoint} did not answer either when asked where the node is "
+                            f"now ({head_trouble}): check the head too"
+                        )
+                    raise error from err
                 log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, server_message(err))
-                # A restarted data node may listen elsewhere now; the head knows where.
-                with suppress(flight.FlightError):
-                    endpoint = self._fresh_endpoint(request, endpoint, location, retry=False)
+                # A restarted data node may listen elsewhere now; the head knows where. Asked once,
+                # within what is left of the deadline: a frozen head must not hold the read past it.
+                within = failing_since + self.deadline_seconds - now
+                try:
+                    endpoint = self._fresh_endpoint(request, endpoint, location, within=within)
+                    head_trouble = ""
+                except flight.FlightError as lookup:
+                    head_trouble = server_message(lookup)
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err
@@ -498,19 +510,22 @@ class CacheClient:
             self._stall_watch.disarm(reader)
 
     def _fresh_endpoint(
-        self, request: ShardRequest, old: flight.FlightEndpoint, location: str, retry: bool = True
+        self, request: ShardRequest, old: flight.FlightEndpoint, location: str, within: float | None = None
     ) -> flight.FlightEndpoint:
         """The head's current endpoint for the same data node (it may have moved or reloaded).
 
-        Resuming by row count is only right if the node's part is the same rows: a ticket that
-        places them differently (the table changed under a restarted cache) is an error.
+        With ``within``, the head is asked once, for at most that many seconds (the FlightError
+        is the caller's); without, with get_flight_info's retries. Resuming by row count is only
+        right if the node's part is the same rows: a ticket that places them differently (the
+        table changed under a restarted cache) is an error.
         """
         was = Ticket.from_json(old.ticket.ticket)
-        if retry:
+        if within is None:
             info = self.get_flight_info(request)
         else:
             descriptor = flight.FlightDescriptor.for_command(request.to_json())
-            info = self._client(self.endpoint).get_flight_info(descriptor, self._options(UNARY_TIMEOUT_SECONDS))
+            timeout = min(UNARY_TIMEOUT_SECONDS, max(MIN_CALL_SECONDS, within))
+            info = self._client(self.endpoint).get_flight_info(descriptor, self._options(timeout))
         for endpoint in info.endpoints:
             now = Ticket.from_json(endpoint.ticket.ticket)
             if now.node != was.node:
