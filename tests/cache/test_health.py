@@ -17,7 +17,7 @@ def test_ready_reports_progress_then_ready(cluster, small_table):
     head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
     # The head plans at once, then waits for its data node, reporting how many registered.
     code, body = wait_for(lambda: (r := get(head_health.port, "/ready")) and "registered" in r[1] and r)
-    assert code == 503 and "0/1 data nodes registered" in body
+    assert code == 503 and "0/1 data nodes registered (data node 0 not registered)" in body
     assert get(head_health.port, "/live") == (200, "ok\n")
 
     cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,6 +61,20 @@ def test_processes_that_listen_stop_on_sigterm_without_waiting_the_grace():
     stop_processes(procs, grace=30)
     assert time.monotonic() - started < 10
     assert all(proc.returncode == -15 for proc in procs)
+
+
+def test_a_stopped_process_gets_its_sigterm_at_once_not_a_sigkill_after_the_grace():
+    """A SIGSTOPped child (a hung pod's stand-in, a shell's Ctrl-Z) held the SIGTERM for the
+    whole grace period, then was SIGKILLed."""
+
+    for session in (False, True):
+        proc = start(session=session)
+        wait_ready(proc)
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        stop_processes([proc], grace=20, term_group=session)
+        assert time.monotonic() - started < 10
+        assert proc.returncode == -15
 
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace():

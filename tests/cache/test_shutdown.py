@@ -98,6 +98,8 @@ def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small
     os.killpg(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert proc.returncode == 1 and "stopped by a signal before the cache was ready" in stderr, stderr
+    # A stop asked for, not a failure: exit 0 as when serving, and no error logged.
+    assert proc.returncode == 0 and "stopped by a signal before the cache was ready" in stderr, stderr
+    assert " ERROR " not in stderr, stderr
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"still running after local stopped: {[p.cmdline() for p in alive]}"

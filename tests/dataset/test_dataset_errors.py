@@ -60,3 +60,12 @@ def test_bad_request_names_the_problem(small_cache):
     cache = small_cache
     with pytest.raises(BadRequestError, match="no_such_column"):
         next(iter(DataCacheDataset(cache.endpoint, columns=["id", "no_such_column"])))
+
+
+def test_a_data_nodes_address_given_for_the_heads_is_named_as_such(small_cache):
+    """Not a raw ArrowNotImplementedError with a server traceback in it."""
+    with CacheClient(small_cache.endpoint) as client:
+        node = client.status()["nodes"][0]["location"]
+    with pytest.raises(BadRequestError, match=rf"GetFlightInfo is not served by {node}: .*goes to the head") as err:
+        next(iter(DataCacheDataset(node)))
+    assert "Traceback" not in str(err.value)

@@ -225,6 +225,8 @@ class CacheClient:
             return NotReadyError(f"{what} failed at {location}: {reason}")
         if isinstance(err, pa.ArrowInvalid):
             return BadRequestError(f"{what} rejected by {location}: {reason}")
+        if isinstance(err, pa.ArrowNotImplementedError):  # a data node's address given for the head's, say
+            return BadRequestError(f"{what} is not served by {location}: {reason}")
         return err
 
     def _unavailable(self, err: BaseException, location: str, what: str, waited: float) -> CacheUnavailableError:
@@ -278,9 +280,7 @@ class CacheClient:
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
                 log.info("%s at %s: %s; retrying in %.2fs", what, location, server_message(err), delay)
-            except flight.FlightError as err:
-                raise self._translate(err, location, what) from err
-            except pa.ArrowInvalid as err:
+            except (flight.FlightError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
                 raise self._translate(err, location, what) from err
             time.sleep(_backoff(delay, deadline))
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
@@ -448,7 +448,7 @@ class CacheClient:
                 )
                 endpoint = self._fresh_endpoint(request, endpoint, location)
                 continue
-            except flight.FlightError as err:
+            except (flight.FlightError, pa.ArrowNotImplementedError) as err:
                 raise self._translate(err, location, "DoGet") from err
             finally:
                 # Left early (the consumer stopped, or an error): tell the node to stop sending.

@@ -219,13 +219,20 @@ class Head(ReadOnlyFlight):
         while len(self.registered) < want:
             if self._stop.is_set():
                 raise ClusterFormationError("stopped")
+            missing = self._unregistered()
             if time.monotonic() > deadline:
                 raise ClusterFormationError(
                     f"only {len(self.registered)}/{want} data node(s) registered within "
-                    f"{self.cfg.startup_timeout:.0f}s; check the data node pods' logs"
+                    f"{self.cfg.startup_timeout:.0f}s ({missing}); check those data node pods' logs"
                 )
-            self.lifecycle.set("waiting", f"{len(self.registered)}/{want} data nodes registered")
+            self.lifecycle.set("waiting", f"{len(self.registered)}/{want} data nodes registered ({missing})")
             self._wait_for_news()
+
+    def _unregistered(self) -> str:
+        """'data node 3 not registered', or the first few indexes of many (LWS worker index - 1)."""
+        missing = [k for k in range(self.cfg.data_nodes) if k not in self.registered]
+        shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        return f"data node{'s' if len(missing) > 1 else ''} {shown} not registered"
 
     def _wait_for_news(self) -> None:
         """Until a node registers or reports its load done, or LOAD_POLL_SECONDS pass (the poll

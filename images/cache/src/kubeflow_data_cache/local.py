@@ -163,7 +163,7 @@ class LocalCluster:
             if status.get("state") == "ready":
                 return status
             if should_stop():
-                raise RuntimeError("stopped by a signal before the cache was ready")
+                raise StoppedBeforeReady()
             if status.get("state") == "failed":
                 raise RuntimeError(status.get("error") or "the load failed")
             if status.get("detail") != last_detail:
@@ -185,6 +185,10 @@ class LocalCluster:
     def stop(self) -> None:
         # The nodes share this process's group: signal each one, never the group.
         stop_processes((proc for _, proc in self.procs), STOP_GRACE_SECONDS)
+
+
+class StoppedBeforeReady(Exception):
+    """SIGTERM or Ctrl-C while the cache loads: a stop asked for, not a failure."""
 
 
 def run_local(cluster: LocalCluster) -> int:
@@ -214,6 +218,9 @@ def run_local(cluster: LocalCluster) -> int:
                 return 1
             time.sleep(0.2)
         return 0
+    except StoppedBeforeReady:
+        log.info("stopped by a signal before the cache was ready")
+        return 0  # as a stop while serving: the operator asked for it
     except RuntimeError as err:
         log.error("cache failed: %s", err)
         # A node that refused its settings (exit 2, its error line printed) is a settings error of ours.

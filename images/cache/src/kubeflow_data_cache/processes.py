@@ -67,6 +67,9 @@ def stop_processes(
     for proc in procs:
         if proc.poll() is None:
             _send(proc, signal.SIGTERM, term_group)
+            # A stopped process (SIGSTOP, a shell's Ctrl-Z) holds the SIGTERM until it runs again:
+            # without this it sat out the whole grace period before the SIGKILL.
+            _send(proc, signal.SIGCONT, term_group)
     deadline = time.monotonic() + grace
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
