@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from kubeflow_data_cache.config import build_config
+from kubeflow_data_cache.config import build_config, same_table_location
 from kubeflow_data_cache.dataset import DataCacheDataset
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
@@ -143,3 +144,80 @@ def test_the_cli_exits_2_on_an_empty_cluster_key(tmp_path):
     )
     assert done.returncode == 2
     assert "DATA_CACHE_CLUSTER_KEY is set but empty" in done.stderr
+
+
+def test_local_gives_its_nodes_a_key_of_its_own(small_cache):
+    """No DATA_CACHE_CLUSTER_KEY in its env: `local` draws one, so its head refuses a stranger."""
+    body = {"index": 0, "location": "grpc://127.0.0.1:9", "load_threads": 1}
+    with pytest.raises(pa.ArrowInvalid, match="register: the cluster key is missing or wrong"):
+        action(small_cache.endpoint, "register", body)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("file:///tmp/wh/t/metadata/v1.metadata.json", "/tmp/wh/t/metadata/v1.metadata.json", True),
+        ("/tmp/wh/./t/metadata/v1.metadata.json", "/tmp/wh/t/metadata/v1.metadata.json", True),
+        ("s3a://bucket/t/metadata/v1.metadata.json", "s3://bucket/t/metadata/v1.metadata.json", True),
+        ("s3://bucket/t/metadata/v1.metadata.json", "s3://bucket/t/metadata/v2.metadata.json", False),
+        ("s3://bucket/t/metadata/v1.metadata.json", "s3://other/t/metadata/v1.metadata.json", False),
+        ("/tmp/wh/t/metadata/v1.metadata.json", "/tmp/wh/u/metadata/v1.metadata.json", False),
+    ],
+)
+def test_spellings_of_one_metadata_location_are_the_same_table(a, b, same):
+    assert same_table_location(a, b) is same
+    assert same_table_location(b, a) is same
+
+
+def test_a_head_and_a_node_given_two_spellings_of_one_location_form_a_cache(small_table):
+    """Hand-started processes: file:///x for the head, /x for the node."""
+    location = small_table.metadata_location
+    assert location.startswith("file://")
+    flags = {**FLAGS, "metadata_loc": location}
+    head = Head(build_config("head", {**flags, "data_nodes": 1}, env={}))
+    head.start()
+    plain = urlsplit(location).path
+    node = DataNode(build_config("worker", {**flags, "metadata_loc": plain, "index": 0, "head": head.location}, env={}))
+    try:
+        node.start_registering()
+        wait_for(lambda: head.lifecycle.state == "ready" or head.lifecycle.error, timeout=60)
+        assert head.lifecycle.state == "ready", head.lifecycle.error
+    finally:
+        node.stop()
+        head.stop()
+
+
+def test_a_node_given_another_table_than_its_head_fails_the_cache_naming_both(small_table, table_factory):
+    other = table_factory(OTHER_ROWS, 1).metadata_location
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location}
+    head = Head(build_config("head", {**flags, "data_nodes": 1}, env={}))
+    head.start()
+    node = DataNode(build_config("worker", {**flags, "metadata_loc": other, "index": 0, "head": head.location}, env={}))
+    try:
+        node.start_registering()
+        wait_for(lambda: head.lifecycle.error, timeout=60)
+        error = head.lifecycle.error
+        assert "data node 0 at" in error and "refused its assignment" in error
+        assert "give the head and its data nodes the same METADATA_LOC" in error
+        assert "Traceback" not in error
+    finally:
+        node.stop()
+        head.stop()
+
+
+def test_a_node_without_metadata_loc_keeps_to_the_table_of_its_first_load(small_table, table_factory):
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location}
+    head = Head(build_config("head", {**flags, "data_nodes": 1}, env={}))
+    head.start()
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    try:
+        node.start_registering()
+        wait_for(lambda: head.lifecycle.state == "ready", timeout=60)
+        other = table_factory(OTHER_ROWS, 1).metadata_location
+        with pytest.raises(pa.ArrowInvalid, match=r"its first load's; it has no METADATA_LOC"):
+            action(node.location, "load", load_body(other, 0, None))
+        assert node.lifecycle.state == "ready"
+        assert node.store.num_rows == small_table.rows
+    finally:
+        node.stop()
+        head.stop()

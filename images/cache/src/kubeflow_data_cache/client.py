@@ -438,7 +438,9 @@ class CacheClient:
                     endpoint = self._fresh_endpoint(request, endpoint, location, within=within)
                     head_trouble = ""
                 except flight.FlightError as lookup:
-                    head_trouble = server_message(lookup)
+                    # A head that answered (degraded: this very node is down) is not in trouble.
+                    answered = "not ready" in server_message(lookup)
+                    head_trouble = "" if answered else server_message(lookup)
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err

@@ -80,6 +80,22 @@ def check_metadata_location(location: str) -> None:
         )
 
 
+def same_table_location(a: str, b: str) -> bool:
+    """Whether two METADATA_LOC spellings name the same file: ``file:///x`` and ``/x``, a relative
+    and an absolute path, ``s3a://`` and ``s3://`` (the same object store)."""
+
+    def canonical(location: str) -> str:
+        if location.startswith("file://"):
+            location = urlsplit(location).path
+        elif location.startswith("s3a://"):
+            location = "s3://" + location.removeprefix("s3a://")
+        if "://" not in location:
+            location = os.path.normpath(os.path.abspath(location))
+        return location
+
+    return canonical(a) == canonical(b)
+
+
 def check_head_location(location: str) -> None:
     """A data node's --head must be a URI it can dial: a scheme and a port."""
     parts = urlsplit(location)

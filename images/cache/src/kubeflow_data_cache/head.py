@@ -26,7 +26,14 @@ from kubeflow_data_cache.constants import (
     RPC_TIMEOUT_SECONDS,
     SUPERVISE_POLL_SECONDS,
 )
-from kubeflow_data_cache.errors import BadRequestError, ClusterFormationError, DataCacheError, NotReadyError, first_line
+from kubeflow_data_cache.errors import (
+    BadRequestError,
+    ClusterFormationError,
+    DataCacheError,
+    NotReadyError,
+    first_line,
+    server_message,
+)
 from kubeflow_data_cache.load_progress import waiting_reads
 from kubeflow_data_cache.memory import check_fits
 from kubeflow_data_cache.node import server_kwargs
@@ -115,6 +122,10 @@ class Head(ReadOnlyFlight):
             try:
                 self._send_load(node)
                 return
+            except pa.ArrowInvalid as err:  # the node refused its assignment: say why, not a traceback
+                raise ClusterFormationError(
+                    f"data node {node} at {self._location(node)} refused its assignment: {server_message(err)}"
+                ) from None
             except flight.FlightUnavailableError as err:
                 if attempt == LOAD_SEND_ATTEMPTS:
                     raise ClusterFormationError(

@@ -17,7 +17,7 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.allocator import GatherReclaim, reclaim_gather_memory
-from kubeflow_data_cache.config import NodeConfig, host_port
+from kubeflow_data_cache.config import NodeConfig, host_port, same_table_location
 from kubeflow_data_cache.constants import (
     READAHEAD_BATCHES,
     REGISTER_INTERVAL_SECONDS,
@@ -141,6 +141,7 @@ class DataNode(ReadOnlyFlight):
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
+        self._first_location = ""  # what a node without METADATA_LOC was first told to load
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open")
         self._stop = threading.Event()
         # Set when the load ends (either way): re-register at once so the head need not poll for it.
@@ -263,12 +264,16 @@ class DataNode(ReadOnlyFlight):
                 "data node the same DATA_CACHE_CLUSTER_KEY"
             )
         order = LoadOrder.parse(body)  # before touching anything: a bad body changes nothing
-        if self.cfg.metadata_loc and order.metadata_location != self.cfg.metadata_loc:
-            raise BadRequestError(
-                f"load: this data node serves the table at {self.cfg.metadata_loc!r} (its METADATA_LOC), not "
-                f"{order.metadata_location!r}: give the head and its data nodes the same METADATA_LOC"
-            )
         with self._load_lock:
+            # A node started without METADATA_LOC serves the table of its first load from then on.
+            own = self.cfg.metadata_loc or self._first_location
+            if own and not same_table_location(order.metadata_location, own):
+                where = "its METADATA_LOC" if self.cfg.metadata_loc else "its first load's; it has no METADATA_LOC"
+                raise BadRequestError(
+                    f"load: this data node serves the table at {own!r} ({where}), not {order.metadata_location!r}: "
+                    "give the head and its data nodes the same METADATA_LOC"
+                )
+            self._first_location = own or order.metadata_location
             if self.generation == order.generation:
                 return  # the head re-sent the same assignment: already loading or loaded
             self.generation = order.generation

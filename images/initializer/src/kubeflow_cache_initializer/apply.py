@@ -134,6 +134,8 @@ def _join_shared(kube: Kube, resource: Resource, desired: dict, existing: dict, 
             f"{_describe(existing)} exists but does not cache {want_table}: it holds "
             f"{ {k: have.get(k) for k in want_table} }; delete it, or turn DATA_CACHE_SHARED off"
         )
+    # The key it was made with is the one it has: not a difference worth a warning.
+    desired = with_cluster_key(desired, cluster_key_of(existing))
     drift = differences(_desired_fields(desired), existing)
     if drift:
         log.warning(
