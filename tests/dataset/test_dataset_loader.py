@@ -198,6 +198,10 @@ def test_endpoint_and_token_settings(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN holds a line break") as refused:
         DataCacheDataset()
     assert "s3cret" not in str(refused.value)
+    monkeypatch.setenv("DATA_CACHE_TOKEN", "s3cret ")
+    with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN starts or ends with a space") as refused:
+        DataCacheDataset()
+    assert "s3cret" not in str(refused.value)
 
 
 def test_drop_last_implies_even_drop_and_arguments_are_checked():
@@ -261,6 +265,8 @@ def test_an_empty_endpoint_or_a_token_no_header_can_carry_is_refused(monkeypatch
         ("", "token is empty"),
         (secret, "a line break, a control or a non-ASCII character"),
         ("caf\u00e9", "non-ASCII"),
+        # A copy-paste slip the cache refuses too: "the token was rejected" would not say why.
+        (" s3cret", "token starts or ends with a space"),
         (123, "token should be the cache's token as a string, or None; got a int"),
         (b"s3cret", "got a bytes"),
     ):

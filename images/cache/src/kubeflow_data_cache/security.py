@@ -52,16 +52,13 @@ def load_cluster_key(key: str | None) -> str | None:
 
 def _checked_secret(value: str, source: str, fix: str) -> str:
     """A secret as set: refused when empty (set from a Secret key that is there but empty, it
-    would turn auth off without a word), when a header cannot carry it, or when it starts or ends
-    with a space (a copy-paste slip that no peer's copy matches)."""
+    would turn auth off without a word), or where check_token refuses it."""
     if not value.strip():
         raise ConfigError(f"{source} is set but empty: {fix}")
     try:
-        check_token(value, source)
+        check_token(value, source)  # a line break, or a space at either end, is refused there
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if value.strip() != value:
-        raise ConfigError(f"{source} starts or ends with a space: {fix or 'remove it'}")
     return value
 
 
@@ -89,6 +86,9 @@ def check_token(token: object, source: str = "token") -> None:
             f"{source} holds a line break, a control or a non-ASCII character, which a request header cannot "
             "carry: check how it was set (a trailing newline, say)"
         )
+    if token.strip() != token:
+        # A copy-paste slip: no peer's copy matches it, and "the token was rejected" would not say why.
+        raise ValueError(f"{source} starts or ends with a space: remove it")
 
 
 def call_options(token: str | None, timeout: float | None = None) -> flight.FlightCallOptions:
