@@ -36,6 +36,7 @@ from kubeflow_data_cache.client import (
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.interleave import rotation_order
 from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
+from kubeflow_data_cache.security import checked_token
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
 __all__ = ["DataCacheDataset", "World", "column_to_tensor", "default_endpoint"]
@@ -89,7 +90,7 @@ def default_token(env: dict[str, str] | None = None) -> str | None:
     """``DATA_CACHE_TOKEN``, else the contents of ``DATA_CACHE_TOKEN_FILE``, else None."""
     env = os.environ if env is None else env
     if env.get("DATA_CACHE_TOKEN"):
-        return _checked_token(env["DATA_CACHE_TOKEN"], "DATA_CACHE_TOKEN")
+        return checked_token(env["DATA_CACHE_TOKEN"], "DATA_CACHE_TOKEN")
     path = env.get("DATA_CACHE_TOKEN_FILE")
     if not path:
         return None
@@ -99,15 +100,7 @@ def default_token(env: dict[str, str] | None = None) -> str | None:
         raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} could not be read: {err.strerror}") from None
     if not token:  # as the cache itself refuses an empty token file
         raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} is empty: mount the Secret holding the cache's token")
-    return _checked_token(token, f"DATA_CACHE_TOKEN_FILE {path!r}")
-
-
-def _checked_token(token: str, source: str) -> str:
-    try:
-        check_token(token, source)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return token
+    return checked_token(token, f"DATA_CACHE_TOKEN_FILE {path!r}")
 
 
 def _env_int(env: dict[str, str], name: str, default: int) -> int:

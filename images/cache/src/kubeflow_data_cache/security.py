@@ -31,7 +31,7 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
             raise ConfigError(f"cannot read {source}: {err.strerror}") from None
         if not token:
             raise ConfigError(f"{source} is empty")
-        return _checked_secret(token, source, "")
+        return checked_token(token, source)
     if token is None:
         return None
     return _checked_secret(token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one")
@@ -55,8 +55,14 @@ def _checked_secret(value: str, source: str, fix: str) -> str:
     would turn auth off without a word), or where check_token refuses it."""
     if not value.strip():
         raise ConfigError(f"{source} is set but empty: {fix}")
+    return checked_token(value, source)
+
+
+def checked_token(value: str, source: str) -> str:
+    """``value`` where check_token takes it (a line break, or a space at either end, it
+    refuses); a ConfigError naming ``source`` otherwise: a setting, not an argument."""
     try:
-        check_token(value, source)  # a line break, or a space at either end, is refused there
+        check_token(value, source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return value

@@ -94,6 +94,10 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
         if existing["metadata"].get("deletionTimestamp"):
             _wait_deleted(kube, resource, existing, deadline)
             continue
+        if resource == LEADER_WORKER_SETS:
+            # Each run draws a new cluster key: compared as it is, it would read as drift (and,
+            # adopted, restart the pods of the cache). The key the cache was made with stays.
+            desired = with_cluster_key(desired, cluster_key_of(existing))
         if shared:
             return _join_shared(kube, resource, desired, existing, owner)
         return _adopt_owned(kube, resource, desired, existing, owner)
@@ -107,10 +111,6 @@ def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, 
             f"{_describe(existing)} already exists and is not owned by {owner['kind']} {owner['name']} "
             f"(uid {owner['uid']}); it is owned by {held_by}. Delete it, or rename the TrainJob"
         )
-    if resource == LEADER_WORKER_SETS:
-        # Each run draws a new cluster key: compared as it is, it would read as drift and restart
-        # the pods of the cache this TrainJob already has. The key it was made with stays.
-        desired = with_cluster_key(desired, cluster_key_of(existing))
     fields = _desired_fields(desired)
     drift = differences(fields, existing)
     for path, keys in _exact_map_extras(desired, existing).items():
@@ -134,8 +134,6 @@ def _join_shared(kube: Kube, resource: Resource, desired: dict, existing: dict, 
             f"{_describe(existing)} exists but does not cache {want_table}: it holds "
             f"{ {k: have.get(k) for k in want_table} }; delete it, or turn DATA_CACHE_SHARED off"
         )
-    # The key it was made with is the one it has: not a difference worth a warning.
-    desired = with_cluster_key(desired, cluster_key_of(existing))
     drift = differences(_desired_fields(desired), existing)
     if drift:
         log.warning(
