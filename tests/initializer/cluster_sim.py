@@ -17,6 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from .fake_k8s import FakeKube
 
 ROWS_PER_NODE = 1000
+# How long a pod waits for a Secret its env reads before the scenario gives up on it (a kubelet
+# tries for ever; every scenario thread must end).
+SECRET_WAIT_SECONDS = 30.0
 BYTES_PER_NODE = 64_000
 SCENARIOS = (
     "healthy",
@@ -172,6 +175,42 @@ class CacheSim:
         self.fake.update("leaderworkersets", meta["namespace"], meta["name"], change)
 
     # -- scenarios ---------------------------------------------------------------------------
+    def _missing_secret_key(self, lws: dict) -> str | None:
+        """What a kubelet says of the first env value read from a Secret that is not there (or
+        lacks the key); None when every one is there."""
+        ns = lws["metadata"]["namespace"]
+        for template in lws["spec"]["leaderWorkerTemplate"].values():
+            if not (isinstance(template, dict) and "spec" in template):
+                continue
+            for var in template["spec"]["containers"][0].get("env") or []:
+                ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+                if ref is None:
+                    continue
+                secret = self.fake.get("secrets", ns, ref["name"])
+                if secret is None:
+                    return f'secret "{ref["name"]}" not found'
+                if ref["key"] not in (secret.get("data") or {}):
+                    return f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}"
+        return None
+
+    def _wait_for_secrets(self, lws: dict, pods: list[dict]) -> bool:
+        """As the kubelet: a container whose env reads a missing Secret waits in
+        CreateContainerConfigError and starts once the Secret is there. False if it never came."""
+        until, waiting = time.monotonic() + SECRET_WAIT_SECONDS, False
+        while (missing := self._missing_secret_key(lws)) is not None:
+            if time.monotonic() > until:
+                return False
+            if not waiting:
+                for pod in pods:
+                    self._set(pod, state={"waiting": {"reason": "CreateContainerConfigError", "message": missing}})
+                waiting = True
+            time.sleep(0.05)
+        if waiting:  # the kubelet makes the container now: the error is gone from the pods
+            for pod in pods:
+                meta, pending = pod["metadata"], pod["status"]
+                self.fake.update("pods", meta["namespace"], meta["name"], lambda p, s=pending: p.update(status=s))
+        return True
+
     def _play(self, lws: dict) -> None:
         size = lws["spec"]["leaderWorkerTemplate"]["size"]
         nodes = size - 1
@@ -180,6 +219,8 @@ class CacheSim:
             return
         pods = [self.fake.put("pods", self._pod(lws, i)) for i in range(size)]
         time.sleep(self.step)
+        if not self._wait_for_secrets(lws, pods):
+            return
         if self.scenario == "unschedulable":
             message = "0/3 nodes are available: 3 Insufficient memory."
             cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}

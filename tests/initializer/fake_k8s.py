@@ -35,6 +35,7 @@ KINDS = {
     ("", "v1", "services"): "Service",
     ("", "v1", "serviceaccounts"): "ServiceAccount",
     ("", "v1", "pods"): "Pod",
+    ("", "v1", "secrets"): "Secret",
 }
 _PATH = re.compile(
     r"^/(?:api/(?P<cv>v1)|apis/(?P<g>[^/]+)/(?P<v>[^/]+))/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$"

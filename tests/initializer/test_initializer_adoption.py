@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 
 from kubeflow_cache_initializer.builders import (
@@ -9,6 +11,8 @@ from kubeflow_cache_initializer.builders import (
     build_service,
     build_service_account,
     cache_names,
+    key_secret_of,
+    new_key_secret_name,
 )
 from kubeflow_cache_initializer.config import load_config
 
@@ -41,7 +45,7 @@ def test_a_restart_adopts_the_cache_it_created(fake, make_sim, run_initializer, 
 
     assert (code, error) == (0, "")
     assert _uids(fake) == before
-    assert _creates(fake) == [("serviceaccounts", 409), ("services", 409), ("leaderworkersets", 409)]
+    assert _creates(fake) == [("serviceaccounts", 409), ("services", 409), ("leaderworkersets", 409), ("secrets", 409)]
     assert not [r for r in fake.responses if r[0] == "PATCH"]
     assert sim.created == ["job-a-cache"]
     assert "adopted LeaderWorkerSet team-a/job-a-cache, created by an earlier run" in caplog.text
@@ -57,7 +61,12 @@ def test_a_restart_after_a_crash_between_creates_finishes_the_job(fake, make_sim
     code, error = run_initializer(env)
 
     assert (code, error) == (0, "")
-    assert _creates(fake) == [("serviceaccounts", 409), ("services", 201), ("leaderworkersets", 201)]
+    assert _creates(fake) == [
+        ("serviceaccounts", 409),
+        ("services", 201),
+        ("leaderworkersets", 201),
+        ("secrets", 201),
+    ]
     assert sim.created == ["job-a-cache"]
 
 
@@ -132,38 +141,113 @@ def test_a_cache_being_deleted_is_waited_for_then_created_again(fake, make_sim, 
     assert "is being deleted; waiting for it to go" in caplog.text
 
 
-def _keys(lws: dict) -> list[str | None]:
-    """Each pod template's DATA_CACHE_CLUSTER_KEY."""
+def _keys(fake, lws: dict) -> list[str | None]:
+    """Each pod template's DATA_CACHE_CLUSTER_KEY, as the kubelet would give it: read from the
+    Secret its env points at (or the value itself, as an older initializer wrote it)."""
     templates = lws["spec"]["leaderWorkerTemplate"]
-    return [
-        next((e.get("value") for e in templates[t]["spec"]["containers"][0]["env"] if e["name"] == CLUSTER_KEY), None)
-        for t in ("leaderTemplate", "workerTemplate")
-    ]
+    keys = []
+    for t in ("leaderTemplate", "workerTemplate"):
+        entry = next((e for e in templates[t]["spec"]["containers"][0]["env"] if e["name"] == CLUSTER_KEY), None)
+        ref = ((entry or {}).get("valueFrom") or {}).get("secretKeyRef")
+        if ref is not None:
+            secret = fake.get("secrets", lws["metadata"]["namespace"], ref["name"])
+            keys.append(base64.b64decode(secret["data"][ref["key"]]).decode())
+        else:
+            keys.append((entry or {}).get("value"))
+    return keys
 
 
 CLUSTER_KEY = "DATA_CACHE_CLUSTER_KEY"
 
 
 def test_every_cache_gets_a_cluster_key_of_its_own_and_a_restart_keeps_it(fake, make_sim, run_initializer, caplog):
-    """Head and data nodes share a random key; a restarted initializer adopts the cache with the
-    key it was made with (a new one would read as drift and restart the cache's pods)."""
+    """Head and data nodes share a random key, held in a Secret the cache owns; a restarted
+    initializer adopts the cache with the key it was made with (a new one would read as drift
+    and restart the cache's pods), without reading the Secret."""
     add_train_job(fake, "job-a")
     add_train_job(fake, "job-b")
     sim = make_sim("healthy")
     env = initializer_env(sim)
     assert run_initializer(env)[0] == 0
-    first = _keys(fake.get("leaderworkersets", NAMESPACE, "job-a-cache"))
+    lws = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
+    first = _keys(fake, lws)
     assert first[0] is not None and first[0] == first[1] and len(first[0]) >= 32
+    assert first[0] not in json.dumps(lws)  # in the Secret only, not in what `view` reads
+    (secret,) = fake.items("secrets", NAMESPACE)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == lws["metadata"]["uid"]
 
     fake.responses.clear()
+    fake.calls.clear()
     assert run_initializer(env) == (0, "")
-    assert _keys(fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == first
+    assert _keys(fake, fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == first
     assert not [r for r in fake.responses if r[0] == "PATCH"]
+    assert [v for g, r, v in fake.calls if r == "secrets"] == ["create"]  # kept, never read
 
     assert run_initializer({**env, "TRAIN_JOB_NAME": "job-b"})[0] == 0
-    other = _keys(fake.get("leaderworkersets", NAMESPACE, "job-b-cache"))
+    other = _keys(fake, fake.get("leaderworkersets", NAMESPACE, "job-b-cache"))
     assert other[0] == other[1] and other[0] != first[0]
     assert first[0] not in caplog.text and other[0] not in caplog.text
+
+    # Deleting the TrainJob deletes its cache, and with it the cache's key.
+    fake.delete("trainjobs", NAMESPACE, "job-a")
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+    assert [s["metadata"]["name"] for s in fake.items("secrets", NAMESPACE)] == [
+        key_secret_of(fake.get("leaderworkersets", NAMESPACE, "job-b-cache"))
+    ]
+
+
+def test_a_cache_made_with_its_key_in_the_env_is_adopted_as_it_is(fake, make_sim, run_initializer):
+    """One made by the initializer of before the Secret: adopting it keeps its key and its pods."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"))
+    assert run_initializer(env)[0] == 0
+    for secret in fake.items("secrets", NAMESPACE):
+        fake.delete("secrets", NAMESPACE, secret["metadata"]["name"])
+
+    def as_before_the_secret(lws: dict) -> None:
+        for template in lws["spec"]["leaderWorkerTemplate"].values():
+            if isinstance(template, dict) and "spec" in template:
+                for var in template["spec"]["containers"][0]["env"]:
+                    if var["name"] == CLUSTER_KEY:
+                        var.pop("valueFrom")
+                        var["value"] = "an-old-key-in-the-pod-spec"
+
+    fake.update("leaderworkersets", NAMESPACE, "job-a-cache", as_before_the_secret)
+    fake.responses.clear()
+
+    assert run_initializer(env) == (0, "")
+    assert _keys(fake, fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == ["an-old-key-in-the-pod-spec"] * 2
+    assert not [r for r in fake.responses if r[0] == "PATCH"]
+    assert fake.items("secrets", NAMESPACE) == []
+
+
+def test_an_initializer_that_may_not_create_secrets_says_so_and_frees_the_cache(fake, make_sim, run_initializer):
+    """An initializer upgraded without its Role: the cache's pods would wait on a Secret for ever."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"))
+    fake.fail_next[("secrets", "create")] = [403]
+    code, error = run_initializer(env)
+    assert code == 1 and "must grant `create` on secrets" in error and "upgrade the chart" in error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None  # a failed run frees the pods
+    assert fake.items("secrets", NAMESPACE) == []
+
+
+def test_a_restart_after_a_crash_between_the_cache_and_its_key_makes_the_key(fake, make_sim, run_initializer):
+    """The cache's pods wait on its Secret (CreateContainerConfigError); the next run adopts the
+    cache and makes the Secret under the name the cache reads, and the pods start."""
+    job = add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    cfg = load_config(env)
+    owner = {**{k: job[k] for k in ("apiVersion", "kind")}, "name": "job-a", "uid": job["metadata"]["uid"]}
+    name = new_key_secret_name(cfg)
+    fake.create("leaderworkersets", "LeaderWorkerSet", NAMESPACE,
+                build_leader_worker_set(cfg, [{**owner, "controller": True}], name))  # fmt: skip
+
+    assert run_initializer(env) == (0, "")
+    (secret,) = fake.items("secrets", NAMESPACE)
+    assert secret["metadata"]["name"] == name
+    assert sim.created == ["job-a-cache"]  # adopted, not made again
 
 
 def test_a_cache_made_without_a_cluster_key_is_adopted_as_it_is(fake, make_sim, run_initializer):
@@ -182,5 +266,5 @@ def test_a_cache_made_without_a_cluster_key_is_adopted_as_it_is(fake, make_sim, 
     fake.responses.clear()
 
     assert run_initializer(env) == (0, "")
-    assert _keys(fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == [None, None]
+    assert _keys(fake, fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == [None, None]
     assert not [r for r in fake.responses if r[0] == "PATCH"]

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from kubeflow_cache_initializer.builders import (
+    build_cluster_key_secret,
     build_leader_worker_set,
     build_service,
     build_service_account,
     cache_names,
-    cluster_key_of,
+    cluster_key_entry,
+    key_secret_of,
     new_cluster_key,
+    new_key_secret_name,
     shared_cache_name,
-    with_cluster_key,
+    with_cluster_key_entry,
 )
 from kubeflow_cache_initializer.config import load_config
 
@@ -229,30 +234,50 @@ def test_the_validator_rejects_what_the_api_server_would_prune_or_refuse():
         validate_sent_object(service)
 
 
-def test_head_and_data_nodes_get_the_same_cluster_key_and_the_cache_takes_it():
-    key = new_cluster_key()
+def test_head_and_data_nodes_read_the_same_cluster_key_from_the_caches_secret_and_the_cache_takes_it():
+    """The key is in a Secret the pod templates point at, never in the pod spec itself."""
+    cfg = load_config(FULL)
+    key, name = new_cluster_key(), new_key_secret_name(cfg)
     assert key != new_cluster_key() and len(key) >= 32
-    lws = build_leader_worker_set(load_config(FULL), [OWNER], key)
-    filled = {"POD_IP": "10.0.0.7", "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
+    assert name.startswith("job-a-cache-key-") and name != new_key_secret_name(cfg)
+    lws = build_leader_worker_set(cfg, [OWNER], name)
+    assert key_secret_of(lws) == name and "value" not in cluster_key_entry(lws)
+    created = {**lws, "metadata": {**lws["metadata"], "uid": "lws-uid"}}  # as the API answers the create
+    secret = build_cluster_key_secret(cfg, name, created, key)
+    validate_sent_object(secret)
+    assert secret["metadata"]["name"] == name and secret["immutable"] is True
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("LeaderWorkerSet", "job-a-cache", "lws-uid")
+    assert key not in str(lws)
     from kubeflow_data_cache.config import build_config
 
+    filled = {"POD_IP": "10.0.0.7", "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
     for template, role, lws_env in [
         ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
         ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),
     ]:
-        env = {k: v for k, v in _env(_container(lws, template)).items() if isinstance(v, str)}
-        assert env["DATA_CACHE_CLUSTER_KEY"] == key
-        assert build_config(role, {}, {**env, **filled, **lws_env}).cluster_key == key
-    assert cluster_key_of(lws) == key
-    assert cluster_key_of(build_leader_worker_set(load_config(FULL), [OWNER])) is None
+        env = _env(_container(lws, template))
+        ref = env.pop("DATA_CACHE_CLUSTER_KEY")["secretKeyRef"]
+        assert ref["name"] == name
+        # What the kubelet puts in the container's env from the Secret, read by the cache.
+        from_secret = base64.b64decode(secret["data"][ref["key"]]).decode()
+        plain = {k: v for k, v in env.items() if isinstance(v, str)}
+        config = build_config(role, {}, {**plain, **filled, **lws_env, "DATA_CACHE_CLUSTER_KEY": from_secret})
+        assert config.cluster_key == key
+    assert cluster_key_entry(build_leader_worker_set(cfg, [OWNER])) is None
 
 
 def test_a_kept_cluster_key_takes_the_place_of_the_new_one_and_none_removes_it():
-    lws = build_leader_worker_set(load_config(FULL), [OWNER], "new-key")
-    kept = with_cluster_key(lws, "old-key")
-    names = [e["name"] for e in _container(lws, "workerTemplate")["env"]]
-    assert [e["name"] for e in _container(kept, "workerTemplate")["env"]] == names  # same place: no drift
-    assert cluster_key_of(kept) == "old-key" and cluster_key_of(lws) == "new-key"
-    gone = with_cluster_key(lws, None)
-    assert cluster_key_of(gone) is None
+    cfg = load_config(FULL)
+    lws = build_leader_worker_set(cfg, [OWNER], "job-a-cache-key-new")
+    for old in (
+        {"name": "DATA_CACHE_CLUSTER_KEY", "value": "old-key"},
+        cluster_key_entry(build_leader_worker_set(cfg, [OWNER], "job-a-cache-key-old")),
+    ):
+        kept = with_cluster_key_entry(lws, old)
+        names = [e["name"] for e in _container(lws, "workerTemplate")["env"]]
+        assert [e["name"] for e in _container(kept, "workerTemplate")["env"]] == names  # same place: no drift
+        assert cluster_key_entry(kept) == old and key_secret_of(lws) == "job-a-cache-key-new"
+    gone = with_cluster_key_entry(lws, None)
+    assert cluster_key_entry(gone) is None and key_secret_of(gone) is None
     assert "DATA_CACHE_CLUSTER_KEY" not in str(gone)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kubeflow_cache_initializer.builders import build_leader_worker_set, shared_cache_name
+from kubeflow_cache_initializer.builders import build_leader_worker_set, key_secret_of, shared_cache_name
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.main import main
 
@@ -52,10 +52,14 @@ def test_a_second_train_job_joins_the_ready_cache_and_gc_follows_the_last_owner(
     assert fake.get("services", NAMESPACE, "job-a-cache-service") is None
     assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-b", False)]
     assert len(fake.items("pods", NAMESPACE)) == 3
+    # The key lives as long as the cache, not as the TrainJob that made it: a pod restarted now
+    # still finds its Secret.
+    (secret,) = fake.items("secrets", NAMESPACE)
+    assert secret["metadata"]["name"] == key_secret_of(fake.get("leaderworkersets", NAMESPACE, CACHE))
 
     fake.delete("trainjobs", NAMESPACE, "job-b")
 
-    for plural in ("serviceaccounts", "leaderworkersets", "services", "pods"):
+    for plural in ("serviceaccounts", "leaderworkersets", "services", "pods", "secrets"):
         assert fake.items(plural, NAMESPACE) == [], plural
 
 

@@ -7,6 +7,8 @@
 * shared cache: check it holds the same table, add this TrainJob as one more owner reference
   (a merge patch guarded by resourceVersion, retried on conflict), and use it as it is;
 * anything else: `ForeignObjectError`, naming the object and its owners.
+
+`create_or_keep` is for the cache's key Secret, which the initializer may create but not read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from typing import Any
 
 from kubeflow_cache_initializer import constants as c
-from kubeflow_cache_initializer.builders import cluster_key_of, with_cluster_key
+from kubeflow_cache_initializer.builders import cluster_key_entry, with_cluster_key_entry
 from kubeflow_cache_initializer.errors import CacheTimeoutError, ForeignObjectError, InitializerError, KubeApiError
 from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, Kube, Resource
 
@@ -95,12 +97,35 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
             _wait_deleted(kube, resource, existing, deadline)
             continue
         if resource == LEADER_WORKER_SETS:
-            # Each run draws a new cluster key: compared as it is, it would read as drift (and,
-            # adopted, restart the pods of the cache). The key the cache was made with stays.
-            desired = with_cluster_key(desired, cluster_key_of(existing))
+            # Each run draws a new key Secret name: compared as it is, it would read as drift (and,
+            # adopted, restart the pods of the cache). The key the cache was made with stays, in
+            # whichever form it was made with (a Secret; the value itself, or none, from older runs).
+            desired = with_cluster_key_entry(desired, cluster_key_entry(existing))
         if shared:
             return _join_shared(kube, resource, desired, existing, owner)
         return _adopt_owned(kube, resource, desired, existing, owner)
+
+
+def create_or_keep(kube: Kube, resource: Resource, desired: dict) -> None:
+    """Create `desired`; one already there under its name is kept as it is, unread.
+
+    For the cache's key Secret: its name is drawn per LeaderWorkerSet, so one already there was
+    made for this very cache by an earlier run. Reading it would need `get` on Secrets, which
+    reads every Secret of the namespace; the initializer's Role grants `create` only.
+    """
+    try:
+        kube.create(resource, desired["metadata"]["namespace"], desired)
+        log.info("created %s", _describe(desired))
+    except KubeApiError as err:
+        if err.already_exists:
+            log.info("kept %s, created by an earlier run of this initializer", _describe(desired))
+            return
+        if err.status == 403:
+            raise InitializerError(
+                f"{err}: the initializer's Role must grant `create` on {resource.plural} (from this version "
+                "on: upgrade the chart, or apply the manifests again, to add it)"
+            ) from err
+        raise
 
 
 def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, owner: dict) -> dict:

@@ -8,6 +8,7 @@ each TrainJob gets its own Service `{TRAIN_JOB_NAME}-cache-service` to the cache
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import secrets
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.config import Config
-from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS, SERVICES
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SECRETS, SERVICE_ACCOUNTS, SERVICES
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def build_service(cfg: Config, owners: list[dict]) -> dict:
     }
 
 
-def _cache_env(cfg: Config, cluster_key: str | None) -> list[dict]:
+def _cache_env(cfg: Config, key_secret: str | None) -> list[dict]:
     env = [
         {"name": "METADATA_LOC", "value": cfg.metadata_loc},
         {"name": "SCHEMA_NAME", "value": cfg.schema_name},
@@ -148,8 +149,8 @@ def _cache_env(cfg: Config, cluster_key: str | None) -> list[dict]:
             "valueFrom": {"resourceFieldRef": {"containerName": c.CACHE_CONTAINER, "resource": "limits.memory"}},
         },
     ]
-    if cluster_key is not None:
-        env.append({"name": c.CLUSTER_KEY_ENV, "value": cluster_key})
+    if key_secret is not None:
+        env.append(cluster_key_env(key_secret))
     return env + [{"name": name, "value": value} for name, value in cfg.cache_env]
 
 
@@ -164,14 +165,14 @@ def _http_probe(path: str, initial: int, period: int, timeout: int, failures: in
 
 
 def _pod_template(
-    cfg: Config, component: str, args: tuple[str, ...], cpu: str, memory: str, cluster_key: str | None
+    cfg: Config, component: str, args: tuple[str, ...], cpu: str, memory: str, key_secret: str | None
 ) -> dict:
     r = cfg.readiness
     container = {
         "name": c.CACHE_CONTAINER,
         "image": cfg.cache_image,
         "args": list(args),
-        "env": _cache_env(cfg, cluster_key),
+        "env": _cache_env(cfg, key_secret),
         "ports": [
             {"name": c.FLIGHT_PORT_NAME, "containerPort": c.FLIGHT_PORT, "protocol": "TCP"},
             {"name": c.HEALTH_PORT_NAME, "containerPort": cfg.health_port, "protocol": "TCP"},
@@ -224,11 +225,13 @@ def _pod_template(
     return pod
 
 
-def build_leader_worker_set(cfg: Config, owners: list[dict], cluster_key: str | None = None) -> dict:
+def build_leader_worker_set(cfg: Config, owners: list[dict], key_secret: str | None = None) -> dict:
     """One group of `CLUSTER_SIZE` pods: the leader runs `data-cache head`, the workers `data-cache worker`.
 
-    ``cluster_key`` (new_cluster_key) goes to every pod as DATA_CACHE_CLUSTER_KEY: only pods
-    holding it can register as the cache's data nodes or tell them what to load.
+    With ``key_secret`` (new_key_secret_name) every pod reads DATA_CACHE_CLUSTER_KEY from that
+    Secret (build_cluster_key_secret): only pods holding the key can register as the cache's
+    data nodes or tell them what to load, and it is not written in the pod spec, which anyone
+    with `view` on the namespace can read.
     """
     return {
         "apiVersion": LEADER_WORKER_SETS.api_version,
@@ -241,10 +244,10 @@ def build_leader_worker_set(cfg: Config, owners: list[dict], cluster_key: str | 
                 "size": cfg.cluster_size,
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": _pod_template(
-                    cfg, c.COMPONENT_HEAD, c.HEAD_ARGS, cfg.head_cpu, cfg.head_mem, cluster_key
+                    cfg, c.COMPONENT_HEAD, c.HEAD_ARGS, cfg.head_cpu, cfg.head_mem, key_secret
                 ),
                 "workerTemplate": _pod_template(
-                    cfg, c.COMPONENT_WORKER, c.WORKER_ARGS, cfg.worker_cpu, cfg.worker_mem, cluster_key
+                    cfg, c.COMPONENT_WORKER, c.WORKER_ARGS, cfg.worker_cpu, cfg.worker_mem, key_secret
                 ),
             },
         },
@@ -256,33 +259,84 @@ def new_cluster_key() -> str:
     return secrets.token_urlsafe(c.CLUSTER_KEY_BYTES)
 
 
+def new_key_secret_name(cfg: Config) -> str:
+    """A new name for the Secret of one cache's key: `<cache>-key-<8 hex>` (not pure).
+
+    Drawn per LeaderWorkerSet, not fixed per cache: a cache deleted and made again (a retried
+    initializer after a failed start) must not find the old cache's Secret under its name, which
+    the garbage collector deletes a moment later, once it sees its owner gone.
+    """
+    return f"{cache_names(cfg).cache}{c.KEY_SECRET_INFIX}{secrets.token_hex(c.KEY_SECRET_SUFFIX_BYTES)}"
+
+
+def cluster_key_env(key_secret: str) -> dict:
+    return {
+        "name": c.CLUSTER_KEY_ENV,
+        "valueFrom": {"secretKeyRef": {"name": key_secret, "key": c.KEY_SECRET_DATA_KEY}},
+    }
+
+
+def build_cluster_key_secret(cfg: Config, name: str, lws: dict, key: str) -> dict:
+    """The Secret holding a cache's key, owned by its LeaderWorkerSet (``lws``, as the API holds it).
+
+    Owned by the LeaderWorkerSet, not the TrainJob: a shared cache outlives the TrainJob that
+    made it, and its key must live exactly as long as it. Immutable: the key never changes.
+    """
+    meta = lws["metadata"]
+    owner = {
+        "apiVersion": lws["apiVersion"],
+        "kind": lws["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+    }
+    return {
+        "apiVersion": SECRETS.api_version,
+        "kind": SECRETS.kind,
+        "metadata": _metadata(cfg, name, [owner]),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {c.KEY_SECRET_DATA_KEY: base64.b64encode(key.encode()).decode()},
+    }
+
+
 def _templates(lws: dict) -> list[dict]:
     spec = lws.get("spec", {}).get("leaderWorkerTemplate", {})
     return [spec[name] for name in ("leaderTemplate", "workerTemplate") if name in spec]
 
 
-def cluster_key_of(lws: dict) -> str | None:
-    """The DATA_CACHE_CLUSTER_KEY a LeaderWorkerSet's pods were given, or None."""
+def cluster_key_entry(lws: dict) -> dict | None:
+    """The DATA_CACHE_CLUSTER_KEY env entry of a LeaderWorkerSet's pods, or None.
+
+    A reference to a Secret (key_secret_of); a cache made by an initializer of before the Secret
+    has the key itself as its value; one of before the key has none.
+    """
     for template in _templates(lws):
         for container in template.get("spec", {}).get("containers", []):
             for var in container.get("env") or []:
                 if var.get("name") == c.CLUSTER_KEY_ENV:
-                    return var.get("value")
+                    return var
     return None
 
 
-def with_cluster_key(lws: dict, key: str | None) -> dict:
-    """A copy of a built LeaderWorkerSet whose pods get ``key`` where they had one (in its
-    place in the env, so the lists compare equal), or no key at all when ``key`` is None."""
+def key_secret_of(lws: dict) -> str | None:
+    """The Secret a LeaderWorkerSet's pods read their cluster key from, or None."""
+    entry = cluster_key_entry(lws) or {}
+    return ((entry.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+
+
+def with_cluster_key_entry(lws: dict, entry: dict | None) -> dict:
+    """A copy of a built LeaderWorkerSet whose pods get ``entry`` as their cluster key (in the
+    place of theirs, so the env lists compare equal), or no key at all when ``entry`` is None."""
     out = copy.deepcopy(lws)
     for template in _templates(out):
         for container in template["spec"]["containers"]:
             env = container["env"]
             at = [i for i, var in enumerate(env) if var["name"] == c.CLUSTER_KEY_ENV]
-            if key is None:
+            if entry is None:
                 container["env"] = [var for var in env if var["name"] != c.CLUSTER_KEY_ENV]
             elif at:
-                env[at[0]] = {"name": c.CLUSTER_KEY_ENV, "value": key}
+                env[at[0]] = copy.deepcopy(entry)
             else:
-                env.append({"name": c.CLUSTER_KEY_ENV, "value": key})
+                env.append(copy.deepcopy(entry))
     return out

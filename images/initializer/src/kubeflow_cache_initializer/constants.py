@@ -71,6 +71,10 @@ SHARED_HASH_CHARS = 10
 # The pod's namespace, as Kubernetes mounts it.
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # The key a cache's head and data nodes show each other (the cache image's security.py): one
-# random key per cache, in both pod templates' env; readers never need it.
+# random key per cache, which both pod templates read from the cache's Secret; readers never need it.
 CLUSTER_KEY_ENV = "DATA_CACHE_CLUSTER_KEY"
 CLUSTER_KEY_BYTES = 24
+# The Secret a cache's pods read the key from: `<cache>-key-<random hex>`, data key `cluster-key`.
+KEY_SECRET_INFIX = "-key-"
+KEY_SECRET_SUFFIX_BYTES = 4
+KEY_SECRET_DATA_KEY = "cluster-key"

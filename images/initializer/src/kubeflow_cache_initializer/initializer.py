@@ -7,14 +7,17 @@ import time
 from dataclasses import dataclass
 
 from kubeflow_cache_initializer import constants as c
-from kubeflow_cache_initializer.apply import ensure
+from kubeflow_cache_initializer.apply import create_or_keep, ensure
 from kubeflow_cache_initializer.builders import (
     CacheNames,
+    build_cluster_key_secret,
     build_leader_worker_set,
     build_service,
     build_service_account,
     cache_names,
+    key_secret_of,
     new_cluster_key,
+    new_key_secret_name,
     owner_reference,
 )
 from kubeflow_cache_initializer.config import Config
@@ -23,7 +26,7 @@ from kubeflow_cache_initializer.errors import (
     KubeApiError,
     TrainJobNotFoundError,
 )
-from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SERVICE_ACCOUNTS, SERVICES, TRAINJOBS, Kube
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SECRETS, SERVICE_ACCOUNTS, SERVICES, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import wait_until_ready
 
 log = logging.getLogger(__name__)
@@ -110,15 +113,16 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     # The Service first: it holds no resources, so a refusal here (a foreign Service under its
     # name) leaves no cache pods behind; once the LeaderWorkerSet exists, any failure deletes it.
     ensure(kube, SERVICES, build_service(cfg, [job_owner]), job_owner, shared=False, deadline=deadline)
-    ensure(
+    cache = ensure(
         kube,
         LEADER_WORKER_SETS,
-        build_leader_worker_set(cfg, [cache_owner], new_cluster_key()),
+        build_leader_worker_set(cfg, [cache_owner], new_key_secret_name(cfg)),
         cache_owner,
         shared=cfg.shared,
         deadline=deadline,
     )
     try:
+        _ensure_key_secret(kube, cfg, cache)
         status = wait_until_ready(kube, cfg, deadline)
     except Exception:
         # Whatever ended the wait (a hopeless pod, the deadline, an API error such as a missing
@@ -129,6 +133,19 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
             _delete_cache(kube, cfg, names.cache)
         raise
     return CacheReady(cache=names.cache, service=names.service, flight_url=names.flight_url, status=status)
+
+
+def _ensure_key_secret(kube: Kube, cfg: Config, cache: dict) -> None:
+    """The Secret the cache's pods read their key from: made with a fresh key, or kept.
+
+    Made right after the LeaderWorkerSet, as its owner needs the UID the API gave it; its pods
+    are not started by then (a kubelet that got there first waits on a missing Secret and tries
+    again, and wait.py gives such a config error time to pass). A cache made by an older
+    initializer (the key in its env, or no key) reads no Secret and gets none.
+    """
+    name = key_secret_of(cache)
+    if name is not None:
+        create_or_keep(kube, SECRETS, build_cluster_key_secret(cfg, name, cache, new_cluster_key()))
 
 
 def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:

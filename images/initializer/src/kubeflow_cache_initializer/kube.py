@@ -82,6 +82,7 @@ LEADER_WORKER_SETS = Resource("leaderworkerset.x-k8s.io", "v1", "leaderworkerset
 SERVICES = Resource("", "v1", "services", "Service")
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount")
 PODS = Resource("", "v1", "pods", "Pod")
+SECRETS = Resource("", "v1", "secrets", "Secret")
 
 
 class WatchStream:

@@ -23,6 +23,9 @@ REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
     ("", "serviceaccounts", "get"),
     ("", "serviceaccounts", "create"),
     ("", "serviceaccounts", "patch"),
+    # The Secret holding the cache's key, made once per cache (never read: `get` on Secrets
+    # would read every Secret of the namespace).
+    ("", "secrets", "create"),
     # The cache pods: ready count, hopeless states, the head's IP for its /status.
     ("", "pods", "list"),
     ("", "pods", "watch"),
