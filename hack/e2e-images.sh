@@ -2,7 +2,8 @@
 # Build the e2e images (cache, initializer, trainer-e2e) and load them into the kind cluster.
 #
 #   hack/e2e-images.sh build   docker build the three images
-#   hack/e2e-images.sh load    kind load docker-image each into $KIND_CLUSTER_NAME
+#   hack/e2e-images.sh load    kind load docker-image each into $KIND_CLUSTER_NAME (an archive
+#                              of one platform where that fails, as on Docker 29's image store)
 #   hack/e2e-images.sh all     both
 #   hack/e2e-images.sh list    print the image references, one per line
 #
@@ -34,9 +35,20 @@ build() {
 }
 
 load() {
-  local image
+  local image archive arch
   for image in $(list); do
-    "$KIND" load docker-image --name "$CLUSTER" "$image"
+    if "$KIND" load docker-image --name "$CLUSTER" "$image"; then
+      continue
+    fi
+    # Docker 29's containerd image store can make `kind load docker-image` fail with "content
+    # digest ... not found" (kubernetes-sigs/kind#3795): the saved index names platforms whose
+    # layers are not there. One platform saved to an archive loads.
+    echo "kind load docker-image failed for $image; retrying with a single-platform archive" >&2
+    arch="$("$DOCKER" version --format '{{.Server.Arch}}')"
+    archive="$(mktemp "${TMPDIR:-/tmp}/e2e-image.XXXXXX")"
+    "$DOCKER" image save --platform "linux/$arch" --output "$archive" "$image"
+    "$KIND" load image-archive --name "$CLUSTER" "$archive"
+    rm -f "$archive"
   done
 }
 

@@ -1,7 +1,8 @@
 """The kind suite's fixtures: cluster, images, the distribution installed two ways, MinIO, a table.
 
-Everything skips, with the reason, when no Docker engine answers (E2E_REQUIRE=1 turns that skip
-into a failure, for CI). KEEP_CLUSTER=1 (or --keep-cluster) keeps the kind cluster afterwards;
+Everything skips, with the reason, unless asked for (`-m e2e`, as `make test-e2e` runs it, or
+E2E=1) and a Docker engine answers (E2E_REQUIRE=1 asks for it and turns a missing engine into a
+failure, for CI). KEEP_CLUSTER=1 (or --keep-cluster) keeps the kind cluster afterwards;
 E2E_ARTIFACTS names the folder that failure dumps go to; KIND_NODE_IMAGE overrides the node image
 of hack/kind-config.yaml; E2E_SKIP_BUILD=1 loads images built earlier instead of building them.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -75,8 +78,30 @@ def pytest_runtest_makereport(item, call):
     setattr(item, f"rep_{report.when}", report)
 
 
+def opted_in(markexpr: str, environ: dict[str, str]) -> bool:
+    """The kind suite runs only when asked for: `-m e2e` (make test-e2e), E2E=1 or E2E_REQUIRE=1.
+
+    Gated on Docker alone, plain `make test` on any machine with a Docker engine (a developer's
+    laptop, a GitHub runner) would start building three images and a cluster, ~30 min.
+    """
+    if environ.get("E2E") == "1" or environ.get("E2E_REQUIRE") == "1":
+        return True
+    return re.search(r"(?<!not )\be2e\b", markexpr) is not None
+
+
 @pytest.fixture(scope="session")
-def docker_engine() -> str:
+def docker_engine(request) -> str:
+    # Docker first, so that the skip names what is missing for `make test-e2e` to run at all.
+    version = _docker_engine_version()
+    if not opted_in(request.config.getoption("markexpr") or "", dict(os.environ)):
+        pytest.skip(
+            f"kind suite skipped: it is opt-in (make test-e2e, or E2E=1), as it builds images and a kind "
+            f"cluster (Docker {version} answers here)"
+        )
+    return version
+
+
+def _docker_engine_version() -> str:
     docker = shutil.which("docker")
     if docker is None:
         unavailable("kind suite skipped: no `docker` client on PATH")
@@ -118,13 +143,30 @@ def _tool(name: str, version: str, workdir: Path, url: str) -> Path:
     return dest
 
 
+def download_platform(system: str, machine: str) -> tuple[str, str] | None:
+    """(os, arch) of the kind and kubectl release binaries for this machine, or None."""
+    arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(machine.lower())
+    os_name = {"Linux": "linux", "Darwin": "darwin"}.get(system)
+    return (os_name, arch) if os_name and arch else None
+
+
 @pytest.fixture(scope="session")
 def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCluster]:
     workdir = tmp_path_factory.mktemp("kind")
-    kind_url = f"https://github.com/kubernetes-sigs/kind/releases/download/{KIND_VERSION}/kind-linux-amd64"
+    found = download_platform(platform.system(), platform.machine())
+    if found is None and not (shutil.which("kind") and shutil.which("kubectl")):
+        unavailable(f"kind suite skipped: put kind {KIND_VERSION} and kubectl on PATH (no release binaries "
+                    f"to download for {platform.system()} {platform.machine()})")  # fmt: skip
+    os_name, arch = found or ("linux", "amd64")
+    kind_url = f"https://github.com/kubernetes-sigs/kind/releases/download/{KIND_VERSION}/kind-{os_name}-{arch}"
     kind = _tool("kind", KIND_VERSION, workdir, kind_url)
-    kubectl_url = f"https://dl.k8s.io/release/{KUBECTL_VERSION}/bin/linux/amd64/kubectl"
+    kubectl_url = f"https://dl.k8s.io/release/{KUBECTL_VERSION}/bin/{os_name}/{arch}/kubectl"
     kubectl = _tool("kubectl", KUBECTL_VERSION, workdir, kubectl_url)
+    # kind supports only the node images of its own release (hack/kind-config.yaml pins one).
+    version = run([str(kind), "version"], timeout=60)
+    if f"kind {KIND_VERSION} " not in f"{version} " and not os.environ.get("KIND_NODE_IMAGE"):
+        print(f"\nkind on PATH is `{version.strip()}`, not {KIND_VERSION}: the node image that "
+              f"{KIND_CONFIG.name} pins may not start with it (KIND_NODE_IMAGE picks another)")  # fmt: skip
     with contextlib.chdir(workdir):  # KindCluster makes ./.pytest-kind/<name> in the working folder
         cluster = E2EKindCluster(
             CLUSTER_NAME,
@@ -305,7 +347,9 @@ def metadata_loc(kube, distribution, artifacts) -> str:
             return condition(job, "Complete") is not None
 
         wait_for(f"Job {ns}/{WRITER_NAME} Complete", written, TABLE_WRITE_TIMEOUT)
-        return parse_metadata_location(kube("logs", f"job/{WRITER_NAME}", "-n", ns))
+        # The attempt that succeeded: `logs job/...` may pick a failed earlier one (backoffLimit 2).
+        (pod, *_) = kube.items("pods", ns, f"job-name={WRITER_NAME}", field_selector="status.phase=Succeeded")
+        return parse_metadata_location(kube("logs", pod["metadata"]["name"], "-n", ns))
     except (AssertionError, TimeoutError, CommandError, ValueError):
         dest = kube.dump(ns, artifacts / f"{distribution.method}-table" / ns)
         print(f"\nwriting the table failed; status, events and logs dumped to {dest}")

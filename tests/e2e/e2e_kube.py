@@ -70,6 +70,18 @@ class E2EKindCluster(KindCluster):
             Path(self.kubeconfig_path).write_text(kubeconfig)
 
 
+# What a failure dump holds, each kind on its own; the cluster-scoped ones say whether the
+# install got as far as its webhooks (and their caBundle), runtimes and CRDs.
+DUMPED_KINDS = (
+    "trainjobs", "jobsets", "leaderworkersets", "jobs", "deployments", "pods", "services",
+    "serviceaccounts", "rolebindings",
+)  # fmt: skip
+DUMPED_CLUSTER_KINDS = (
+    "validatingwebhookconfigurations", "mutatingwebhookconfigurations", "clustertrainingruntimes",
+    "customresourcedefinitions",
+)  # fmt: skip
+
+
 class Kube:
     """kubectl (and helm) against one cluster's kubeconfig."""
 
@@ -113,10 +125,14 @@ class Kube:
         out = self(*args)
         return json.loads(out) if out.strip() else None
 
-    def items(self, kind: str, namespace: str, selector: str | None = None) -> list[dict]:
+    def items(
+        self, kind: str, namespace: str, selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict]:
         args = ["get", kind, "-n", namespace, "-o", "json"]
         if selector:
             args += ["-l", selector]
+        if field_selector:
+            args += [f"--field-selector={field_selector}"]
         return json.loads(self(*args))["items"]
 
     def logs(self, pod: str, namespace: str) -> str:
@@ -128,12 +144,16 @@ class Kube:
     def dump(self, namespace: str, dest: Path) -> Path:
         """Object status, events and every container's log in ``namespace``, written under ``dest``."""
         dest.mkdir(parents=True, exist_ok=True)
-        kinds = "trainjobs,jobsets,leaderworkersets,jobs,deployments,pods,services,serviceaccounts,rolebindings"
-        sections = {
-            "objects.yaml": ["get", kinds, "-n", namespace, "-o", "yaml"],
-            "events.txt": ["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"],
-            "pods.txt": ["get", "pods", "-n", namespace, "-o", "wide"],
-        }
+        # One get per kind: a single `get a,b,c` fails whole when one kind is not installed (a
+        # failed install before the LeaderWorkerSet CRD), which is when the dump matters most.
+        sections = (
+            {f"objects-{kind}.yaml": ["get", kind, "-n", namespace, "-o", "yaml"] for kind in DUMPED_KINDS}
+            | {f"cluster-{kind}.yaml": ["get", kind, "-o", "yaml"] for kind in DUMPED_CLUSTER_KINDS}
+            | {
+                "events.txt": ["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"],
+                "pods.txt": ["get", "pods", "-n", namespace, "-o", "wide"],
+            }
+        )
         for filename, args in sections.items():
             try:
                 (dest / filename).write_text(self(*args))

@@ -47,6 +47,7 @@ MINIO_PORT = 9000
 S3_ACCESS_KEY = "e2e-access-key"
 S3_SECRET_KEY = "e2e-secret-key-not-a-secret"
 S3_REGION = "us-east-1"
+S3_SECRET_NAME = "minio-credentials"
 BUCKET = "warehouse"
 WRITER_NAME = "e2e-table-writer"
 WRITER_SCRIPT = HERE / "table_writer.py"
@@ -75,13 +76,31 @@ def _env(pairs: dict[str, str]) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in pairs.items()]
 
 
+def s3_settings(namespace: str) -> dict[str, str]:
+    """Where MinIO is: the standard AWS variables that are not secrets (the initializer forwards
+    these to the cache pods as they are)."""
+    return {"AWS_ENDPOINT_URL": s3_endpoint(namespace), "AWS_REGION": S3_REGION}
+
+
+def s3_credentials() -> dict[str, str]:
+    return {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}
+
+
 def s3_env(namespace: str) -> dict[str, str]:
-    """The standard AWS variables, as the cache pods and the writer read them."""
+    """Every AWS variable the writer reads, credentials included (its own pod, its own env)."""
+    return {**s3_settings(namespace), **s3_credentials()}
+
+
+def s3_credentials_secret(namespace: str) -> dict[str, Any]:
+    """The credentials as a user hands them to the cache: a Secret named in CACHE_ENV_FROM_SECRET,
+    whose keys become the cache pods' env (the initializer never forwards AWS_ACCESS_KEY_ID or
+    AWS_SECRET_ACCESS_KEY from its own env)."""
     return {
-        "AWS_ENDPOINT_URL": s3_endpoint(namespace),
-        "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
-        "AWS_REGION": S3_REGION,
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": S3_SECRET_NAME, "namespace": namespace, "labels": PART_OF},
+        "type": "Opaque",
+        "stringData": s3_credentials(),
     }
 
 
@@ -133,7 +152,7 @@ def minio_objects(namespace: str) -> list[dict[str, Any]]:
             "ports": [{"name": "s3", "port": MINIO_PORT, "targetPort": MINIO_PORT}],
         },
     }
-    return [deployment, service]
+    return [deployment, service, s3_credentials_secret(namespace)]
 
 
 def table_writer_objects(namespace: str, table: TableSpec = TABLE, image: str = CACHE_IMAGE) -> list[dict[str, Any]]:
@@ -212,7 +231,8 @@ def train_job(
     """A TrainJob shaped the way the Kubeflow SDK's ``DataCacheInitializer`` builds one.
 
     The SDK puts ``CLUSTER_SIZE`` (data nodes + head) and ``METADATA_LOC`` first, then the
-    optional fields upper-cased; the S3 settings ride along as the standard AWS variables.
+    optional fields upper-cased. Where MinIO is rides along as the standard AWS variables; its
+    credentials, as docs/initializer.md asks, in the Secret named by ``CACHE_ENV_FROM_SECRET``.
     """
     env = {
         "CLUSTER_SIZE": str(data_nodes + 1),
@@ -222,7 +242,8 @@ def train_job(
         "WORKER_CPU": "100m",
         "WORKER_MEM": "768Mi",
         "CACHE_READY_TIMEOUT_SECONDS": str(ready_timeout_s),
-        **s3_env(namespace),
+        "CACHE_ENV_FROM_SECRET": S3_SECRET_NAME,
+        **s3_settings(namespace),
     }
     if shared:
         env["DATA_CACHE_SHARED"] = "true"

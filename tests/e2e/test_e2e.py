@@ -10,12 +10,15 @@ import re
 
 import pytest
 
+from kubeflow_cache_initializer.builders import key_secret_of
 from tests.e2e.e2e_kube import Kube, wait_for, wait_trainjob
 from tests.e2e.e2e_objects import BUCKET, TABLE, check_exactly_once, parse_results, train_job
 
 # The session's first test also pays for the cluster, the image builds and the install; every
-# step below has its own deadline, this is the backstop.
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(5400)]
+# step has its own deadline and a failure dump, this is the backstop for a hang between them. It
+# is above the sum of the first test's step deadlines (~7,000 s), so that a step's deadline, with
+# its dump, always comes first (e2e.yaml's job limit is above it in turn).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(7800)]
 
 TRAINJOB_TIMEOUT = 900
 FAILURE_TIMEOUT = 900
@@ -54,24 +57,38 @@ def test_trainjob_streams_every_row_exactly_once(kube, distribution, metadata_lo
         assert obj is not None, f"{kind} {obj_name} was not created"
         owners = [(r["kind"], r["uid"]) for r in obj["metadata"].get("ownerReferences", [])]
         assert ("TrainJob", uid) in owners, f"{kind} {obj_name} owners: {owners}"
+    # The cache's key: in a Secret of its own, owned by the LeaderWorkerSet, not in its pod spec.
+    cache = kube.get("leaderworkerset", f"{name}-cache", ns)
+    key_secret = key_secret_of(cache)
+    assert key_secret is not None, "the cache pods do not read their key from a Secret"
+    secret_owners = [r["uid"] for r in kube.get("secret", key_secret, ns)["metadata"]["ownerReferences"]]
+    assert secret_owners == [cache["metadata"]["uid"]], secret_owners
+    gone = [*owned_objects(name), ("secret", key_secret)]
 
     kube("delete", "trainjob", name, "-n", ns, "--wait=false")
     wait_for(
         f"the cache objects of {name} garbage-collected",
-        lambda: all(kube.get(kind, obj_name, ns) is None for kind, obj_name in owned_objects(name)),
+        lambda: all(kube.get(kind, obj_name, ns) is None for kind, obj_name in gone),
         GONE_TIMEOUT,
     )
 
 
-def test_wrong_metadata_location_fails_and_says_why(kube, distribution, trainjobs) -> None:
+def test_wrong_metadata_location_fails_and_says_why(kube, distribution, metadata_loc, trainjobs) -> None:
+    """Next to a real table in a reachable MinIO (metadata_loc), so the only thing wrong is the
+    file: the initializer must fail with the cache's own reason, not any failure."""
     ns, name = distribution.namespace, "bad-metadata"
     missing = f"s3://{BUCKET}/iceberg/{TABLE.schema}/missing/metadata/00000-missing.metadata.json"
     trainjobs.submit(train_job(name, ns, missing, ready_timeout_s=180))
     wait_trainjob(kube, ns, name, "Failed", FAILURE_TIMEOUT)
 
     log = kube.pod_logs(ns, node_selector(name, "dataset-initializer"))
-    assert "00000-missing.metadata.json" in log, log[-4000:]
-    assert re.search(r"(?i)not found|no such|does not exist|nosuchkey|failed", log), log[-4000:]
+    # The initializer's first line names the location too; the reason is on its error line(s),
+    # relayed from the head (a failed load) or from a cache pod's termination message.
+    reasons = [line for line in log.splitlines() if " ERROR " in line]
+    assert any(
+        f"METADATA_LOC {missing!r} does not exist" in line and re.search(r"reports a failed load|exited with", line)
+        for line in reasons
+    ), log[-4000:]
     assert kube.items("pods", ns, node_selector(name, "node")) == [], "trainers started after a failed initializer"
 
 

@@ -65,10 +65,11 @@ def test_every_object_the_suite_applies_passes_strict_validation() -> None:
 @pytest.mark.parametrize(
     ("index", "path", "value"),
     [
-        (5, ("spec", "trainer", "numNode"), 2),  # TrainJob: a misspelt field
-        (5, ("spec", "initializer", "dataset", "storageURI"), "cache://e2e/events"),
+        (6, ("spec", "trainer", "numNode"), 2),  # TrainJob: a misspelt field
+        (6, ("spec", "initializer", "dataset", "storageURI"), "cache://e2e/events"),
         (1, ("spec", "template", "spec", "contianers"), []),  # MinIO Deployment
-        (4, ("spec", "backoffLimt"), 2),  # writer Job
+        (3, ("stringdata",), {}),  # MinIO credentials Secret
+        (5, ("spec", "backoffLimt"), 2),  # writer Job
     ],
 )
 def test_a_typo_in_an_applied_object_is_caught(index: int, path: tuple, value) -> None:
@@ -88,7 +89,7 @@ def test_trainjob_is_shaped_like_the_sdk_data_cache_initializer() -> None:
     assert dataset["storageUri"] == f"cache://{TABLE.schema}/{TABLE.name}"
     assert env[:2] == [("CLUSTER_SIZE", "3"), ("METADATA_LOC", META)]
     names = dict(env)
-    assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"} <= set(names)
+    assert {"AWS_ENDPOINT_URL", "AWS_REGION", "CACHE_ENV_FROM_SECRET"} <= set(names)
     assert names["AWS_ENDPOINT_URL"] == f"http://minio.{NS}.svc.cluster.local:9000"
     assert "DATA_CACHE_SHARED" not in names
     shared = dict(
@@ -98,6 +99,41 @@ def test_trainjob_is_shaped_like_the_sdk_data_cache_initializer() -> None:
     assert job["spec"]["runtimeRef"]["name"] == RUNTIME_NAME
     assert job["spec"]["trainer"]["image"] == TRAINER_IMAGE
     assert job["spec"]["trainer"]["numNodes"] == 2
+
+
+def test_the_cache_pods_of_the_suites_trainjobs_can_sign_their_requests_to_minio() -> None:
+    """What a cache pod's S3 client gets, followed from the TrainJob through the initializer's own
+    config and builders and the Secrets the suite applies, as the kubelet fills env and envFrom.
+
+    The initializer never forwards AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its env: given
+    only there, the cache would read MinIO unsigned, be denied, and every TrainJob would fail.
+    """
+    from kubeflow_cache_initializer.builders import build_leader_worker_set
+    from kubeflow_cache_initializer.config import load_config
+    from kubeflow_data_cache.plan import s3_properties_from_env
+
+    job = train_job("stream", NS, META)
+    dataset = job["spec"]["initializer"]["dataset"]
+    # What the runtime's dataset-initializer container holds besides the TrainJob's env.
+    runtime_env = {"STORAGE_URI": dataset["storageUri"], "TRAIN_JOB_NAME": "stream", "CACHE_IMAGE": CACHE_IMAGE}
+    cfg = load_config({**runtime_env, **{e["name"]: e["value"] for e in dataset["env"]}, "NAMESPACE": NS})
+    owner = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "stream", "uid": "u"}
+    lws = build_leader_worker_set(cfg, [owner])
+    secrets = {o["metadata"]["name"]: o for o in applied_objects() if o["kind"] == "Secret"}
+    for template in ("leaderTemplate", "workerTemplate"):
+        (container,) = lws["spec"]["leaderWorkerTemplate"][template]["spec"]["containers"]
+        pod_env = {}
+        for ref in container.get("envFrom") or []:
+            name = ref["secretRef"]["name"]
+            assert name in secrets, f"the cache pods read Secret {name}, which the suite never applies"
+            pod_env.update(secrets[name]["stringData"])
+        pod_env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
+        props = s3_properties_from_env(pod_env)
+        assert props["s3.endpoint"] == f"http://minio.{NS}.svc.cluster.local:9000", template
+        assert (props.get("s3.access-key-id"), props.get("s3.secret-access-key")) == (
+            "e2e-access-key",
+            "e2e-secret-key-not-a-secret",
+        ), template
 
 
 def _free_port() -> int:
@@ -259,6 +295,46 @@ def test_images_script_names_the_images_the_suite_uses() -> None:
     assert wrong.returncode == 2 and "usage" in wrong.stderr
 
 
+FAKE_KIND = """#!/bin/bash
+echo "kind $*" >> "$CALLS"
+if [ "$2" = docker-image ]; then
+  [ -n "$DIGEST_BUG" ] && { echo "ctr: content digest sha256:0: not found" >&2; exit 1; }
+  exit 0
+fi
+[ "$(cat "${@: -1}")" = "one platform" ] || { echo "not the saved archive" >&2; exit 1; }
+"""
+FAKE_DOCKER = """#!/bin/bash
+echo "docker $*" >> "$CALLS"
+[ "$1" = version ] && { echo arm64; exit 0; }
+while [ $# -gt 0 ]; do [ "$1" = --output ] && echo "one platform" > "$2"; shift; done
+"""
+
+
+@pytest.mark.parametrize("digest_bug", [False, True])
+def test_images_load_through_a_single_platform_archive_where_kind_load_fails(tmp_path, digest_bug: bool) -> None:
+    """Docker 29's containerd image store breaks `kind load docker-image` (kubernetes-sigs/kind#3795)."""
+    for name, text in (("kind", FAKE_KIND), ("docker", FAKE_DOCKER)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "KIND": str(tmp_path / "kind"), "DOCKER": str(tmp_path / "docker"), "CALLS": str(calls),
+           "TMPDIR": str(tmp_path), "DIGEST_BUG": "1" if digest_bug else ""}  # fmt: skip
+    done = subprocess.run(["bash", str(REPO / "hack" / "e2e-images.sh"), "load"], env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = calls.read_text().splitlines()
+    loaded = [line for line in lines if line.startswith("kind load")]
+    if not digest_bug:
+        assert loaded == [f"kind load docker-image --name kubeflow-data-cache-e2e {i}"
+                          for i in (CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE)]  # fmt: skip
+        return
+    saves = [line for line in lines if line.startswith("docker image save")]
+    assert [s.split()[-1] for s in saves] == [CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE]
+    assert all("--platform linux/arm64" in s for s in saves)
+    assert [line.split()[1:3] for line in loaded] == [["load", "docker-image"], ["load", "image-archive"]] * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "docker", "kind"]  # archives removed
+
+
 def test_workflows_call_the_makefile_and_pin_their_tools() -> None:
     ci = yaml.safe_load((WORKFLOWS / "ci.yaml").read_text())
     e2e = yaml.safe_load((WORKFLOWS / "e2e.yaml").read_text())
@@ -272,3 +348,38 @@ def test_workflows_call_the_makefile_and_pin_their_tools() -> None:
     assert e2e["env"]["E2E_REQUIRE"] == "1"
     uses = [s["uses"] for wf in (ci, e2e) for job in wf["jobs"].values() for s in job["steps"] if "uses" in s]
     assert all(re.search(r"@v\d+(\.\d+)*$", u) for u in uses), uses
+
+
+@pytest.mark.parametrize(
+    ("markexpr", "environ", "runs"),
+    [
+        ("", {}, False),  # plain `make test`, also where Docker answers
+        ("not slow", {}, False),  # make test-fast
+        ("not e2e", {}, False),
+        ("e2e", {}, True),  # make test-e2e
+        ("e2e and not slow", {}, True),
+        ("", {"E2E": "1"}, True),
+        ("", {"E2E_REQUIRE": "1"}, True),
+        ("", {"E2E": "0"}, False),
+    ],
+)
+def test_the_kind_suite_runs_only_when_asked_for(markexpr: str, environ: dict, runs: bool) -> None:
+    from tests.e2e.conftest import opted_in
+
+    assert opted_in(markexpr, environ) is runs
+
+
+@pytest.mark.parametrize(
+    ("system", "machine", "expected"),
+    [
+        ("Linux", "x86_64", ("linux", "amd64")),
+        ("Linux", "aarch64", ("linux", "arm64")),
+        ("Darwin", "arm64", ("darwin", "arm64")),
+        ("Windows", "AMD64", None),
+        ("Linux", "riscv64", None),
+    ],
+)
+def test_kind_and_kubectl_are_downloaded_for_the_machine_they_run_on(system, machine, expected) -> None:
+    from tests.e2e.conftest import download_platform
+
+    assert download_platform(system, machine) == expected
