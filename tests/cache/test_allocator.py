@@ -228,8 +228,9 @@ def test_a_burst_of_stalled_shuffled_readers_leaves_no_memory_behind(table_facto
         idle = node.memory_info().rss
         with stalled_readers(cache.endpoint, 20) as (holder, got):
             assert got["held"] == 20, got
-            time.sleep(1)
-            burst = node.memory_info().rss - idle
+            settled = time.monotonic() + 10  # the streams fill their read-ahead as they are scheduled
+            while (burst := node.memory_info().rss - idle) <= 150 << 20 and time.monotonic() < settled:
+                time.sleep(0.1)
             assert burst > 150 << 20, f"the stalled streams should hold gathered batches ({burst >> 20} MiB)"
             holder.send_signal(signal.SIGKILL)
             holder.wait(10)
@@ -250,21 +251,23 @@ def test_gather_reclaim_waits_for_quiet_and_keeps_one_timer():
 
     from kubeflow_data_cache.allocator import GatherReclaim
 
-    reclaim = GatherReclaim(idle_seconds=0.3)
+    # A delay well past any pause of a loaded machine inside the loop below, which would fire
+    # a reclaim between two streams and read as a broken timer.
+    reclaim = GatherReclaim(idle_seconds=1.0)
     for _ in range(50):
         reclaim.opened()
         reclaim.closed()
         timers = [t for t in threading.enumerate() if t.name == "gather-reclaim"]
         assert len(timers) <= 1
     reclaim.opened()  # one stays open past the delay: nothing is reclaimed under it
-    time.sleep(0.6)
+    time.sleep(1.3)
     assert reclaim.reclaims == 0
     reclaim.closed()
     deadline = time.monotonic() + 5
     while reclaim.reclaims == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reclaim.reclaims == 1
-    time.sleep(0.5)
+    time.sleep(1.3)
     assert reclaim.reclaims == 1, "one quiet spell, one reclaim"
 
 

@@ -11,15 +11,25 @@ import time
 from kubeflow_data_cache.processes import stop_processes
 
 # A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
-# first starts a grandchild in its group (printing its pid) that ignores SIGTERM.
-CHILD = """
+# first starts a grandchild in its group (printing its pid) that does not exit on SIGTERM but
+# notes each one it gets in the file $TERM_LOG (when set).
+GRANDCHILD = """
+import os, signal, time
+def noted(*_):
+    if os.environ.get("TERM_LOG"):
+        with open(os.environ["TERM_LOG"], "a") as log:
+            log.write("TERM\\n")
+signal.signal(signal.SIGTERM, noted)
+print("up", flush=True)
+while True:
+    time.sleep(600)
+"""
+CHILD = f"""
 import signal, subprocess, sys, time
 if "ignore" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if "spawn" in sys.argv:
-    g = subprocess.Popen([sys.executable, "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True)
+    g = subprocess.Popen([sys.executable, "-c", {GRANDCHILD!r}], stdout=subprocess.PIPE, text=True)
     g.stdout.readline()
     print(g.pid, flush=True)
 print("ready", flush=True)
@@ -27,9 +37,13 @@ time.sleep(600)
 """
 
 
-def start(*flags: str, session: bool = False) -> subprocess.Popen:
+def start(*flags: str, session: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, *flags], stdout=subprocess.PIPE, text=True, start_new_session=session
+        [sys.executable, "-c", CHILD, *flags],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=session,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -97,15 +111,23 @@ def test_kill_group_sweeps_what_outlives_the_groups_leader():
     assert not alive(grandchild)
 
 
-def test_term_group_reaches_every_member_of_the_group():
-    proc = start("spawn", session=True)
-    grandchild = int(wait_ready(proc))
-    stop_processes([proc], grace=1, term_group=True)
-    # The grandchild ignores SIGTERM, so without kill_group it survives: signalled, not killed.
-    try:
-        assert alive(grandchild)
-    finally:
-        os.kill(grandchild, 9)
+def test_term_group_reaches_every_member_of_the_group(tmp_path):
+    """With term_group the grandchild gets the SIGTERM too (it notes it and lives on); without,
+    only the process itself does."""
+    for term_group in (True, False):
+        log = tmp_path / f"term-{term_group}"
+        log.touch()
+        proc = start("spawn", session=True, env={"TERM_LOG": str(log)})
+        grandchild = int(wait_ready(proc))
+        try:
+            stop_processes([proc], grace=1, term_group=term_group)
+            deadline = time.monotonic() + (10 if term_group else 1)
+            while not log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert log.read_text() == ("TERM\n" if term_group else "")
+            assert alive(grandchild)  # signalled, not killed (that is kill_group's part)
+        finally:
+            os.kill(grandchild, 9)
 
 
 def test_already_finished_processes_are_fine():

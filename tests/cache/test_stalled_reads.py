@@ -77,9 +77,9 @@ def stalled_file(path: Path) -> Iterator[str]:
             time.sleep(0.02)
 
 
-def _blocked_on_a_fifo() -> bool:
-    """Whether a thread of this process sits in open() of a FIFO with no writer (Linux)."""
-    for task in Path("/proc/self/task").iterdir():
+def _blocked_on_a_fifo(pid: int | str = "self") -> bool:
+    """Whether a thread of this process (or of ``pid``) sits in open() of a FIFO with no writer (Linux)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
             if (task / "wchan").read_text() == "wait_for_partner":
                 return True
@@ -151,9 +151,9 @@ def test_a_node_stuck_in_a_storage_read_still_exits_on_sigterm(tmp_path):
     with stalled_file(a_data_file(table.metadata_location)):
         cache = LocalCache(table.metadata_location, 1, args=("--startup-timeout", "60"))
         try:
-            wait_for(lambda: "data nodes ready" in cache.read_stderr(), timeout=30)  # loading
+            wait_for(lambda: "data nodes ready" in cache.read_stderr(), timeout=30)  # started
             node = next(p for p in psutil.Process(cache.proc.pid).children() if "worker" in p.cmdline())
-            time.sleep(1)  # the load is now blocked on the FIFO
+            wait_for(lambda: _blocked_on_a_fifo(node.pid), timeout=30)  # its load now waits on the FIFO
             node.send_signal(signal.SIGTERM)
             node.wait(timeout=10)  # raises TimeoutExpired if it is still there
             assert not node.is_running()

@@ -1,32 +1,10 @@
 """The cache-initializer ClusterRole (chart and kustomize) grants every call the initializer makes."""
 
-import pytest
-
+from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
 from tests.chart.rbac_rules import covered, grants
 from tests.chart.render import DATA_CACHE, build_kustomize, one, render_chart
 
 ROLE = "kubeflow-trainer-cache-initializer"
-
-# The set the initializer needed when this test was written; the package's own list wins once it
-# exists (kubeflow_cache_initializer.rbac.REQUIRED_PERMISSIONS).
-FALLBACK_PERMISSIONS = [
-    ("trainer.kubeflow.org", "trainjobs", "get"),
-    *[
-        ("leaderworkerset.x-k8s.io", "leaderworkersets", v)
-        for v in ("get", "list", "watch", "create", "patch", "delete")
-    ],
-    *[("", "services", v) for v in ("get", "create", "patch", "delete")],
-    *[("", "serviceaccounts", v) for v in ("get", "create", "patch", "delete")],
-    *[("", "pods", v) for v in ("get", "list", "watch")],
-]
-
-try:
-    from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
-
-    FROM_PACKAGE = True
-except ImportError:  # not installed in this environment
-    REQUIRED_PERMISSIONS, ADMISSION_PERMISSIONS = FALLBACK_PERMISSIONS, []
-    FROM_PACKAGE = False
 
 
 def required():
@@ -46,7 +24,6 @@ def test_kustomize_cluster_role_grants_every_initializer_call():
     assert covered(grants(role["rules"]), required()) == set()
 
 
-@pytest.mark.skipif(not FROM_PACKAGE, reason="kubeflow_cache_initializer is not installed")
 def test_the_role_grants_nothing_the_initializer_does_not_call():
     """Least privilege: the role is exactly the package's list."""
     role = one(render_chart(DATA_CACHE), "ClusterRole", ROLE)

@@ -89,8 +89,9 @@ def test_a_reopened_stream_that_never_sends_a_batch_is_given_up_on_at_the_deadli
     assert got == 1024, "the rows before the stall are handed out once"
     assert stalling_node.streams >= 2, "the stream was reopened after the stall"
     # The stall watcher ticks every second at this limit, and the last wait is at least
-    # MIN_STALL_WAIT_SECONDS: 1.5 s late at most, and room for a loaded machine.
-    assert waited < deadline + 3, f"gave up {waited - deadline:.1f}s after the deadline"
+    # MIN_STALL_WAIT_SECONDS: 1.5 s late at most, and room for a loaded machine (the old code
+    # gave up 6 s late).
+    assert waited < deadline + 4, f"gave up {waited - deadline:.1f}s after the deadline"
 
 
 def test_an_address_that_accepts_and_never_answers_is_named_as_the_setting_to_check():

@@ -198,17 +198,27 @@ def test_trainer_script_ranks_together_see_every_row_once(small_cache, small_tab
     """e2e_train.py as each TrainJob node runs it (RANK/WORLD_SIZE), against a real local cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRAIN_JOB_NAME"}
     env |= {"DATA_CACHE_ENDPOINT": small_cache.endpoint, "WORLD_SIZE": "2"}
-    logs = ""
-    for rank in (0, 1):
-        done = subprocess.run(
+    # Both at once, as the TrainJob's nodes run (each pays its own torch import).
+    ranks = [
+        subprocess.Popen(
             [sys.executable, str(TRAINER_SCRIPT)],
             env={**env, "RANK": str(rank)},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
         )
-        assert done.returncode == 0, done.stderr[-3000:]
-        logs += done.stdout
+        for rank in (0, 1)
+    ]
+    logs = ""
+    try:
+        for proc in ranks:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            logs += out
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
     results = parse_results(logs)
     assert len(results) == 2
     assert check_exactly_once(results, small_table.rows, world=2) == []

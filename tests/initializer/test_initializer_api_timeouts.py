@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,4 +81,9 @@ def test_a_get_the_api_server_never_answers_is_sent_twice_then_fails(hung, tmp_p
         Kube(api, request_timeout=0.3).get(TRAINJOBS, "team-a", "job-a")
     assert caught.value.status == 0 and "Unreachable" in str(caught.value)
     # urllib3's default would have sent it four times: 4 x the request timeout on a hung server.
+    # The server counts a request once it has read it, which may come after the client gave up.
+    settled = time.monotonic() + 5
+    while hung.requests < 2 and time.monotonic() < settled:
+        time.sleep(0.05)
+    time.sleep(0.5)  # a third request, if one were sent, is counted by now
     assert hung.requests == 2
