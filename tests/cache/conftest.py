@@ -68,6 +68,7 @@ class S3Server:
     access_key: str
     secret_key: str
     region: str = MOTO_REGION
+    metadata_only: tuple[str, str] | None = None  # a key denied the tables' data files
 
     def env(self) -> dict[str, str]:
         """The standard AWS settings a cache pod would get."""
@@ -111,9 +112,17 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
     raise RuntimeError(f"moto_server did not listen on {port} within {MOTO_START_TIMEOUT_SECONDS:.0f}s")
 
 
-def _bootstrap_iam(endpoint: str) -> tuple[str, str]:
-    """Create the one IAM user whose key S3 accepts. These three calls are the only ones moto lets
-    through unauthenticated (INITIAL_NO_AUTH_ACTION_COUNT=3)."""
+# The only IAM calls moto lets through unauthenticated: three per user that _bootstrap_iam makes.
+BOOTSTRAP_IAM_CALLS = 6
+ALLOW_S3 = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+# A reader whose policy reaches tables' metadata but not their data files (a policy scoped to
+# the wrong prefix): what the cache sees when one data file's GetObject is refused.
+DENY_DATA_FILES = {"Effect": "Deny", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::*/data/*"}
+
+
+def _bootstrap_iam(endpoint: str) -> dict[str, tuple[str, str]]:
+    """Create the IAM users whose keys S3 accepts: `data-cache` (all of S3) and `metadata-only`
+    (denied the data files); their (access key, secret key)."""
     import boto3
 
     iam = boto3.client(
@@ -123,11 +132,14 @@ def _bootstrap_iam(endpoint: str) -> tuple[str, str]:
         aws_access_key_id="bootstrap",
         aws_secret_access_key="bootstrap",
     )
-    iam.create_user(UserName="data-cache")
-    key = iam.create_access_key(UserName="data-cache")["AccessKey"]
-    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
-    iam.put_user_policy(UserName="data-cache", PolicyName="s3", PolicyDocument=json.dumps(policy))
-    return key["AccessKeyId"], key["SecretAccessKey"]
+    keys = {}
+    for user, statements in (("data-cache", [ALLOW_S3]), ("metadata-only", [ALLOW_S3, DENY_DATA_FILES])):
+        iam.create_user(UserName=user)
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        policy = {"Version": "2012-10-17", "Statement": statements}
+        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps(policy))
+        keys[user] = (key["AccessKeyId"], key["SecretAccessKey"])
+    return keys
 
 
 @pytest.fixture(scope="session")
@@ -142,12 +154,13 @@ def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
             [str(moto), "-H", "127.0.0.1", "-p", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(BOOTSTRAP_IAM_CALLS)},
         )
     try:
         _wait_listening(port, proc, log)
         endpoint = f"http://127.0.0.1:{port}"
-        yield S3Server(endpoint, *_bootstrap_iam(endpoint))
+        keys = _bootstrap_iam(endpoint)
+        yield S3Server(endpoint, *keys["data-cache"], metadata_only=keys["metadata-only"])
     finally:
         proc.terminate()
         try:

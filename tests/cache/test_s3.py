@@ -126,6 +126,45 @@ def test_denied_read_names_the_credentials(moto_s3, s3_tables, bad):
     assert secret not in stderr, "a secret key must never reach the logs"
 
 
+@pytest.mark.slow
+def test_a_denied_data_file_read_names_the_file_and_the_credentials(moto_s3, s3_tables):
+    """A key whose policy reaches the metadata but not the data files (a prefix scoped wrong):
+    the load fails naming the data file and the credentials the request was signed with."""
+    access, secret = moto_s3.metadata_only
+    env = {**moto_s3.env(), "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
+    code, stderr = failed_run(s3_tables["events"].metadata_location, env)
+    assert code != 0
+    assert "cannot read data file s3://bucket/wh/demo/events/data/" in stderr, stderr[-3000:]
+    assert "signed with the access key in AWS_ACCESS_KEY_ID; check that key's secret and its policy" in stderr
+    assert secret not in stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SECRET_ACCESS_KEY": "s"},
+            "signed with the access key in AWS_ACCESS_KEY_ID;",
+        ),
+        ({"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SESSION_TOKEN": "t"}, "AWS_ACCESS_KEY_ID with AWS_SESSION_TOKEN"),
+        ({"AWS_PROFILE": "team"}, "the profile 'team' of the shared AWS files"),
+        (
+            {"AWS_ROLE_ARN": "arn:aws:iam::1:role/reader", "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"},
+            "web identity (IRSA) for role arn:aws:iam::1:role/reader",
+        ),
+        ({"AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1"}, "container credentials endpoint"),
+        ({}, "no AWS credentials are set in the environment"),
+    ],
+)
+def test_the_credentials_in_play_are_named_never_their_values(env, says):
+    """What a denied read adds to its error (the SDK's chain picks credentials silently)."""
+    from kubeflow_data_cache.plan import credential_source
+
+    said = credential_source(env)
+    assert says in said
+    assert not {"s", "t", "AKIA1"} & set(said.replace(";", " ").split())
+
+
 def test_moto_refuses_wrong_credentials(moto_s3):
     """Guards the tests above: the S3 endpoint really checks the key (moto does not by default)."""
     from botocore.exceptions import ClientError

@@ -78,28 +78,3 @@ def test_unknown_columns_are_refused_with_the_table_columns():
     store = NodeStore(SCHEMA, batches([5]))
     with pytest.raises(BadRequestError, match=r"unknown column\(s\) \['nope'\]"):
         store.project(("nope",))
-
-
-def test_a_denied_data_file_read_names_the_file_and_the_credentials(table_factory, monkeypatch):
-    """What pyarrow's S3 filesystem raises on a 403 for one data file (the metadata was readable,
-    say, under another prefix's policy) comes back naming the file and the credentials in play."""
-    from pyiceberg.io.pyarrow import ArrowScan
-
-    from kubeflow_data_cache.errors import TableLoadError
-    from kubeflow_data_cache.plan import Piece, open_table, scan_tasks
-    from kubeflow_data_cache.store import read_piece
-
-    table = table_factory(100, 1)
-    opened = open_table(table.metadata_location, {})
-    path, task = next(iter(scan_tasks(opened, table.metadata_location).items()))
-
-    def denied(self, tasks):
-        raise OSError(f"When reading information for key '{path}': AWS Error ACCESS_DENIED during GetObject")
-
-    monkeypatch.setattr(ArrowScan, "to_record_batches", denied)
-    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::1:role/reader")
-    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/token")
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
-    with pytest.raises(TableLoadError, match="cannot read data file") as err:
-        read_piece(opened, task, Piece(path, 0, 100))
-    assert path in str(err.value) and "web identity (IRSA) for role arn:aws:iam::1:role/reader" in str(err.value)
