@@ -28,6 +28,8 @@ from urllib.parse import parse_qs, urlsplit
 from .fake_k8s_rules import ApiFailure, matches, merge_patch, object_problems, parse_selector
 
 TOKEN = "fake-token"
+# The ServiceAccount named in 403 messages (the chart's default name).
+FORBIDDEN_USER = "kubeflow-trainer-cache-initializer"
 # (group, version, plural) -> kind; everything else is 404 like an API server without that CRD.
 KINDS = {
     ("trainer.kubeflow.org", "v1alpha1", "trainjobs"): "TrainJob",
@@ -303,7 +305,15 @@ class FakeKube:
         if self.fail_next.get((plural, verb)):
             raise ApiFailure(self.fail_next[(plural, verb)].pop(0), "ServiceUnavailable", "injected failure")
         if self.allowed is not None and (group, plural, verb) not in self.allowed:
-            raise ApiFailure(403, "Forbidden", f'cannot {verb} resource "{plural}" in API group "{group}"')
+            # The API server's wording (its RBAC authorizer's "forbidden" message).
+            qualified = f"{plural}.{group}" if group else plural
+            raise ApiFailure(
+                403,
+                "Forbidden",
+                f"{qualified}{f' {json.dumps(name)}' if name else ''} is forbidden: User "
+                f'"system:serviceaccount:{ns}:{FORBIDDEN_USER}" cannot {verb} resource "{plural}" '
+                f'in API group "{group}" in the namespace "{ns}"',
+            )
         labels = parse_selector(query.get("labelSelector", [""])[0], fields=False)
         fields = parse_selector(query.get("fieldSelector", [""])[0], fields=True)
         payload = json.loads(body) if body else None

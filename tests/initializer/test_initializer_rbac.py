@@ -9,7 +9,9 @@ checked against the same list in tests/chart/test_initializer_rbac.py.
 
 from __future__ import annotations
 
-from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
+import pytest
+
+from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS, forbidden_hint
 
 from .support import NAMESPACE, add_train_job, initializer_env
 
@@ -51,6 +53,7 @@ def test_joining_a_shared_cache_needs_delete_on_the_service_account_where_owners
     code, output = run_initializer(initializer_env(sim, "job-c", **shared))
     assert code != 0
     assert "can't delete" in output
+    assert "needs `delete` on serviceaccounts besides `patch`" in output and "upgrade the chart" in output
     fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS}
     assert run_initializer(initializer_env(sim, "job-c", **shared))[0] == 0
 
@@ -62,3 +65,34 @@ def test_required_permissions_are_well_formed():
     for group, resource, verb in [*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS]:
         assert isinstance(group, str) and resource.islower() and verb in verbs
     assert ("trainer.kubeflow.org", "trainjobs", "get") in REQUIRED_PERMISSIONS  # upstream's role lacks it
+
+
+def test_a_missing_grant_names_the_verb_the_resource_and_how_to_bind_it(fake, make_sim, run_initializer):
+    """Each needed grant, taken away in turn, fails the run naming it and the two ways to bind."""
+    add_train_job(fake, "job-a")
+    for group, plural, verb in [("leaderworkerset.x-k8s.io", "leaderworkersets", "create"),
+                                ("", "pods", "watch"), ("", "secrets", "create")]:  # fmt: skip
+        fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS} - {(group, plural, verb)}
+        code, error = run_initializer(initializer_env(make_sim("healthy")))
+        what = f"{plural}.{group}" if group else plural
+        assert code == 1, error
+        assert f"may not `{verb}` {what} in namespace {NAMESPACE}" in error
+        assert "`dataCache.namespaces`" in error and f"namespace-rbac -n {NAMESPACE}" in error
+        assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None  # a failed run frees its cache
+
+
+@pytest.mark.parametrize(
+    ("status_message", "expected"),
+    [
+        ('services "x" is forbidden: exceeded quota: q, requested: services=1, used: services=4, limited: services=4',
+         "ResourceQuota of namespace team-a does not admit it"),
+        ('admission webhook "deny.example.com" denied the request: no caches on Fridays', None),
+        # Somebody else's resource: a grant we never asked for is no advice to give.
+        ('User "u" cannot get resource "configmaps" in API group "" in the namespace "team-a"', None),
+    ],
+)  # fmt: skip
+def test_other_refusals_get_their_own_hint_or_none(status_message, expected):
+    plural = "configmaps" if "configmaps" in status_message else "services"
+    verb = "get" if plural == "configmaps" else "create"
+    hint = forbidden_hint("", plural, verb, "team-a", status_message)
+    assert hint == expected if expected is None else expected in hint

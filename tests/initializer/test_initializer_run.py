@@ -153,7 +153,8 @@ def test_a_role_without_a_needed_grant_fails_with_the_api_message(fake, make_sim
 
     assert code != 0
     assert "HTTP 403" in error
-    assert 'cannot watch resource "pods"' in error
+    assert 'cannot watch resource "pods"' in error  # the API's own words, then what to do
+    assert f"may not `watch` pods in namespace {NAMESPACE}: bind it" in error
     # The run failed: its dedicated cache must not keep its pods until the TrainJob is deleted.
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
 

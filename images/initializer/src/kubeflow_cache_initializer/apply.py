@@ -120,12 +120,7 @@ def create_or_keep(kube: Kube, resource: Resource, desired: dict) -> None:
         if err.already_exists:
             log.info("kept %s, created by an earlier run of this initializer", _describe(desired))
             return
-        if err.status == 403:
-            raise InitializerError(
-                f"{err}: the initializer's Role must grant `create` on {resource.plural} (from this version "
-                "on: upgrade the chart, or apply the manifests again, to add it)"
-            ) from err
-        raise
+        raise  # a 403 names the missing grant and its fix (rbac.forbidden_hint)
 
 
 def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, owner: dict) -> dict:

@@ -16,7 +16,16 @@ class ConfigError(InitializerError):
 class KubeApiError(InitializerError):
     """The Kubernetes API answered an error that the initializer cannot work around."""
 
-    def __init__(self, verb: str, what: str, status: int, reason: str, message: str, retry_after: float | None = None):
+    def __init__(
+        self,
+        verb: str,
+        what: str,
+        status: int,
+        reason: str,
+        message: str,
+        retry_after: float | None = None,
+        hint: str | None = None,
+    ):
         self.verb = verb
         self.what = what
         self.status = status
@@ -24,12 +33,15 @@ class KubeApiError(InitializerError):
         self.message = message
         self.retry_after = retry_after  # seconds, from the answer's Retry-After header
         self.retried_seconds: float | None = None  # how long the call was retried before this
+        self.hint = hint  # what to do about it, where the answer says (rbac.forbidden_hint)
         super().__init__(f"{verb} {what} failed: HTTP {status} {reason}: {message}")
 
     def __str__(self) -> str:
         text = super().__str__()
         if self.retried_seconds is not None:
             text += f" (still failing after {self.retried_seconds:.0f}s of retries)"
+        if self.hint:
+            text += f"; {self.hint}"
         return text
 
     @property

@@ -29,6 +29,7 @@ from kubernetes import client
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.errors import KubeApiError
+from kubeflow_cache_initializer.rbac import forbidden_hint
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
@@ -235,13 +236,17 @@ class Kube:
                 status = json.loads(raw)
             except ValueError:
                 status = {"message": raw.decode(errors="replace")}
+            message = status.get("message", "")
             raise KubeApiError(
                 verb,
                 what,
                 response.status,
                 status.get("reason") or response.reason or "",
-                status.get("message", ""),
+                message,
                 retry_after=_retry_after(response.headers.get("Retry-After")),
+                hint=forbidden_hint(resource.group, resource.plural, verb, namespace, message)
+                if response.status == 403
+                else None,
             )
         try:
             return json.loads(raw)

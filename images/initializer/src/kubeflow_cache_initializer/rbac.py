@@ -38,3 +38,29 @@ REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
 ADMISSION_PERMISSIONS: list[tuple[str, str, str]] = [
     ("", "serviceaccounts", "delete"),
 ]
+
+
+def forbidden_hint(group: str, plural: str, verb: str, namespace: str, message: str) -> str | None:
+    """What to do about a 403 on ``verb`` of ``plural`` in ``namespace``, from the API's message:
+    a missing grant (RBAC), the owner-reference admission check, or a ResourceQuota; None for
+    anything else (an admission webhook's denial speaks for itself)."""
+    what = f"{plural}.{group}" if group else plural
+    if "exceeded quota" in message:
+        return f"the ResourceQuota of namespace {namespace} does not admit it: raise the quota, or free what it counts"
+    if "ownerRef" in message or "blockOwnerDeletion" in message:
+        # OwnerReferencesPermissionEnforcement (OpenShift): a change of owners needs `delete`.
+        return (
+            f"the owner-reference admission check needs `delete` on {what} besides `{verb}`: "
+            "upgrade the chart, or apply the manifests again, to grant it"
+        )
+    if f"cannot {verb} resource" not in message:
+        return None
+    if (group, plural, verb) not in REQUIRED_PERMISSIONS:
+        return None  # not a call of ours; no advice beats wrong advice
+    return (
+        f"the initializer's ServiceAccount may not `{verb}` {what} in namespace {namespace}: bind it to the "
+        "cache-initializer ClusterRole there (Helm: list the namespace in `dataCache.namespaces`; kustomize: "
+        f"`kubectl apply --server-side -k manifests/overlays/data-cache/namespace-rbac -n {namespace}`); "
+        "where it is bound already, that ClusterRole is older than this initializer: upgrade the chart, "
+        "or apply the manifests again"
+    )
