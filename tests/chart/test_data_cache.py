@@ -232,6 +232,14 @@ def test_notes_give_the_next_steps():
     assert "kind: TrainJob" in notes and "storageUri: cache://" in notes
     assert "patch serviceaccount" not in notes and "PodMonitor" not in notes
     assert "dataCache.enabled=true" in render_notes()
+    # The namespace's reader token (docs/install.md#securing-the-cache), under the name the runtime reads.
+    assert "kubectl create secret generic data-cache-token -n <namespace>" in notes
+    # Adding a namespace through the chart is an upgrade: the JobSet controller needs a restart after it.
+    assert (
+        "rollout restart deployment \\\n    -l app.kubernetes.io/name=jobset,app.kubernetes.io/instance=kubeflow-trainer"
+        in notes
+    )
+    assert "rollout restart" not in render_notes({"dataCache": {"enabled": True}, "jobset": {"install": False}})
 
 
 def test_the_notes_upgrade_command_adds_a_namespace_the_chart_accepts():

@@ -74,3 +74,79 @@ def test_the_placement_flags_preview_through_hack_helm_as_written():
         {"key": "dedicated", "value": "cache", "effect": "NoSchedule"}
     ]
     assert json.loads(env["CACHE_NODE_SELECTOR"]["value"]) == {"node.kubernetes.io/pool": "cache"}
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) applied to ``labels``."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _admitted(policy: dict, labels: dict[str, str], namespace_labels: dict[str, str], port: int) -> bool:
+    """Whether ``policy`` lets a pod with ``labels`` in a namespace with ``namespace_labels``
+    reach ``port`` of the pods it selects (the policy's own namespace is the one carrying its name)."""
+    own = namespace_labels.get("kubernetes.io/metadata.name") == policy["metadata"]["namespace"]
+    for rule in policy["spec"]["ingress"]:
+        if port not in [p["port"] for p in rule.get("ports") or []]:
+            continue
+        for peer in rule["from"]:
+            pods, spaces = peer.get("podSelector"), peer.get("namespaceSelector")
+            in_namespace = _selects(spaces, namespace_labels) if spaces is not None else own
+            if in_namespace and (pods is None or _selects(pods, labels)):
+                return True
+    return False
+
+
+def test_the_network_policy_admits_the_cache_its_trainjobs_and_prometheus_only():
+    """The doc's NetworkPolicy validates, selects the pods the initializer makes, and admits
+    what a cached TrainJob needs (its initializer and trainers, which the runtime knows by the
+    JobSet label it reads TRAIN_JOB_NAME from; head <-> data nodes; Prometheus on the health
+    port) and nothing else."""
+    from kubeflow_cache_initializer import constants as c
+    from kubeflow_cache_initializer.builders import build_leader_worker_set
+    from kubeflow_cache_initializer.config import load_config
+    from tests.schemas import validate_object
+
+    policy = yaml.safe_load(doc_block("kind: NetworkPolicy"))
+    validate_object(policy)
+    namespace = policy["metadata"]["namespace"]
+    sdk = {"STORAGE_URI": "cache://s/t", "METADATA_LOC": "s3://b/m.json", "TRAIN_JOB_NAME": "job-a"}
+    cfg = load_config({**sdk, "CACHE_IMAGE": "cache:dev", "NAMESPACE": namespace})
+    lws = build_leader_worker_set(cfg, [{"apiVersion": "v1", "kind": "TrainJob", "name": "job-a", "uid": "u"}])
+    templates = [lws["spec"]["leaderWorkerTemplate"][t] for t in ("leaderTemplate", "workerTemplate")]
+    cache_pods = [t["metadata"]["labels"] for t in templates]
+    assert all(_selects(policy["spec"]["podSelector"], labels) for labels in cache_pods)
+    ports = {p["containerPort"] for t in templates for p in t["spec"]["containers"][0]["ports"]}
+    assert ports == {c.FLIGHT_PORT, c.DEFAULT_HEALTH_PORT}
+
+    runtime = yaml.safe_load((REPO_ROOT / "runtimes" / f"{RUNTIME}.yaml").read_text())
+    label_paths = {
+        env["valueFrom"]["fieldRef"]["fieldPath"]
+        for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]
+        for ctr in job["template"]["spec"]["template"]["spec"]["containers"]
+        for env in ctr["env"]
+        if env["name"] == "TRAIN_JOB_NAME"
+    }
+    assert label_paths == {"metadata.labels['jobset.sigs.k8s.io/jobset-name']"}, label_paths
+    trainjob_pod = {"jobset.sigs.k8s.io/jobset-name": "job-a", "trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    here = {"kubernetes.io/metadata.name": namespace}
+    elsewhere = {"kubernetes.io/metadata.name": "other-team"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    for port in ports:
+        assert _admitted(policy, trainjob_pod, here, port)
+        assert all(_admitted(policy, labels, here, port) for labels in cache_pods)
+        assert not _admitted(policy, {"app": "web"}, here, port)
+        assert not _admitted(policy, trainjob_pod, elsewhere, port)
+    assert _admitted(policy, {"app.kubernetes.io/name": "prometheus"}, monitoring, c.DEFAULT_HEALTH_PORT)
+    assert not _admitted(policy, {"app.kubernetes.io/name": "prometheus"}, monitoring, c.FLIGHT_PORT)

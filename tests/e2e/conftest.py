@@ -42,6 +42,7 @@ from tests.e2e.e2e_objects import (
     helm_values,
     minio_objects,
     parse_metadata_location,
+    reader_token_secret,
     retarget_images,
     split_for_apply,
     table_writer_objects,
@@ -326,7 +327,7 @@ def metadata_loc(kube, distribution, artifacts) -> str:
     """MinIO in the test namespace, then the table-writer Job; the table's metadata location."""
     ns = distribution.namespace
     try:
-        kube.apply(minio_objects(ns))
+        kube.apply([*minio_objects(ns), reader_token_secret(ns)])  # token before any cache starts
         kube(
             "rollout",
             "status",

@@ -48,6 +48,10 @@ S3_ACCESS_KEY = "e2e-access-key"
 S3_SECRET_KEY = "e2e-secret-key-not-a-secret"
 S3_REGION = "us-east-1"
 S3_SECRET_NAME = "minio-credentials"
+# The readers' token: a Secret of the namespace under the name the runtime's trainers and the
+# initializer's cache pods both read it from (optionally), which turns token auth on there.
+READER_TOKEN_SECRET = "data-cache-token"
+READER_TOKEN = "e2e-reader-token-not-a-secret"
 BUCKET = "warehouse"
 WRITER_NAME = "e2e-table-writer"
 WRITER_SCRIPT = HERE / "table_writer.py"
@@ -102,6 +106,40 @@ def s3_credentials_secret(namespace: str) -> dict[str, Any]:
         "type": "Opaque",
         "stringData": s3_credentials(),
     }
+
+
+def reader_token_secret(namespace: str) -> dict[str, Any]:
+    """The namespace's reader token, as docs/install.md has an admin create it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": READER_TOKEN_SECRET, "namespace": namespace, "labels": PART_OF},
+        "type": "Opaque",
+        "stringData": {"token": READER_TOKEN},
+    }
+
+
+# Run in the head pod (`kubectl exec`, the cache image's Python) with the head's location as its
+# argument: asks for the table without a token, then with the pod's own DATA_CACHE_TOKEN. One
+# line each, parsed by the test.
+TOKEN_PROBE = """
+import os
+import sys
+import pyarrow.flight as flight
+
+client = flight.FlightClient(sys.argv[1])
+try:
+    list(client.list_flights())
+    print("without token: served")
+except flight.FlightUnauthenticatedError:
+    print("without token: refused")
+token = os.environ.get("DATA_CACHE_TOKEN")
+if token is None:
+    print("with token: no DATA_CACHE_TOKEN in the pod")
+else:
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+    print(f"with token: {len(list(client.list_flights(options=options)))} table(s)")
+"""
 
 
 def _restricted_security_context() -> dict[str, Any]:

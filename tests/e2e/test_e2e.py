@@ -12,7 +12,7 @@ import pytest
 
 from kubeflow_cache_initializer.builders import key_secret_of
 from tests.e2e.e2e_kube import Kube, wait_for, wait_trainjob
-from tests.e2e.e2e_objects import BUCKET, TABLE, check_exactly_once, parse_results, train_job
+from tests.e2e.e2e_objects import BUCKET, TABLE, TOKEN_PROBE, check_exactly_once, parse_results, train_job
 
 # The session's first test also pays for the cluster, the image builds and the install; every
 # step has its own deadline and a failure dump, this is the backstop for a hang between them. It
@@ -24,6 +24,7 @@ TRAINJOB_TIMEOUT = 900
 FAILURE_TIMEOUT = 900
 GONE_TIMEOUT = 180
 TRAINER_NODES = 2
+HEAD_LOCATION = "grpc://127.0.0.1:50051"  # the Flight port, from inside the head's pod
 
 
 def node_selector(job: str, step: str) -> str:
@@ -64,6 +65,14 @@ def test_trainjob_streams_every_row_exactly_once(kube, distribution, metadata_lo
     secret_owners = [r["uid"] for r in kube.get("secret", key_secret, ns)["metadata"]["ownerReferences"]]
     assert secret_owners == [cache["metadata"]["uid"]], secret_owners
     gone = [*owned_objects(name), ("secret", key_secret)]
+    # The namespace's reader token (reader_token_secret): the trainers read with it, as they
+    # finished; the cache refuses a reader without it.
+    head = kube.items("pods", ns, f"app.kubernetes.io/instance={name}-cache,app.kubernetes.io/component=head")
+    assert len(head) == 1, f"expected one head pod, got {[p['metadata']['name'] for p in head]}"
+    probe = kube(
+        "exec", head[0]["metadata"]["name"], "-n", ns, "-c", "cache", "--", "python", "-c", TOKEN_PROBE, HEAD_LOCATION
+    )
+    assert "without token: refused" in probe and "with token: 1 table(s)" in probe, probe
 
     kube("delete", "trainjob", name, "-n", ns, "--wait=false")
     wait_for(

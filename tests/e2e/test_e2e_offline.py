@@ -22,9 +22,12 @@ from tests.e2e.e2e_objects import (
     INITIALIZER_IMAGE,
     KIND_CONFIG,
     KIND_VERSION,
+    READER_TOKEN,
+    READER_TOKEN_SECRET,
     REPO,
     RUNTIME_NAME,
     TABLE,
+    TOKEN_PROBE,
     TRAINER_IMAGE,
     WRITER_SCRIPT,
     RankResult,
@@ -33,6 +36,7 @@ from tests.e2e.e2e_objects import (
     minio_objects,
     parse_metadata_location,
     parse_results,
+    reader_token_secret,
     retarget_images,
     split_for_apply,
     table_writer_objects,
@@ -55,6 +59,7 @@ def applied_objects() -> list[dict]:
         train_job("stream", NS, META),
         train_job("bad-metadata", NS, META.replace("00004-0f", "missing"), ready_timeout_s=180),
         train_job("share-a", NS, META, shared=True),
+        reader_token_secret(NS),
     ]
 
 
@@ -134,6 +139,93 @@ def test_the_cache_pods_of_the_suites_trainjobs_can_sign_their_requests_to_minio
             "e2e-access-key",
             "e2e-secret-key-not-a-secret",
         ), template
+
+
+def kubelet_env(container: dict, secrets: dict[str, dict]) -> dict[str, str]:
+    """A container's env as the kubelet fills it from ``secrets`` (name -> Secret): envFrom
+    first, then env entries over it; a missing optional Secret key leaves its variable unset, a
+    missing required one is what the kubelet reports as CreateContainerConfigError. Downward-API
+    values (fieldRef, resourceFieldRef) are left out."""
+
+    def data(secret: dict) -> dict[str, str]:
+        return secret.get("stringData") or {}
+
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom") or []:
+        name = ref["secretRef"]["name"]
+        assert name in secrets, f"CreateContainerConfigError: secret {name!r} not found"
+        env.update(data(secrets[name]))
+    for var in container.get("env") or []:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+            continue
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref is None:
+            continue
+        value = data(secrets.get(ref["name"], {})).get(ref["key"])
+        if value is not None:
+            env[var["name"]] = value
+        else:
+            assert ref.get("optional"), f"CreateContainerConfigError: {ref} not found"
+    return env
+
+
+@pytest.mark.parametrize("with_token_secret", [True, False])
+def test_the_namespaces_token_secret_reaches_the_cache_and_its_trainers_alike(with_token_secret: bool) -> None:
+    """The reader token, followed from the Secret an admin creates in the namespace through the
+    initializer's own config and builders (the cache pods) and the shipped runtime (the
+    trainers), as the kubelet fills env: both hold the same token, or, without the Secret, both
+    none and every pod still starts."""
+    from kubeflow_cache_initializer.builders import build_leader_worker_set
+    from kubeflow_cache_initializer.config import load_config
+    from kubeflow_data_cache.dataset import default_token
+    from kubeflow_data_cache.security import load_token
+
+    job = train_job("stream", NS, META)
+    dataset = job["spec"]["initializer"]["dataset"]
+    runtime_env = {"STORAGE_URI": dataset["storageUri"], "TRAIN_JOB_NAME": "stream", "CACHE_IMAGE": CACHE_IMAGE}
+    cfg = load_config({**runtime_env, **{e["name"]: e["value"] for e in dataset["env"]}, "NAMESPACE": NS})
+    owner = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "stream", "uid": "u"}
+    lws = build_leader_worker_set(cfg, [owner])
+    secrets = {o["metadata"]["name"]: o for o in applied_objects() if o["kind"] == "Secret"}
+    if not with_token_secret:
+        del secrets[READER_TOKEN_SECRET]
+    want = READER_TOKEN if with_token_secret else None
+
+    runtime = yaml.safe_load((REPO / "runtimes" / f"{RUNTIME_NAME}.yaml").read_text())
+    (trainers,) = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "node"]
+    (trainer,) = trainers["template"]["spec"]["template"]["spec"]["containers"]
+    trainer_env = {
+        **kubelet_env(trainer, secrets),
+        **{e["name"]: e["value"] for e in job["spec"]["trainer"].get("env", [])},
+    }
+    assert default_token(trainer_env) == want
+    for template in ("leaderTemplate", "workerTemplate"):
+        (container,) = lws["spec"]["leaderWorkerTemplate"][template]["spec"]["containers"]
+        pod_env = kubelet_env(container, secrets)
+        assert load_token(pod_env.get("DATA_CACHE_TOKEN"), pod_env.get("DATA_CACHE_TOKEN_FILE")) == want, template
+
+
+def test_the_token_probe_tells_a_refusing_cache_from_an_open_one(small_table) -> None:
+    """TOKEN_PROBE, which the kind suite runs in the head pod, against a local cache with the
+    reader token and one without."""
+    from tests.conftest import running_cache
+
+    for token, expected in ((READER_TOKEN, "without token: refused"), (None, "without token: served")):
+        env = {"DATA_CACHE_TOKEN": token} if token else {}
+        with running_cache(small_table.metadata_location, data_nodes=1, env=env) as cache:
+            probe_env = {k: v for k, v in os.environ.items() if not k.startswith("DATA_CACHE_")}
+            out = subprocess.run(
+                [sys.executable, "-c", TOKEN_PROBE, cache.endpoint],
+                env={**probe_env, **env},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        assert out.returncode == 0, out.stderr
+        assert expected in out.stdout and "with token: " in out.stdout, out.stdout
+        if token:
+            assert "with token: 1 table(s)" in out.stdout, out.stdout
 
 
 def _free_port() -> int:

@@ -184,7 +184,7 @@ class CacheSim:
                 continue
             for var in template["spec"]["containers"][0].get("env") or []:
                 ref = (var.get("valueFrom") or {}).get("secretKeyRef")
-                if ref is None:
+                if ref is None or ref.get("optional"):  # an optional one missing: the variable stays unset
                     continue
                 secret = self.fake.get("secrets", ns, ref["name"])
                 if secret is None:

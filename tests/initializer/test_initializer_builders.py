@@ -267,6 +267,17 @@ def test_head_and_data_nodes_read_the_same_cluster_key_from_the_caches_secret_an
     assert cluster_key_entry(build_leader_worker_set(cfg, [OWNER])) is None
 
 
+def test_cache_pods_read_the_reader_token_from_the_namespaces_secret_where_it_is():
+    """Optional, so a namespace without the Secret still starts its caches (without a token)."""
+    for env, secret in [({}, "data-cache-token"), ({"CACHE_TOKEN_SECRET": "team-token"}, "team-token")]:
+        lws = build_leader_worker_set(load_config({**MINIMAL, **env}), [OWNER])
+        for template in ("leaderTemplate", "workerTemplate"):
+            ref = _env(_container(lws, template))["DATA_CACHE_TOKEN"]["secretKeyRef"]
+            assert ref == {"name": secret, "key": "token", "optional": True}
+    lws = build_leader_worker_set(load_config({**MINIMAL, "CACHE_TOKEN_SECRET": "none"}), [OWNER])
+    assert "DATA_CACHE_TOKEN" not in _env(_container(lws, "leaderTemplate"))
+
+
 def test_a_kept_cluster_key_takes_the_place_of_the_new_one_and_none_removes_it():
     cfg = load_config(FULL)
     lws = build_leader_worker_set(cfg, [OWNER], "job-a-cache-key-new")

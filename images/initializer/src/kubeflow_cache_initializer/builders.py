@@ -151,6 +151,8 @@ def _cache_env(cfg: Config, key_secret: str | None) -> list[dict]:
     ]
     if key_secret is not None:
         env.append(cluster_key_env(key_secret))
+    if cfg.token_secret is not None:
+        env.append(token_env(cfg.token_secret))
     return env + [{"name": name, "value": value} for name, value in cfg.cache_env]
 
 
@@ -274,6 +276,19 @@ def cluster_key_env(key_secret: str) -> dict:
         "name": c.CLUSTER_KEY_ENV,
         "valueFrom": {"secretKeyRef": {"name": key_secret, "key": c.KEY_SECRET_DATA_KEY}},
     }
+
+
+def token_env(token_secret: str) -> dict:
+    """DATA_CACHE_TOKEN from the namespace's token Secret, where it exists.
+
+    Optional: without the Secret (or its `token` key) the kubelet leaves the variable unset and
+    the cache serves without a token, as before; with it, the cache refuses readers without the
+    token, and the runtime's trainers read the same Secret the same way. An `envFrom` Secret's
+    DATA_CACHE_TOKEN (CACHE_ENV_FROM_SECRET) still applies where this Secret is missing: env
+    entries win over envFrom only where they are set.
+    """
+    ref = {"name": token_secret, "key": c.TOKEN_SECRET_DATA_KEY, "optional": True}
+    return {"name": c.TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
 
 
 def build_cluster_key_secret(cfg: Config, name: str, lws: dict, key: str) -> dict:

@@ -97,6 +97,7 @@ class Config:
     cache_env: tuple[tuple[str, str], ...]
     env_from_secrets: tuple[str, ...]
     image_pull_secrets: tuple[str, ...]
+    token_secret: str | None  # the namespace's Secret the readers' token is read from, if there
     node_selector: tuple[tuple[str, str], ...]
     tolerations: tuple[dict[str, Any], ...]
     health_port: int
@@ -228,6 +229,17 @@ def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, .
     return secrets
 
 
+def _token_secret(r: _Reader, env: Mapping[str, str]) -> str | None:
+    """CACHE_TOKEN_SECRET: the Secret (data key `token`) the cache pods read DATA_CACHE_TOKEN
+    from where it exists; `none` reads no token from a Secret of this kind at all."""
+    name = env.get("CACHE_TOKEN_SECRET", "").strip() or c.DEFAULT_TOKEN_SECRET
+    if name == c.NO_TOKEN_SECRET:
+        return None
+    if not _DNS_SUBDOMAIN.match(name) or len(name) > 253:
+        r._bad("CACHE_TOKEN_SECRET", f"a Secret name (a DNS-1123 subdomain), or {c.NO_TOKEN_SECRET}", name)
+    return name
+
+
 def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_FILE)) -> Config:
     """Parse and check every setting; raise one `ConfigError` listing every problem."""
     r = _Reader(env)
@@ -271,6 +283,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     shared = r.flag("DATA_CACHE_SHARED")
     secrets = _secret_names(r, env, "CACHE_ENV_FROM_SECRET")
     pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
+    token_secret = _token_secret(r, env)
     node_selector = r.parsed("CACHE_NODE_SELECTOR", parse_node_selector, NODE_SELECTOR_FORM, {})
     tolerations = r.parsed("CACHE_TOLERATIONS", parse_tolerations, TOLERATIONS_FORM, ())
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
@@ -304,6 +317,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         cache_env=_forwarded_env(env),
         env_from_secrets=secrets,
         image_pull_secrets=pull_secrets,
+        token_secret=token_secret,
         node_selector=tuple(node_selector.items()),
         tolerations=tolerations,
         health_port=health_port,

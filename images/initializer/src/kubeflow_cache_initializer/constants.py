@@ -78,3 +78,10 @@ CLUSTER_KEY_BYTES = 24
 KEY_SECRET_INFIX = "-key-"
 KEY_SECRET_SUFFIX_BYTES = 4
 KEY_SECRET_DATA_KEY = "cluster-key"
+# The readers' token (the cache image's DATA_CACHE_TOKEN): the cache pods and the runtime's
+# trainers both read it from one Secret of the namespace, optionally, so creating that Secret
+# turns token auth on for the namespace's caches and its TrainJobs' readers alike.
+TOKEN_ENV = "DATA_CACHE_TOKEN"
+DEFAULT_TOKEN_SECRET = "data-cache-token"
+TOKEN_SECRET_DATA_KEY = "token"
+NO_TOKEN_SECRET = "none"
