@@ -17,6 +17,17 @@ def test_common_labels_cannot_replace_what_selectors_use(key):
         render_chart({"commonLabels": {key: "ml"}})
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_initializer_may_not_run_as_the_namespaces_default_account(enabled):
+    """Every pod of a namespace that names no account runs as `default`: none may get the
+    initializer's rights. Refused in words (a schema `not` says only "'not' failed")."""
+    values = {"dataCache": {"enabled": enabled, "serviceAccount": {"name": "default"}}}
+    with pytest.raises(
+        helm_python.HelmRenderError, match="dataCache.serviceAccount.name cannot be `default`: every pod"
+    ):
+        render_chart(values)
+
+
 def test_common_labels_replace_the_other_chart_labels_once():
     """part-of is an admin's usual label: it replaces the chart's, and no key repeats (a repeated
     key breaks kustomize post-renderers, and last-wins parsers would take either value)."""

@@ -26,8 +26,6 @@ def helm_cli():
         ({"dataCache": {"initializer": {"image": {"tag": ""}}}}, r"/dataCache/initializer/image/tag"),
         ({"dataCache": {"cache": {"image": {"repository": "Bad Repo"}}}}, r"/dataCache/cache/image/repository"),
         ({"dataCache": {"serviceAccount": {"name": ""}}}, r"/dataCache/serviceAccount/name"),
-        # Every pod of a namespace that names no account runs as `default`: none may get the initializer's rights.
-        ({"dataCache": {"serviceAccount": {"name": "default"}}}, r"/dataCache/serviceAccount/name"),
         # The API server refuses negative requests and limits: the pods would never be created.
         ({"dataCache": {"initializer": {"resources": {"limits": {"memory": "-1"}}}}}, r"/resources/limits/memory"),
         ({"manager": {"resources": {"requests": {"cpu": "-500m"}}}}, r"/manager/resources/requests/cpu"),

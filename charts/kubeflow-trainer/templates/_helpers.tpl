@@ -57,6 +57,9 @@ seccompProfile:
 {{- fail (printf "commonLabels cannot set %s: the chart sets it, and its Deployments and Services select pods by it; choose another key" $key) }}
 {{- end }}
 {{- end }}
+{{- if eq .Values.dataCache.serviceAccount.name "default" }}
+{{- fail "dataCache.serviceAccount.name cannot be `default`: every pod of a namespace that names no ServiceAccount runs as `default`, and each would get the initializer's rights (create LeaderWorkerSets and Secrets, patch Services); keep kubeflow-trainer-cache-initializer or choose a name of its own" }}
+{{- end }}
 {{- if hasKey .Values.lws "install" }}
 {{- fail "lws.install is not a value of this chart (lws.* goes to the LeaderWorkerSet subchart as is): LeaderWorkerSet is installed with dataCache.enabled=true; to skip it, set dataCache.lws.install=false" }}
 {{- end }}
