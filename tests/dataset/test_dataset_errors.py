@@ -40,11 +40,35 @@ def test_retries_last_until_the_deadline_itself():
     assert 3.0 <= time.monotonic() - started < 30
 
 
+def test_a_call_retried_for_long_says_so_at_warning_level(monkeypatch, caplog):
+    """Retries are INFO; a wrong endpoint must not wait out its deadline in silence where
+    logging is not set up (Python then shows WARNING and above)."""
+    import logging
+
+    from kubeflow_data_cache import client as client_module
+
+    monkeypatch.setattr(client_module, "RETRY_WARN_AFTER_SECONDS", 0.5)
+    monkeypatch.setattr(client_module, "RETRY_WARN_EVERY_SECONDS", 1.0)
+    endpoint = f"grpc://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING, logger="kubeflow_data_cache.client"):
+        started = time.time()  # the clock of LogRecord.created
+        with pytest.raises(CacheUnavailableError):
+            next(iter(DataCacheDataset(endpoint, deadline_seconds=2.6)))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "still retrying" in r.getMessage()]
+    # Tries at ~0, 0.05, 0.15, 0.35, 0.75, 1.55 s, then at the deadline: one WARNING past 0.5 s,
+    # the next due 1 s later (at most one more before the deadline), none at the first failures.
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
+    first = warnings[0].getMessage()
+    assert f"GetFlightInfo at {endpoint} has failed for " in first and "giving up in 2s" in first, first
+    assert warnings[0].created - started >= 0.5 - 0.05
+
+
 def test_missing_or_wrong_token_is_refused_with_the_fix(secured, monkeypatch):
     for name in ("DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(CacheAuthError, match="refused the token.*no token was sent.*set DATA_CACHE_TOKEN"):
+    with pytest.raises(CacheAuthError, match="refused the token.*no token was sent.*set DATA_CACHE_TOKEN") as refused:
         next(iter(DataCacheDataset(secured.endpoint)))
+    assert str(refused.value).count("DATA_CACHE_TOKEN_FILE") == 1, str(refused.value)  # the fix, said once
     with pytest.raises(CacheAuthError, match="refused the token.*the token was rejected.*DATA_CACHE_TOKEN_FILE"):
         next(iter(DataCacheDataset(secured.endpoint, token="guess")))
     monkeypatch.setenv("DATA_CACHE_TOKEN", TOKEN)

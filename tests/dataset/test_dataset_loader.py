@@ -180,6 +180,11 @@ def test_endpoint_and_token_settings(tmp_path, monkeypatch):
     assert default_token({"DATA_CACHE_TOKEN": "a", "DATA_CACHE_TOKEN_FILE": str(token_file)}) == "a"
     with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN_FILE .*missing"):
         default_token({"DATA_CACHE_TOKEN_FILE": str(tmp_path / "missing")})
+    # Set but empty (a Secret key that is there but empty): refused, as the cache refuses it,
+    # rather than read as "no token" and refused later by the cache in other words.
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN is set but empty"):
+            default_token({"DATA_CACHE_TOKEN": empty})
 
     for name in ("DATA_CACHE_ENDPOINT", "TRAIN_JOB_NAME", "DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
@@ -217,6 +222,9 @@ def test_drop_last_implies_even_drop_and_arguments_are_checked():
     # A string is a sequence of letters: "id" would have asked for columns 'i' and 'd'.
     with pytest.raises(ValueError, match=r"got the string 'id': try \['id'\]"):
         DataCacheDataset("grpc://h:1", columns="id")
+    # A set's order differs between processes (hash seeds): keys and saved states would too.
+    with pytest.raises(ValueError, match=r"got a set: try \['id', 'label'\]"):
+        DataCacheDataset("grpc://h:1", columns={"label", "id"})
     with pytest.raises(BadRequestError, match="at least one column"):
         DataCacheDataset("grpc://h:1", columns=[])
     with pytest.raises(BadRequestError, match=r"names \['id'\] more than once"):

@@ -68,6 +68,10 @@ def test_resume_rejects_other_settings_or_shards(cache):
     state = ds.state_dict()
     with pytest.raises(ValueError, match="seed: saved 5, now 6"):
         DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"], shuffle=True, seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"columns: saved \['id'\], now \['id', 'label'\]"):
+        DataCacheDataset(cache.endpoint, batch_size=100, columns=["id", "label"], shuffle=True, seed=5).load_state_dict(
+            state
+        )
     other = make(cache)
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved state is for shard 0 of 2, but this reader is shard 0 of 3"):
@@ -419,3 +423,16 @@ def test_a_shuffled_state_counted_in_another_order_is_refused(cache):
     again = make(cache)
     again.load_state_dict(state)  # counted in this cache's own order: resumes
     next(again._iter_world(world))
+
+
+def test_columns_in_another_order_resume_the_same_rows(cache):
+    """The order of ``columns`` orders a batch's keys, not its rows: a state saved with one order
+    resumes under another."""
+    world = World(0, 1, 0, 1)
+    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id", "label"], shuffle=True, seed=5)
+    it = first._iter_world(world)
+    head = [i for batch in (next(it) for _ in range(3)) for i in batch["id"].tolist()]
+    resumed = DataCacheDataset(cache.endpoint, batch_size=100, columns=["label", "id"], shuffle=True, seed=5)
+    resumed.load_state_dict(first.state_dict())
+    rest = [i for batch in resumed._iter_world(world) for i in batch["id"].tolist()]
+    assert sorted(head + rest) == list(range(ROWS))

@@ -62,6 +62,11 @@ BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 # A restarted data node rejects old tickets; ask the head again at most this often per stream.
 MAX_REPLANS = 3
+# Retries are logged at INFO, which Python's logging hides unless set up: a wrong endpoint would
+# wait out the whole deadline in silence. A call still failing after this long says so at
+# WARNING, and again every RETRY_WARN_EVERY_SECONDS.
+RETRY_WARN_AFTER_SECONDS = 10.0
+RETRY_WARN_EVERY_SECONDS = 30.0
 # A kept connection idle longer than this (an evaluation phase, a long checkpoint) is replaced
 # by a fresh one at the next read: a new connection costs milliseconds, while an old one may have
 # been dropped silently by something on the way.
@@ -131,7 +136,7 @@ def check_root_certs(pem: bytes) -> None:
         ssl.create_default_context(cadata=b"\n".join(blocks).decode("ascii"))
     except (ssl.SSLError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(
-            f"tls_root_certs should be PEM certificates (-----BEGIN CERTIFICATE----- ...), as bytes: {err}"
+            f"tls_root_certs should be PEM certificates (-----BEGIN CERTIFICATE----- ...), as bytes or str: {err}"
         ) from None
 
 
@@ -140,6 +145,30 @@ def _backoff(delay: float, deadline: float | None) -> float:
     must not retry in lockstep), cut short so that the last try falls at the deadline itself."""
     pause = delay * random.uniform(0.8, 1.2)
     return pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic()))
+
+
+class _RetryNotice:
+    """One retried call's WARNING lines (RETRY_WARN_AFTER_SECONDS, then RETRY_WARN_EVERY_SECONDS)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # when the failures being reported began
+        self._next = 0.0
+
+    def failed(self, since: float, deadline: float, what: str, location: str, reason: str) -> None:
+        now = time.monotonic()
+        if since != self._since:  # a new run of failures (a stream that read again in between)
+            self._since, self._next = since, since + RETRY_WARN_AFTER_SECONDS
+        if now < self._next:
+            return
+        self._next = now + RETRY_WARN_EVERY_SECONDS
+        log.warning(
+            "%s at %s has failed for %.0fs (%s); still retrying, giving up in %.0fs",
+            what,
+            location,
+            now - since,
+            reason,
+            max(0.0, deadline - now),
+        )
 
 
 class CacheClient:
@@ -218,9 +247,9 @@ class CacheClient:
         reason = server_message(err)
         if isinstance(err, _AUTH):
             sent = "no token was sent" if self._token is None else "the token was rejected"
-            return CacheAuthError(
-                f"the cache at {location} refused the token on {what} ({sent}: {reason}); {TOKEN_HINT}"
-            )
+            # The cache's own refusal names the variables too: said once, with the token argument.
+            said = "" if reason.startswith("missing or wrong bearer token") else f": {reason}"
+            return CacheAuthError(f"the cache at {location} refused the token on {what} ({sent}{said}); {TOKEN_HINT}")
         if isinstance(err, flight.FlightInternalError):
             return NotReadyError(f"{what} failed at {location}: {reason}")
         if isinstance(err, pa.ArrowInvalid):
@@ -257,6 +286,7 @@ class CacheClient:
         start = time.monotonic()
         deadline = start + self.deadline_seconds
         delay = BACKOFF_INITIAL_SECONDS
+        notice = _RetryNotice()
         while True:
             # The last try starts at the deadline: give it a moment (a timeout of 0 would be none).
             remaining = max(deadline - time.monotonic(), MIN_CALL_SECONDS)
@@ -280,6 +310,7 @@ class CacheClient:
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
                 log.info("%s at %s: %s; retrying in %.2fs", what, location, server_message(err), delay)
+                notice.failed(start, deadline, what, location, server_message(err))
             except (flight.FlightError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
                 raise self._translate(err, location, what) from err
             time.sleep(_backoff(delay, deadline))
@@ -390,6 +421,7 @@ class CacheClient:
             return  # a resumed read that had all of this stream: nothing to ask for
         failing_since: float | None = None
         delay = BACKOFF_INITIAL_SECONDS
+        notice = _RetryNotice()
         replans = 0
         head_trouble = ""  # why the head did not say where the node is now, at the last try
         while True:
@@ -431,6 +463,9 @@ class CacheClient:
                         )
                     raise error from err
                 log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, server_message(err))
+                notice.failed(
+                    failing_since, failing_since + self.deadline_seconds, "DoGet", location, server_message(err)
+                )
                 # A restarted data node may listen elsewhere now; the head knows where. Asked once,
                 # within what is left of the deadline: a frozen head must not hold the read past it.
                 within = failing_since + self.deadline_seconds - now

@@ -89,7 +89,9 @@ def _endpoint_source(env: dict[str, str] | None = None) -> str:
 def default_token(env: dict[str, str] | None = None) -> str | None:
     """``DATA_CACHE_TOKEN``, else the contents of ``DATA_CACHE_TOKEN_FILE``, else None."""
     env = os.environ if env is None else env
-    if env.get("DATA_CACHE_TOKEN"):
+    if "DATA_CACHE_TOKEN" in env:
+        if not env["DATA_CACHE_TOKEN"].strip():  # as the cache refuses it: sending none would read as "no token"
+            raise ConfigError("DATA_CACHE_TOKEN is set but empty: put the cache's token in it, or unset it")
         return checked_token(env["DATA_CACHE_TOKEN"], "DATA_CACHE_TOKEN")
     path = env.get("DATA_CACHE_TOKEN_FILE")
     if not path:
@@ -211,6 +213,11 @@ class DataCacheDataset(IterableDataset):
             raise ValueError(f"drop_last should be True or False, got {drop_last!r}")
         if isinstance(columns, str):
             raise ValueError(f"columns should be a list of column names, got the string {columns!r}: try [{columns!r}]")
+        if isinstance(columns, (set, frozenset)):
+            # A set's order changes from process to process: batches' keys, and saved states, with it.
+            raise ValueError(
+                f"columns should be a list of column names in the order wanted, got a set: try {sorted(columns)!r}"
+            )
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
         real = isinstance(deadline_seconds, numbers.Real) and not isinstance(deadline_seconds, bool)
@@ -508,7 +515,9 @@ class DataCacheDataset(IterableDataset):
         """
         if not isinstance(state, dict) or state.get("version") not in READABLE_STATE_VERSIONS:
             raise ValueError(f"not a DataCacheDataset state (version {STATE_VERSION}): {state!r}")
-        changed = {k: (v, state.get(k)) for k, v in self._fingerprint().items() if state.get(k) != v}
+        changed = {
+            k: (v, state.get(k)) for k, v in self._fingerprint().items() if not _same_setting(k, state.get(k), v)
+        }
         if changed:
             detail = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (now, saved) in changed.items())
             raise ValueError(f"the saved state was taken with other dataset settings ({detail})")
@@ -588,6 +597,13 @@ def _check_streams(
         else:
             _refuse_resume(skip, f"streams of {saved} rows", f"streams of {now} rows")
     progress.streams = now  # only once accepted: a state saved after a refusal keeps the old split
+
+
+def _same_setting(name: str, saved: Any, now: Any) -> bool:
+    """Whether a saved setting reads the same rows as the current one: columns in another order do."""
+    if name == "columns" and isinstance(saved, list) and isinstance(now, list):
+        return sorted(saved) == sorted(now)
+    return saved == now
 
 
 def _refuse_resume(
