@@ -348,6 +348,7 @@ class CacheClient:
         interleave: bool = True,
         start: int = 0,
         check_streams: Callable[[list[int | None], int], None] | None = None,
+        check_info: Callable[[flight.FlightInfo], None] | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """Every record batch of one shard, from all of its data nodes; with ``start``, all but
         the first ``start`` rows (a resumed read).
@@ -368,10 +369,13 @@ class CacheClient:
 
         ``check_streams`` is called with each stream's row count (None where the cache does not
         say) and the order the nodes stream a shuffled shard in (protocol.ORDER_VERSION; 1 for a
-        cache that does not say) before any stream opens; it may raise to refuse the read.
+        cache that does not say) before any stream opens; it may raise to refuse the read, as may
+        ``check_info``, called with the head's FlightInfo first.
         """
         start = _row_count(start)
         info = self.get_flight_info(request)
+        if check_info is not None:
+            check_info(info)
         if start > info.total_records:
             raise BadRequestError(
                 f"cannot resume {start} rows into a shard of {info.total_records} rows: the saved position "

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.flight as flight
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -35,7 +36,13 @@ from kubeflow_data_cache.client import (
 )
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.interleave import rotation_order
-from kubeflow_data_cache.protocol import DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_SIZE, EVEN_MODES, ShardRequest
+from kubeflow_data_cache.protocol import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_BLOCK_SIZE,
+    EVEN_MODES,
+    ShardRequest,
+    info_null_counts,
+)
 from kubeflow_data_cache.security import checked_token
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
@@ -356,6 +363,7 @@ class DataCacheDataset(IterableDataset):
                 interleave=request.shuffle,
                 start=skip,
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
+                check_info=self._check_nulls,
             )
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
@@ -431,6 +439,19 @@ class DataCacheDataset(IterableDataset):
         for start in range(0, rows, size):
             stop = min(start + size, rows)
             yield _slice(converted, start, stop), stop - start
+
+    def _check_nulls(self, info: flight.FlightInfo) -> None:
+        """Refuse, before the first batch, a column the default conversion cannot take because
+        the table holds nulls in it: found at the batch that holds one, that could be hours into
+        an epoch (and one rank failing alone leaves its DDP peers waiting). The head says so for
+        requests without a filter; an overridden from_arrow_rb_to_tensor may fill nulls itself."""
+        if type(self).from_arrow_rb_to_tensor is not DataCacheDataset.from_arrow_rb_to_tensor:
+            return
+        counts = info_null_counts(info.app_metadata)
+        for field in info.schema:
+            refusal = null_refusal(field.name, field.type, counts.get(field.name, 0))
+            if refusal:
+                raise ValueError(f"{refusal} (the table holds them; refused before the first batch)")
 
     def from_arrow_rb_to_tensor(self, batch: pa.RecordBatch) -> Any:
         """Convert a record batch (many training batches long) to a row-aligned structure.
@@ -665,6 +686,19 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
     )
 
 
+def null_refusal(name: str, t: pa.DataType, nulls: int) -> str | None:
+    """Why the default conversion cannot take ``nulls`` nulls in column ``name`` of type ``t``,
+    or None where it can (floats become NaN, strings None) or there are none."""
+    if not nulls:
+        return None
+    fix = f"leave those rows out with filter='\"{name}\" IS NOT NULL', or override from_arrow_rb_to_tensor to fill them"
+    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"column {name!r} has {nulls} null list(s); {fix}"
+    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+        return f"column {name!r} ({t}) has {nulls} null value(s); {fix}"
+    return None
+
+
 def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tensor | list[str]:
     """One column as a tensor (lists of equal length as 2-D) or, for strings, a list of str.
 
@@ -682,7 +716,7 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
         return col.to_pylist()
     if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
         if col.null_count:
-            raise ValueError(f"column {name!r} has null lists; fill them in from_arrow_rb_to_tensor")
+            raise ValueError(null_refusal(name, t, col.null_count))
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
         inner = column_to_tensor(name, col.flatten(), copy)
         if not isinstance(inner, torch.Tensor):  # lists of strings
@@ -693,10 +727,7 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
         return inner.reshape(len(col), width, *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         if col.null_count and not pa.types.is_floating(t):
-            raise ValueError(
-                f"column {name!r} ({t}) has {col.null_count} null value(s); filter them out or override "
-                "from_arrow_rb_to_tensor to fill them"
-            )
+            raise ValueError(null_refusal(name, t, col.null_count))
         if not copy and col.null_count == 0 and not pa.types.is_boolean(t):
             return torch.from_dlpack(col)  # a view of the Arrow buffer; it keeps the buffer alive
         # writable=True copies once: the tensor must not alias Arrow's immutable buffers.

@@ -415,7 +415,20 @@ class Head(ReadOnlyFlight):
                 )
                 endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
         rows = sum(per_node)
-        return flight.FlightInfo(schema, descriptor, endpoints, rows, rows * self._row_bytes(schema))
+        nulls = self._null_counts(schema) if req.filter is None else {}
+        metadata = json.dumps({protocol.INFO_NULL_COUNTS: nulls}).encode() if nulls else b""
+        return flight.FlightInfo(
+            schema, descriptor, endpoints, rows, rows * self._row_bytes(schema), app_metadata=metadata
+        )
+
+    def _null_counts(self, schema: pa.Schema) -> dict[str, int]:
+        """The table's nulls in each of ``schema``'s columns that has any, from the nodes' status."""
+        counts: dict[str, int] = {}
+        for s in self.node_status.values():
+            for name, n in (s.get("null_counts") or {}).items():
+                if n and name in schema.names:
+                    counts[name] = counts.get(name, 0) + n
+        return counts
 
     def _row_bytes(self, schema: pa.Schema) -> int:
         col_bytes: dict[str, int] = {}

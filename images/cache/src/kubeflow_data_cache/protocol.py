@@ -26,6 +26,22 @@ SKIP_VERSION = 2
 # across its blocks (sharding.deal). A reader resuming mid-epoch must see the order its saved
 # position was counted in: another one puts other rows after the same count.
 ORDER_VERSION = 2
+
+# FlightInfo.app_metadata (JSON; plain Flight clients ignore it): "null_counts", the table's
+# nulls per requested column that has any, where the request has no filter (a filter may leave
+# them out, and only its rows would tell).
+INFO_NULL_COUNTS = "null_counts"
+
+
+def info_null_counts(app_metadata: bytes) -> dict[str, int]:
+    """The null counts a FlightInfo's app_metadata carries ({} from a cache that sends none)."""
+    try:
+        counts = json.loads(app_metadata or b"{}").get(INFO_NULL_COUNTS) or {}
+    except (ValueError, AttributeError):
+        return {}
+    return {str(k): int(v) for k, v in counts.items()} if isinstance(counts, dict) else {}
+
+
 EVEN_MODES = ("drop", "pad")
 DEFAULT_BLOCK_SIZE = 1024
 DEFAULT_BATCH_SIZE = 65536

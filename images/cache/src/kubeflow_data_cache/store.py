@@ -140,6 +140,11 @@ class NodeStore:
         self.offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
         self.num_rows = int(self.offsets[-1])
         self.column_bytes = {name: sum(b.column(i).nbytes for b in self.batches) for i, name in enumerate(schema.names)}
+        # Per column (null lists, for list columns): readers that cannot take nulls refuse them
+        # before their first batch rather than at the batch that holds one (head: FlightInfo).
+        self.null_counts = {
+            name: sum(b.column(i).null_count for b in self.batches) for i, name in enumerate(schema.names)
+        }
         self.nbytes = sum(self.column_bytes.values())
 
     @classmethod
