@@ -207,3 +207,22 @@ def replicated_job(runtime: dict, name: str) -> dict:
 
 def env_of(container_spec: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container_spec.get("env", [])}
+
+
+def selects(selector, labels) -> bool:
+    """Kubernetes' label selector semantics for matchLabels and In/NotIn/Exists/DoesNotExist."""
+    if selector is None:
+        return True
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True

@@ -14,6 +14,7 @@ from tests.chart.render import (
     one,
     prepared_chart,
     replicated_job,
+    selects,
 )
 
 DOC = REPO_ROOT / "docs" / "install.md"
@@ -76,23 +77,6 @@ def test_the_placement_flags_preview_through_hack_helm_as_written():
     assert json.loads(env["CACHE_NODE_SELECTOR"]["value"]) == {"node.kubernetes.io/pool": "cache"}
 
 
-def _selects(selector: dict, labels: dict[str, str]) -> bool:
-    """A Kubernetes label selector (matchLabels, matchExpressions) applied to ``labels``."""
-    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-        return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {
-            "In": key in labels and labels[key] in values,
-            "NotIn": key not in labels or labels[key] not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[op]
-        if not ok:
-            return False
-    return True
-
-
 def _admitted(policy: dict, labels: dict[str, str], namespace_labels: dict[str, str], port: int) -> bool:
     """Whether ``policy`` lets a pod with ``labels`` in a namespace with ``namespace_labels``
     reach ``port`` of the pods it selects (the policy's own namespace is the one carrying its name)."""
@@ -102,8 +86,8 @@ def _admitted(policy: dict, labels: dict[str, str], namespace_labels: dict[str, 
             continue
         for peer in rule["from"]:
             pods, spaces = peer.get("podSelector"), peer.get("namespaceSelector")
-            in_namespace = _selects(spaces, namespace_labels) if spaces is not None else own
-            if in_namespace and (pods is None or _selects(pods, labels)):
+            in_namespace = selects(spaces, namespace_labels) if spaces is not None else own
+            if in_namespace and (pods is None or selects(pods, labels)):
                 return True
     return False
 
@@ -126,7 +110,7 @@ def test_the_network_policy_admits_the_cache_its_trainjobs_and_prometheus_only()
     lws = build_leader_worker_set(cfg, [{"apiVersion": "v1", "kind": "TrainJob", "name": "job-a", "uid": "u"}])
     templates = [lws["spec"]["leaderWorkerTemplate"][t] for t in ("leaderTemplate", "workerTemplate")]
     cache_pods = [t["metadata"]["labels"] for t in templates]
-    assert all(_selects(policy["spec"]["podSelector"], labels) for labels in cache_pods)
+    assert all(selects(policy["spec"]["podSelector"], labels) for labels in cache_pods)
     ports = {p["containerPort"] for t in templates for p in t["spec"]["containers"][0]["ports"]}
     assert ports == {c.FLIGHT_PORT, c.DEFAULT_HEALTH_PORT}
 

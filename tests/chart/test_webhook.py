@@ -1,7 +1,7 @@
 """templates/webhook/: the admission webhook configurations and the certificate Secret."""
 
 from tests.chart.rbac_rules import upstream_trainer_manifests
-from tests.chart.render import NAMESPACE, build_kustomize, one, render_chart, select
+from tests.chart.render import NAMESPACE, build_kustomize, one, render_chart, select, selects
 
 VALIDATOR = "validator.trainer.kubeflow.org"
 DEFAULTER = "defaulter.trainer.kubeflow.org"
@@ -59,25 +59,6 @@ def test_certificate_secret_starts_empty_for_the_controller_to_fill(default_obje
     secret = one(default_objects, "Secret", "kubeflow-trainer-webhook-cert")
     assert secret["metadata"]["namespace"] == NAMESPACE
     assert not secret.get("data") and not secret.get("stringData")
-
-
-def selects(selector, labels) -> bool:
-    """Kubernetes' label selector semantics for matchLabels and In/NotIn/Exists/DoesNotExist."""
-    if selector is None:
-        return True
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for e in selector.get("matchExpressions", []):
-        key, op, values = e["key"], e["operator"], e.get("values", [])
-        ok = {
-            "In": key in labels and labels[key] in values,
-            "NotIn": key not in labels or labels[key] not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[op]
-        if not ok:
-            return False
-    return True
 
 
 def test_shipped_runtime_skips_the_validator_so_one_pass_installs_it(cache_objects):

@@ -106,16 +106,11 @@ def test_trainjob_is_shaped_like_the_sdk_data_cache_initializer() -> None:
     assert job["spec"]["trainer"]["numNodes"] == 2
 
 
-def test_the_cache_pods_of_the_suites_trainjobs_can_sign_their_requests_to_minio() -> None:
-    """What a cache pod's S3 client gets, followed from the TrainJob through the initializer's own
-    config and builders and the Secrets the suite applies, as the kubelet fills env and envFrom.
-
-    The initializer never forwards AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its env: given
-    only there, the cache would read MinIO unsigned, be denied, and every TrainJob would fail.
-    """
+def stream_cache() -> tuple[dict, dict, dict[str, dict]]:
+    """The suite's "stream" TrainJob, the LeaderWorkerSet its initializer builds (its own config
+    and builders, fed the TrainJob's dataset env), and the Secrets the suite applies, by name."""
     from kubeflow_cache_initializer.builders import build_leader_worker_set
     from kubeflow_cache_initializer.config import load_config
-    from kubeflow_data_cache.plan import s3_properties_from_env
 
     job = train_job("stream", NS, META)
     dataset = job["spec"]["initializer"]["dataset"]
@@ -123,8 +118,20 @@ def test_the_cache_pods_of_the_suites_trainjobs_can_sign_their_requests_to_minio
     runtime_env = {"STORAGE_URI": dataset["storageUri"], "TRAIN_JOB_NAME": "stream", "CACHE_IMAGE": CACHE_IMAGE}
     cfg = load_config({**runtime_env, **{e["name"]: e["value"] for e in dataset["env"]}, "NAMESPACE": NS})
     owner = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "stream", "uid": "u"}
-    lws = build_leader_worker_set(cfg, [owner])
     secrets = {o["metadata"]["name"]: o for o in applied_objects() if o["kind"] == "Secret"}
+    return job, build_leader_worker_set(cfg, [owner]), secrets
+
+
+def test_the_cache_pods_of_the_suites_trainjobs_can_sign_their_requests_to_minio() -> None:
+    """What a cache pod's S3 client gets, followed from the TrainJob through the initializer's own
+    config and builders and the Secrets the suite applies, as the kubelet fills env and envFrom.
+
+    The initializer never forwards AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its env: given
+    only there, the cache would read MinIO unsigned, be denied, and every TrainJob would fail.
+    """
+    from kubeflow_data_cache.plan import s3_properties_from_env
+
+    _, lws, secrets = stream_cache()
     for template in ("leaderTemplate", "workerTemplate"):
         (container,) = lws["spec"]["leaderWorkerTemplate"][template]["spec"]["containers"]
         pod_env = {}
@@ -176,18 +183,10 @@ def test_the_namespaces_token_secret_reaches_the_cache_and_its_trainers_alike(wi
     initializer's own config and builders (the cache pods) and the shipped runtime (the
     trainers), as the kubelet fills env: both hold the same token, or, without the Secret, both
     none and every pod still starts."""
-    from kubeflow_cache_initializer.builders import build_leader_worker_set
-    from kubeflow_cache_initializer.config import load_config
     from kubeflow_data_cache.dataset import default_token
     from kubeflow_data_cache.security import load_token
 
-    job = train_job("stream", NS, META)
-    dataset = job["spec"]["initializer"]["dataset"]
-    runtime_env = {"STORAGE_URI": dataset["storageUri"], "TRAIN_JOB_NAME": "stream", "CACHE_IMAGE": CACHE_IMAGE}
-    cfg = load_config({**runtime_env, **{e["name"]: e["value"] for e in dataset["env"]}, "NAMESPACE": NS})
-    owner = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "stream", "uid": "u"}
-    lws = build_leader_worker_set(cfg, [owner])
-    secrets = {o["metadata"]["name"]: o for o in applied_objects() if o["kind"] == "Secret"}
+    job, lws, secrets = stream_cache()
     if not with_token_secret:
         del secrets[READER_TOKEN_SECRET]
     want = READER_TOKEN if with_token_secret else None
