@@ -85,6 +85,9 @@ def test_the_head_counts_nulls_per_requested_column_unless_a_filter_may_drop_the
         assert info_null_counts(filtered.app_metadata) == {}
 
 
-@pytest.mark.parametrize("metadata", [b"", b"not json", b"[1]", b'{"null_counts": "x"}', b'{"other": 1}'])
+@pytest.mark.parametrize(
+    "metadata",
+    [b"", b"not json", b"[1]", b'{"null_counts": "x"}', b'{"null_counts": {"x": "many"}}', b'{"other": 1}'],
+)
 def test_a_cache_that_sends_no_counts_is_read_as_none(metadata):
     assert info_null_counts(metadata) == {}

@@ -37,9 +37,9 @@ def info_null_counts(app_metadata: bytes) -> dict[str, int]:
     """The null counts a FlightInfo's app_metadata carries ({} from a cache that sends none)."""
     try:
         counts = json.loads(app_metadata or b"{}").get(INFO_NULL_COUNTS) or {}
-    except (ValueError, AttributeError):
+        return {str(k): int(v) for k, v in counts.items()}
+    except (ValueError, TypeError, AttributeError):  # not JSON, not an object, not counts
         return {}
-    return {str(k): int(v) for k, v in counts.items()} if isinstance(counts, dict) else {}
 
 
 EVEN_MODES = ("drop", "pad")
