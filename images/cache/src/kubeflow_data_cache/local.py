@@ -43,6 +43,17 @@ PROGRESS_LOG_SECONDS = 5.0
 HEAD_UNANSWERED_DETAIL_SECONDS = 3.0
 
 
+def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
+    """``count`` free ports on ``host``, none in ``taken``, which gains them."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = claim_port(host, 0, label("--port"), label("--host"))
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
+
+
 def _child_preexec(die_with_parent: Callable[[], None] | None) -> Callable[[], None]:
     """Each node's ``preexec_fn``: die with us, and ignore the terminal's Ctrl-C until its own
     handlers are in (runner.run_node): the SIGINT that reaches the whole process group otherwise
@@ -111,15 +122,22 @@ class LocalCluster:
         # Head and nodes prove themselves to each other with a key no reader holds (security.py).
         env.setdefault(CLUSTER_KEY_ENV, secrets.token_urlsafe(24))
         preexec = _child_preexec(die_with_parent())
-        common = ["--host", self.host, "--advertise-host", self.host, "--health-port", "0", "--failure-grace", "1"]
+        # Every port is picked here, none left to the processes' own bind(0): a node binding port
+        # 0 while the head, still importing, had yet to bind its port could be handed that very
+        # port, and the head then failed on it. Picked ports differ from the head's and each other.
+        taken = {self.port}
+        flight_ports = _free_ports(self.host, self.data_nodes, taken)
+        health_ports = _free_ports(self.host, self.data_nodes + 1, taken)
+        common = ["--host", self.host, "--advertise-host", self.host, "--failure-grace", "1"]
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
-        head += ["--port", str(self.port), *common]
+        head += ["--port", str(self.port), "--health-port", str(health_ports[-1]), *common]
         self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec)))
         # The nodes share this machine's CPUs; each reads with its share of them.
         threads = str(max(1, available_cpus() // self.data_nodes))
         for k in range(self.data_nodes):
-            worker = _node_cmd("worker", "--index", str(k), "--head", self.location, "--port", "0", *common)
+            worker = _node_cmd("worker", "--index", str(k), "--head", self.location, "--port", str(flight_ports[k]))
+            worker += ["--health-port", str(health_ports[k]), *common]
             worker += ["--metadata-loc", self.metadata_loc, "--load-threads", threads]
             if self.memory_limit:
                 worker += ["--memory-limit", self.memory_limit]
