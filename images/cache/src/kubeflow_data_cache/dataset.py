@@ -686,13 +686,17 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
     )
 
 
+def _is_list_type(t: pa.DataType) -> bool:
+    return pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
 def null_refusal(name: str, t: pa.DataType, nulls: int) -> str | None:
     """Why the default conversion cannot take ``nulls`` nulls in column ``name`` of type ``t``,
     or None where it can (floats become NaN, strings None) or there are none."""
     if not nulls:
         return None
     fix = f"leave those rows out with filter='\"{name}\" IS NOT NULL', or override from_arrow_rb_to_tensor to fill them"
-    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+    if _is_list_type(t):
         return f"column {name!r} has {nulls} null list(s); {fix}"
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
         return f"column {name!r} ({t}) has {nulls} null value(s); {fix}"
@@ -714,7 +718,7 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return col.to_pylist()
-    if pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+    if _is_list_type(t):
         if col.null_count:
             raise ValueError(null_refusal(name, t, col.null_count))
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)

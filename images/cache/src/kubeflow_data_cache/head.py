@@ -421,20 +421,20 @@ class Head(ReadOnlyFlight):
             schema, descriptor, endpoints, rows, rows * self._row_bytes(schema), app_metadata=metadata
         )
 
+    def _column_totals(self, key: str) -> dict[str, int]:
+        """A per-column figure of the nodes' status (``column_bytes``, ``null_counts``), summed."""
+        totals: dict[str, int] = {}
+        for s in self.node_status.values():
+            for name, n in (s.get(key) or {}).items():
+                totals[name] = totals.get(name, 0) + n
+        return totals
+
     def _null_counts(self, schema: pa.Schema) -> dict[str, int]:
         """The table's nulls in each of ``schema``'s columns that has any, from the nodes' status."""
-        counts: dict[str, int] = {}
-        for s in self.node_status.values():
-            for name, n in (s.get("null_counts") or {}).items():
-                if n and name in schema.names:
-                    counts[name] = counts.get(name, 0) + n
-        return counts
+        return {name: n for name, n in self._column_totals("null_counts").items() if n and name in schema.names}
 
     def _row_bytes(self, schema: pa.Schema) -> int:
-        col_bytes: dict[str, int] = {}
-        for s in self.node_status.values():
-            for name, n in (s.get("column_bytes") or {}).items():
-                col_bytes[name] = col_bytes.get(name, 0) + n
+        col_bytes = self._column_totals("column_bytes")
         rows = max(1, sum(a.rows for a in self.assignments))
         return round(sum(col_bytes.get(name, 0) for name in schema.names) / rows)
 

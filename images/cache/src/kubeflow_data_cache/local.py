@@ -43,13 +43,12 @@ PROGRESS_LOG_SECONDS = 5.0
 HEAD_UNANSWERED_DETAIL_SECONDS = 3.0
 
 
-def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
-    """``count`` free ports on ``host``, none in ``taken``, which gains them."""
+def _free_ports(host: str, count: int, taken: int) -> list[int]:
+    """``count`` distinct free ports on ``host``, none of them ``taken``."""
     ports: list[int] = []
     while len(ports) < count:
         port = claim_port(host, 0, label("--port"), label("--host"))
-        if port not in taken:
-            taken.add(port)
+        if port != taken and port not in ports:
             ports.append(port)
     return ports
 
@@ -125,9 +124,8 @@ class LocalCluster:
         # Every port is picked here, none left to the processes' own bind(0): a node binding port
         # 0 while the head, still importing, had yet to bind its port could be handed that very
         # port, and the head then failed on it. Picked ports differ from the head's and each other.
-        taken = {self.port}
-        flight_ports = _free_ports(self.host, self.data_nodes, taken)
-        health_ports = _free_ports(self.host, self.data_nodes + 1, taken)
+        ports = _free_ports(self.host, 2 * self.data_nodes + 1, taken=self.port)
+        flight_ports, health_ports = ports[: self.data_nodes], ports[self.data_nodes :]
         common = ["--host", self.host, "--advertise-host", self.host, "--failure-grace", "1"]
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))

@@ -45,13 +45,14 @@ def cache_names(cfg: Config) -> CacheNames:
     return CacheNames(cache=cache, service=cfg.train_job_name + c.SERVICE_NAME_SUFFIX)
 
 
-def owner_reference(train_job: dict, controller: bool) -> dict:
-    """A reference to the TrainJob, so that deleting it deletes what references it."""
+def owner_reference(owner: dict, controller: bool) -> dict:
+    """A reference to ``owner`` (the TrainJob; a cache, for its key Secret), so that deleting it
+    deletes what references it."""
     ref = {
-        "apiVersion": train_job["apiVersion"],
-        "kind": train_job["kind"],
-        "name": train_job["metadata"]["name"],
-        "uid": train_job["metadata"]["uid"],
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
     }
     if controller:
         ref["controller"] = True
@@ -297,18 +298,10 @@ def build_cluster_key_secret(cfg: Config, name: str, lws: dict, key: str) -> dic
     Owned by the LeaderWorkerSet, not the TrainJob: a shared cache outlives the TrainJob that
     made it, and its key must live exactly as long as it. Immutable: the key never changes.
     """
-    meta = lws["metadata"]
-    owner = {
-        "apiVersion": lws["apiVersion"],
-        "kind": lws["kind"],
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-    }
     return {
         "apiVersion": SECRETS.api_version,
         "kind": SECRETS.kind,
-        "metadata": _metadata(cfg, name, [owner]),
+        "metadata": _metadata(cfg, name, [owner_reference(lws, controller=True)]),
         "type": "Opaque",
         "immutable": True,
         "data": {c.KEY_SECRET_DATA_KEY: base64.b64encode(key.encode()).decode()},

@@ -220,11 +220,16 @@ def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     )
 
 
+def _is_secret_name(name: str) -> bool:
+    """A Secret's name: a DNS-1123 subdomain of at most 253 characters."""
+    return bool(_DNS_SUBDOMAIN.match(name)) and len(name) <= 253
+
+
 def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, ...]:
     """A comma-separated list of Secret names (DNS-1123 subdomains), each checked."""
     secrets = tuple(s.strip() for s in env.get(name, "").split(",") if s.strip())
     for secret in secrets:
-        if not _DNS_SUBDOMAIN.match(secret) or len(secret) > 253:
+        if not _is_secret_name(secret):
             r._bad(name, "comma-separated Secret names (DNS-1123 subdomains)", secret)
     return secrets
 
@@ -235,7 +240,7 @@ def _token_secret(r: _Reader, env: Mapping[str, str]) -> str | None:
     name = env.get("CACHE_TOKEN_SECRET", "").strip() or c.DEFAULT_TOKEN_SECRET
     if name == c.NO_TOKEN_SECRET:
         return None
-    if not _DNS_SUBDOMAIN.match(name) or len(name) > 253:
+    if not _is_secret_name(name):
         r._bad("CACHE_TOKEN_SECRET", f"a Secret name (a DNS-1123 subdomain), or {c.NO_TOKEN_SECRET}", name)
     return name
 
