@@ -31,12 +31,14 @@ setup: $(STAMP) ## Build .venv: both packages (editable), their console scripts 
 
 .PHONY: lock
 lock: | uv ## Recompile the requirement locks (versions only; torch stays a plain version)
+	# --upgrade-package torch: the lock's plain torch==X pin, taken as a preference, would pick the
+	# index's CUDA build of X (and its nvidia-* wheels); re-resolving torch picks the find-links CPU build.
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
 	  images/cache/pyproject.toml images/initializer/pyproject.toml requirements-dev.in \
-	  --extra torch -o requirements-dev.lock
+	  --extra server --extra torch --upgrade-package torch -o requirements-dev.lock
 	# The image locks carry sha256 hashes: the Dockerfiles install them with --require-hashes.
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
-	  --generate-hashes images/cache/pyproject.toml -o images/cache/requirements.lock
+	  --generate-hashes --extra server images/cache/pyproject.toml -o images/cache/requirements.lock
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
 	  --generate-hashes images/initializer/pyproject.toml -o images/initializer/requirements.lock
 	# A `+cpu` local label would only install where that wheel sits; keep the plain version.

@@ -8,6 +8,7 @@ import os
 import sys
 
 from kubeflow_data_cache.errors import ConfigError, DataCacheError
+from kubeflow_data_cache.extras import require_server
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
     try:
         _setup_logging(_log_level(args.log_level), role)
+        require_server(args.command)  # every command runs or writes for the server
         if args.command in ("head", "worker"):
             if args.command == "worker":
                 from kubeflow_data_cache import allocator
