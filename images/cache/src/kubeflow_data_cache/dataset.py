@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -120,6 +121,10 @@ def _env_int(env: dict[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"`{name}` should be an integer, got {raw!r}") from None
+
+
+class RepeatedEpochWarning(UserWarning):
+    """A shuffled epoch read again without ``set_epoch``: the same order as the last read."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +267,10 @@ class DataCacheDataset(IterableDataset):
         # to the end, 0 before. Tells state_dict in the main process that the positions to save
         # are in the workers, not here (a plain DataLoader's workers read their own copies).
         self._worker_reads = SharedInts(WORKER_SLOTS)
+        self._finished_epoch: int | None = None  # the epoch this process last read to the end
+        # Set once the repeat warning was given, in any worker: said once per dataset, not per
+        # worker per epoch (a plain DataLoader starts new workers every epoch).
+        self._repeat_warned = SharedInt()
         # One connection to the cache, kept from epoch to epoch (client.KeptClient).
         self._connection = KeptClient()
         self._progress: _Progress | None = None
@@ -349,9 +358,14 @@ class DataCacheDataset(IterableDataset):
         slot = None
         if get_worker_info() is not None:
             slot = world.worker_id % WORKER_SLOTS
+            # A worker with this id (this one, or its predecessor of a plain DataLoader) read it.
+            read_before = self._worker_reads[slot] == -(self.epoch + 1)
             self._worker_reads[slot] = self.epoch + 1
         else:  # this process reads now: what workers read before is no longer the position
+            read_before = self._finished_epoch == self.epoch
             self._worker_reads.clear()
+        if read_before and self.shuffle and not skip:
+            self._warn_repeated_epoch()
         self._progress = _Progress(self.epoch, world.shard, world.num_shards, skip, streams, order)
         return self._stream(request, skip, self._progress, slot)
 
@@ -369,8 +383,25 @@ class DataCacheDataset(IterableDataset):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
                 yield batch
-        if slot is not None:  # read to the end (not abandoned): this worker's part of the epoch is done
+        # Read to the end (not abandoned): this reader's part of the epoch is done.
+        if slot is not None:
             self._worker_reads[slot] = -(progress.epoch + 1)
+        else:
+            self._finished_epoch = progress.epoch
+
+    def _warn_repeated_epoch(self) -> None:
+        """Forgetting set_epoch trains every epoch on the first one's order, and nothing fails."""
+        if self._repeat_warned.value:
+            return
+        self._repeat_warned.value = 1
+        warnings.warn(
+            f"DataCacheDataset(shuffle=True) is reading epoch {self.epoch} again, in the same order as "
+            "the last read: call dataset.set_epoch(epoch) before each epoch for a new order (as with "
+            "DistributedSampler). To repeat an order on purpose, filter kubeflow_data_cache.dataset."
+            "RepeatedEpochWarning.",
+            RepeatedEpochWarning,
+            stacklevel=4,
+        )
 
     def _rebatch(self, record_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[Any, int]]:
         """Group record batches into runs of ~CONVERT_ROWS, convert each run once, slice it.
