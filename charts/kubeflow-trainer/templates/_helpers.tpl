@@ -24,10 +24,19 @@
 
 {{/* Labels of every object; `component` is added per folder. */}}
 {{- define "trainer.labels" -}}
-{{ include "trainer.selectorLabels" . }}
-{{- $labels := dict "helm.sh/chart" (include "trainer.chart" .) "app.kubernetes.io/version" .Chart.AppVersion "app.kubernetes.io/managed-by" .Release.Service "app.kubernetes.io/part-of" "kubeflow" }}
+{{ include "trainer.labelsWithVersion" (list . .Chart.AppVersion) }}
+{{- end }}
+
+{{/*
+trainer.labels with another app.kubernetes.io/version, for a part that ships at a version of its
+own (the data cache): (list $ "<label value>").
+*/}}
+{{- define "trainer.labelsWithVersion" -}}
+{{- $root := index . 0 }}
+{{ include "trainer.selectorLabels" $root }}
+{{- $labels := dict "helm.sh/chart" (include "trainer.chart" $root) "app.kubernetes.io/version" (index . 1) "app.kubernetes.io/managed-by" $root.Release.Service "app.kubernetes.io/part-of" "kubeflow" }}
 {{- /* commonLabels win over the chart's non-selector labels (part-of, version...): one key, one value. */}}
-{{- range $key, $value := merge (deepCopy (.Values.commonLabels | default dict)) $labels }}
+{{- range $key, $value := merge (deepCopy ($root.Values.commonLabels | default dict)) $labels }}
 {{ $key }}: {{ $value | quote }}
 {{- end }}
 {{- end }}

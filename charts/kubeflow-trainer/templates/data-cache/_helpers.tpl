@@ -1,6 +1,20 @@
+{{/*
+The data cache's labels: app.kubernetes.io/version is the data cache's version, not Trainer's
+(commonLabels still win over it, as over trainer.labels' own).
+*/}}
 {{- define "trainer.dataCache.labels" -}}
-{{ include "trainer.labels" . }}
+{{ include "trainer.labelsWithVersion" (list . (include "trainer.dataCache.version" .)) }}
 app.kubernetes.io/component: data-cache
+{{- end }}
+
+{{/*
+The data cache's version: the initializer image tag, which the runtime pins (the chart's appVersion
+if it is empty), as a label value: a character a label cannot hold (`+` of semver build metadata...)
+becomes `_`, at most 63 characters, letters or digits at both ends.
+*/}}
+{{- define "trainer.dataCache.version" -}}
+{{- $version := regexReplaceAll "[^-A-Za-z0-9_.]" (.Values.dataCache.initializer.image.tag | default .Chart.AppVersion | toString) "_" | trunc 63 }}
+{{- regexReplaceAll "^[^A-Za-z0-9]+|[^A-Za-z0-9]+$" $version "" }}
 {{- end }}
 
 {{/* The ClusterRole the per-namespace RoleBindings grant to the initializer's ServiceAccount. */}}
