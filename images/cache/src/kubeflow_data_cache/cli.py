@@ -70,8 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument(
         "--port", type=int, default=50051, help="the head's Flight port (default 50051; 0 picks a free one)"
     )
+    local.add_argument("--host", default="127.0.0.1", help="address every process binds (default 127.0.0.1)")
     local.add_argument(
-        "--host", default="127.0.0.1", help="address every process binds and advertises (default 127.0.0.1)"
+        "--advertise-host",
+        help="address readers reach the cache at, in READY and the data nodes' endpoints "
+        "(default --host; this machine's hostname when --host is 0.0.0.0 or ::)",
+    )
+    local.add_argument(
+        "--health-port", type=int, default=0, help="the head's /ready /live /metrics port (default 0: a free one)"
     )
     local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi (default the cgroup limit)")
     local.add_argument("--schema-name", help="schema (namespace) name the cache reports (env SCHEMA_NAME)")
@@ -146,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.memory_limit,
                     args.startup_timeout,
                     extra_args=extra,
+                    advertise_host=args.advertise_host,
+                    health_port=args.health_port,
                 )
             )
         from kubeflow_data_cache.sample import create_sample_table

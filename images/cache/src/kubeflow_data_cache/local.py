@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,12 +44,16 @@ PROGRESS_LOG_SECONDS = 5.0
 HEAD_UNANSWERED_DETAIL_SECONDS = 3.0
 
 
-def _free_ports(host: str, count: int, taken: int) -> list[int]:
-    """``count`` distinct free ports on ``host``, none of them ``taken``."""
+# Bind addresses that mean "every interface": no client can connect to them by that name.
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
+    """``count`` distinct free ports on ``host``, none of them in ``taken``."""
     ports: list[int] = []
     while len(ports) < count:
         port = claim_port(host, 0, label("--port"), label("--host"))
-        if port != taken and port not in ports:
+        if port not in taken and port not in ports:
             ports.append(port)
     return ports
 
@@ -80,9 +85,12 @@ class LocalCluster:
         memory_limit: str | None = None,
         startup_timeout: float = 120.0,
         extra_args: tuple[str, ...] = (),
+        advertise_host: str | None = None,
+        health_port: int = 0,
     ):
         # Checked before any process starts: a bad value would otherwise show only as a node's exit code.
         self.port = port_setting(label("--port"), port, constants.FLIGHT_PORT)
+        self.health_port = port_setting(label("--health-port"), health_port, 0)
         self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
         if memory_limit:
             parse_bytes(memory_limit, "--memory-limit")
@@ -92,6 +100,14 @@ class LocalCluster:
             )
         check_metadata_location(metadata_loc)
         self.metadata_loc, self.data_nodes, self.host = metadata_loc, data_nodes, host
+        wildcard = host.strip("[]") in WILDCARD_HOSTS
+        if advertise_host is not None and not advertise_host.strip():
+            raise ConfigError("--advertise-host is empty: give the name or address readers reach this machine at")
+        # What readers are told (the READY line, the data nodes' endpoints). A wildcard bind is no
+        # address to connect to: the machine's name stands for it, as in a pod without POD_IP.
+        self.advertise_host = advertise_host or (socket.gethostname() if wildcard else host)
+        # How this process and the nodes reach the head: on this machine, so loopback for a wildcard.
+        self.reach_host = WILDCARD_HOSTS[host.strip("[]")] if wildcard else host
         self.memory_limit = memory_limit
         self.extra_args = extra_args
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -109,13 +125,28 @@ class LocalCluster:
 
     @property
     def location(self) -> str:
-        return f"{self.scheme}://{host_port(self.host, self.port)}"
+        """The head's address for readers (the READY line)."""
+        return f"{self.scheme}://{host_port(self.advertise_host, self.port)}"
+
+    @property
+    def head_location(self) -> str:
+        """The head's address for the processes on this machine: ours and the data nodes'."""
+        return f"{self.scheme}://{host_port(self.reach_host, self.port)}"
+
+    @property
+    def health_url(self) -> str:
+        """The head's /ready, /live and /metrics, as readers reach them."""
+        return f"http://{host_port(self.advertise_host, self.health_port)}"
 
     def start(self) -> None:
         # A taken port is refused now: the head would fail to bind it while wait_ready talked to
         # whatever listens there, and another cache there answers "ready". Port 0 becomes a free
         # port picked here, so that the READY line can name it.
         self.port = claim_port(self.host, self.port, label("--port"), label("--host"))
+        if self.health_port:
+            if self.health_port == self.port:
+                raise ConfigError(f"--health-port {self.health_port} is also --port: give the head two ports")
+            claim_port(self.host, self.health_port, label("--health-port"), label("--host"))
         # The nodes' memory refusal names our flags; each node gets SIGTERM if we die, even by SIGKILL.
         env = {**os.environ, LOCAL_ENV: "1"}
         # Head and nodes prove themselves to each other with a key no reader holds (security.py).
@@ -124,17 +155,20 @@ class LocalCluster:
         # Every port is picked here, none left to the processes' own bind(0): a node binding port
         # 0 while the head, still importing, had yet to bind its port could be handed that very
         # port, and the head then failed on it. Picked ports differ from the head's and each other.
-        ports = _free_ports(self.host, 2 * self.data_nodes + 1, taken=self.port)
+        ports = _free_ports(self.host, 2 * self.data_nodes + 1, taken={self.port, self.health_port})
         flight_ports, health_ports = ports[: self.data_nodes], ports[self.data_nodes :]
-        common = ["--host", self.host, "--advertise-host", self.host, "--failure-grace", "1"]
+        self.health_port = self.health_port or health_ports[-1]
+        common = ["--host", self.host, "--advertise-host", self.advertise_host, "--failure-grace", "1"]
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
-        head += ["--port", str(self.port), "--health-port", str(health_ports[-1]), *common]
+        head += ["--port", str(self.port), "--health-port", str(self.health_port), *common]
         self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec)))
         # The nodes share this machine's CPUs; each reads with its share of them.
         threads = str(max(1, available_cpus() // self.data_nodes))
         for k in range(self.data_nodes):
-            worker = _node_cmd("worker", "--index", str(k), "--head", self.location, "--port", str(flight_ports[k]))
+            worker = _node_cmd(
+                "worker", "--index", str(k), "--head", self.head_location, "--port", str(flight_ports[k])
+            )
             worker += ["--health-port", str(health_ports[k]), *common]
             worker += ["--metadata-loc", self.metadata_loc, "--load-threads", threads]
             if self.memory_limit:
@@ -149,7 +183,7 @@ class LocalCluster:
 
     def wait_ready(self, should_stop=lambda: False) -> dict:
         """Poll the head's status until ready; raise with the reason on failure or deadline."""
-        client = client_for(self.location, self.tls_root_certs)
+        client = client_for(self.head_location, self.tls_root_certs)
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
         last_shape, last_logged = None, 0.0
@@ -226,6 +260,7 @@ def run_local(cluster: LocalCluster) -> int:
                 node["bytes"] / 2**20,
                 node.get("load_seconds"),
             )
+        log.info("the head's /ready, /live and /metrics: %s", cluster.health_url)
         print(f"READY {cluster.location}", flush=True)
         while stopping["signal"] is None:
             dead = cluster._dead()
