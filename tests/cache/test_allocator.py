@@ -251,23 +251,36 @@ def test_gather_reclaim_waits_for_quiet_and_keeps_one_timer():
 
     from kubeflow_data_cache.allocator import GatherReclaim
 
+    def timers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "gather-reclaim"]
+
+    def all_fired(among: list[threading.Thread] | None = None) -> bool:
+        """Whether the timers ``among`` (default: all, new ones too) have fired, within 10 s."""
+        deadline = time.monotonic() + 10
+        while any(among is None or t in among for t in timers()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     # A delay well past any pause of a loaded machine inside the loop below, which would fire
     # a reclaim between two streams and read as a broken timer.
     reclaim = GatherReclaim(idle_seconds=1.0)
     for _ in range(50):
         reclaim.opened()
         reclaim.closed()
-        timers = [t for t in threading.enumerate() if t.name == "gather-reclaim"]
-        assert len(timers) <= 1
+        assert len(timers()) <= 1
     reclaim.opened()  # one stays open past the delay: nothing is reclaimed under it
-    time.sleep(1.3)
+    pending = timers()
+    assert pending, "the last close should have set a timer"
+    assert all_fired(pending), "the timer set before the stream opened did not fire"
     assert reclaim.reclaims == 0
     reclaim.closed()
     deadline = time.monotonic() + 5
     while reclaim.reclaims == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reclaim.reclaims == 1
-    time.sleep(1.3)
+    assert all_fired(), "a reclaim timer still pending 10s after the reclaim"
     assert reclaim.reclaims == 1, "one quiet spell, one reclaim"
 
 

@@ -96,25 +96,41 @@ def test_the_filter_cache_stays_within_its_byte_budget(store):
 def test_concurrent_requests_for_a_new_filter_match_it_once(store, monkeypatch):
     """Every reader of a new filter asks at once (and the head retries a slow count): one pass."""
     import threading
-    import time
+    from concurrent.futures import Future
 
     from kubeflow_data_cache import filtering
 
-    calls = []
+    calls, waiting = [], []
+    asked = threading.Condition()  # each thread that is matching, or waiting for another's match
     release = threading.Event()
 
     def slow_match(s, predicate):
-        calls.append(predicate)
+        with asked:
+            calls.append(predicate)
+            asked.notify_all()
         release.wait(10)
         return np.array([1, 2], dtype=np.int64)
 
+    class WatchedFuture(Future):
+        def result(self, timeout=None):
+            with asked:
+                waiting.append(1)
+                asked.notify_all()
+            return super().result(timeout)
+
     monkeypatch.setattr(filtering, "matching_rows", slow_match)
+    monkeypatch.setattr(filtering, "Future", WatchedFuture)
     cache = FilterCache(store)
     results = []
     threads = [threading.Thread(target=lambda: results.append(cache.rows("id < 3").tolist())) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # every thread has asked by now; without the dedupe each would be matching
+    # Released only once every thread is past the cache's lookup: a thread that came late would
+    # find the result cached and hide a missing dedupe.
+    with asked:
+        assert asked.wait_for(lambda: len(calls) + len(waiting) == 4, timeout=10), (
+            f"not every thread asked for the filter within 10s: {len(calls)} matching, {len(waiting)} waiting"
+        )
     release.set()
     for t in threads:
         t.join(10)

@@ -3,12 +3,30 @@ stops when the consumer goes away (a client that disconnects mid-stream)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+import types
 
 import pytest
 
+from kubeflow_data_cache import readahead
 from kubeflow_data_cache.readahead import Readahead
+
+
+@pytest.fixture
+def waits_for_room(monkeypatch) -> threading.Event:
+    """Set when a Readahead's producer offers an item to a full queue: it waits for room."""
+    full = threading.Event()
+
+    class WatchedQueue(queue.Queue):
+        def put(self, item, block=True, timeout=None):
+            if self.full():
+                full.set()
+            super().put(item, block, timeout)
+
+    monkeypatch.setattr(readahead, "queue", types.SimpleNamespace(Queue=WatchedQueue, Full=queue.Full))
+    return full
 
 
 def test_items_come_in_order():
@@ -27,19 +45,23 @@ def test_a_failure_is_raised_after_the_items_before_it():
     assert got == list(range(5))
 
 
-def test_the_producer_runs_at_most_depth_items_ahead():
+def test_the_producer_runs_at_most_depth_items_ahead(waits_for_room):
     produced = []
+    taken = threading.Event()
 
     def source():
         for i in range(100):
             produced.append(i)
             yield i
+            if i == 0:  # the rest once the consumer has the first: any wait for room comes after
+                assert taken.wait(10)
 
     stream = Readahead(source(), depth=3)
     assert next(stream) == 0
-    time.sleep(0.3)  # time for the producer to run as far ahead as it may
+    taken.set()
+    assert waits_for_room.wait(10), f"the producer never waited for room ({len(produced)} items produced)"
     # The item handed out, `depth` queued, and one more in the producer's hands waiting for room.
-    assert len(produced) <= 1 + 3 + 1
+    assert len(produced) == 1 + 3 + 1
     stream.close()
 
 
@@ -70,7 +92,7 @@ def test_depth_must_be_positive():
         list(Readahead(iter([1]), depth=0))
 
 
-def test_closing_one_never_read_stops_its_producer_too():
+def test_closing_one_never_read_stops_its_producer_too(waits_for_room):
     finished = threading.Event()
 
     def source():
@@ -80,7 +102,8 @@ def test_closing_one_never_read_stops_its_producer_too():
             finished.set()
 
     stream = Readahead(source(), depth=1, name="never-read")
-    time.sleep(0.1)  # started at once: it fills its one slot and waits for room
+    # Started at once: it fills its one slot and waits for room, where the close must reach it.
+    assert waits_for_room.wait(10), "the producer of a never-read stream never waited for room"
     stream.close()
     assert finished.wait(10)
     assert list(stream) == []

@@ -3,6 +3,7 @@ gone within the shutdown grace instead of waiting for the reader for ever."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import urllib.error
 
 import pyarrow.flight as flight
+import pytest
 
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
@@ -74,6 +76,29 @@ def test_a_stalled_reader_does_not_hold_a_stopping_node(table_factory, tmp_path)
         stop_processes([head, node], 15)
 
 
+def _has_pyarrow(pid: int) -> bool:
+    """Whether process ``pid`` has loaded pyarrow's library: its interpreter is up and importing."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libarrow" in maps.read()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (a node catches SIGTERM once
+    runner.run_node's handlers are in; Python's KeyboardInterrupt is a SIGINT handler)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
+
+
+def _freeze(process, deadline: float) -> None:
+    """SIGSTOP ``process`` (a psutil.Process) and wait until it is stopped: it changes nothing meanwhile."""
+    process.suspend()
+    while process.status() != "stopped":
+        assert time.monotonic() < deadline, f"{process.cmdline()} did not stop on SIGSTOP"
+        time.sleep(0.001)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes' state in /proc")
 def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small_table):
     """A terminal's Ctrl-C reaches the whole process group, nodes included: while they were still
     importing, it printed their KeyboardInterrupt tracebacks and nothing else. `local` stops them."""
@@ -89,17 +114,43 @@ def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small
         text=True,
         start_new_session=True,  # a group of its own, as a terminal's foreground job is
     )
-    deadline = time.monotonic() + 30
-    while len(psutil.Process(proc.pid).children()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    children = psutil.Process(proc.pid).children()
-    assert len(children) == 3, "local should have started its head and two data nodes"
-    time.sleep(0.3)  # the nodes' interpreters are up and importing (pyarrow, pyiceberg: seconds)
-    os.killpg(proc.pid, signal.SIGINT)
+    # Each of local's processes (its head and two data nodes) is frozen as soon as it has loaded
+    # pyarrow, still without its own handlers: the Ctrl-C reaches all three mid-import, however
+    # fast or slow this machine imports.
+    frozen: dict[int, psutil.Process] = {}
+    parent = psutil.Process(proc.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while len(frozen) < 3:
+            assert proc.poll() is None, f"local exited with {proc.returncode} before its nodes started"
+            assert time.monotonic() < deadline, f"{len(frozen)} of local's 3 processes loaded pyarrow within 60s"
+            for child in parent.children():
+                # Not a fork of local's that has yet to exec its node (it has pyarrow, and handlers).
+                started = child.cmdline() != parent.cmdline()
+                if child.pid not in frozen and started and _has_pyarrow(child.pid):
+                    _freeze(child, deadline)
+                    frozen[child.pid] = child
+                    assert not _catches(child.pid, signal.SIGTERM), f"{child.cmdline()} was past its imports"
+            time.sleep(0.005)
+        # Local is frozen too, until each node that catches the SIGINT (as Python does unless it is
+        # ignored) has dealt with it: otherwise local's SIGTERM could end it first, hiding its traceback.
+        catching = [child for child in frozen.values() if _catches(child.pid, signal.SIGINT)]
+        _freeze(parent, deadline)
+        os.killpg(proc.pid, signal.SIGINT)
+        for child in frozen.values():
+            child.resume()
+        for child in catching:  # it exits (a zombie until local runs again) or gets past its imports
+            while child.status() != "zombie" and not _catches(child.pid, signal.SIGTERM):
+                assert time.monotonic() < deadline, f"{child.cmdline()} neither exited nor started on a SIGINT"
+                time.sleep(0.01)
+    finally:
+        for process in [*frozen.values(), parent]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.resume()
     _, stderr = proc.communicate(timeout=60)
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     # A stop asked for, not a failure: exit 0 as when serving, and no error logged.
     assert proc.returncode == 0 and "stopped by a signal before the cache was ready" in stderr, stderr
     assert " ERROR " not in stderr, stderr
-    _, alive = psutil.wait_procs(children, timeout=15)
+    _, alive = psutil.wait_procs(list(frozen.values()), timeout=15)
     assert not alive, f"still running after local stopped: {[p.cmdline() for p in alive]}"

@@ -86,6 +86,15 @@ def _blocked_on_a_fifo(pid: int | str = "self") -> bool:
     return False
 
 
+def _poll(read, ok, failure: str, timeout: float = 30.0):
+    """``read()`` once ``ok`` of it, within ``timeout`` seconds; else fail with ``failure`` and the last value."""
+    deadline = time.monotonic() + timeout
+    while not ok(value := read()):
+        assert time.monotonic() < deadline, f"{failure}: {value}"
+        time.sleep(0.05)
+    return value
+
+
 def a_data_file(metadata_location: str) -> Path:
     table = open_table(metadata_location, {})
     return Path(sorted(scan_tasks(table, metadata_location))[-1].removeprefix("file://"))
@@ -96,8 +105,24 @@ def test_the_head_names_a_node_waiting_on_a_read(cluster, tmp_path, monkeypatch)
     table = create_sample_table(str(tmp_path / "wh"), 3000, 3)
     with stalled_file(a_data_file(table.metadata_location)) as name:
         head, head_health, _node, node_health = cluster(table.metadata_location)
-        wait_for(lambda: "has waited" in head.lifecycle.detail)
-        time.sleep(0.5)  # well past the threshold: ages are rounded to 0.1 s in the status
+
+        def waits_on_it_alone(status):
+            loading = status.get("loading") or {}
+            oldest = loading.get("oldest_read") or {}
+            return loading.get("rows") == 2000 and name in oldest.get("what", "") and oldest["seconds"] >= 0.5
+
+        # The node has read the other two files and waits on this one alone, well past the
+        # threshold (ages are rounded to 0.1 s in the status); then the head must name it.
+        mine = _poll(
+            lambda: json.loads(get(node_health.port, "/status")[1]),
+            waits_on_it_alone,
+            "data node 0 never read the other two files and waited 0.5s on the stalled one",
+        )
+        _poll(
+            lambda: head.lifecycle.detail,
+            lambda detail: "data node 0 has waited" in detail and name in detail,
+            f"the head never named the read data node 0 waits on (node: {mine})",
+        )
         status = json.loads(get(head_health.port, "/status")[1])
         assert status["state"] == "loading" and name in status["detail"]
         assert "data node 0 has waited" in status["detail"]
