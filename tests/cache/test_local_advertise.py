@@ -6,28 +6,23 @@
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import urllib.request
 
 import pyarrow.flight as flight
 
-from tests.cache.conftest import read_path_shards
-from tests.cache.test_config_errors import assert_one_line_error
+from tests.cache.conftest import read_descriptor
+from tests.cache.test_config_errors import assert_one_line_error, data_cache
 from tests.conftest import LocalCache, free_port
 
 DEADLINE = 60
 
 
-def _endpoint_hosts(location: str) -> set[str]:
-    client = flight.FlightClient(location)
-    try:
-        info = client.get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
-    finally:
-        client.close()
-    return {loc.uri.decode().split("://", 1)[1].rsplit(":", 1)[0] for e in info.endpoints for loc in e.locations}
+def _read_all(location: str) -> tuple[set[str], int]:
+    """As an upstream client reads the whole table: the hosts its endpoints name, and its rows."""
+    info, table = read_descriptor(location, flight.FlightDescriptor.for_path("0", "1"))
+    hosts = {loc.uri.decode().split("://", 1)[1].rsplit(":", 1)[0] for e in info.endpoints for loc in e.locations}
+    return hosts, table.num_rows
 
 
 def test_a_wildcard_bind_advertises_the_given_host_and_serves_health_on_the_given_port(table_factory):
@@ -39,8 +34,7 @@ def test_a_wildcard_bind_advertises_the_given_host_and_serves_health_on_the_give
     try:
         location = cache.wait_ready(timeout=DEADLINE).split()[1]
         assert location == f"grpc://127.0.0.2:{cache.port}"
-        assert _endpoint_hosts(location) == {"127.0.0.2"}  # the data nodes advertise it too
-        assert read_path_shards(location, total=3).num_rows == 3000
+        assert _read_all(location) == ({"127.0.0.2"}, 3000)  # the data nodes advertise it too
         with urllib.request.urlopen(f"http://127.0.0.2:{health}/ready", timeout=10) as ready:
             assert ready.status == 200
         assert f"the head's /ready, /live and /metrics: http://127.0.0.2:{health}" in cache.read_stderr()
@@ -55,14 +49,13 @@ def test_a_wildcard_bind_advertises_this_machines_name_by_default(table_factory)
         location = cache.wait_ready(timeout=DEADLINE).split()[1]
         name = socket.gethostname()
         assert location == f"grpc://{name}:{cache.port}"
-        assert _endpoint_hosts(f"grpc://127.0.0.1:{cache.port}") == {name}
+        assert _read_all(f"grpc://127.0.0.1:{cache.port}") == ({name}, 2000)
     finally:
         cache.stop()
 
 
-def _local(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", "/nowhere/metadata.json"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=DEADLINE, env=os.environ)
+def _local(*args: str):
+    return data_cache("local", "--metadata-loc", "/nowhere/metadata.json", *args)
 
 
 def test_bad_advertise_host_or_health_port_is_refused_before_any_node_starts():

@@ -309,8 +309,9 @@ class CacheClient:
                     ) from err
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
-                log.info("%s at %s: %s; retrying in %.2fs", what, location, server_message(err), delay)
-                notice.failed(start, deadline, what, location, server_message(err))
+                reason = server_message(err)
+                log.info("%s at %s: %s; retrying in %.2fs", what, location, reason, delay)
+                notice.failed(start, deadline, what, location, reason)
             except (flight.FlightError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
                 raise self._translate(err, location, what) from err
             time.sleep(_backoff(delay, deadline))
@@ -466,10 +467,9 @@ class CacheClient:
                             f"now ({head_trouble}): check the head too"
                         )
                     raise error from err
-                log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, server_message(err))
-                notice.failed(
-                    failing_since, failing_since + self.deadline_seconds, "DoGet", location, server_message(err)
-                )
+                reason = server_message(err)
+                log.info("DoGet at %s broke after %d rows: %s; retrying", location, received, reason)
+                notice.failed(failing_since, failing_since + self.deadline_seconds, "DoGet", location, reason)
                 # A restarted data node may listen elsewhere now; the head knows where. Asked once,
                 # within what is left of the deadline: a frozen head must not hold the read past it.
                 within = failing_since + self.deadline_seconds - now

@@ -100,14 +100,14 @@ class LocalCluster:
             )
         check_metadata_location(metadata_loc)
         self.metadata_loc, self.data_nodes, self.host = metadata_loc, data_nodes, host
-        wildcard = host.strip("[]") in WILDCARD_HOSTS
+        loopback = WILDCARD_HOSTS.get(host.strip("[]"))  # set for a wildcard bind only
         if advertise_host is not None and not advertise_host.strip():
             raise ConfigError("--advertise-host is empty: give the name or address readers reach this machine at")
         # What readers are told (the READY line, the data nodes' endpoints). A wildcard bind is no
         # address to connect to: the machine's name stands for it, as in a pod without POD_IP.
-        self.advertise_host = advertise_host or (socket.gethostname() if wildcard else host)
+        self.advertise_host = advertise_host or (socket.gethostname() if loopback else host)
         # How this process and the nodes reach the head: on this machine, so loopback for a wildcard.
-        self.reach_host = WILDCARD_HOSTS[host.strip("[]")] if wildcard else host
+        self.reach_host = loopback or host
         self.memory_limit = memory_limit
         self.extra_args = extra_args
         self.procs: list[tuple[str, subprocess.Popen]] = []
