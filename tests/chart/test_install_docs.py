@@ -77,6 +77,37 @@ def test_the_placement_flags_preview_through_hack_helm_as_written():
     assert json.loads(env["CACHE_NODE_SELECTOR"]["value"]) == {"node.kubernetes.io/pool": "cache"}
 
 
+def test_the_highly_available_controller_recipe_renders_as_written():
+    """The doc's flags for keeping the controller up: two replicas, a budget that lets one go,
+    the priority class and a spread over nodes that counts the manager's pods."""
+    import shlex
+    import sys
+
+    from tests.schemas import validate_objects
+
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if "podDisruptionBudget" in b]
+    assert len(blocks) == 1
+    words = shlex.split(blocks[0].replace("\\\n", " "))
+    flags = words[words.index("kubeflow-system") + 1 :]
+    rendered = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "template", str(prepared_chart()), *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    objects = _parse(rendered.stdout)
+    validate_objects(objects)
+    deployment = one(objects, "Deployment", "kubeflow-trainer-controller-manager")
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["replicas"] == 2
+    assert pod["spec"]["priorityClassName"] == "system-cluster-critical"
+    (spread,) = pod["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert selects(spread["labelSelector"], pod["metadata"]["labels"])
+    budget = one(objects, "PodDisruptionBudget", "kubeflow-trainer-controller-manager")
+    assert budget["spec"]["minAvailable"] == 1
+    assert selects(budget["spec"]["selector"], pod["metadata"]["labels"])
+
+
 def _admitted(policy: dict, labels: dict[str, str], namespace_labels: dict[str, str], port: int) -> bool:
     """Whether ``policy`` lets a pod with ``labels`` in a namespace with ``namespace_labels``
     reach ``port`` of the pods it selects (the policy's own namespace is the one carrying its name)."""
