@@ -8,8 +8,12 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.errors import NOT_READY_INFO, CacheUnavailableError, answered_not_ready
+from kubeflow_data_cache.protocol import ShardRequest
 from tests.cache.conftest import read_descriptor
 from tests.cache.inprocess import wait_for
+from tests.conftest import free_port
 
 
 def read_path_shard(endpoint: str, index: int, total: int):
@@ -39,6 +43,33 @@ def test_list_flights_before_ready_is_unavailable_and_counted(cluster, small_tab
         list(flight.FlightClient(head.location).list_flights())
     errors = head.metrics.errors.labels(method="ListFlights", code="UNAVAILABLE")._value.get()
     assert errors == 1
+
+
+def test_not_ready_is_marked_so_that_clients_need_not_read_the_words(cluster, small_table):
+    """The marker, not the message, tells a reader that the cache answered "not ready yet"."""
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    with pytest.raises(flight.FlightUnavailableError) as err:
+        flight.FlightClient(head.location).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+    assert err.value.extra_info == NOT_READY_INFO
+    assert answered_not_ready(err.value)
+    # Nothing else is taken for it: an unreachable server, or a message that only says the words.
+    assert not answered_not_ready(flight.FlightUnavailableError("the cache is not ready yet"))
+    with pytest.raises(flight.FlightUnavailableError) as unreachable:
+        flight.FlightClient(f"grpc://127.0.0.1:{free_port()}").get_flight_info(
+            flight.FlightDescriptor.for_path("0", "1"), options=flight.FlightCallOptions(timeout=5)
+        )
+    assert not answered_not_ready(unreachable.value)
+
+
+def test_a_reader_of_a_cache_that_stays_loading_is_told_so(cluster, small_table):
+    """Not "could not reach": the address is right, the cache is not ready, and waiting longer helps."""
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    with (
+        CacheClient(head.location, deadline_seconds=1) as client,
+        pytest.raises(CacheUnavailableError, match=r"was still not ready after 1s .*larger deadline_seconds") as err,
+    ):
+        next(client.read_shard(ShardRequest()))
+    assert "DATA_CACHE_ENDPOINT" not in str(err.value)
 
 
 def test_stopping_a_head_before_ready_is_not_logged_as_a_failure(cluster, small_table, caplog):

@@ -33,6 +33,7 @@ from kubeflow_data_cache.errors import (
     DataCacheError,
     ForkedConnectionError,
     NotReadyError,
+    answered_not_ready,
     server_message,
 )
 from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential_point
@@ -260,7 +261,7 @@ class CacheClient:
 
     def _unavailable(self, err: BaseException, location: str, what: str, waited: float) -> CacheUnavailableError:
         reason = server_message(err)
-        if location == self.endpoint and ("not ready" in reason or "loading" in reason):
+        if location == self.endpoint and answered_not_ready(err):
             return CacheUnavailableError(
                 f"the data cache at {location} was still not ready after {waited:.0f}s ({what}): {reason}; "
                 "a larger deadline_seconds waits longer"
@@ -478,7 +479,7 @@ class CacheClient:
                     head_trouble = ""
                 except flight.FlightError as lookup:
                     # A head that answered (degraded: this very node is down) is not in trouble.
-                    answered = "not ready" in server_message(lookup)
+                    answered = answered_not_ready(lookup)
                     head_trouble = "" if answered else server_message(lookup)
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:

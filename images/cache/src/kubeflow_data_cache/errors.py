@@ -60,6 +60,17 @@ class ForkedConnectionError(DataCacheError):
     """This process was forked while its parent held open cache connections; gRPC cannot be used."""
 
 
+# Sent as the extra_info of an UNAVAILABLE Flight error, so that clients tell a cache that answered
+# "not ready yet" from one that did not answer by a marker, not by the words of a message.
+NOT_READY_INFO = b"kubeflow-data-cache/not-ready"
+
+
+def answered_not_ready(err: BaseException) -> bool:
+    """Whether a cache process answered ``err``, saying that it is not ready yet (loading, or a
+    head whose data node is down), as opposed to not answering at all."""
+    return getattr(err, "extra_info", None) == NOT_READY_INFO
+
+
 def server_message(err: BaseException) -> str:
     """An error's message without what pyarrow and gRPC append to it: the Python traceback of a
     Flight handler (". Detail: Python exception: ...") and gRPC's client debug context."""

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kubeflow_data_cache.errors import (
+    NOT_READY_INFO,
     BadRequestError,
     DataCacheError,
     NodeBusyError,
@@ -156,7 +157,8 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
                 raise pa.ArrowInvalid(str(err)) from None
             except (NotReadyError, NodeBusyError) as err:
                 metrics.errors.labels(method=method, code="UNAVAILABLE").inc()
-                raise flight.FlightUnavailableError(str(err)) from None
+                info = NOT_READY_INFO if isinstance(err, NotReadyError) else b""
+                raise flight.FlightUnavailableError(str(err), info) from None
             except NotImplementedError as err:
                 metrics.errors.labels(method=method, code="UNIMPLEMENTED").inc()
                 raise NotImplementedError(str(err)) from None
