@@ -12,14 +12,15 @@ from kubeflow_data_cache.processes import stop_processes
 
 # A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
 # first starts a grandchild in its group (printing its pid) that does not exit on SIGTERM but
-# notes each one it gets in the file $TERM_LOG (when set).
+# notes it, and each SIGWINCH, in the file $TERM_LOG (when set).
 GRANDCHILD = """
 import os, signal, time
-def noted(*_):
+def noted(signum, _):
     if os.environ.get("TERM_LOG"):
         with open(os.environ["TERM_LOG"], "a") as log:
-            log.write("TERM\\n")
+            log.write(signal.Signals(signum).name.removeprefix("SIG") + "\\n")
 signal.signal(signal.SIGTERM, noted)
+signal.signal(signal.SIGWINCH, noted)
 print("up", flush=True)
 while True:
     time.sleep(600)
@@ -113,7 +114,12 @@ def test_kill_group_sweeps_what_outlives_the_groups_leader():
 
 def test_term_group_reaches_every_member_of_the_group(tmp_path):
     """With term_group the grandchild gets the SIGTERM too (it notes it and lives on); without,
-    only the process itself does."""
+    only the process itself does.
+
+    No timed watch decides "it never came": once stop_processes has returned, a SIGTERM it sent
+    is already pending or handled, so a SIGWINCH sent after it is noted after it (the kernel
+    and Python both take pending signals lowest number first, and SIGTERM is 15, SIGWINCH 28).
+    The grandchild's note of the SIGWINCH therefore closes the record."""
     for term_group in (True, False):
         log = tmp_path / f"term-{term_group}"
         log.touch()
@@ -121,10 +127,11 @@ def test_term_group_reaches_every_member_of_the_group(tmp_path):
         grandchild = int(wait_ready(proc))
         try:
             stop_processes([proc], grace=1, term_group=term_group)
-            deadline = time.monotonic() + (10 if term_group else 1)
-            while not log.read_text() and time.monotonic() < deadline:
+            os.kill(grandchild, signal.SIGWINCH)
+            deadline = time.monotonic() + 10
+            while not log.read_text().endswith("WINCH\n") and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert log.read_text() == ("TERM\n" if term_group else "")
+            assert log.read_text() == ("TERM\nWINCH\n" if term_group else "WINCH\n")
             assert alive(grandchild)  # signalled, not killed (that is kill_group's part)
         finally:
             os.kill(grandchild, 9)
