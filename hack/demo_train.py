@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, required=True, help="rows in the table (to check exactly-once)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank (0: read in the rank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--even-split", choices=["drop", "pad"], help="even split (repeats or drops rows: not exactly once)")
     return p.parse_args(argv)
@@ -42,19 +43,34 @@ def batch_bytes(batch: dict[str, torch.Tensor]) -> int:
     return sum(t.element_size() * t.numel() for t in batch.values())
 
 
-def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tuple[torch.Tensor, int, float]:
-    """Train one epoch; return this rank's per-id counts, tensor bytes received and seconds.
+def timed(batches: Iterable[dict[str, torch.Tensor]], waited: list[float]) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield ``batches``, adding the seconds the loop spent waiting for each to ``waited[0]``: the
+    time a GPU would sit idle for want of data, which is what the cache is there to remove."""
+    batches = iter(batches)
+    while True:
+        asked = time.perf_counter()
+        batch = next(batches, None)
+        waited[0] += time.perf_counter() - asked
+        if batch is None:
+            return
+        yield batch
+
+
+def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tuple[torch.Tensor, int, float, float]:
+    """Train one epoch; return this rank's per-id counts, tensor bytes received, seconds, and
+    seconds spent waiting for data.
 
     The model (labels are ``id % 10``, out of a linear model's reach) only makes the step real:
     the demo measures and checks the data path, not the fit.
     """
     seen = []
     nbytes = 0
+    waited = [0.0]
     start = time.perf_counter()
     # Join lets a rank with fewer batches finish without hanging the others' all-reduce
     # (with even=None shards may differ by a row, so batch counts may differ by one).
     with Join([model]):
-        for step, batch in enumerate(loader, 1):
+        for step, batch in enumerate(timed(loader, waited), 1):
             seen.append(batch["id"])
             nbytes += batch_bytes(batch)
             x = torch.stack([batch["feature_a"], batch["feature_b"].float()], dim=1)
@@ -68,7 +84,7 @@ def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tup
     seconds = time.perf_counter() - start
     ids = torch.cat(seen) if seen else torch.empty(0, dtype=torch.int64)
     counts = torch.bincount(ids, minlength=rows).to(torch.int32)
-    return counts, nbytes, seconds
+    return counts, nbytes, seconds, waited[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,25 +105,31 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(dataset, batch_size=None, num_workers=args.workers, persistent_workers=args.workers > 0)
     if rank == 0:
         readers = world * max(1, args.workers)
-        print(f"training on {world} ranks x {max(1, args.workers)} loader workers = {readers} shards", flush=True)
+        how = f"x {args.workers} loader workers" if args.workers else "(each reading in its own process)"
+        print(f"training on {world} ranks {how} = {readers} shards", flush=True)
 
-    ok, total_rows, total_bytes, total_seconds = True, 0, 0, 0.0
+    ok, total_rows, total_bytes, total_seconds, total_waited = True, 0, 0, 0.0, 0.0
     for epoch in range(args.epochs):
         dataset.set_epoch(epoch)
-        counts, nbytes, seconds = run_epoch(model, optimizer, loader, args.rows, epoch, rank)
+        counts, nbytes, seconds, waited = run_epoch(model, optimizer, loader, args.rows, epoch, rank)
         dist.all_reduce(counts)  # per row id: how many ranks' batches held it, summed
         sent = torch.tensor([nbytes], dtype=torch.int64)
         dist.all_reduce(sent)
-        slowest = torch.tensor([seconds], dtype=torch.float64)
+        slowest = torch.tensor([seconds, waited], dtype=torch.float64)  # each on the slowest rank
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         once = len(counts) == args.rows and bool((counts == 1).all())
         ok = ok and once
-        rows, nbytes, seconds = int(counts.sum()), int(sent), float(slowest)
-        total_rows, total_bytes, total_seconds = total_rows + rows, total_bytes + nbytes, total_seconds + seconds
+        rows, nbytes, (seconds, waited) = int(counts.sum()), int(sent), slowest.tolist()
+        total_rows, total_bytes = total_rows + rows, total_bytes + nbytes
+        total_seconds, total_waited = total_seconds + seconds, total_waited + waited
         if rank == 0:
+            # The rates are the training loop's (data, step and all-reduce together); the wait
+            # is the part of it spent on the data, the first epoch's including the loader
+            # workers' start.
             print(
                 f"epoch {epoch}: {rows:,} rows in {seconds:.2f}s ({rows / seconds:,.0f} rows/s, "
-                f"{nbytes / seconds / 1e6:.1f} MB/s), exactly once: {'yes' if once else 'NO'}",
+                f"{nbytes / seconds / 1e6:.1f} MB/s through the training loop; {waited:.2f}s of it waiting "
+                f"for data), exactly once: {'yes' if once else 'NO'}",
                 flush=True,
             )
             if not once:
@@ -115,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {missing} row(s) never seen, {repeated} seen more than once", flush=True)
     if rank == 0:
         print(
-            f"summary: {total_rows:,} rows over {args.epochs} epochs, {total_rows / total_seconds:,.0f} rows/s, "
-            f"{total_bytes / total_seconds / 1e6:.1f} MB/s, exactly once: {'yes' if ok else 'NO'}",
+            f"summary: {total_rows:,} rows over {args.epochs} epochs, {total_rows / total_seconds:,.0f} rows/s and "
+            f"{total_bytes / total_seconds / 1e6:.1f} MB/s through the training loop, "
+            f"{100 * total_waited / total_seconds:.0f}% of its time waiting for data, "
+            f"exactly once: {'yes' if ok else 'NO'}",
             flush=True,
         )
     dist.destroy_process_group()

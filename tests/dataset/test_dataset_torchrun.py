@@ -19,12 +19,15 @@ RUN_TIMEOUT_SECONDS = 240
 
 def test_demo_sees_every_row_once_per_shuffled_epoch_and_cleans_up():
     cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", "20001", "--files", "3"]
-    cmd += ["--batch-size", "512"]
+    cmd += ["--batch-size", "512", "--workers", "1"]  # ranks x loader workers (the demo's default is 0)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
     assert run.returncode == 0, run.stdout + run.stderr
     epochs = re.findall(r"epoch (\d): ([\d,]+) rows .* exactly once: yes", run.stdout)
     assert epochs == [("0", "20,001"), ("1", "20,001")], run.stdout
+    assert "training on 2 ranks x 1 loader workers = 2 shards" in run.stdout
     assert "summary: 40,002 rows over 2 epochs" in run.stdout and "demo passed" in run.stdout
+    waited = re.search(r"through the training loop, (\d+)% of its time waiting for data", run.stdout)
+    assert waited and 0 < int(waited.group(1)) <= 100, run.stdout
     port = int(re.search(r"data nodes on port (\d+)", run.stdout).group(1))
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))  # the cache's head is gone
