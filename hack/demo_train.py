@@ -43,17 +43,22 @@ def batch_bytes(batch: dict[str, torch.Tensor]) -> int:
     return sum(t.element_size() * t.numel() for t in batch.values())
 
 
-def timed(batches: Iterable[dict[str, torch.Tensor]], waited: list[float]) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield ``batches``, adding the seconds the loop spent waiting for each to ``waited[0]``: the
-    time a GPU would sit idle for want of data, which is what the cache is there to remove."""
-    batches = iter(batches)
-    while True:
-        asked = time.perf_counter()
-        batch = next(batches, None)
-        waited[0] += time.perf_counter() - asked
-        if batch is None:
-            return
-        yield batch
+class DataWait:
+    """The seconds a training loop spends waiting for its next batch: the time a GPU would sit
+    idle for want of data, which is what the cache is there to remove."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        batches = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            self.seconds += time.perf_counter() - asked
+            if batch is None:
+                return
+            yield batch
 
 
 def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tuple[torch.Tensor, int, float, float]:
@@ -65,12 +70,12 @@ def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tup
     """
     seen = []
     nbytes = 0
-    waited = [0.0]
+    wait = DataWait()
     start = time.perf_counter()
     # Join lets a rank with fewer batches finish without hanging the others' all-reduce
     # (with even=None shards may differ by a row, so batch counts may differ by one).
     with Join([model]):
-        for step, batch in enumerate(timed(loader, waited), 1):
+        for step, batch in enumerate(wait.timed(loader), 1):
             seen.append(batch["id"])
             nbytes += batch_bytes(batch)
             x = torch.stack([batch["feature_a"], batch["feature_b"].float()], dim=1)
@@ -84,7 +89,7 @@ def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tup
     seconds = time.perf_counter() - start
     ids = torch.cat(seen) if seen else torch.empty(0, dtype=torch.int64)
     counts = torch.bincount(ids, minlength=rows).to(torch.int32)
-    return counts, nbytes, seconds, waited[0]
+    return counts, nbytes, seconds, wait.seconds
 
 
 def main(argv: list[str] | None = None) -> int:
