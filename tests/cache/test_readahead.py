@@ -3,12 +3,10 @@ stops when the consumer goes away (a client that disconnects mid-stream)."""
 
 from __future__ import annotations
 
-import gc
 import queue
 import threading
 import time
 import types
-import weakref
 
 import pytest
 
@@ -109,62 +107,3 @@ def test_closing_one_never_read_stops_its_producer_too(waits_for_room):
     stream.close()
     assert finished.wait(10)
     assert list(stream) == []
-
-
-def _settles(count, expected: int, seconds: float = 10) -> bool:
-    """Whether ``count()`` reaches ``expected`` and stays there a moment (no more are made)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and count() < expected:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    return count() == expected
-
-
-@pytest.mark.parametrize("depth", [1, 3])
-def test_counting_the_item_in_progress_computes_at_most_depth_ahead(depth):
-    """A data node's gathered batches are megabytes each: with count_in_progress the producer
-    waits for room before it computes the next one, rather than computing it and holding it."""
-    produced = []
-
-    def source():
-        for i in range(100):
-            produced.append(i)
-            yield i
-
-    stream = Readahead(source(), depth=depth, count_in_progress=True)
-    assert next(stream) == 0
-    # The item handed out and `depth` ahead of it, the one the producer computed last included.
-    assert _settles(lambda: len(produced), 1 + depth), len(produced)
-    assert next(stream) == 1
-    assert _settles(lambda: len(produced), 2 + depth), len(produced)
-    assert list(stream) == list(range(2, 100))
-
-
-@pytest.mark.parametrize("count_in_progress", [False, True])
-def test_the_producer_lets_an_item_go_once_handed_out(count_in_progress):
-    """While the next item is computed, the producer keeps no reference to the last one: once
-    the consumer is done with it (Flight has sent a batch), it is freed."""
-
-    class Item:
-        pass
-
-    first, computing, go_on = Item(), threading.Event(), threading.Event()
-    gone = weakref.ref(first)
-
-    def source():
-        nonlocal first
-        item, first = first, None
-        yield item
-        del item
-        computing.set()
-        assert go_on.wait(10)  # a long gather of the next one
-        yield Item()
-
-    stream = Readahead(source(), depth=1, count_in_progress=count_in_progress)
-    item = next(stream)
-    del item
-    assert computing.wait(10)
-    gc.collect()
-    assert gone() is None, "the producer still held the item it had handed out"
-    go_on.set()
-    assert len(list(stream)) == 1
