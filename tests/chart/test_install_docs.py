@@ -51,24 +51,32 @@ def test_the_image_overlay_retargets_both_images_and_places_the_cache_pods():
     assert cfg.image_pull_secrets == ("regcred",)
 
 
-def test_the_placement_flags_preview_through_hack_helm_as_written():
-    """The doc's helm flags, --set-json included, give the runtime the placement env when
-    previewed with hack/helm.py template (the preview the doc recommends)."""
-    import json
+def preview_doc_flags(marker: str, flags_after: str) -> tuple[list[str], list[dict]]:
+    """The helm flags of the doc's one bash block holding ``marker`` (the words after
+    ``flags_after``), and what hack/helm.py template renders with them, as the doc would run it."""
     import shlex
     import sys
 
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if "cache.tolerations" in b]
-    assert len(blocks) == 1
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if marker in b]
+    assert len(blocks) == 1, f"docs/install.md should hold one bash block with {marker!r}"
     words = shlex.split(blocks[0].replace("\\\n", " "))
-    flags = words[words.index("...") + 1 :]
-    assert "--set-json" in flags
+    flags = words[words.index(flags_after) + 1 :]
     rendered = subprocess.run(
         [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "template", str(prepared_chart()), *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert rendered.returncode == 0, rendered.stderr
-    runtime = one(_parse(rendered.stdout), "ClusterTrainingRuntime", RUNTIME)
+    return flags, _parse(rendered.stdout)
+
+
+def test_the_placement_flags_preview_through_hack_helm_as_written():
+    """The doc's helm flags, --set-json included, give the runtime the placement env when
+    previewed with hack/helm.py template (the preview the doc recommends)."""
+    import json
+
+    flags, objects = preview_doc_flags("cache.tolerations", "...")
+    assert "--set-json" in flags
+    runtime = one(objects, "ClusterTrainingRuntime", RUNTIME)
     init = replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"]
     env = env_of(container(init, "dataset-initializer"))
     assert json.loads(env["CACHE_TOLERATIONS"]["value"]) == [
@@ -80,21 +88,9 @@ def test_the_placement_flags_preview_through_hack_helm_as_written():
 def test_the_highly_available_controller_recipe_renders_as_written():
     """The doc's flags for keeping the controller up: two replicas, a budget that lets one go,
     the priority class and a spread over nodes that counts the manager's pods."""
-    import shlex
-    import sys
-
     from tests.schemas import validate_objects
 
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if "podDisruptionBudget" in b]
-    assert len(blocks) == 1
-    words = shlex.split(blocks[0].replace("\\\n", " "))
-    flags = words[words.index("kubeflow-system") + 1 :]
-    rendered = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "template", str(prepared_chart()), *flags],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert rendered.returncode == 0, rendered.stderr
-    objects = _parse(rendered.stdout)
+    _, objects = preview_doc_flags("podDisruptionBudget", "kubeflow-system")
     validate_objects(objects)
     deployment = one(objects, "Deployment", "kubeflow-trainer-controller-manager")
     pod = deployment["spec"]["template"]

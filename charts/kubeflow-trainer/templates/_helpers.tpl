@@ -76,14 +76,13 @@ seccompProfile:
 {{- fail (printf "manager.replicas=%d with manager.config.leaderElect=false would run %d Trainer controllers at once, each acting on every TrainJob; keep leaderElect=true (the default) or set replicas to 1" (int .Values.manager.replicas) (int .Values.manager.replicas)) }}
 {{- end }}
 {{- $budget := .Values.manager.podDisruptionBudget }}
-{{- if and $budget.enabled (lt (int .Values.manager.replicas) 2) }}
-{{- fail (printf "manager.podDisruptionBudget.enabled with manager.replicas=%d would block every drain of the node the controller runs on (no replica may ever be evicted); set manager.replicas to 2 or more, or leave the budget off" (int .Values.manager.replicas)) }}
-{{- end }}
 {{- if $budget.enabled }}
 {{- $replicas := int .Values.manager.replicas }}
 {{- /* A percentage is rounded up, as the disruption controller does. */}}
 {{- $required := ternary (div (add (mul (atoi (trimSuffix "%" (toString $budget.minAvailable))) $replicas) 99) 100) (int $budget.minAvailable) (kindIs "string" $budget.minAvailable) }}
-{{- if ge (int $required) $replicas }}
+{{- if lt $replicas 2 }}
+{{- fail (printf "manager.podDisruptionBudget.enabled with manager.replicas=%d would block every drain of the node the controller runs on (no replica may ever be evicted); set manager.replicas to 2 or more, or leave the budget off" $replicas) }}
+{{- else if ge (int $required) $replicas }}
 {{- fail (printf "manager.podDisruptionBudget.minAvailable=%v keeps all %d replicas, so no replica may ever be evicted and every drain of their nodes would block; set minAvailable below the replicas" $budget.minAvailable $replicas) }}
 {{- end }}
 {{- end }}
