@@ -85,9 +85,9 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="data-cache-bench-")))
         moto = stack.enter_context(MotoServer()) if cfg.s3_sizes else None
         tables = Tables(root, moto)
-        base = memory.baseline(tables.local(1), progress)
+        base = memory.baseline(tables.local(1), cfg.load_repeats, progress)
         results.append(base)
-        baseline_bytes = base.raw["resident_bytes"][0]
+        baseline_bytes = memory.baseline_bytes(base)
         for rows in cfg.sizes:
             progress(f"writing the {rows:,}-row sample table{' (also to moto S3)' if rows in cfg.s3_sizes else ''}")
             tables.local(rows)

@@ -11,6 +11,7 @@ import pyarrow.flight as flight
 import pytest
 
 from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.constants import GATHER_AHEAD_BYTES, READAHEAD_BATCHES
 from kubeflow_data_cache.errors import CacheUnavailableError, NodeBusyError
 from kubeflow_data_cache.memory import (
     GATHER_STREAM_BATCHES,
@@ -18,6 +19,7 @@ from kubeflow_data_cache.memory import (
     ServeMemoryGuard,
     load_guard_threshold,
 )
+from kubeflow_data_cache.node import gather_ahead
 from kubeflow_data_cache.protocol import ShardRequest
 from tests.cache.inprocess import cluster, get, wait_for  # noqa: F401 - cluster is a fixture
 from tests.cache.stalled_readers import STALLED_STREAM_OPTIONS, stalled_readers
@@ -177,3 +179,13 @@ def test_a_burst_of_stalled_readers_is_held_back_under_the_memory_limit(table_fa
         assert np.array_equal(np.sort(ids), np.arange(300_000))
     finally:
         cache.stop()
+
+
+def test_gathering_streams_gather_ahead_within_a_byte_budget():
+    """Each batch a stream gathers ahead is resident on its node: as many as GATHER_AHEAD_BYTES
+    holds (at most READAHEAD_BATCHES), none where one batch alone is larger."""
+    assert gather_ahead(64 << 10) == READAHEAD_BATCHES
+    assert gather_ahead(1 << 20) == GATHER_AHEAD_BYTES // (1 << 20)  # 3 numeric columns, 64K rows
+    assert gather_ahead(GATHER_AHEAD_BYTES) == 1
+    assert gather_ahead(GATHER_AHEAD_BYTES + 1) == 0  # gathered when Flight asks for it
+    assert gather_ahead(0) == READAHEAD_BATCHES

@@ -13,6 +13,7 @@ from kubeflow_data_cache.protocol import ShardRequest
 from kubeflow_data_cache.sharding import (
     ORDER_WINDOW_ROWS,
     EpochOrder,
+    deal,
     endpoint_rows,
     node_rows,
     shard_ranges,
@@ -313,3 +314,14 @@ def test_each_node_deals_about_a_window_of_its_own_rows_however_many_nodes(nodes
     first = next(node_rows(0, share, total, req))
     blocks = len(np.unique(first[: req.block_size] // req.block_size))
     assert len(first) >= ORDER_WINDOW_ROWS // 2 and blocks >= 32, (len(first), blocks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 5000), block=st.integers(1, 700))
+def test_deal_takes_the_first_row_of_every_run_then_the_second_and_so_on(n, block):
+    """The definition, spelled out: a run's k-th row comes before any run's (k+1)-th, runs in
+    their order (deal writes this into one array; it was built from concatenated pieces)."""
+    rows = np.random.default_rng(n).permutation(n).astype(np.int64)
+    positions = np.arange(n)
+    expected = rows[np.lexsort((positions // block, positions % block))]
+    assert np.array_equal(deal(rows, block), expected)

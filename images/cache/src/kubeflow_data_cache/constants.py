@@ -52,8 +52,15 @@ CACHED_FILTER_COUNTS = 256
 # of its own rows' bytes, outside the memory check (filtering.FilterCache).
 FILTER_CACHE_SHARE = 0.125
 FILTER_CACHE_MIN_BYTES = 16 << 20
-# Shuffled or filtered DoGet: batches gathered ahead of the one being sent (bounded memory).
+# Shuffled or filtered DoGet: batches gathered ahead of the one being sent, the one being
+# gathered included, as many as GATHER_AHEAD_BYTES holds (at most READAHEAD_BATCHES): a 3-column
+# batch of 64K rows (1 MiB) is gathered 2 ahead; an all-column one of the benchmarks' table
+# (3.6 MiB) when Flight asks for it, so its node holds one such batch at a time, not three.
+# Gathering ran slower than sending here, so a queue ahead was mostly empty and these bounds
+# changed no read's time in paired runs, but each batch in it is resident on the node (the peak
+# of a 2-node, 2M-row cache while serving fell by ~6-7 MiB a node; docs/cache.md).
 READAHEAD_BATCHES = 4
+GATHER_AHEAD_BYTES = 2 << 20
 # A served batch holds the request's batch_size rows, but no more than this many bytes of the
 # requested columns: a gathering stream holds a few batches at a time, so with wide rows (a
 # 2 KiB embedding) and many concurrent readers, row-counted batches alone would let serving

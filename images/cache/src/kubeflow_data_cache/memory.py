@@ -254,10 +254,12 @@ class LoadMemoryGuard:
         )
 
 
-# What one gathering stream (shuffled or filtered) may hold on its node at once, in batches: its
-# readahead queue (READAHEAD_BATCHES), the batch being gathered, the one gRPC is sending, and
-# the allocator's pages around them. A shuffled all-column stream of 3.8 MB batches that its
-# reader stopped reading measured 31-39 MiB on its node (docs/cache.md).
+# What one gathering stream (shuffled or filtered) may hold on its node at once, in batches: the
+# ones it gathers ahead (node.gather_ahead: at most READAHEAD_BATCHES, the one being gathered
+# included), the one gRPC is sending, what gRPC buffered, and the allocator's pages around them.
+# A shuffled all-column stream of 3.8 MB batches that its reader stopped reading measured 31-39
+# MiB on its node when it gathered 4 ahead (docs/cache.md); it gathers none ahead now, and the
+# count is kept as the margin it was.
 GATHER_STREAM_BATCHES = 10
 # A stream's batches take a moment to show in the node's resident memory, and readers open their
 # streams together at each epoch's start: a stream admitted this recently still counts at its

@@ -19,6 +19,7 @@ from kubeflow_data_cache import protocol
 from kubeflow_data_cache.allocator import GatherReclaim, reclaim_gather_memory
 from kubeflow_data_cache.config import NodeConfig, host_port, same_table_location
 from kubeflow_data_cache.constants import (
+    GATHER_AHEAD_BYTES,
     READAHEAD_BATCHES,
     REGISTER_INTERVAL_SECONDS,
     REGISTER_WARN_AFTER_SECONDS,
@@ -53,6 +54,13 @@ from kubeflow_data_cache.sharding import node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
 log = logging.getLogger(__name__)
+
+
+def gather_ahead(batch_bytes: int) -> int:
+    """Batches a gathering stream computes ahead of the one Flight is sending, the one being
+    gathered included: as many as GATHER_AHEAD_BYTES holds, at most READAHEAD_BATCHES; none where
+    not one fits (each batch is then gathered when Flight asks for it)."""
+    return min(READAHEAD_BATCHES, GATHER_AHEAD_BYTES // max(1, batch_bytes))
 
 
 def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
@@ -442,8 +450,11 @@ class DataNode(ReadOnlyFlight):
             raise
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
-        # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer.
-        batches = Readahead(store.iter_rows(parts, batch_rows, req.columns), READAHEAD_BATCHES, "gather")
+        # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer
+        # where they are small (constants.GATHER_AHEAD_BYTES).
+        gathered = store.iter_rows(parts, batch_rows, req.columns)
+        ahead = gather_ahead(batch_bytes)
+        batches = Readahead(gathered, ahead, "gather", count_in_progress=True) if ahead else gathered
         return flight.GeneratorStream(schema, self._counted(batches, self._gathers))
 
     def _counted(
@@ -456,6 +467,9 @@ class DataNode(ReadOnlyFlight):
                 self.metrics.rows_served.inc(batch.num_rows)
                 self.metrics.bytes_served.inc(batch.nbytes)
                 yield batch
+                # Flight has written it: let it go while the next one is awaited, which for a
+                # gathering stream is while the next one is gathered.
+                del batch
         finally:  # the client went away mid-stream: stop the source (a Readahead gathering ahead)
             try:
                 batches.close()

@@ -337,7 +337,8 @@ def node_rows(
             mine = deal(order.rows_in(a, b, lo_node, hi_node), req.block_size)[skip:]
             skip = 0
             if len(mine):
-                yield mine - node_offset
+                mine -= node_offset  # in place: rows_in and deal return arrays of their own
+                yield mine
 
 
 def order_window(node_total: int, total: int, block: int, window_rows: int = ORDER_WINDOW_ROWS) -> int:
@@ -367,8 +368,14 @@ def deal(rows: np.ndarray, block: int) -> np.ndarray:
         return rows
     # Transposes, not an index array: the full runs as a (runs, block) matrix read column by
     # column, the short last run's rows joining the first ``last`` columns (a third of the time).
+    # Written straight into the one output array: concatenating the pieces held three more
+    # arrays the size of the window's rows while a data node gathered.
     whole = (runs - 1) * block
     last = len(rows) - whole
     full = rows[:whole].reshape(runs - 1, block)
-    first = np.concatenate((full[:, :last], rows[whole:][None, :])).T.reshape(-1)
-    return np.concatenate((first, full[:, last:].T.reshape(-1)))
+    out = np.empty_like(rows)
+    head = out[: last * runs].reshape(last, runs)
+    head[:, : runs - 1] = full[:, :last].T
+    head[:, runs - 1] = rows[whole:]
+    out[last * runs :].reshape(block - last, runs - 1)[:] = full[:, last:].T
+    return out

@@ -75,9 +75,22 @@ def compact(
     return out
 
 
+def indices(rows: np.ndarray) -> pa.Array:
+    """``rows`` as an Arrow int64 array, without a copy where they are int64 already.
+
+    Not ``pa.array(rows)``: its first call in a process imports ``numpy.ma`` (pyarrow checks for
+    masked arrays). Where no bytecode is cached (``PYTHONDONTWRITEBYTECODE``, a venv installed
+    without compiling) that compiles ~350 KB of Python in the middle of a data node's first
+    shuffled stream: glibc's heap grew ~7 MiB for it, freed but resident until the node went
+    idle, the largest part of the node's peak while serving a 3-column shuffled epoch.
+    """
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(rows), [None, pa.py_buffer(rows)])
+
+
 def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A slice keeps its parent's whole buffers alive; copy partial slices so they don't."""
-    return batch.take(pa.array(np.arange(batch.num_rows, dtype=np.int64)))
+    return batch.take(indices(np.arange(batch.num_rows, dtype=np.int64)))
 
 
 def warm_reader(table, task) -> None:
@@ -218,7 +231,7 @@ class NodeStore:
         # Gather outputs live for one batch each: a pool that keeps its pages (allocator.py).
         pool = serve_pool()
         if len(self.batches) == 1:
-            return pc.take(self._select(self.batches[0], columns), pa.array(rows), memory_pool=pool)
+            return pc.take(self._select(self.batches[0], columns), indices(rows), memory_pool=pool)
         which = np.searchsorted(self.offsets, rows, side="right") - 1
         # A stable sort on small chunk numbers is a radix sort: O(n), order kept inside a chunk.
         order = np.argsort(which.astype(np.int32), kind="stable")
@@ -227,13 +240,13 @@ class NodeStore:
         for i in np.flatnonzero(counts):
             sel = order[pos : pos + counts[i]]
             pos += counts[i]
-            local = pa.array(rows[sel] - self.offsets[i])
+            local = indices(rows[sel] - self.offsets[i])
             parts.append(pc.take(self._select(self.batches[i], columns), local, memory_pool=pool))
         if len(parts) == 1:
             return parts[0]
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-        return pc.take(pa.concat_batches(parts, memory_pool=pool), pa.array(inverse), memory_pool=pool)
+        return pc.take(pa.concat_batches(parts, memory_pool=pool), indices(inverse), memory_pool=pool)
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
         """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers of
@@ -255,6 +268,8 @@ class NodeStore:
             full = held // batch_rows * batch_rows
             for start in range(0, full, batch_rows):
                 yield self.take(rows[start : start + batch_rows], columns)
-            pending, held = ([rows[full:]], held - full) if held > full else ([], 0)
+            # A copy of what is left, not a view that would keep all of ``rows`` alive while the
+            # next part's order is computed.
+            pending, held = ([rows[full:].copy()], held - full) if held > full else ([], 0)
         if held:
             yield self.take(np.concatenate(pending), columns)
