@@ -38,7 +38,9 @@ def test_a_healthy_cache_exits_0_with_everything_owned_by_the_train_job(fake, ma
         if all(p["metadata"]["labels"].get(k) == v for k, v in service["spec"]["selector"].items())
     ]  # fmt: skip
     assert [p["metadata"]["labels"][LABEL_COMPONENT] for p in head_pods] == [COMPONENT_HEAD]
-    assert "3/3 cache pods ready" in caplog.text
+    # The pods' progress is logged; not necessarily 3/3: the LeaderWorkerSet's Available may be
+    # seen (and end the wait) before the pod watch delivers the last pod's readiness.
+    assert re.search(r"[0-3]/3 cache pods ready", caplog.text)
     assert "head ready: 2/2 data nodes loaded, 2,000 rows" in caplog.text
     assert "ready at grpc://job-a-cache-service:50051" in caplog.text
 
@@ -186,12 +188,13 @@ def test_within_its_grace_a_problem_that_may_pass_is_waited_for(
 ):
     """The run ends on its deadline instead, not on the problem."""
     add_train_job(fake, "job-a")
+    # The deadline covers creating the cache's objects too: room for a slow moment of the machine.
     code, error = run_initializer(
-        initializer_env(make_sim(scenario), **{grace: "600"}, CACHE_READY_TIMEOUT_SECONDS="1.5")
+        initializer_env(make_sim(scenario), **{grace: "600"}, CACHE_READY_TIMEOUT_SECONDS="3")
     )
 
     assert code != 0
-    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1.5" in error
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=3" in error
     assert not_said is None or not_said not in error
     assert said is None or said in error
 
