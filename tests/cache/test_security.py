@@ -47,7 +47,13 @@ def command_lines_containing(needle: str) -> list[str]:
 
 @pytest.fixture()
 def no_ambient_secrets(monkeypatch):
-    for name in ("DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE", "DATA_CACHE_TLS_CERT", "DATA_CACHE_TLS_KEY"):
+    for name in (
+        "DATA_CACHE_TOKEN",
+        "DATA_CACHE_TOKEN_FILE",
+        "DATA_CACHE_TLS_CERT",
+        "DATA_CACHE_TLS_KEY",
+        "DATA_CACHE_TLS_DIR",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 

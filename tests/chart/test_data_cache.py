@@ -234,6 +234,8 @@ def test_notes_give_the_next_steps():
     assert "dataCache.enabled=true" in render_notes()
     # The namespace's reader token (docs/install.md#securing-the-cache), under the name the runtime reads.
     assert "kubectl create secret generic data-cache-token -n <namespace>" in notes
+    # The namespace's TLS Secret, under the name the runtime and the initializer's default mount.
+    assert "kubectl create secret tls data-cache-tls -n <namespace>" in notes and "DNS name data-cache" in notes
     # Adding a namespace through the chart is an upgrade: the JobSet controller needs a restart after it.
     assert (
         "rollout restart deployment \\\n    -l app.kubernetes.io/name=jobset,app.kubernetes.io/instance=kubeflow-trainer"

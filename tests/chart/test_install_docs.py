@@ -3,6 +3,7 @@
 import re
 import subprocess
 
+import pytest
 import yaml
 
 from tests.chart.render import (
@@ -161,3 +162,53 @@ def test_the_network_policy_admits_the_cache_its_trainjobs_and_prometheus_only()
         assert not _admitted(policy, trainjob_pod, elsewhere, port)
     assert _admitted(policy, {"app.kubernetes.io/name": "prometheus"}, monitoring, c.DEFAULT_HEALTH_PORT)
     assert not _admitted(policy, {"app.kubernetes.io/name": "prometheus"}, monitoring, c.FLIGHT_PORT)
+
+
+def doc_bash_block(marker: str) -> str:
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if marker in b]
+    assert len(blocks) == 1, f"docs/install.md should hold one bash block with {marker!r}"
+    return blocks[0]
+
+
+def runtime_tls_secret() -> str:
+    runtime = yaml.safe_load((REPO_ROOT / "runtimes" / f"{RUNTIME}.yaml").read_text())
+    pod = replicated_job(runtime, "node")["template"]["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "data-cache-tls"]
+    return volume["secret"]["secretName"]
+
+
+def test_the_openssl_recipe_makes_a_certificate_for_the_name_every_client_checks(tmp_path):
+    """The doc's openssl line, run as written: a certificate whose SAN is data-cache and the key
+    that goes with it, put in the Secret the runtime and the initializer mount."""
+    import shlex
+    import shutil
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from kubeflow_cache_initializer import constants as c
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    lines = doc_bash_block("openssl req -x509").replace("\\\n", " ").splitlines()
+    (openssl,) = [shlex.split(line) for line in lines if line.startswith("openssl ")]
+    (create,) = [shlex.split(line) for line in lines if line.startswith("kubectl create secret tls")]
+    made = subprocess.run(openssl, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == [c.TLS_SERVER_NAME]
+    key = serialization.load_pem_private_key((tmp_path / "tls.key").read_bytes(), password=None)
+    assert key.public_key() == cert.public_key()
+    assert create[4] == c.DEFAULT_TLS_SECRET == runtime_tls_secret()
+
+
+def test_the_cert_manager_certificate_fills_the_secret_the_pods_mount():
+    from kubeflow_cache_initializer import constants as c
+
+    certificate = yaml.safe_load(doc_block("kind: Certificate"))
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    assert certificate["spec"]["secretName"] == c.DEFAULT_TLS_SECRET == runtime_tls_secret()
+    assert certificate["spec"]["dnsNames"] == [c.TLS_SERVER_NAME]
+    assert set(certificate["spec"]["issuerRef"]) == {"name", "kind"}

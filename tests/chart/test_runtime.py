@@ -16,6 +16,7 @@ from tests.chart.render import (
     prepared_chart,
     replicated_job,
 )
+from tests.schemas import ObjectInvalid, validate_object
 
 RUNTIME = "torch-distributed-with-cache"
 SOURCE = RUNTIMES_DIR / f"{RUNTIME}.yaml"
@@ -90,3 +91,73 @@ def test_chart_refuses_a_source_without_the_initializer_container(tmp_path):
 def test_chart_reads_the_runtime_through_a_symlink_to_the_source():
     link = SOURCE.parents[1] / "charts" / "kubeflow-trainer" / "files" / "runtimes" / f"{RUNTIME}.yaml"
     assert link.is_symlink() and link.resolve() == SOURCE.resolve()
+
+
+TLS_DIR = "/etc/data-cache/tls"
+# The trainer's projection of the TLS Secret: the certificates, never the private key.
+TRAINER_TLS_VOLUME = {
+    "name": "data-cache-tls",
+    "secret": {
+        "secretName": "data-cache-tls",
+        "optional": True,
+        "items": [{"key": "ca.crt", "path": "ca.crt"}, {"key": "tls.crt", "path": "tls.crt"}],
+    },
+}
+
+
+def trainer_pod(runtime: dict) -> dict:
+    return replicated_job(runtime, "node")["template"]["spec"]["template"]["spec"]
+
+
+def rendered_runtimes(cache_objects) -> dict[str, dict]:
+    """The runtime as each install path delivers it: the source, the chart and kustomize."""
+    return {
+        "source": source(),
+        "chart": one(cache_objects, "ClusterTrainingRuntime", RUNTIME),
+        "kustomize": one(build_kustomize("overlays/data-cache"), "ClusterTrainingRuntime", RUNTIME),
+    }
+
+
+def test_trainers_mount_only_the_certificates_of_the_namespaces_tls_secret(cache_objects):
+    """Optional, like the token: a namespace without the Secret gets an empty folder and plain
+    grpc://. `items` keeps tls.key out of every trainer pod; optional also lets a Secret without
+    ca.crt (`kubectl create secret tls`) mount its tls.crt alone."""
+    for path, runtime in rendered_runtimes(cache_objects).items():
+        pod = trainer_pod(runtime)
+        assert [v for v in pod["volumes"] if v["name"] == "data-cache-tls"] == [TRAINER_TLS_VOLUME], path
+        assert "tls.key" not in str(pod), path
+        node = container(pod, "node")
+        assert node["volumeMounts"] == [{"name": "data-cache-tls", "mountPath": TLS_DIR, "readOnly": True}], path
+        env = env_of(node)
+        assert env["DATA_CACHE_TLS_DIR"] == {"name": "DATA_CACHE_TLS_DIR", "value": TLS_DIR}, path
+        assert env["DATA_CACHE_TLS_SERVER_NAME"]["value"] == "data-cache", path
+        validate_object(runtime)
+
+
+def test_trainers_and_cache_pods_agree_on_the_tls_secret_its_folder_and_name():
+    """The trainer side here and the cache side the initializer builds read one Secret, at one
+    path, checking one name: a drift would leave a trainer dialling plaintext to a TLS cache."""
+    from kubeflow_cache_initializer import constants as c
+
+    pod = trainer_pod(source())
+    (volume,) = [v for v in pod["volumes"] if v["name"] == c.TLS_VOLUME]
+    assert volume["secret"]["secretName"] == c.DEFAULT_TLS_SECRET
+    env = env_of(container(pod, "node"))
+    assert env[c.TLS_DIR_ENV]["value"] == c.TLS_MOUNT_PATH
+    assert env[c.TLS_SERVER_NAME_ENV]["value"] == c.TLS_SERVER_NAME
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda v: v["secret"].update(optinal=True), "optinal"),
+        (lambda v: v["secret"]["items"][0].pop("path"), "path"),
+    ],
+)
+def test_the_validator_catches_a_broken_trainer_tls_volume(mutate, message):
+    """Guards the guard: the Trainer CRD checks the runtime's pod volumes this deep."""
+    runtime = source()
+    (volume,) = [v for v in trainer_pod(runtime)["volumes"] if v["name"] == "data-cache-tls"]
+    mutate(volume)
+    with pytest.raises(ObjectInvalid, match=message):
+        validate_object(runtime)

@@ -51,6 +51,38 @@ def test_a_restart_adopts_the_cache_it_created(fake, make_sim, run_initializer, 
     assert "adopted LeaderWorkerSet team-a/job-a-cache, created by an earlier run" in caplog.text
 
 
+def _with_secret_volume_defaults(lws: dict) -> None:
+    """What the API server stores for the TLS Secret volume: its defaultMode filled in."""
+    for template in lws["spec"]["leaderWorkerTemplate"].values():
+        if isinstance(template, dict) and "spec" in template:
+            for volume in template["spec"]["volumes"]:
+                if "secret" in volume:
+                    volume["secret"]["defaultMode"] = 420
+
+
+def test_a_restart_adopts_a_cache_with_its_tls_volume_as_the_api_server_stored_it(fake, make_sim, run_initializer):
+    """The optional TLS volume, with the fields the API server defaults, is no drift: the restart
+    patches nothing (a patch would recreate the cache's pods)."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"))
+    assert run_initializer(env)[0] == 0
+    fake.update("leaderworkersets", NAMESPACE, "job-a-cache", _with_secret_volume_defaults)
+    stored = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
+    volumes = stored["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["volumes"]
+    assert {
+        "name": "data-cache-tls",
+        "secret": {"secretName": "data-cache-tls", "optional": True, "defaultMode": 420},
+    } in volumes
+    fake.responses.clear()
+
+    assert run_initializer(env) == (0, "")
+    assert not [r for r in fake.responses if r[0] == "PATCH"]
+    assert (
+        fake.get("leaderworkersets", NAMESPACE, "job-a-cache")["metadata"]["generation"]
+        == stored["metadata"]["generation"]
+    )
+
+
 def test_a_restart_after_a_crash_between_creates_finishes_the_job(fake, make_sim, run_initializer):
     job = add_train_job(fake, "job-a")
     sim = make_sim("healthy")

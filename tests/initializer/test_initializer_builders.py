@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import datetime
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +56,23 @@ def _container(lws: dict, template: str) -> dict:
 
 def _env(container: dict) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def _tls_mount(container: dict) -> dict:
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "data-cache-tls"]
+    return mount
+
+
+def _kubelet_env(container: dict, root: Path, secret_files: dict[str, bytes] | None = None) -> dict[str, str]:
+    """The container's literal env as its process sees it, the TLS Secret's mount made under
+    ``root``: the kubelet mounts an optional Secret's files, or an empty folder where it is missing."""
+    mount_path = _tls_mount(container)["mountPath"]
+    folder = root / mount_path.lstrip("/")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in (secret_files or {}).items():
+        (folder / name).write_bytes(data)
+    env = {k: v for k, v in _env(container).items() if isinstance(v, str)}
+    return {k: str(folder) if v == mount_path else v for k, v in env.items()}
 
 
 def test_the_leader_worker_set_runs_one_head_and_cluster_size_minus_one_data_nodes():
@@ -130,9 +149,10 @@ def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but
 
 
 @pytest.mark.parametrize("timeout", ["0.5", "1.9", "600", "86400"])
-def test_the_cache_pods_accept_the_env_they_are_given(timeout):
+def test_the_cache_pods_accept_the_env_they_are_given(timeout, tmp_path):
     """The contract between the two packages: the cache's own config parser takes the pods' env
-    (with what Kubernetes and LWS fill in), and its startup deadline is the initializer's."""
+    (with what Kubernetes and LWS fill in), and its startup deadline is the initializer's. In a
+    namespace without a TLS Secret the mount is an empty folder: plaintext, and no error."""
     from kubeflow_data_cache.config import build_config
 
     lws = build_leader_worker_set(load_config({**FULL, "CACHE_READY_TIMEOUT_SECONDS": timeout}), [OWNER])
@@ -141,9 +161,10 @@ def test_the_cache_pods_accept_the_env_they_are_given(timeout):
         ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
         ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),
     ]:
-        env = {k: v for k, v in _env(_container(lws, template)).items() if isinstance(v, str)}
+        env = _kubelet_env(_container(lws, template), tmp_path / template)
         cfg = build_config(role, {}, {**env, **filled, **lws_env})
         assert cfg.startup_timeout == float(timeout)
+        assert cfg.scheme == "grpc"
         assert (cfg.metadata_loc, cfg.flight_port, cfg.memory_limit) == (MINIMAL["METADATA_LOC"], 50051, 16 << 30)
         assert cfg.data_nodes == 4 if role == "head" else cfg.node_index == 2
 
@@ -234,7 +255,7 @@ def test_the_validator_rejects_what_the_api_server_would_prune_or_refuse():
         validate_sent_object(service)
 
 
-def test_head_and_data_nodes_read_the_same_cluster_key_from_the_caches_secret_and_the_cache_takes_it():
+def test_head_and_data_nodes_read_the_same_cluster_key_from_the_caches_secret_and_the_cache_takes_it(tmp_path):
     """The key is in a Secret the pod templates point at, never in the pod spec itself."""
     cfg = load_config(FULL)
     key, name = new_cluster_key(), new_key_secret_name(cfg)
@@ -261,7 +282,7 @@ def test_head_and_data_nodes_read_the_same_cluster_key_from_the_caches_secret_an
         assert ref["name"] == name
         # What the kubelet puts in the container's env from the Secret, read by the cache.
         from_secret = base64.b64decode(secret["data"][ref["key"]]).decode()
-        plain = {k: v for k, v in env.items() if isinstance(v, str)}
+        plain = _kubelet_env(_container(lws, template), tmp_path / template)
         config = build_config(role, {}, {**plain, **filled, **lws_env, "DATA_CACHE_CLUSTER_KEY": from_secret})
         assert config.cluster_key == key
     assert cluster_key_entry(build_leader_worker_set(cfg, [OWNER])) is None
@@ -276,6 +297,85 @@ def test_cache_pods_read_the_reader_token_from_the_namespaces_secret_where_it_is
             assert ref == {"name": secret, "key": "token", "optional": True}
     lws = build_leader_worker_set(load_config({**MINIMAL, "CACHE_TOKEN_SECRET": "none"}), [OWNER])
     assert "DATA_CACHE_TOKEN" not in _env(_container(lws, "leaderTemplate"))
+
+
+TLS_DIR = "/etc/data-cache/tls"
+
+
+def test_cache_pods_mount_the_namespaces_tls_secret_where_it_is():
+    """Optional and read by the kubelet, never by the initializer (no `get` on Secrets): a
+    namespace without the Secret still starts its caches, in plaintext. No `items`: the cache
+    needs tls.key, and cert-manager's ca.crt comes through where the Secret has one."""
+    for env, secret in [({}, "data-cache-tls"), ({"CACHE_TLS_SECRET": "team-tls"}, "team-tls")]:
+        lws = build_leader_worker_set(load_config({**FULL, **env}), [OWNER])
+        for template in ("leaderTemplate", "workerTemplate"):
+            pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+            volumes = [v for v in pod["volumes"] if v["name"] == "data-cache-tls"]
+            assert volumes == [{"name": "data-cache-tls", "secret": {"secretName": secret, "optional": True}}]
+            container = _container(lws, template)
+            assert _tls_mount(container) == {"name": "data-cache-tls", "mountPath": TLS_DIR, "readOnly": True}
+            env_vars = _env(container)
+            assert (env_vars["DATA_CACHE_TLS_DIR"], env_vars["DATA_CACHE_TLS_SERVER_NAME"]) == (TLS_DIR, "data-cache")
+            # The /tmp emptyDir the read-only root needs is still there beside it.
+            assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+        validate_sent_object(lws)
+
+
+def test_cache_tls_secret_none_mounts_no_secret_and_sets_no_tls_env():
+    lws = build_leader_worker_set(load_config({**FULL, "CACHE_TLS_SECRET": "none"}), [OWNER])
+    for template in ("leaderTemplate", "workerTemplate"):
+        pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+        assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}]
+        assert _container(lws, template)["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+        assert not [name for name in _env(_container(lws, template)) if name.startswith("DATA_CACHE_TLS")]
+    assert TLS_DIR not in str(lws) and "data-cache-tls" not in str(lws)
+    validate_sent_object(lws)
+
+
+def _self_signed_for(dns_name: str) -> dict[str, bytes]:
+    """A TLS Secret's files (tls.crt, tls.key, ca.crt) for a self-signed certificate of ``dns_name``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_name)])
+    start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=1)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns_name)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return {"tls.crt": pem, "tls.key": private, "ca.crt": pem}
+
+
+def test_cache_pods_serve_tls_where_the_namespace_has_the_secret(tmp_path):
+    """The other half of the contract: what the kubelet mounts from a `kubernetes.io/tls` Secret
+    turns the cache's own config to TLS, checked under the name the certificate carries."""
+    from kubeflow_data_cache.config import build_config
+
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+    filled = {"POD_IP": "10.0.0.7", "MEMORY_LIMIT": str(16 << 30), "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
+    files = _self_signed_for("data-cache")
+    for template, role, lws_env in [
+        ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
+        ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),
+    ]:
+        env = _kubelet_env(_container(lws, template), tmp_path / template, files)
+        cfg = build_config(role, {}, {**env, **filled, **lws_env})
+        assert cfg.scheme == "grpc+tls", template
+        assert cfg.tls.server_name == "data-cache"
 
 
 def test_a_kept_cluster_key_takes_the_place_of_the_new_one_and_none_removes_it():

@@ -24,6 +24,7 @@ def test_the_minimal_env_gets_the_documented_defaults():
     assert (cfg.cache_env, cfg.env_from_secrets) == ((), ())
     assert (cfg.health_port, cfg.namespace) == (8080, "team-a")
     assert cfg.token_secret == "data-cache-token"
+    assert cfg.tls_secret == "data-cache-tls"
 
 
 @pytest.mark.parametrize(
@@ -31,6 +32,20 @@ def test_the_minimal_env_gets_the_documented_defaults():
 )
 def test_the_token_secret_is_named_or_turned_off(value, expected):
     assert load_config({**MINIMAL, "CACHE_TOKEN_SECRET": value}).token_secret == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("team-tls", "team-tls"),
+        ("tls.team-a", "tls.team-a"),
+        ("none", None),
+        (" ", "data-cache-tls"),
+        ("", "data-cache-tls"),
+    ],
+)
+def test_the_tls_secret_is_named_or_turned_off(value, expected):
+    assert load_config({**MINIMAL, "CACHE_TLS_SECRET": value}).tls_secret == expected
 
 
 def test_the_namespace_comes_from_the_service_account_mount_unless_set(tmp_path: Path):
@@ -127,6 +142,8 @@ BAD_INPUT = [
     ({"CACHE_READY_TIMEOUT_SECONDS": "0"}, "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0", ""),
     ({"DATA_CACHE_SHARED": "maybe"}, "`DATA_CACHE_SHARED` should be one of true, 1, yes, on, false", "'maybe'"),
     ({"CACHE_TOKEN_SECRET": "Team_Token"}, "`CACHE_TOKEN_SECRET` should be a Secret name", "or none"),
+    ({"CACHE_TLS_SECRET": "Team_TLS"}, "`CACHE_TLS_SECRET` should be a Secret name", "or none, got 'Team_TLS'"),
+    ({"CACHE_TLS_SECRET": "t" * 254}, "`CACHE_TLS_SECRET` should be a Secret name (a DNS-1123 subdomain)", "tttt"),
     ({"CACHE_ENV_FROM_SECRET": "S3 Creds"}, "`CACHE_ENV_FROM_SECRET` should be comma-separated Secret names", ""),
     (
         {"CACHE_IMAGE_PULL_SECRETS": "Reg_Creds"},

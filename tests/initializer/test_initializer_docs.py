@@ -13,11 +13,12 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "initializer.md"
 
 
 def test_every_env_variable_read_is_documented():
-    source = inspect.getsource(config.load_config) + inspect.getsource(config._namespace)
+    readers = (config.load_config, config._namespace, config._token_secret, config._tls_secret)
+    source = "".join(inspect.getsource(reader) for reader in readers)
     read = set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"', source))
     documented = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", DOC.read_text()))
 
-    assert "CLUSTER_SIZE" in read and "POD_NAMESPACE" in read
+    assert {"CLUSTER_SIZE", "POD_NAMESPACE", "CACHE_TOKEN_SECRET", "CACHE_TLS_SECRET"} <= read
     assert read - documented == set()
 
 

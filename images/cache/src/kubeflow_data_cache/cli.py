@@ -27,6 +27,14 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="TLS certificate file (env DATA_CACHE_TLS_CERT)")
     p.add_argument("--tls-key", help="TLS private key file (env DATA_CACHE_TLS_KEY)")
     p.add_argument(
+        "--tls-dir",
+        help="folder of a TLS Secret: tls.crt, tls.key, ca.crt; empty serves plaintext (env DATA_CACHE_TLS_DIR)",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        help="name checked in peers' certificates instead of their address (env DATA_CACHE_TLS_SERVER_NAME)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         help="seconds to form the cluster and load (env DATA_CACHE_STARTUP_TIMEOUT_SECONDS, default 600)",

@@ -40,7 +40,7 @@ from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential
 from kubeflow_data_cache.interleave import interleave as interleave_streams
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_order, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import check_token
+from kubeflow_data_cache.security import check_token, server_name_problem
 from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
@@ -89,6 +89,9 @@ ENDPOINT_HINT = (
 )
 # What gRPC says when the server's certificate does not verify: no retry changes that.
 TLS_FAILURES = ("Ssl handshake failed", "certificate verify failed", "TSI_PROTOCOL_FAILURE")
+# gRPC's words where the certificate verified but names neither the address dialled nor the
+# override: a name mismatch, which no retry mends either.
+TLS_NAME_MISMATCH = "is not in peer certificate"
 TOKEN_HINT = "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or the token argument) to the cache's token"
 
 # The same errors gRPC reports for a refused connection, a failed DNS lookup, a server that
@@ -141,6 +144,13 @@ def check_root_certs(pem: bytes) -> None:
         ) from None
 
 
+def check_server_name(name: object, source: str = "tls_server_name") -> None:
+    """None or a DNS name, or a ValueError naming the argument."""
+    problem = server_name_problem(name, source)
+    if problem:
+        raise ValueError(problem)
+
+
 def _backoff(delay: float, deadline: float | None) -> float:
     """The pause before the next try: ``delay`` with jitter (many workers that failed together
     must not retry in lockstep), cut short so that the last try falls at the deadline itself."""
@@ -182,6 +192,7 @@ class CacheClient:
         tls_root_certs: bytes | None = None,
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
         generic_options: list[tuple[str, Any]] | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         check_endpoint(endpoint)
         check_token(token)
@@ -189,10 +200,14 @@ class CacheClient:
             raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")
         if tls_root_certs is not None:
             check_root_certs(tls_root_certs)
+        check_server_name(tls_server_name)
         self.endpoint = endpoint
         self.deadline_seconds = float(deadline_seconds)
         self._token = token
         self._tls_root_certs = tls_root_certs
+        # Checked in every node's certificate instead of the address dialled: a cache made by the
+        # initializer advertises pod IPs, which no certificate made in advance can carry.
+        self._tls_server_name = tls_server_name
         self._generic_options = generic_options  # gRPC channel arguments, for tuning
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
@@ -212,6 +227,8 @@ class CacheClient:
                 kwargs: dict[str, Any] = {}
                 if self._tls_root_certs is not None:
                     kwargs["tls_root_certs"] = self._tls_root_certs
+                if self._tls_server_name is not None:
+                    kwargs["override_hostname"] = self._tls_server_name
                 if self._generic_options:
                     kwargs["generic_options"] = self._generic_options
                 client = flight.FlightClient(location, **kwargs)
@@ -300,13 +317,22 @@ class CacheClient:
                 if "wrong version number" in str(err).lower():
                     raise CacheUnavailableError(
                         f"the cache at {location} does not serve TLS ({what}: {server_message(err)}): use a "
-                        "grpc:// endpoint"
+                        "grpc:// endpoint (a trainer whose DATA_CACHE_TLS_DIR holds a certificate dials grpc+tls://; "
+                        "a cache started before its namespace's TLS Secret existed serves plaintext until it is "
+                        "made again)"
+                    ) from err
+                if TLS_NAME_MISMATCH in str(err):
+                    raise CacheUnavailableError(
+                        f"the TLS handshake with the cache at {location} failed for {what}: {server_message(err)}; "
+                        "where the cache's certificate names none of its addresses, pass a name it carries as "
+                        "tls_server_name (DATA_CACHE_TLS_SERVER_NAME in a trainer; data-cache for a cache made "
+                        "by the initializer)"
                     ) from err
                 if any(marker in str(err) for marker in TLS_FAILURES):
                     raise CacheUnavailableError(
                         f"the TLS handshake with the cache at {location} failed for {what}: {server_message(err)}; "
                         "pass the certificate authority that signed the cache's certificate (for a self-signed "
-                        "one, the certificate itself) as tls_root_certs"
+                        "one, the certificate itself) as tls_root_certs (DATA_CACHE_TLS_DIR in a trainer)"
                     ) from err
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
@@ -650,10 +676,15 @@ class KeptClient:
 
     @contextmanager
     def lease(
-        self, endpoint: str, token: str | None, tls_root_certs: bytes | None, deadline_seconds: float
+        self,
+        endpoint: str,
+        token: str | None,
+        tls_root_certs: bytes | None,
+        deadline_seconds: float,
+        tls_server_name: str | None = None,
     ) -> Iterator[CacheClient]:
         """The kept client for these settings (a new one when they changed), for one read."""
-        settings = (endpoint, token, tls_root_certs, deadline_seconds)
+        settings = (endpoint, token, tls_root_certs, deadline_seconds, None, tls_server_name)
         with self._lock:
             if self._settings != settings and not self._reads:
                 if self._client is not None:

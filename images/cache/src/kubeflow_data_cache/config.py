@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import socket
 import ssl
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from kubeflow_data_cache import constants
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.memory import available_cpus, container_memory_limit, parse_bytes
-from kubeflow_data_cache.security import CLUSTER_KEY_ENV, load_cluster_key, load_token, tls_certificates
+from kubeflow_data_cache.security import (
+    CLUSTER_KEY_ENV,
+    TLS_DIR_ENV,
+    TLS_SECRET_CERT,
+    TLS_SECRET_KEY,
+    TLS_SERVER_NAME_ENV,
+    checked_server_name,
+    load_cluster_key,
+    load_token,
+    tls_certificates,
+    tls_folder,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,7 +47,7 @@ class NodeConfig:
     memory_limit: int | None
     token: str | None
     cluster_key: str | None
-    tls: list[tuple[bytes, bytes]]
+    tls: TlsSetting
     startup_timeout: float
     failure_grace: float
     load_threads: int
@@ -40,15 +55,85 @@ class NodeConfig:
 
     @property
     def scheme(self) -> str:
-        return "grpc+tls" if self.tls else "grpc"
-
-    @property
-    def tls_root_certs(self) -> bytes | None:
-        """Peers verify each other against our own certificate (one cluster, one certificate)."""
-        return self.tls[0][0] if self.tls else None
+        return self.tls.scheme
 
     def location(self, port: int) -> str:
         return f"{self.scheme}://{host_port(self.advertise_host, port)}"
+
+
+@dataclass(frozen=True)
+class TlsSetting:
+    """How a process serves and dials Flight: plaintext where ``certificates`` is empty."""
+
+    certificates: list[tuple[bytes, bytes]]
+    # What peers' certificates are checked against: the CA (ca.crt of a TLS Secret's folder), or
+    # where none is given our own certificate (one cluster, one self-signed certificate).
+    ca: bytes | None = None
+    # The name checked in peers' certificates instead of the address dialled (pod IPs).
+    server_name: str | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "grpc+tls" if self.certificates else "grpc"
+
+    @property
+    def root_certs(self) -> bytes | None:
+        if not self.certificates:
+            return None
+        return self.ca or self.certificates[0][0]
+
+
+def tls_config(
+    cert_file: str | None,
+    key_file: str | None,
+    tls_dir: str | None,
+    server_name: str | None,
+    flags: bool = True,
+) -> TlsSetting:
+    """TLS from a certificate and key, or from a TLS Secret's folder (DATA_CACHE_TLS_DIR), with
+    the server name peers check. ``flags``: whether messages name the command-line flags too."""
+
+    def name(var: str, flag: str) -> str:
+        return label(var, flag if flags else None)
+
+    cert_name, key_name = name("DATA_CACHE_TLS_CERT", "--tls-cert"), name("DATA_CACHE_TLS_KEY", "--tls-key")
+    dir_name = name(TLS_DIR_ENV, "--tls-dir")
+    server = checked_server_name(server_name or None, name(TLS_SERVER_NAME_ENV, "--tls-server-name"))
+    if tls_dir and (cert_file or key_file):
+        raise ConfigError(f"set either {dir_name} or {cert_name} and {key_name}, not both")
+    ca = None
+    if tls_dir:
+        folder = tls_folder(tls_dir, dir_name)
+        if folder.empty:
+            # The optional Secret volume of a cache made by the initializer, where the namespace has
+            # no TLS Secret: said once, so that a reader told "does not serve TLS" can see why.
+            log.warning(
+                "%s %s holds no %s or %s: serving Flight without TLS",
+                dir_name,
+                tls_dir,
+                TLS_SECRET_CERT,
+                TLS_SECRET_KEY,
+            )
+            return TlsSetting([], None, server)
+        if folder.cert is None or folder.key is None:
+            have, lack = (TLS_SECRET_CERT, TLS_SECRET_KEY) if folder.cert else (TLS_SECRET_KEY, TLS_SECRET_CERT)
+            raise ConfigError(
+                f"{dir_name} {tls_dir!r} holds {have} but no {lack}: a TLS Secret needs both "
+                "(kubectl create secret tls NAME --cert=tls.crt --key=tls.key)"
+            )
+        cert_file, key_file = folder.cert, folder.key
+        cert_name = key_name = f"{dir_name} {tls_dir!r}:"
+        if folder.ca is not None:
+            ca = _pem_certificates(folder.ca, f"{dir_name} {tls_dir!r}:")
+    return TlsSetting(tls_setting(cert_file, key_file, cert_name, key_name), ca, server)
+
+
+def _pem_certificates(path: str, source: str) -> bytes:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except ssl.SSLError:
+        raise ConfigError(f"{source} {path!r} holds no PEM certificate: check the Secret's ca.crt") from None
+    return Path(path).read_bytes()
 
 
 def host_port(host: str, port: int) -> str:
@@ -220,8 +305,13 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     health_port = port_setting(
         label("HEALTH_PORT", "--health-port"), pick("health_port", "HEALTH_PORT"), constants.HEALTH_PORT
     )
-    tls = tls_setting(pick("tls_cert", "DATA_CACHE_TLS_CERT"), pick("tls_key", "DATA_CACHE_TLS_KEY"))
-    scheme = "grpc+tls" if tls else "grpc"
+    tls = tls_config(
+        pick("tls_cert", "DATA_CACHE_TLS_CERT"),
+        pick("tls_key", "DATA_CACHE_TLS_KEY"),
+        pick("tls_dir", TLS_DIR_ENV),
+        pick("tls_server_name", TLS_SERVER_NAME_ENV),
+    )
+    scheme = tls.scheme
 
     data_nodes = 0
     node_index = 0

@@ -32,6 +32,7 @@ from kubeflow_data_cache.client import (
     KeptClient,
     check_endpoint,
     check_root_certs,
+    check_server_name,
     check_token,
     int_arg,
 )
@@ -44,7 +45,13 @@ from kubeflow_data_cache.protocol import (
     ShardRequest,
     info_null_counts,
 )
-from kubeflow_data_cache.security import checked_token
+from kubeflow_data_cache.security import (
+    TLS_DIR_ENV,
+    TLS_SERVER_NAME_ENV,
+    checked_server_name,
+    checked_token,
+    tls_folder,
+)
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
 __all__ = ["DataCacheDataset", "World", "column_to_tensor", "default_endpoint"]
@@ -75,13 +82,14 @@ MAX_EPOCH = 2**63 - 1
 WORKER_SLOTS = 256
 
 
-def default_endpoint(env: dict[str, str] | None = None) -> str:
-    """``DATA_CACHE_ENDPOINT``, else the TrainJob's cache service, else a ConfigError."""
+def default_endpoint(env: dict[str, str] | None = None, tls: bool = False) -> str:
+    """``DATA_CACHE_ENDPOINT``, else the TrainJob's cache service (over TLS where ``tls``: the
+    trainer holds the cache's certificate), else a ConfigError."""
     env = os.environ if env is None else env
     if env.get("DATA_CACHE_ENDPOINT"):
         return env["DATA_CACHE_ENDPOINT"]
     if env.get("TRAIN_JOB_NAME"):
-        return f"grpc://{env['TRAIN_JOB_NAME']}-cache-service:{CACHE_PORT}"
+        return f"{'grpc+tls' if tls else 'grpc'}://{env['TRAIN_JOB_NAME']}-cache-service:{CACHE_PORT}"
     raise ConfigError(
         "no cache endpoint: pass endpoint='grpc://host:port', set DATA_CACHE_ENDPOINT, "
         "or run inside a TrainJob (which sets TRAIN_JOB_NAME)"
@@ -92,6 +100,35 @@ def _endpoint_source(env: dict[str, str] | None = None) -> str:
     """Where default_endpoint found the endpoint, for error messages."""
     env = os.environ if env is None else env
     return "DATA_CACHE_ENDPOINT" if env.get("DATA_CACHE_ENDPOINT") else "the endpoint made from TRAIN_JOB_NAME"
+
+
+def default_tls_root_certs(env: dict[str, str] | None = None) -> bytes | None:
+    """The certificate to trust from ``DATA_CACHE_TLS_DIR``, a TLS Secret's folder: its
+    ``ca.crt``, else its ``tls.crt`` (self-signed); None where the variable is unset or the
+    folder holds neither (the runtime mounts the Secret as optional: no Secret, no TLS)."""
+    env = os.environ if env is None else env
+    folder = env.get(TLS_DIR_ENV)
+    if not folder:
+        return None
+    found = tls_folder(folder)
+    path = found.ca or found.cert
+    if path is None:
+        return None
+    try:
+        pem = Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{TLS_DIR_ENV} {folder!r}: cannot read {path}: {err.strerror}") from None
+    try:
+        check_root_certs(pem)
+    except ValueError:
+        raise ConfigError(f"{TLS_DIR_ENV} {folder!r}: {path} holds no PEM certificate; check the TLS Secret") from None
+    return pem
+
+
+def default_tls_server_name(env: dict[str, str] | None = None) -> str | None:
+    """``DATA_CACHE_TLS_SERVER_NAME``: the name checked in the cache's certificate, or None."""
+    env = os.environ if env is None else env
+    return checked_server_name(env.get(TLS_SERVER_NAME_ENV) or None, TLS_SERVER_NAME_ENV)
 
 
 def default_token(env: dict[str, str] | None = None) -> str | None:
@@ -216,6 +253,7 @@ class DataCacheDataset(IterableDataset):
         tls_root_certs: bytes | None = None,
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        tls_server_name: str | None = None,
     ) -> None:
         super().__init__()
         size = int_arg(batch_size)
@@ -235,9 +273,14 @@ class DataCacheDataset(IterableDataset):
         real = isinstance(deadline_seconds, numbers.Real) and not isinstance(deadline_seconds, bool)
         if not (real and 0 < deadline_seconds < math.inf):
             raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {deadline_seconds!r}")
+        if tls_root_certs is not None:
+            check_root_certs(tls_root_certs)
+        self.tls_root_certs = tls_root_certs if tls_root_certs is not None else default_tls_root_certs()
+        check_server_name(tls_server_name)
+        self.tls_server_name = tls_server_name if tls_server_name is not None else default_tls_server_name()
         # None, not any false value, means "from the environment": an empty string from a config
         # file is a mistake to name, not a reason to connect wherever the environment points.
-        self.endpoint = endpoint if endpoint is not None else default_endpoint()
+        self.endpoint = endpoint if endpoint is not None else default_endpoint(tls=self.tls_root_certs is not None)
         # Here, not at the first batch inside a DataLoader worker; naming where the value came from.
         source = "endpoint" if endpoint is not None else _endpoint_source()
         check_endpoint(self.endpoint, source)
@@ -246,9 +289,6 @@ class DataCacheDataset(IterableDataset):
         self.batch_size = size
         self.drop_last = drop_last
         self.even = even if even is not None else ("drop" if drop_last else None)
-        if tls_root_certs is not None:
-            check_root_certs(tls_root_certs)
-        self.tls_root_certs = tls_root_certs
         self.deadline_seconds = deadline_seconds
         # Validated now (bad seed, columns, filter type) rather than in a DataLoader worker.
         # numpy integers (np.int64 from a config or an RNG) count as integers, as for batch_size.
@@ -338,7 +378,9 @@ class DataCacheDataset(IterableDataset):
 
     def _lease(self) -> AbstractContextManager[CacheClient]:
         """The connection kept between epochs, for one read (client.KeptClient.lease)."""
-        return self._connection.lease(self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds)
+        return self._connection.lease(
+            self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds, self.tls_server_name
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # A spawn or forkserver DataLoader worker starts without the process group, and

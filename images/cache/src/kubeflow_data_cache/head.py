@@ -91,7 +91,9 @@ class Head(ReadOnlyFlight):
         with self._lock:
             client = self._clients.get(location)
             if client is None:
-                client = self._clients[location] = client_for(location, self.cfg.tls_root_certs)
+                client = self._clients[location] = client_for(
+                    location, self.cfg.tls.root_certs, self.cfg.tls.server_name
+                )
         payload = json.dumps(body or {}).encode()
         results = list(client.do_action(flight.Action(action, payload), call_options(self.cfg.token, timeout)))
         return json.loads(results[0].body.to_pybytes()) if results else {}

@@ -24,13 +24,20 @@ from kubeflow_data_cache.config import (
     label,
     port_setting,
     seconds_setting,
-    tls_setting,
+    tls_config,
 )
 from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, stop_processes
-from kubeflow_data_cache.security import CLUSTER_KEY_ENV, call_options, client_for, load_token
+from kubeflow_data_cache.security import (
+    CLUSTER_KEY_ENV,
+    TLS_DIR_ENV,
+    TLS_SERVER_NAME_ENV,
+    call_options,
+    client_for,
+    load_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +121,14 @@ class LocalCluster:
         # The nodes read these settings from the env they inherit; we need them to poll the head.
         env = os.environ
         self.token = load_token(env.get("DATA_CACHE_TOKEN"), env.get("DATA_CACHE_TOKEN_FILE"))
-        tls = tls_setting(
+        self.tls = tls_config(
             env.get("DATA_CACHE_TLS_CERT"),
             env.get("DATA_CACHE_TLS_KEY"),
-            label("DATA_CACHE_TLS_CERT"),
-            label("DATA_CACHE_TLS_KEY"),
+            env.get(TLS_DIR_ENV),
+            env.get(TLS_SERVER_NAME_ENV),
+            flags=False,
         )
-        self.tls_root_certs = tls[0][0] if tls else None  # one cluster, one certificate (NodeConfig)
-        self.scheme = "grpc+tls" if tls else "grpc"
+        self.scheme = self.tls.scheme
 
     @property
     def location(self) -> str:
@@ -183,7 +190,7 @@ class LocalCluster:
 
     def wait_ready(self, should_stop=lambda: False) -> dict:
         """Poll the head's status until ready; raise with the reason on failure or deadline."""
-        client = client_for(self.head_location, self.tls_root_certs)
+        client = client_for(self.head_location, self.tls.root_certs, self.tls.server_name)
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
         last_shape, last_logged = None, 0.0

@@ -65,8 +65,8 @@ def gather_ahead(batch_bytes: int) -> int:
 
 def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"location": f"{cfg.scheme}://{host_port(cfg.bind_host, cfg.flight_port)}"}
-    if cfg.tls:
-        kwargs["tls_certificates"] = cfg.tls
+    if cfg.tls.certificates:
+        kwargs["tls_certificates"] = cfg.tls.certificates
     if cfg.token:
 
         def refused(method: str) -> None:
@@ -187,7 +187,7 @@ class DataNode(ReadOnlyFlight):
 
     def _register_loop(self) -> None:
         """Register with the head, then keep re-registering so a restarted head finds us again."""
-        client = client_for(self.cfg.head_location, self.cfg.tls_root_certs)
+        client = client_for(self.cfg.head_location, self.cfg.tls.root_certs, self.cfg.tls.server_name)
         deadline = time.monotonic() + self.cfg.startup_timeout
         delay, last_error = 0.1, ""
         failing_since: float | None = None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.flight as flight
@@ -12,6 +14,15 @@ from kubeflow_data_cache.errors import ConfigError
 
 AUTH_HEADER = "authorization"
 CLUSTER_KEY_ENV = "DATA_CACHE_CLUSTER_KEY"
+# A folder where a kubernetes.io/tls Secret may be mounted (an optional Secret volume: its files
+# when the Secret exists, an empty folder when not), and the name every Flight client checks in
+# the cache's certificate instead of the address it dials (pod IPs no certificate made in advance
+# can name).
+TLS_DIR_ENV = "DATA_CACHE_TLS_DIR"
+TLS_SERVER_NAME_ENV = "DATA_CACHE_TLS_SERVER_NAME"
+# That Secret's files: `kubectl create secret tls` writes the first two, cert-manager adds ca.crt.
+TLS_SECRET_CERT, TLS_SECRET_KEY, TLS_SECRET_CA = "tls.crt", "tls.key", "ca.crt"
+_SERVER_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:
@@ -137,6 +148,54 @@ def tls_certificates(cert_file: str | None, key_file: str | None) -> list[tuple[
         raise ConfigError(f"cannot read TLS file {err.filename!r}: {err.strerror}") from None
 
 
-def client_for(location: str, tls_root_certs: bytes | None = None) -> flight.FlightClient:
-    kwargs = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+@dataclass(frozen=True)
+class TlsFolder:
+    """What a TLS Secret's folder holds (None where a file is absent)."""
+
+    cert: str | None
+    key: str | None
+    ca: str | None
+
+    @property
+    def empty(self) -> bool:
+        return self.cert is None and self.key is None
+
+
+def tls_folder(folder: str, source: str = TLS_DIR_ENV) -> TlsFolder:
+    """The TLS Secret files in ``folder``. A folder that is not there is refused (a typo would
+    otherwise turn TLS off); an empty one is a Secret that does not exist: no TLS."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ConfigError(
+            f"{source} {folder!r} is not a folder: point it at where the TLS Secret is mounted, or unset it"
+        )
+    found = [str(path / name) if (path / name).is_file() else None for name in (TLS_SECRET_CERT, TLS_SECRET_KEY)]
+    ca = path / TLS_SECRET_CA
+    return TlsFolder(found[0], found[1], str(ca) if ca.is_file() else None)
+
+
+def server_name_problem(name: object, source: str) -> str | None:
+    """Why ``name`` cannot be the name checked in the cache's certificate, or None where it can
+    (None itself: check the address dialled)."""
+    if name is None or (isinstance(name, str) and _SERVER_NAME.fullmatch(name)):
+        return None
+    return f"{source} should be the DNS name the cache's certificate carries (data-cache, say), got {name!r}"
+
+
+def checked_server_name(name: str | None, source: str) -> str | None:
+    """``name`` where server_name_problem finds none; a ConfigError (a setting) otherwise."""
+    problem = server_name_problem(name, source)
+    if problem:
+        raise ConfigError(problem)
+    return name
+
+
+def client_for(
+    location: str, tls_root_certs: bytes | None = None, server_name: str | None = None
+) -> flight.FlightClient:
+    """A Flight client for a peer: over TLS (a grpc+tls:// location) trusting ``tls_root_certs``
+    and, where given, checking ``server_name`` in its certificate instead of the address."""
+    kwargs: dict = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+    if tls_root_certs and server_name:
+        kwargs["override_hostname"] = server_name
     return flight.FlightClient(location, **kwargs)

@@ -154,6 +154,8 @@ def _cache_env(cfg: Config, key_secret: str | None) -> list[dict]:
         env.append(cluster_key_env(key_secret))
     if cfg.token_secret is not None:
         env.append(token_env(cfg.token_secret))
+    if cfg.tls_secret is not None:
+        env += tls_env()
     return env + [{"name": name, "value": value} for name, value in cfg.cache_env]
 
 
@@ -204,6 +206,10 @@ def _pod_template(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_MOUNT_PATH}],
     }
+    volumes = [{"name": c.TMP_VOLUME, "emptyDir": {}}]
+    if cfg.tls_secret is not None:
+        container["volumeMounts"].append(tls_volume_mount())
+        volumes.append(tls_volume(cfg.tls_secret))
     if cfg.env_from_secrets:
         container["envFrom"] = [{"secretRef": {"name": secret}} for secret in cfg.env_from_secrets]
     pod = {
@@ -216,7 +222,7 @@ def _pod_template(
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
             "containers": [container],
-            "volumes": [{"name": c.TMP_VOLUME, "emptyDir": {}}],
+            "volumes": volumes,
         },
     }
     if cfg.image_pull_secrets:  # a private registry holds the cache image
@@ -290,6 +296,33 @@ def token_env(token_secret: str) -> dict:
     """
     ref = {"name": token_secret, "key": c.TOKEN_SECRET_DATA_KEY, "optional": True}
     return {"name": c.TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def tls_volume(tls_secret: str) -> dict:
+    """The namespace's TLS Secret as a pod volume, where it exists.
+
+    Optional, like the token: without the Secret the kubelet mounts an empty folder and the cache
+    serves plaintext; with it, the folder holds tls.crt and tls.key (and ca.crt, cert-manager's)
+    and the cache serves TLS. No `items`: the cache needs every key, the private one too.
+    The initializer never reads the Secret, so it needs no `get` on Secrets for this.
+    """
+    return {"name": c.TLS_VOLUME, "secret": {"secretName": tls_secret, "optional": True}}
+
+
+def tls_volume_mount() -> dict:
+    return {"name": c.TLS_VOLUME, "mountPath": c.TLS_MOUNT_PATH, "readOnly": True}
+
+
+def tls_env() -> list[dict]:
+    """Where the cache looks for its certificate, and the name it is issued for.
+
+    Both are set whether or not the Secret exists: the folder's content, not the env, decides
+    between TLS and plaintext, so a Secret created later takes effect with the next cache.
+    """
+    return [
+        {"name": c.TLS_DIR_ENV, "value": c.TLS_MOUNT_PATH},
+        {"name": c.TLS_SERVER_NAME_ENV, "value": c.TLS_SERVER_NAME},
+    ]
 
 
 def build_cluster_key_secret(cfg: Config, name: str, lws: dict, key: str) -> dict:

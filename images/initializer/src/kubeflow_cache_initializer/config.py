@@ -98,6 +98,7 @@ class Config:
     env_from_secrets: tuple[str, ...]
     image_pull_secrets: tuple[str, ...]
     token_secret: str | None  # the namespace's Secret the readers' token is read from, if there
+    tls_secret: str | None  # the namespace's TLS Secret the cache pods mount, if there
     node_selector: tuple[tuple[str, str], ...]
     tolerations: tuple[dict[str, Any], ...]
     health_port: int
@@ -245,6 +246,17 @@ def _token_secret(r: _Reader, env: Mapping[str, str]) -> str | None:
     return name
 
 
+def _tls_secret(r: _Reader, env: Mapping[str, str]) -> str | None:
+    """CACHE_TLS_SECRET: the `kubernetes.io/tls` Secret the cache pods mount, optionally, and serve
+    Flight TLS with where it exists; `none` mounts no such Secret at all."""
+    name = env.get("CACHE_TLS_SECRET", "").strip() or c.DEFAULT_TLS_SECRET
+    if name == c.NO_TLS_SECRET:
+        return None
+    if not _is_secret_name(name):
+        r._bad("CACHE_TLS_SECRET", f"a Secret name (a DNS-1123 subdomain), or {c.NO_TLS_SECRET}", name)
+    return name
+
+
 def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_FILE)) -> Config:
     """Parse and check every setting; raise one `ConfigError` listing every problem."""
     r = _Reader(env)
@@ -289,6 +301,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     secrets = _secret_names(r, env, "CACHE_ENV_FROM_SECRET")
     pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
     token_secret = _token_secret(r, env)
+    tls_secret = _tls_secret(r, env)
     node_selector = r.parsed("CACHE_NODE_SELECTOR", parse_node_selector, NODE_SELECTOR_FORM, {})
     tolerations = r.parsed("CACHE_TOLERATIONS", parse_tolerations, TOLERATIONS_FORM, ())
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
@@ -323,6 +336,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         env_from_secrets=secrets,
         image_pull_secrets=pull_secrets,
         token_secret=token_secret,
+        tls_secret=tls_secret,
         node_selector=tuple(node_selector.items()),
         tolerations=tolerations,
         health_port=health_port,

@@ -85,3 +85,17 @@ TOKEN_ENV = "DATA_CACHE_TOKEN"
 DEFAULT_TOKEN_SECRET = "data-cache-token"
 TOKEN_SECRET_DATA_KEY = "token"
 NO_TOKEN_SECRET = "none"
+# Flight TLS, like the token: one `kubernetes.io/tls` Secret of the namespace (tls.crt, tls.key,
+# optionally ca.crt) that the cache pods mount as an *optional* volume, so that creating it turns
+# TLS on for the namespace's caches without the initializer ever reading a Secret (it has no `get`
+# on them). The runtime's trainers mount the same Secret (certificates only) at the same path.
+TLS_DIR_ENV = "DATA_CACHE_TLS_DIR"
+TLS_SERVER_NAME_ENV = "DATA_CACHE_TLS_SERVER_NAME"
+DEFAULT_TLS_SECRET = "data-cache-tls"
+NO_TLS_SECRET = "none"
+TLS_VOLUME = "data-cache-tls"
+TLS_MOUNT_PATH = "/etc/data-cache/tls"
+# The name every client checks the certificate against: pods and Services are reached by IP or
+# per-job names, which no certificate made ahead of time can list, so the Secret's certificate
+# carries this one DNS name (a SAN) and clients check it in place of the address they dial.
+TLS_SERVER_NAME = "data-cache"
