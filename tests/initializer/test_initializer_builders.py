@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import datetime
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from kubeflow_cache_initializer.builders import (
     with_cluster_key_entry,
 )
 from kubeflow_cache_initializer.config import load_config
+from tests.cache.conftest import make_tls_secret_folder
 
 from .object_schemas import ObjectInvalid, validate_sent_object
 from .support import MINIMAL
@@ -332,34 +332,6 @@ def test_cache_tls_secret_none_mounts_no_secret_and_sets_no_tls_env():
     validate_sent_object(lws)
 
 
-def _self_signed_for(dns_name: str) -> dict[str, bytes]:
-    """A TLS Secret's files (tls.crt, tls.key, ca.crt) for a self-signed certificate of ``dns_name``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_name)])
-    start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=1)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(start + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns_name)]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    private = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return {"tls.crt": pem, "tls.key": private, "ca.crt": pem}
-
-
 def test_cache_pods_serve_tls_where_the_namespace_has_the_secret(tmp_path):
     """The other half of the contract: what the kubelet mounts from a `kubernetes.io/tls` Secret
     turns the cache's own config to TLS, checked under the name the certificate carries."""
@@ -367,7 +339,8 @@ def test_cache_pods_serve_tls_where_the_namespace_has_the_secret(tmp_path):
 
     lws = build_leader_worker_set(load_config(FULL), [OWNER])
     filled = {"POD_IP": "10.0.0.7", "MEMORY_LIMIT": str(16 << 30), "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
-    files = _self_signed_for("data-cache")
+    secret = make_tls_secret_folder(tmp_path / "secret", "data-cache")
+    files = {path.name: path.read_bytes() for path in secret.iterdir()}
     for template, role, lws_env in [
         ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
         ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),

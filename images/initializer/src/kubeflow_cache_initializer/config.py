@@ -235,25 +235,15 @@ def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, .
     return secrets
 
 
-def _token_secret(r: _Reader, env: Mapping[str, str]) -> str | None:
-    """CACHE_TOKEN_SECRET: the Secret (data key `token`) the cache pods read DATA_CACHE_TOKEN
-    from where it exists; `none` reads no token from a Secret of this kind at all."""
-    name = env.get("CACHE_TOKEN_SECRET", "").strip() or c.DEFAULT_TOKEN_SECRET
-    if name == c.NO_TOKEN_SECRET:
+def _optional_secret(r: _Reader, env: Mapping[str, str], var: str, default: str, none: str) -> str | None:
+    """A namespace Secret the cache pods read where it exists (`var`, else ``default``), or None
+    for ``none``: CACHE_TOKEN_SECRET (data key `token`: DATA_CACHE_TOKEN) and CACHE_TLS_SECRET (a
+    `kubernetes.io/tls` Secret, mounted as an optional volume to serve Flight TLS with)."""
+    name = env.get(var, "").strip() or default
+    if name == none:
         return None
     if not _is_secret_name(name):
-        r._bad("CACHE_TOKEN_SECRET", f"a Secret name (a DNS-1123 subdomain), or {c.NO_TOKEN_SECRET}", name)
-    return name
-
-
-def _tls_secret(r: _Reader, env: Mapping[str, str]) -> str | None:
-    """CACHE_TLS_SECRET: the `kubernetes.io/tls` Secret the cache pods mount, optionally, and serve
-    Flight TLS with where it exists; `none` mounts no such Secret at all."""
-    name = env.get("CACHE_TLS_SECRET", "").strip() or c.DEFAULT_TLS_SECRET
-    if name == c.NO_TLS_SECRET:
-        return None
-    if not _is_secret_name(name):
-        r._bad("CACHE_TLS_SECRET", f"a Secret name (a DNS-1123 subdomain), or {c.NO_TLS_SECRET}", name)
+        r._bad(var, f"a Secret name (a DNS-1123 subdomain), or {none}", name)
     return name
 
 
@@ -300,8 +290,8 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     shared = r.flag("DATA_CACHE_SHARED")
     secrets = _secret_names(r, env, "CACHE_ENV_FROM_SECRET")
     pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
-    token_secret = _token_secret(r, env)
-    tls_secret = _tls_secret(r, env)
+    token_secret = _optional_secret(r, env, "CACHE_TOKEN_SECRET", c.DEFAULT_TOKEN_SECRET, c.NO_TOKEN_SECRET)
+    tls_secret = _optional_secret(r, env, "CACHE_TLS_SECRET", c.DEFAULT_TLS_SECRET, c.NO_TLS_SECRET)
     node_selector = r.parsed("CACHE_NODE_SELECTOR", parse_node_selector, NODE_SELECTOR_FORM, {})
     tolerations = r.parsed("CACHE_TOLERATIONS", parse_tolerations, TOLERATIONS_FORM, ())
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
