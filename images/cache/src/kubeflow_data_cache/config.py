@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pyarrow.flight as flight
+
 from kubeflow_data_cache import constants
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.memory import available_cpus, container_memory_limit, parse_bytes
@@ -22,6 +24,7 @@ from kubeflow_data_cache.security import (
     TLS_SECRET_KEY,
     TLS_SERVER_NAME_ENV,
     checked_server_name,
+    client_for,
     load_cluster_key,
     load_token,
     tls_certificates,
@@ -81,6 +84,10 @@ class TlsSetting:
         if not self.certificates:
             return None
         return self.ca or self.certificates[0][0]
+
+    def client_for(self, location: str) -> flight.FlightClient:
+        """A Flight client for a peer of this cache, trusting what it trusts, checking its name."""
+        return client_for(location, self.root_certs, self.server_name)
 
 
 def tls_config(

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, server_message
-from kubeflow_data_cache.store import NodeStore
+from kubeflow_data_cache.store import NodeStore, indices
 
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
 # Distinct filters whose matches a node keeps; a training job uses one or two.
@@ -56,7 +56,7 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
 
     batches = []
     for batch, start in zip(store.batches, store.offsets[:-1], strict=True):
-        rows = pa.array(np.arange(start, start + batch.num_rows, dtype=np.int64))
+        rows = indices(np.arange(start, start + batch.num_rows, dtype=np.int64))  # no numpy.ma: store.indices
         batches.append(batch.append_column(ROW_COLUMN, rows))
     if not batches:
         # No rows to match, but the predicate is checked all the same: a filter refused only once

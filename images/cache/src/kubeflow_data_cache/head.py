@@ -45,7 +45,7 @@ from kubeflow_data_cache.plan import (
     plan_table,
     s3_properties_from_env,
 )
-from kubeflow_data_cache.security import call_options, client_for, key_matches
+from kubeflow_data_cache.security import call_options, key_matches
 from kubeflow_data_cache.service import (
     DEGRADED,
     FAILED,
@@ -91,9 +91,7 @@ class Head(ReadOnlyFlight):
         with self._lock:
             client = self._clients.get(location)
             if client is None:
-                client = self._clients[location] = client_for(
-                    location, self.cfg.tls.root_certs, self.cfg.tls.server_name
-                )
+                client = self._clients[location] = self.cfg.tls.client_for(location)
         payload = json.dumps(body or {}).encode()
         results = list(client.do_action(flight.Action(action, payload), call_options(self.cfg.token, timeout)))
         return json.loads(results[0].body.to_pybytes()) if results else {}

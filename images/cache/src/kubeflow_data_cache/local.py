@@ -35,7 +35,6 @@ from kubeflow_data_cache.security import (
     TLS_DIR_ENV,
     TLS_SERVER_NAME_ENV,
     call_options,
-    client_for,
     load_token,
 )
 
@@ -190,7 +189,7 @@ class LocalCluster:
 
     def wait_ready(self, should_stop=lambda: False) -> dict:
         """Poll the head's status until ready; raise with the reason on failure or deadline."""
-        client = client_for(self.head_location, self.tls.root_certs, self.tls.server_name)
+        client = self.tls.client_for(self.head_location)
         deadline = time.monotonic() + self.startup_timeout
         last_detail = None
         last_shape, last_logged = None, 0.0

@@ -40,7 +40,7 @@ from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, reside
 from kubeflow_data_cache.offsets import has_offsets, zero_based
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import TokenAuthFactory, call_options, client_for, key_matches
+from kubeflow_data_cache.security import TokenAuthFactory, call_options, key_matches
 from kubeflow_data_cache.service import (
     LOADING,
     READY,
@@ -187,7 +187,7 @@ class DataNode(ReadOnlyFlight):
 
     def _register_loop(self) -> None:
         """Register with the head, then keep re-registering so a restarted head finds us again."""
-        client = client_for(self.cfg.head_location, self.cfg.tls.root_certs, self.cfg.tls.server_name)
+        client = self.cfg.tls.client_for(self.cfg.head_location)
         deadline = time.monotonic() + self.cfg.startup_timeout
         delay, last_error = 0.1, ""
         failing_since: float | None = None
