@@ -142,10 +142,12 @@ def test_the_head_names_a_node_waiting_on_a_read(cluster, tmp_path, monkeypatch)
 def test_local_gives_up_naming_the_read_it_waits_on(tmp_path):
     table = create_sample_table(str(tmp_path / "wh"), 3000, 3)
     with stalled_file(a_data_file(table.metadata_location)) as name:
-        cache = LocalCache(table.metadata_location, 2, args=("--startup-timeout", "5"))
-        message = cache.wait_failure(timeout=60)
+        # Long enough for the nodes to start and reach the read on a slow, busy machine (at 5 s
+        # a CI run once gave up before any read had begun, so none was named).
+        cache = LocalCache(table.metadata_location, 2, args=("--startup-timeout", "15"))
+        message = cache.wait_failure(timeout=90)
         assert cache.proc.returncode == 1
-    assert "not ready within 5s" in message or "did not finish within 5s" in message
+    assert "not ready within 15s" in message or "did not finish within 15s" in message
     assert "has waited" in message and name in message
 
 

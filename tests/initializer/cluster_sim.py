@@ -193,6 +193,17 @@ class CacheSim:
                     return f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}"
         return None
 
+    def _relists(self) -> tuple[int, int]:
+        """How many times the LeaderWorkerSets and the pods have been listed so far."""
+        calls = list(self.fake.calls)
+        return calls.count(("leaderworkerset.x-k8s.io", "leaderworkersets", "list")), calls.count(("", "pods", "list"))
+
+    def _wait_for(self, done, seconds: float = SECRET_WAIT_SECONDS) -> None:
+        """Poll ``done`` for at most ``seconds`` (every scenario thread must end)."""
+        until = time.monotonic() + seconds
+        while not done() and time.monotonic() < until:
+            time.sleep(0.01)
+
     def _wait_for_secrets(self, lws: dict, pods: list[dict]) -> bool:
         """As the kubelet: a container whose env reads a missing Secret waits in
         CreateContainerConfigError and starts once the Secret is there. False if it never came."""
@@ -250,7 +261,12 @@ class CacheSim:
             elsewhere = self._pod(lws, 0)
             elsewhere["metadata"] = {"name": "unrelated", "namespace": "elsewhere"}
             self.fake.put("pods", elsewhere)
+            relists = self._relists()
             self.fake.compact(end_watches=True)
+            # Go on once the initializer has listed both kinds again (what a watcher does after
+            # 410 Gone): else the LeaderWorkerSet watch could see the cache Available and end the
+            # wait before the pod watch had resumed, and the re-list would not happen at all.
+            self._wait_for(lambda: all(now > before for now, before in zip(self._relists(), relists, strict=True)))
         if self.scenario == "oom":
             oom = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
             self._set(pods[2], state={"waiting": {"reason": "CrashLoopBackOff"}}, lastState=oom)
