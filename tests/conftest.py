@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import selectors
 import socket
 import subprocess
@@ -24,10 +25,33 @@ READY_TIMEOUT_SECONDS = 120.0
 EXIT_WAIT_SECONDS = 30.0
 
 
+# Ports handed to a process that binds them later come from below the kernel's ephemeral range
+# (ip_local_port_range, 32768-60999 by default): a port-0 bind or an outgoing connection of any
+# other process can take an ephemeral port between the pick and the bind, and then a test talks
+# to somebody else's server. Each pytest-xdist worker scans a slice of its own, so two workers
+# never pick the same port either.
+PICKED_PORTS = range(20000, 32000)
+_port_cursor: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing on this machine is bound to, for a process about to bind it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    span = len(PICKED_PORTS) // workers
+    first = PICKED_PORTS.start + worker * span
+    if not _port_cursor:  # a random start: a process left over from an earlier run may hold a port
+        _port_cursor.append(random.randrange(span))
+    for _ in range(span):
+        port = first + _port_cursor[0] % span
+        _port_cursor[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the wildcard: a bind on any address of this port fails it
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + span - 1}")
 
 
 class LocalCache:

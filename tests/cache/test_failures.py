@@ -106,14 +106,13 @@ def test_lws_env_is_read(tmp_path):
 def test_a_worker_indexed_by_lws_names_its_index_in_every_log_line():
     """In a pod the index comes from LWS_WORKER_INDEX, not --index: the log prefix follows it
     (it read `node-` for every data node, so their logs could not be told apart)."""
-    import socket
     import subprocess
     import sys
     import time
 
-    with socket.socket() as probe:  # the node's own port and the head's (nobody answers there)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from tests.conftest import free_port
+
+    port = free_port()  # the node's own port and the head's (nobody answers there)
     env = {"PATH": "/usr/bin:/bin", "LWS_WORKER_INDEX": "3", "LWS_LEADER_ADDRESS": "127.0.0.1"}
     env |= {"FLIGHT_PORT": str(port), "HEALTH_PORT": "0"}
     proc = subprocess.Popen(

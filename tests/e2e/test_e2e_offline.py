@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import free_port
 from tests.e2e.e2e_objects import (
     CACHE_IMAGE,
     INITIALIZER_IMAGE,
@@ -227,17 +227,11 @@ def test_the_token_probe_tells_a_refusing_cache_from_an_open_one(small_table) ->
             assert "with token: 1 table(s)" in out.stdout, out.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def moto_endpoint():
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     server.start()
     yield f"http://127.0.0.1:{server._port}"
     server.stop()

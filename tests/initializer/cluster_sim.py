@@ -48,6 +48,7 @@ class CacheSim:
         self.head_status: dict | None = None
         self.created: list[str] = []
         self.threads: list[threading.Thread] = []
+        self._closing = threading.Event()
         fake.on_create.setdefault("leaderworkersets", []).append(self._on_lws)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -58,6 +59,7 @@ class CacheSim:
         return self.server.server_address[1]
 
     def close(self) -> None:
+        self._closing.set()  # a scenario thread still waiting ends now, not at its deadline
         for thread in self.threads:
             thread.join(10)
         self.server.shutdown()
@@ -198,10 +200,17 @@ class CacheSim:
         calls = list(self.fake.calls)
         return calls.count(("leaderworkerset.x-k8s.io", "leaderworkersets", "list")), calls.count(("", "pods", "list"))
 
+    def _gone(self, lws: dict) -> bool:
+        """The sim is closing, or this LeaderWorkerSet was deleted (its pods with it): a
+        scenario thread waiting on it has nothing left to wait for."""
+        meta = lws["metadata"]
+        now = self.fake.get("leaderworkersets", meta["namespace"], meta["name"])
+        return self._closing.is_set() or now is None or now["metadata"]["uid"] != meta["uid"]
+
     def _wait_for(self, done, seconds: float = SECRET_WAIT_SECONDS) -> None:
         """Poll ``done`` for at most ``seconds`` (every scenario thread must end)."""
         until = time.monotonic() + seconds
-        while not done() and time.monotonic() < until:
+        while not done() and time.monotonic() < until and not self._closing.is_set():
             time.sleep(0.01)
 
     def _wait_for_secrets(self, lws: dict, pods: list[dict]) -> bool:
@@ -209,7 +218,7 @@ class CacheSim:
         CreateContainerConfigError and starts once the Secret is there. False if it never came."""
         until, waiting = time.monotonic() + SECRET_WAIT_SECONDS, False
         while (missing := self._missing_secret_key(lws)) is not None:
-            if time.monotonic() > until:
+            if time.monotonic() > until or self._gone(lws):
                 return False
             if not waiting:
                 for pod in pods:

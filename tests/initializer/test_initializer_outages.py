@@ -21,14 +21,9 @@ from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
 from kubeflow_cache_initializer.health import not_ready_reason
 from kubeflow_cache_initializer.kube import PODS, RETRY_INITIAL_SECONDS, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import _Watcher
+from tests.conftest import free_port
 
 from .support import MINIMAL, NAMESPACE, add_train_job, initializer_env
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_passing_api_errors_are_retried_honouring_retry_after(fake, make_sim, run_initializer, caplog):
@@ -61,7 +56,7 @@ def test_a_watch_failing_until_the_deadline_is_named_and_the_cache_deleted(fake,
 
 def _refusing_api() -> client.ApiClient:
     """A client of an API server that refuses connections; only Kube's own retries, to time them."""
-    configuration = client.Configuration(host=f"http://127.0.0.1:{_closed_port()}")
+    configuration = client.Configuration(host=f"http://127.0.0.1:{free_port()}")
     configuration.retries = 0
     return client.ApiClient(configuration)
 
@@ -92,7 +87,7 @@ def test_a_loaded_cache_whose_status_port_is_unreachable_is_taken_as_ready(fake,
     """A NetworkPolicy that lets the kubelet probe the pods but not the initializer reach :8080."""
     add_train_job(fake, "job-a")
     sim = make_sim("healthy")
-    env = initializer_env(sim, CACHE_READY_TIMEOUT_SECONDS="20", CACHE_HEALTH_PORT=str(_closed_port()))
+    env = initializer_env(sim, CACHE_READY_TIMEOUT_SECONDS="20", CACHE_HEALTH_PORT=str(free_port()))
 
     assert run_initializer(env) == (0, "")
 
@@ -334,7 +329,7 @@ def test_a_loaded_cache_seen_only_at_the_deadline_is_not_thrown_away(fake, make_
         make_sim("healthy"),
         CACHE_READY_TIMEOUT_SECONDS="3",
         CACHE_STATUS_POLL_SECONDS="5",  # grace of 3 polls = 15 s, past the deadline
-        CACHE_HEALTH_PORT=str(_closed_port()),
+        CACHE_HEALTH_PORT=str(free_port()),
     )
 
     assert run_initializer(env) == (0, "")
