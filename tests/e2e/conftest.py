@@ -38,6 +38,7 @@ from tests.e2e.e2e_objects import (
     REPO,
     RUNTIME_NAME,
     SYSTEM_NAMESPACE,
+    TLS_SERVER_NAME,
     WRITER_NAME,
     helm_values,
     minio_objects,
@@ -46,8 +47,10 @@ from tests.e2e.e2e_objects import (
     retarget_images,
     split_for_apply,
     table_writer_objects,
+    tls_secret,
     upstream_image_refs,
 )
+from tests.tls_certs import tls_secret_pems
 
 CLUSTER_CREATE_TIMEOUT = 300
 DOWNLOAD_TIMEOUT = 300
@@ -208,6 +211,12 @@ class Install:
     method: str
     namespace: str
 
+    @property
+    def tls(self) -> bool:
+        """Whether this install's namespace gets the Flight TLS Secret (TLS_SECRET): the kustomize
+        one does, so the suite runs the TLS transport once and plaintext once."""
+        return self.method == "kustomize"
+
 
 def _install_helm(kube: Kube, namespace: str, workdir: Path) -> None:
     if not any((CHART / "crds").glob("*.yaml")) or not any((CHART / "charts").glob("*.tgz")):
@@ -327,7 +336,9 @@ def metadata_loc(kube, distribution, artifacts) -> str:
     """MinIO in the test namespace, then the table-writer Job; the table's metadata location."""
     ns = distribution.namespace
     try:
-        kube.apply([*minio_objects(ns), reader_token_secret(ns)])  # token before any cache starts
+        # The token, and the TLS Secret where the install has one, before any cache starts.
+        tls = [tls_secret(ns, tls_secret_pems(TLS_SERVER_NAME))] if distribution.tls else []
+        kube.apply([*minio_objects(ns), reader_token_secret(ns), *tls])
         kube(
             "rollout",
             "status",

@@ -52,6 +52,11 @@ S3_SECRET_NAME = "minio-credentials"
 # initializer's cache pods both read it from (optionally), which turns token auth on there.
 READER_TOKEN_SECRET = "data-cache-token"
 READER_TOKEN = "e2e-reader-token-not-a-secret"
+# Flight over TLS: a kubernetes.io/tls Secret of the namespace under the name both sides mount it
+# from (optionally), its certificate naming the one name they check it for. The kustomize
+# install's namespace has it, the Helm install's not, so the suite runs both transports.
+TLS_SECRET = "data-cache-tls"
+TLS_SERVER_NAME = "data-cache"
 BUCKET = "warehouse"
 WRITER_NAME = "e2e-table-writer"
 WRITER_SCRIPT = HERE / "table_writer.py"
@@ -119,15 +124,45 @@ def reader_token_secret(namespace: str) -> dict[str, Any]:
     }
 
 
-# Run in the head pod (`kubectl exec`, the cache image's Python) with the head's location as its
-# argument: asks for the table without a token, then with the pod's own DATA_CACHE_TOKEN. One
-# line each, parsed by the test.
+def tls_secret(namespace: str, pems: dict[str, bytes]) -> dict[str, Any]:
+    """The namespace's Flight TLS Secret, as docs/install.md has an admin (or cert-manager) make
+    it: ``tls.crt``, ``tls.key`` and ``ca.crt`` (tests/tls_certs.py makes them)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": TLS_SECRET, "namespace": namespace, "labels": PART_OF},
+        "type": "kubernetes.io/tls",
+        "stringData": {name: pem.decode() for name, pem in sorted(pems.items())},
+    }
+
+
+# Run in the head pod (`kubectl exec`, the cache image's Python) with the head's host:port as its
+# argument. Says which transport the pod's own TLS folder (DATA_CACHE_TLS_DIR, as the initializer
+# mounts the namespace's Secret) calls for, and over TLS whether a plaintext client is refused;
+# then asks for the table without a token, and with the pod's own DATA_CACHE_TOKEN. One line
+# each, parsed by the test.
 TOKEN_PROBE = """
 import os
 import sys
+from pathlib import Path
+
 import pyarrow.flight as flight
 
-client = flight.FlightClient(sys.argv[1])
+address = sys.argv[1]
+folder = Path(os.environ.get("DATA_CACHE_TLS_DIR") or "/nonexistent")
+if (folder / "tls.crt").is_file():
+    ca = folder / "ca.crt" if (folder / "ca.crt").is_file() else folder / "tls.crt"
+    name = os.environ.get("DATA_CACHE_TLS_SERVER_NAME")
+    client = flight.FlightClient(f"grpc+tls://{address}", tls_root_certs=ca.read_bytes(), override_hostname=name)
+    print("transport: tls")
+    try:
+        list(flight.FlightClient(f"grpc://{address}").list_flights(options=flight.FlightCallOptions(timeout=10)))
+        print("plaintext: served")
+    except flight.FlightError:
+        print("plaintext: refused")
+else:
+    client = flight.FlightClient(f"grpc://{address}")
+    print("transport: plaintext")
 try:
     list(client.list_flights())
     print("without token: served")
@@ -346,16 +381,17 @@ class RankResult:
     unique: int
     id_sum: int
     id_sq_sum: int
+    endpoint: str = ""  # the cache the rank read from, as DataCacheDataset resolved it
 
 
 RESULT_RE = re.compile(
-    r"E2E_RESULT rank=(\d+) world=(\d+) rows=(\d+) unique=(\d+) id_sum=(-?\d+) id_sq_sum=(-?\d+)",
+    r"E2E_RESULT rank=(\d+) world=(\d+) rows=(\d+) unique=(\d+) id_sum=(-?\d+) id_sq_sum=(-?\d+) endpoint=(\S+)",
 )
 
 
 def parse_results(log: str) -> list[RankResult]:
     """Every ``E2E_RESULT`` line the trainer script printed (images/trainer-e2e/e2e_train.py)."""
-    return [RankResult(*map(int, m.groups())) for m in RESULT_RE.finditer(log)]
+    return [RankResult(*map(int, m.groups()[:-1]), m.group(7)) for m in RESULT_RE.finditer(log)]
 
 
 def check_exactly_once(results: list[RankResult], rows: int, world: int) -> list[str]:

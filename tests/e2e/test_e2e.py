@@ -24,7 +24,7 @@ TRAINJOB_TIMEOUT = 900
 FAILURE_TIMEOUT = 900
 GONE_TIMEOUT = 180
 TRAINER_NODES = 2
-HEAD_LOCATION = "grpc://127.0.0.1:50051"  # the Flight port, from inside the head's pod
+HEAD_ADDRESS = "127.0.0.1:50051"  # the Flight port, from inside the head's pod
 
 
 def node_selector(job: str, step: str) -> str:
@@ -51,6 +51,11 @@ def test_trainjob_streams_every_row_exactly_once(kube, distribution, metadata_lo
 
     results, log = trainer_results(kube, ns, name)
     assert check_exactly_once(results, TABLE.rows, TRAINER_NODES) == [], log[-4000:]
+    # The trainers found the cache by the runtime's settings alone: over TLS where the namespace
+    # has the TLS Secret, checking the certificate against its name, not the Service's address.
+    scheme = "grpc+tls" if distribution.tls else "grpc"
+    want = f"{scheme}://{name}-cache-service:50051"
+    assert {r.endpoint for r in results} == {want}, [r.endpoint for r in results]
 
     uid = job["metadata"]["uid"]
     for kind, obj_name in owned_objects(name):
@@ -66,13 +71,18 @@ def test_trainjob_streams_every_row_exactly_once(kube, distribution, metadata_lo
     assert secret_owners == [cache["metadata"]["uid"]], secret_owners
     gone = [*owned_objects(name), ("secret", key_secret)]
     # The namespace's reader token (reader_token_secret): the trainers read with it, as they
-    # finished; the cache refuses a reader without it.
+    # finished; the cache refuses a reader without it. With the TLS Secret, the head serves TLS
+    # only.
     head = kube.items("pods", ns, f"app.kubernetes.io/instance={name}-cache,app.kubernetes.io/component=head")
     assert len(head) == 1, f"expected one head pod, got {[p['metadata']['name'] for p in head]}"
     probe = kube(
-        "exec", head[0]["metadata"]["name"], "-n", ns, "-c", "cache", "--", "python", "-c", TOKEN_PROBE, HEAD_LOCATION
+        "exec", head[0]["metadata"]["name"], "-n", ns, "-c", "cache", "--", "python", "-c", TOKEN_PROBE, HEAD_ADDRESS
     )
     assert "without token: refused" in probe and "with token: 1 table(s)" in probe, probe
+    if distribution.tls:
+        assert "transport: tls" in probe and "plaintext: refused" in probe, probe
+    else:
+        assert "transport: plaintext" in probe, probe
 
     kube("delete", "trainjob", name, "-n", ns, "--wait=false")
     wait_for(

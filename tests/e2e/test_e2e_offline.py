@@ -27,6 +27,7 @@ from tests.e2e.e2e_objects import (
     REPO,
     RUNTIME_NAME,
     TABLE,
+    TLS_SERVER_NAME,
     TOKEN_PROBE,
     TRAINER_IMAGE,
     WRITER_SCRIPT,
@@ -40,10 +41,12 @@ from tests.e2e.e2e_objects import (
     retarget_images,
     split_for_apply,
     table_writer_objects,
+    tls_secret,
     train_job,
     upstream_image_refs,
 )
 from tests.schemas import ObjectInvalid, validate_objects
+from tests.tls_certs import tls_secret_pems
 
 NS = "dc-e2e-offline"
 META = "s3://warehouse/iceberg/e2e/events/metadata/00004-0f.metadata.json"
@@ -60,6 +63,7 @@ def applied_objects() -> list[dict]:
         train_job("bad-metadata", NS, META.replace("00004-0f", "missing"), ready_timeout_s=180),
         train_job("share-a", NS, META, shared=True),
         reader_token_secret(NS),
+        tls_secret(NS, tls_secret_pems(TLS_SERVER_NAME)),
     ]
 
 
@@ -205,6 +209,21 @@ def test_the_namespaces_token_secret_reaches_the_cache_and_its_trainers_alike(wi
         assert load_token(pod_env.get("DATA_CACHE_TOKEN"), pod_env.get("DATA_CACHE_TOKEN_FILE")) == want, template
 
 
+def _probe(cache_endpoint: str, env: dict[str, str]) -> str:
+    """TOKEN_PROBE's output, run as in the head pod: the pod's env, the head's host:port."""
+    probe_env = {k: v for k, v in os.environ.items() if not k.startswith("DATA_CACHE_")}
+    address = cache_endpoint.split("://", 1)[1]
+    out = subprocess.run(
+        [sys.executable, "-c", TOKEN_PROBE, address],
+        env={**probe_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_the_token_probe_tells_a_refusing_cache_from_an_open_one(small_table) -> None:
     """TOKEN_PROBE, which the kind suite runs in the head pod, against a local cache with the
     reader token and one without."""
@@ -213,18 +232,27 @@ def test_the_token_probe_tells_a_refusing_cache_from_an_open_one(small_table) ->
     for token, expected in ((READER_TOKEN, "without token: refused"), (None, "without token: served")):
         env = {"DATA_CACHE_TOKEN": token} if token else {}
         with running_cache(small_table.metadata_location, data_nodes=1, env=env) as cache:
-            probe_env = {k: v for k, v in os.environ.items() if not k.startswith("DATA_CACHE_")}
-            out = subprocess.run(
-                [sys.executable, "-c", TOKEN_PROBE, cache.endpoint],
-                env={**probe_env, **env},
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        assert out.returncode == 0, out.stderr
-        assert expected in out.stdout and "with token: " in out.stdout, out.stdout
+            out = _probe(cache.endpoint, env)
+        assert "transport: plaintext" in out and expected in out and "with token: " in out, out
         if token:
-            assert "with token: 1 table(s)" in out.stdout, out.stdout
+            assert "with token: 1 table(s)" in out, out
+
+
+def test_the_probe_reads_a_tls_cache_as_its_pod_would_and_sees_plaintext_refused(small_table, tmp_path) -> None:
+    """With the namespace's TLS Secret mounted (the folder and server name the initializer gives
+    the cache pods), the probe speaks TLS as they do, and a plaintext client is refused."""
+    from tests.conftest import running_cache
+
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    for name, pem in tls_secret(NS, tls_secret_pems(TLS_SERVER_NAME))["stringData"].items():
+        (folder / name).write_text(pem)  # the Secret object itself, as the kubelet mounts it
+    env = {"DATA_CACHE_TOKEN": READER_TOKEN, "DATA_CACHE_TLS_DIR": str(folder)}
+    env["DATA_CACHE_TLS_SERVER_NAME"] = TLS_SERVER_NAME
+    with running_cache(small_table.metadata_location, data_nodes=1, env=env) as cache:
+        out = _probe(cache.endpoint, env)
+    assert "transport: tls" in out and "plaintext: refused" in out, out
+    assert "without token: refused" in out and "with token: 1 table(s)" in out, out
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +334,7 @@ def test_trainer_script_ranks_together_see_every_row_once(small_cache, small_tab
             proc.wait()
     results = parse_results(logs)
     assert len(results) == 2
+    assert {r.endpoint for r in results} == {small_cache.endpoint}
     assert check_exactly_once(results, small_table.rows, world=2) == []
 
 
@@ -332,8 +361,9 @@ def test_exactly_once_check(results: list[RankResult], expected: list[str]) -> N
 
 
 def test_result_lines_are_parsed_from_prefixed_pod_logs() -> None:
-    log = "[pod/stream-node-0-0/node] E2E_RESULT rank=1 world=2 rows=5 unique=5 id_sum=10 id_sq_sum=30\nother\n"
-    assert parse_results(log) == [RankResult(1, 2, 5, 5, 10, 30)]
+    line = "E2E_RESULT rank=1 world=2 rows=5 unique=5 id_sum=10 id_sq_sum=30 endpoint=grpc+tls://s-cache-service:50051"
+    log = f"[pod/stream-node-0-0/node] {line}\nother\n"
+    assert parse_results(log) == [RankResult(1, 2, 5, 5, 10, 30, "grpc+tls://s-cache-service:50051")]
 
 
 def test_kustomize_render_is_retargeted_to_the_local_images() -> None:
