@@ -12,18 +12,20 @@ from kubeflow_data_cache.processes import stop_processes
 
 # A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
 # first starts a grandchild in its group (printing its pid) that does not exit on SIGTERM but
-# notes it, and each SIGWINCH, in the file $TERM_LOG (when set).
+# notes it, and each SIGWINCH, in the file $TERM_LOG (when set). The grandchild blocks both and
+# takes them one at a time with sigwaitinfo, which dequeues the lowest pending signal first: a
+# Python handler can be entered again by the next signal before it has written its note (the
+# WINCH was once noted before a TERM that had arrived first).
 GRANDCHILD = """
-import os, signal, time
-def noted(signum, _):
+import os, signal
+WATCHED = {signal.SIGTERM, signal.SIGWINCH}
+signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+print("up", flush=True)
+while True:
+    signum = signal.sigwaitinfo(WATCHED).si_signo
     if os.environ.get("TERM_LOG"):
         with open(os.environ["TERM_LOG"], "a") as log:
             log.write(signal.Signals(signum).name.removeprefix("SIG") + "\\n")
-signal.signal(signal.SIGTERM, noted)
-signal.signal(signal.SIGWINCH, noted)
-print("up", flush=True)
-while True:
-    time.sleep(600)
 """
 CHILD = f"""
 import signal, subprocess, sys, time
@@ -117,8 +119,8 @@ def test_term_group_reaches_every_member_of_the_group(tmp_path):
     only the process itself does.
 
     No timed watch decides "it never came": once stop_processes has returned, a SIGTERM it sent
-    is already pending or handled, so a SIGWINCH sent after it is noted after it (the kernel
-    and Python both take pending signals lowest number first, and SIGTERM is 15, SIGWINCH 28).
+    is already pending or taken, so a SIGWINCH sent after it is noted after it (the grandchild's
+    sigwaitinfo takes the lowest pending signal first, and SIGTERM is 15, SIGWINCH 28).
     The grandchild's note of the SIGWINCH therefore closes the record."""
     for term_group in (True, False):
         log = tmp_path / f"term-{term_group}"
