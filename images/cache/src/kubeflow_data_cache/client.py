@@ -684,12 +684,16 @@ class KeptClient:
         tls_server_name: str | None = None,
     ) -> Iterator[CacheClient]:
         """The kept client for these settings (a new one when they changed), for one read."""
-        settings = (endpoint, token, tls_root_certs, deadline_seconds, None, tls_server_name)
+        settings = (endpoint, token, tls_root_certs, deadline_seconds, tls_server_name)
+
+        def connect() -> CacheClient:
+            return CacheClient(endpoint, token, tls_root_certs, deadline_seconds, tls_server_name=tls_server_name)
+
         with self._lock:
             if self._settings != settings and not self._reads:
                 if self._client is not None:
                     self._client.close()
-                self._client, self._settings = CacheClient(*settings), settings
+                self._client, self._settings = connect(), settings
             elif not self._reads and time.monotonic() - self._last_used > self._idle_seconds:
                 self._client.close()  # long idle: reconnect rather than trust an old connection
             kept = self._settings == settings
@@ -697,7 +701,7 @@ class KeptClient:
                 client = self._client
                 self._reads += 1
         if not kept:  # the settings changed while another read uses the kept client
-            with CacheClient(*settings) as client:
+            with connect() as client:
                 yield client
             return
         try:
