@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import selectors
@@ -31,7 +32,9 @@ EXIT_WAIT_SECONDS = 30.0
 # to somebody else's server. Each pytest-xdist worker scans a slice of its own, so two workers
 # never pick the same port either.
 PICKED_PORTS = range(20000, 32000)
-_port_cursor: list[int] = []
+# Where this process goes on scanning, from a random start: a process left over from an earlier
+# run may still hold the ports a fixed start would give first.
+_port_offsets = itertools.count(random.randrange(len(PICKED_PORTS)))
 
 
 def free_port() -> int:
@@ -40,11 +43,8 @@ def free_port() -> int:
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     span = len(PICKED_PORTS) // workers
     first = PICKED_PORTS.start + worker * span
-    if not _port_cursor:  # a random start: a process left over from an earlier run may hold a port
-        _port_cursor.append(random.randrange(span))
     for _ in range(span):
-        port = first + _port_cursor[0] % span
-        _port_cursor[0] += 1
+        port = first + next(_port_offsets) % span
         with socket.socket() as s:
             try:
                 s.bind(("", port))  # the wildcard: a bind on any address of this port fails it
