@@ -19,6 +19,7 @@ import copy
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -52,6 +53,7 @@ class FakeKube:
         self.validate, self.allowed = validate, allowed
         self.kinds = dict(KINDS)  # drop one to play a cluster without that CRD
         self.fail_next: dict[tuple[str, str], list[int]] = {}  # (plural, verb) -> statuses to answer first
+        self.slow: dict[tuple[str, str], float] = {}  # (plural, verb) -> seconds before each answer
         self.cond = threading.Condition()
         self.objects: dict[tuple[str, str, str], dict] = {}  # (plural, namespace, name) -> object
         self.events: list[tuple[int, str, str, dict, dict | None]] = []  # rv, plural, type, object, old
@@ -302,6 +304,8 @@ class FakeKube:
         if (method == "POST" and name) or (method in ("PATCH", "DELETE", "PUT") and not name):
             raise ApiFailure(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
         self.calls.append((group, plural, verb))
+        if self.slow.get((plural, verb)):  # an API server (or its authorizer webhook) under load
+            time.sleep(self.slow[(plural, verb)])
         if self.fail_next.get((plural, verb)):
             raise ApiFailure(self.fail_next[(plural, verb)].pop(0), "ServiceUnavailable", "injected failure")
         if self.allowed is not None and (group, plural, verb) not in self.allowed:

@@ -81,6 +81,17 @@ def test_a_missing_grant_names_the_verb_the_resource_and_how_to_bind_it(fake, ma
         assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None  # a failed run frees its cache
 
 
+def test_a_refused_watch_fails_the_run_even_when_the_cache_is_ready_before_the_refusal(fake, make_sim, run_initializer):
+    """The cache comes up before the API answers the pods watch with 403: the run still fails,
+    or a missing grant would pass unseen until the day a cache starts slowly."""
+    add_train_job(fake, "job-a")
+    fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS} - {("", "pods", "watch")}
+    fake.slow[("pods", "watch")] = 1.0
+    code, error = run_initializer(initializer_env(make_sim("healthy")))
+    assert code == 1, error
+    assert f"may not `watch` pods in namespace {NAMESPACE}" in error
+
+
 @pytest.mark.parametrize(
     ("status_message", "expected"),
     [

@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 WATCH_RETRY_SECONDS = 1.0
 WATCH_RETRY_MAX_SECONDS = 10.0
 STOP_JOIN_SECONDS = 5.0
+# How long the wait holds off judging the cache until each watch has had its first answer: a
+# watch the API refuses (403) must fail the run even where the cache is up by the first look,
+# or a missing grant goes unseen until the day the cache starts slowly.
+FIRST_ANSWER_SECONDS = 10.0
 # Not-ready pods named in a progress line or the timeout message; the rest are counted.
 NOT_READY_NAMED = 3
 # How long (in CACHE_STATUS_POLL_SECONDS periods) the head's /status may stay unreachable while
@@ -57,6 +61,7 @@ class _Watcher(threading.Thread):
         self.kube, self.resource, self.namespace = kube, resource, namespace
         self.version, self.deadline, self.out, self.selectors = version, deadline, out, selectors
         self.stopped = threading.Event()
+        self.answered = threading.Event()  # the first watch call has opened, or failed
         self.stream: WatchStream | None = None
         self.trouble_key = trouble_key("watch", resource.describe(namespace))  # as Kube._call files it
         self.failing_since: float | None = None
@@ -68,6 +73,12 @@ class _Watcher(threading.Thread):
             self.stream.close()
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.answered.set()
+
+    def _run(self) -> None:
         while not self.stopped.is_set():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
@@ -81,8 +92,10 @@ class _Watcher(threading.Thread):
                         self.out.put((self.resource, "FAILED", err))
                     return
                 error = str(err)
+                self.answered.set()
             except Exception as err:  # a dropped connection: watch again from the last version
                 error = f"watch {self.resource.describe(self.namespace)} broke: {err}"
+                self.answered.set()
             if self.stopped.is_set() or time.monotonic() >= self.deadline:
                 return  # the wait is over: its own message says so
             if self.failing_since is None:
@@ -96,6 +109,7 @@ class _Watcher(threading.Thread):
         """A watch is open again: whatever failed before has passed."""
         self.failing_since, self.delay = None, WATCH_RETRY_SECONDS
         self.kube.troubles.pop(self.trouble_key, None)
+        self.answered.set()
 
     def _watch_once(self, seconds: int) -> None:
         self.stream = self.kube.watch(
@@ -294,6 +308,9 @@ def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict | None:
     ]
     for watcher in watchers:
         watcher.start()
+    first_answer_by = min(deadline, time.monotonic() + FIRST_ANSWER_SECONDS)
+    for watcher in watchers:
+        watcher.answered.wait(max(0.0, first_answer_by - time.monotonic()))
     try:
         return _wait(cfg, _Progress(cfg, lws, pods, kube), events, deadline)
     finally:
@@ -306,6 +323,9 @@ def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict | None:
 def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float) -> dict | None:
     next_status_at = 0.0
     while True:
+        # Everything queued is taken before readiness is judged: a refused watch fails the run.
+        if _take_events(progress, events, 0.0):
+            next_status_at = 0.0
         now = time.monotonic()
         if now >= next_status_at:
             ip = health.head_pod_ip(progress.pods)
@@ -323,9 +343,18 @@ def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float
                 f"the cache was not ready within CACHE_READY_TIMEOUT_SECONDS={cfg.ready_timeout_seconds:g}: "
                 f"{progress.summary()}"
             )
-        try:
-            resource, kind, obj = events.get(timeout=max(0.0, min(remaining, next_status_at - time.monotonic())))
-        except queue.Empty:
-            continue
-        if progress.apply(resource, kind, obj):
+        if _take_events(progress, events, max(0.0, min(remaining, next_status_at - time.monotonic()))):
             next_status_at = 0.0
+
+
+def _take_events(progress: _Progress, events: queue.Queue, timeout: float) -> bool:
+    """Apply every queued event, waiting up to ``timeout`` for the first; True when the head
+    should be asked for its status now."""
+    ask_head = False
+    try:
+        event = events.get(timeout=timeout) if timeout > 0 else events.get_nowait()
+        while True:
+            ask_head = progress.apply(*event) or ask_head
+            event = events.get_nowait()
+    except queue.Empty:
+        return ask_head
