@@ -141,7 +141,7 @@ def tls_secret(namespace: str, pems: dict[str, bytes]) -> dict[str, Any]:
 # mounts the namespace's Secret) calls for, and over TLS whether a plaintext client is refused;
 # then asks for the table without a token, and with the pod's own DATA_CACHE_TOKEN. One line
 # each, parsed by the test.
-TOKEN_PROBE = """
+ACCESS_PROBE = """
 import os
 import sys
 from pathlib import Path
@@ -149,6 +149,7 @@ from pathlib import Path
 import pyarrow.flight as flight
 
 address = sys.argv[1]
+within = flight.FlightCallOptions(timeout=10)  # a cache that stops answering fails the probe, not hangs it
 folder = Path(os.environ.get("DATA_CACHE_TLS_DIR") or "/nonexistent")
 if (folder / "tls.crt").is_file():
     ca = folder / "ca.crt" if (folder / "ca.crt").is_file() else folder / "tls.crt"
@@ -156,7 +157,7 @@ if (folder / "tls.crt").is_file():
     client = flight.FlightClient(f"grpc+tls://{address}", tls_root_certs=ca.read_bytes(), override_hostname=name)
     print("transport: tls")
     try:
-        list(flight.FlightClient(f"grpc://{address}").list_flights(options=flight.FlightCallOptions(timeout=10)))
+        list(flight.FlightClient(f"grpc://{address}").list_flights(options=within))
         print("plaintext: served")
     except flight.FlightError:
         print("plaintext: refused")
@@ -164,7 +165,7 @@ else:
     client = flight.FlightClient(f"grpc://{address}")
     print("transport: plaintext")
 try:
-    list(client.list_flights())
+    list(client.list_flights(options=within))
     print("without token: served")
 except flight.FlightUnauthenticatedError:
     print("without token: refused")
@@ -172,7 +173,7 @@ token = os.environ.get("DATA_CACHE_TOKEN")
 if token is None:
     print("with token: no DATA_CACHE_TOKEN in the pod")
 else:
-    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+    options = flight.FlightCallOptions(timeout=10, headers=[(b"authorization", f"Bearer {token}".encode())])
     print(f"with token: {len(list(client.list_flights(options=options)))} table(s)")
 """
 

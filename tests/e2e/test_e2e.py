@@ -12,7 +12,7 @@ import pytest
 
 from kubeflow_cache_initializer.builders import key_secret_of
 from tests.e2e.e2e_kube import Kube, wait_for, wait_trainjob
-from tests.e2e.e2e_objects import BUCKET, TABLE, TOKEN_PROBE, check_exactly_once, parse_results, train_job
+from tests.e2e.e2e_objects import ACCESS_PROBE, BUCKET, TABLE, check_exactly_once, parse_results, train_job
 
 # The session's first test also pays for the cluster, the image builds and the install; every
 # step has its own deadline and a failure dump, this is the backstop for a hang between them. It
@@ -76,7 +76,7 @@ def test_trainjob_streams_every_row_exactly_once(kube, distribution, metadata_lo
     head = kube.items("pods", ns, f"app.kubernetes.io/instance={name}-cache,app.kubernetes.io/component=head")
     assert len(head) == 1, f"expected one head pod, got {[p['metadata']['name'] for p in head]}"
     probe = kube(
-        "exec", head[0]["metadata"]["name"], "-n", ns, "-c", "cache", "--", "python", "-c", TOKEN_PROBE, HEAD_ADDRESS
+        "exec", head[0]["metadata"]["name"], "-n", ns, "-c", "cache", "--", "python", "-c", ACCESS_PROBE, HEAD_ADDRESS
     )
     assert "without token: refused" in probe and "with token: 1 table(s)" in probe, probe
     if distribution.tls:

@@ -18,6 +18,7 @@ import yaml
 
 from tests.conftest import free_port
 from tests.e2e.e2e_objects import (
+    ACCESS_PROBE,
     CACHE_IMAGE,
     INITIALIZER_IMAGE,
     KIND_CONFIG,
@@ -28,7 +29,6 @@ from tests.e2e.e2e_objects import (
     RUNTIME_NAME,
     TABLE,
     TLS_SERVER_NAME,
-    TOKEN_PROBE,
     TRAINER_IMAGE,
     WRITER_SCRIPT,
     RankResult,
@@ -210,11 +210,11 @@ def test_the_namespaces_token_secret_reaches_the_cache_and_its_trainers_alike(wi
 
 
 def _probe(cache_endpoint: str, env: dict[str, str]) -> str:
-    """TOKEN_PROBE's output, run as in the head pod: the pod's env, the head's host:port."""
+    """ACCESS_PROBE's output, run as in the head pod: the pod's env, the head's host:port."""
     probe_env = {k: v for k, v in os.environ.items() if not k.startswith("DATA_CACHE_")}
     address = cache_endpoint.split("://", 1)[1]
     out = subprocess.run(
-        [sys.executable, "-c", TOKEN_PROBE, address],
+        [sys.executable, "-c", ACCESS_PROBE, address],
         env={**probe_env, **env},
         capture_output=True,
         text=True,
@@ -225,7 +225,7 @@ def _probe(cache_endpoint: str, env: dict[str, str]) -> str:
 
 
 def test_the_token_probe_tells_a_refusing_cache_from_an_open_one(small_table) -> None:
-    """TOKEN_PROBE, which the kind suite runs in the head pod, against a local cache with the
+    """ACCESS_PROBE, which the kind suite runs in the head pod, against a local cache with the
     reader token and one without."""
     from tests.conftest import running_cache
 
