@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kubeflow_data_cache.errors import server_message
 from kubeflow_data_cache.protocol import ShardRequest, Ticket
 from kubeflow_data_cache.sample import sample_batch
 from tests.cache.conftest import read_descriptor
@@ -126,6 +127,25 @@ def test_bad_descriptors_are_invalid_argument(small_cache, descriptor, message):
     with pytest.raises(pa.ArrowInvalid, match=None) as err:
         flight.FlightClient(small_cache.endpoint).get_flight_info(descriptor)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("predicate", "node_says"),
+    [
+        ("text = 'see message: x' AND nope > 1", "No field named nope"),  # a message-like literal
+        ("random() > 0.5", "whose value changes between calls"),  # refused by the node's own check
+    ],
+)
+def test_a_refused_filter_reaches_the_client_whole_and_once(small_cache, predicate, node_says):
+    """The data node that judged the filter says why; the head passes that on as it was said:
+    from its start, and without the node's Python traceback in front of the head's own."""
+    descriptor = flight.FlightDescriptor.for_command(json.dumps({"filter": predicate}).encode())
+    with pytest.raises(pa.ArrowInvalid) as err:
+        flight.FlightClient(small_cache.endpoint).get_flight_info(descriptor)
+    message = server_message(err.value)
+    assert message.startswith(f"invalid filter {predicate!r}: ")
+    assert node_says in message
+    assert str(err.value).count("Traceback") == 1, str(err.value)  # the head's, not the node's too
 
 
 def test_bad_and_stale_tickets(small_cache):

@@ -371,7 +371,7 @@ class Head(ReadOnlyFlight):
                 body = {"filter": predicate}
                 return int(self._call(location, protocol.ACTION_COUNT, body, COUNT_TIMEOUT_SECONDS)["rows"])
             except pa.ArrowInvalid as err:  # the data node's message says what is wrong with the filter
-                raise BadRequestError(str(err).split("message: ")[-1]) from None
+                raise BadRequestError(server_message(err)) from None
             except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
                 # Frozen, gone or restarting: the supervisor will know soon; the reader retries.
                 raise NotReadyError(
