@@ -17,6 +17,8 @@ from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.memory import LoadMemoryGuard, check_fits, load_guard_threshold, parse_bytes, resident_bytes
 from kubeflow_data_cache.plan import (
+    FilePlan,
+    TablePlan,
     _open_error,
     assign_rows,
     estimated_node_memory,
@@ -355,6 +357,23 @@ def test_property_real_tables_every_row_loaded_once(tmp_path_factory, rows, file
         assert store.num_rows == a.rows
         loaded += [i for b in store.batches for i in b.column("id").to_pylist()]
     assert sorted(loaded) == list(range(rows))
+
+
+@settings(max_examples=300, deadline=None)
+@given(file_rows=st.lists(st.integers(0, 50), max_size=12), nodes=st.integers(1, 40))
+def test_property_each_node_gets_its_contiguous_range_cut_into_file_pieces(file_rows, nodes):
+    """Empty files, empty tables and more nodes than rows included: each node's pieces are its
+    row range, cut at file boundaries, in file order, and the ranges tile the table."""
+    files = tuple(FilePlan(f"f{i}", rows, (rows,), False) for i, rows in enumerate(file_rows))
+    plan = TablePlan("m.json", 1, pa.schema([("x", pa.int64())]), files)
+    assignments = assign_rows(plan, nodes)
+    row_of = [(f.path, r) for f in files for r in range(f.rows)]  # global row -> (file, row in file)
+    assert [a.node for a in assignments] == list(range(nodes))
+    assert [(a.global_start, a.global_stop) for a in assignments] == [(n * len(row_of) // nodes, (n + 1) * len(row_of) // nodes)
+                                                  for n in range(nodes)]  # fmt: skip
+    for a in assignments:
+        assert all(p.start < p.stop for p in a.pieces)
+        assert [(p.path, r) for p in a.pieces for r in range(p.start, p.stop)] == row_of[a.global_start : a.global_stop]
 
 
 def test_the_load_guard_stops_within_its_margin_and_projects_the_need():

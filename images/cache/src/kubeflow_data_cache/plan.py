@@ -6,9 +6,12 @@ The head plans once; each data node re-plans the same snapshot to rebuild its sc
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import pyarrow as pa
@@ -90,6 +93,17 @@ class TablePlan:
     @property
     def estimated_bytes(self) -> int:
         return sum(f.estimated_bytes for f in self.files)
+
+    # Looked up once per node and piece, and per trial node count when a refusal's advice
+    # searches for one that fits (up to memory.MAX_ADVISED_NODES): built once, not per call.
+    @cached_property
+    def files_by_path(self) -> dict[str, FilePlan]:
+        return {f.path: f for f in self.files}
+
+    @cached_property
+    def file_starts(self) -> list[int]:
+        """Each file's first row in the table's row space, in file order."""
+        return [0, *itertools.accumulate(f.rows for f in self.files)][:-1]
 
 
 # The region requests are signed for when AWS_ENDPOINT_URL(_S3) is set without AWS_REGION: the
@@ -407,23 +421,25 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
 def assign_rows(plan: TablePlan, data_nodes: int) -> list[NodeAssignment]:
     """Split the table's rows (not its files) into ``data_nodes`` near-equal contiguous ranges."""
     total = plan.rows
+    starts = plan.file_starts
     assignments = []
     for node in range(data_nodes):
         lo, hi = node * total // data_nodes, (node + 1) * total // data_nodes
         pieces = []
-        file_start = 0
-        for f in plan.files:
-            file_stop = file_start + f.rows
-            a, b = max(lo, file_start), min(hi, file_stop)
+        # From the last file starting at or before lo (each node visits only its own files).
+        for i in range(max(0, bisect.bisect_right(starts, lo) - 1), len(plan.files)):
+            f, file_start = plan.files[i], starts[i]
+            if file_start >= hi:
+                break
+            a, b = max(lo, file_start), min(hi, file_start + f.rows)
             if a < b:
                 pieces.append(Piece(f.path, a - file_start, b - file_start))
-            file_start = file_stop
         assignments.append(NodeAssignment(node, lo, hi, tuple(pieces)))
     return assignments
 
 
 def _node_column_bytes(plan: TablePlan, assignment: NodeAssignment) -> list[int]:
-    by_path = {f.path: f for f in plan.files}
+    by_path = plan.files_by_path
     columns = [0] * len(plan.schema)
     for piece in assignment.pieces:
         f = by_path[piece.path]
@@ -448,7 +464,7 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         nbytes if pa.types.is_primitive(field.type) else min(nbytes, STORE_CHUNK_VARIABLE_BYTES)
         for field, nbytes in zip(plan.schema, columns, strict=True)
     ]
-    by_path = {f.path: f for f in plan.files}
+    by_path = plan.files_by_path
     in_decode = []  # per piece: the most of it in decode at once
     for p in assignment.pieces:
         f = by_path[p.path]
