@@ -296,6 +296,33 @@ def test_an_in_order_resume_follows_the_table_whatever_the_split_but_not_another
         next(other._iter_world(world))
 
 
+def test_an_in_order_padded_shard_that_wraps_resumes_only_on_the_same_split(cache, cache_factory):
+    """The last of 3 padded shards of 10,000 rows ends with the table's first 2 rows: with two
+    data nodes node 0 streams them first, with one node they come last. Resumed by its row
+    count on the other split, the read repeated some rows and left others out, silently."""
+    world = World(2, 3, 0, 1)
+
+    def padded(c) -> DataCacheDataset:
+        return DataCacheDataset(c.endpoint, batch_size=100, columns=["id"], even="pad")
+
+    full = ids_of(padded(cache)._iter_world(world))
+    saving = padded(cache)
+    batches = saving._iter_world(world)
+    head = ids_of(next(batches) for _ in range(5))
+    state = saving.state_dict()
+    assert state["streams"] == [2, 3332]  # node 0's stream, read first, holds the 2 wrapped rows
+    again = padded(cache)  # the same split resumes
+    again.load_state_dict(state)
+    assert head + ids_of(again._iter_world(world)) == full
+    one_node = cache_factory(ROWS, 3, data_nodes=1)
+    alone = ids_of(padded(one_node)._iter_world(world))
+    assert sorted(alone) == sorted(full) and alone != full  # the same rows, the wrapped ones last
+    resumed = padded(one_node)
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"streams of \[2, 3332\] rows, but the cache now serves it as streams of"):
+        next(resumed._iter_world(world))
+
+
 def test_resuming_against_a_cache_that_splits_the_shard_otherwise_is_refused(cache, cache_factory):
     """Another number of data nodes interleaves a shuffled shard otherwise: the saved row count
     would then mean other rows, and the read would repeat some and leave others out."""

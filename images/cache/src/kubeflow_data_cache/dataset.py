@@ -655,10 +655,20 @@ def _check_streams(
     if not request.shuffle:
         # In order, the rows follow the table whatever the split: another number of data nodes
         # is fine, but a shard of another size is another table (or snapshot), whose rows past
-        # the saved count are not the rest of the saved epoch.
+        # the saved count are not the rest of the saved epoch. Not so for a padded shard that
+        # wraps past the table's end to its first rows: those come first with several nodes
+        # (node 0's stream is read first) and last with one, so its split must not change.
         if None in lengths:
             return
         now = [int(n) for n in lengths]
+        if skip and saved is not None and request.even == "pad" and saved != now:
+            _refuse_resume(
+                skip,
+                f"streams of {saved} rows",
+                f"streams of {now} rows",
+                "a padded shard's rows that wrap to the table's start come first or last as the data nodes "
+                "split it, so another split reads them in another order",
+            )
         if skip and saved is not None and sum(saved) != sum(now):
             _refuse_resume(
                 skip,
