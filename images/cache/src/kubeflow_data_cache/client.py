@@ -473,7 +473,9 @@ class CacheClient:
                     received += batch.num_rows
                     if rows is not None and received > rows:
                         raise self._not_whole(location, f"went past row {rows}, where its ticket ends")
-                    failing_since, delay = None, BACKOFF_INITIAL_SECONDS
+                    # Progress: the retry deadline and the stale-ticket count start again (a
+                    # long stream may outlive several reloads of its node, each needing a replan).
+                    failing_since, delay, replans = None, BACKOFF_INITIAL_SECONDS, 0
                     yield batch
                 if rows is not None and received < rows:
                     raise self._not_whole(location, f"ended at row {received} of the {rows} its ticket holds")
