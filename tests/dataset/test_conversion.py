@@ -94,3 +94,16 @@ def test_a_list_of_strings_column_is_refused_naming_it():
     col = pa.array([["a", "b"], ["c", "d"]])
     with pytest.raises(TypeError, match=r"column 'tags' holds lists of string, which have no tensor form"):
         column_to_tensor("tags", col)
+
+
+def test_nulls_inside_lists_are_refused_as_such_and_float_ones_become_nan():
+    """A null inside a list that is not null itself: the column's own IS NOT NULL filter keeps the
+    row, so the message must not suggest it, nor name the lists' value type as the column's."""
+    col = pa.array([[1, 2], [3, None]], type=pa.list_(pa.int32()))
+    with pytest.raises(
+        ValueError, match=r"column 'emb' \(list<item: int32>\) holds 1 null value\(s\) inside its lists"
+    ) as err:
+        column_to_tensor("emb", col)
+    assert "IS NOT NULL" not in str(err.value)
+    floats = column_to_tensor("emb", pa.array([[1.0, None]], type=pa.list_(pa.float32())))
+    assert floats.shape == (1, 2) and torch.isnan(floats[0, 1])

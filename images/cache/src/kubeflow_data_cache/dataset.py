@@ -805,7 +805,14 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
         if col.null_count:
             raise ValueError(null_refusal(name, t, col.null_count))
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
-        inner = column_to_tensor(name, col.flatten(), copy)
+        values = col.flatten()
+        if null_refusal(name, values.type, values.null_count):  # a filter on the column cannot drop these
+            raise ValueError(
+                f"column {name!r} ({t}) holds {values.null_count} null value(s) inside its lists, which are "
+                f"not null themselves, so no filter on the column leaves them out; override "
+                "from_arrow_rb_to_tensor to fill them, or write the table without them"
+            )
+        inner = column_to_tensor(name, values, copy)
         if not isinstance(inner, torch.Tensor):  # lists of strings
             raise TypeError(
                 f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
