@@ -8,8 +8,9 @@ import pyarrow as pa
 import pytest
 
 from kubeflow_data_cache.config import build_config
+from kubeflow_data_cache.errors import NotReadyError
 from kubeflow_data_cache.node import DataNode
-from kubeflow_data_cache.service import HealthServer
+from kubeflow_data_cache.service import LOADING, READY, STOPPING, HealthServer, Lifecycle
 from tests.cache.inprocess import FLAGS, get, wait_for
 
 
@@ -107,3 +108,15 @@ def test_a_node_that_cannot_register_says_why_on_ready():
     finally:
         node.stop()
         health.stop()
+
+
+def test_a_load_that_ends_during_shutdown_leaves_the_node_stopping():
+    """SIGTERM sets `stopping` (/ready 503) while a load may still be running: its end must not
+    turn the node back to ready for the rest of the shutdown's grace."""
+    lifecycle = Lifecycle()
+    lifecycle.set(LOADING, "loading")
+    lifecycle.set(STOPPING, "shutting down")
+    lifecycle.set(READY, "1,000 rows")
+    assert (lifecycle.state, lifecycle.detail) == (STOPPING, "shutting down")
+    with pytest.raises(NotReadyError):
+        lifecycle.require_ready()

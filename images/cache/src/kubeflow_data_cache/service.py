@@ -40,7 +40,8 @@ STOPPING = "stopping"
 
 
 class Lifecycle:
-    """A node's state: waiting -> loading -> ready, or failed with the reason."""
+    """A node's state: waiting -> loading -> ready, or failed with the reason; stopping once
+    SIGTERM came."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -63,8 +64,10 @@ class Lifecycle:
 
     def set(self, state: str, detail: str = "") -> None:
         with self._lock:
-            if self.state == FAILED:
-                return  # a failure is final until the process restarts
+            if self.state in (FAILED, STOPPING):
+                # A failure is final until the process restarts, and so is a shutdown: a load
+                # ending in the shutdown's grace must not turn /ready back to 200.
+                return
             self.state, self.detail = state, detail
 
     def waiting_detail(self, detail: str) -> None:
