@@ -98,23 +98,37 @@ def _freeze(process, deadline: float) -> None:
         time.sleep(0.001)
 
 
+# Put first on the path of local's process tree: each node (not local itself) stops itself as
+# soon as pyarrow is loaded, before any of the node's own code (and handlers) runs. Watching for
+# that from outside raced the node: under load it was past its imports before it was caught.
+STOP_AFTER_PYARROW = """
+import os, signal
+if set(open("/proc/self/cmdline", "rb").read().split(b"\\0")) & {b"head", b"worker"}:
+    import pyarrow
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes' state in /proc")
-def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small_table):
+def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small_table, tmp_path):
     """A terminal's Ctrl-C reaches the whole process group, nodes included: while they were still
     importing, it printed their KeyboardInterrupt tracebacks and nothing else. `local` stops them."""
     import os
 
     import psutil
 
+    (tmp_path / "sitecustomize.py").write_text(STOP_AFTER_PYARROW)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     local = ["local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "2", "--port", "0"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kubeflow_data_cache", *local],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
         start_new_session=True,  # a group of its own, as a terminal's foreground job is
     )
-    # Each of local's processes (its head and two data nodes) is frozen as soon as it has loaded
+    # Each of local's processes (its head and two data nodes) stops itself once it has loaded
     # pyarrow, still without its own handlers: the Ctrl-C reaches all three mid-import, however
     # fast or slow this machine imports.
     frozen: dict[int, psutil.Process] = {}
@@ -125,12 +139,11 @@ def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small
             assert proc.poll() is None, f"local exited with {proc.returncode} before its nodes started"
             assert time.monotonic() < deadline, f"{len(frozen)} of local's 3 processes loaded pyarrow within 60s"
             for child in parent.children():
-                # Not a fork of local's that has yet to exec its node (it has pyarrow, and handlers).
-                started = child.cmdline() != parent.cmdline()
-                if child.pid not in frozen and started and _has_pyarrow(child.pid):
-                    _freeze(child, deadline)
-                    frozen[child.pid] = child
-                    assert not _catches(child.pid, signal.SIGTERM), f"{child.cmdline()} was past its imports"
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if child.pid not in frozen and child.status() == "stopped":
+                        frozen[child.pid] = child
+                        assert _has_pyarrow(child.pid), f"{child.cmdline()} stopped before pyarrow loaded"
+                        assert not _catches(child.pid, signal.SIGTERM), f"{child.cmdline()} was past its imports"
             time.sleep(0.005)
         # Local is frozen too, until each node that catches the SIGINT (as Python does unless it is
         # ignored) has dealt with it: otherwise local's SIGTERM could end it first, hiding its traceback.
