@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer import health
@@ -36,10 +37,10 @@ log = logging.getLogger(__name__)
 WATCH_RETRY_SECONDS = 1.0
 WATCH_RETRY_MAX_SECONDS = 10.0
 STOP_JOIN_SECONDS = 5.0
-# How long the wait holds off judging the cache until each watch has had its first answer: a
-# watch the API refuses (403) must fail the run even where the cache is up by the first look,
-# or a missing grant goes unseen until the day the cache starts slowly.
-FIRST_ANSWER_SECONDS = 10.0
+# While the cache looks ready but a watch has yet to give its first answer, how often the wait
+# looks again: a watch the API refuses (403) must fail the run even where the cache is up by
+# the first look, or a missing grant goes unseen until the day the cache starts slowly.
+FIRST_ANSWER_POLL_SECONDS = 0.05
 # Not-ready pods named in a progress line or the timeout message; the rest are counted.
 NOT_READY_NAMED = 3
 # How long (in CACHE_STATUS_POLL_SECONDS periods) the head's /status may stay unreachable while
@@ -308,11 +309,12 @@ def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict | None:
     ]
     for watcher in watchers:
         watcher.start()
-    first_answer_by = min(deadline, time.monotonic() + FIRST_ANSWER_SECONDS)
-    for watcher in watchers:
-        watcher.answered.wait(max(0.0, first_answer_by - time.monotonic()))
+
+    def answered() -> bool:
+        return all(watcher.answered.is_set() for watcher in watchers)
+
     try:
-        return _wait(cfg, _Progress(cfg, lws, pods, kube), events, deadline)
+        return _wait(cfg, _Progress(cfg, lws, pods, kube), events, deadline, answered)
     finally:
         for watcher in watchers:
             watcher.stop()
@@ -320,10 +322,16 @@ def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict | None:
             watcher.join(STOP_JOIN_SECONDS)
 
 
-def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float) -> dict | None:
+def _wait(
+    cfg: Config, progress: _Progress, events: queue.Queue, deadline: float, answered: Callable[[], bool]
+) -> dict | None:
+    """The waiting loop; ``answered``: whether every watch has had its first answer, before
+    which the cache is not taken as ready (until the deadline)."""
     next_status_at = 0.0
     while True:
-        # Everything queued is taken before readiness is judged: a refused watch fails the run.
+        # Asked first: a watcher queues its refusal before it counts as answered, so the events
+        # taken next hold it, and a refused watch fails the run before readiness is judged.
+        watches_answered = answered()
         if _take_events(progress, events, 0.0):
             next_status_at = 0.0
         now = time.monotonic()
@@ -333,7 +341,7 @@ def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float
             next_status_at = time.monotonic() + cfg.status_poll_seconds
         progress.log_changes()
         progress.check()
-        if progress.ready():
+        if watches_answered and progress.ready():
             return progress.status
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -343,7 +351,10 @@ def _wait(cfg: Config, progress: _Progress, events: queue.Queue, deadline: float
                 f"the cache was not ready within CACHE_READY_TIMEOUT_SECONDS={cfg.ready_timeout_seconds:g}: "
                 f"{progress.summary()}"
             )
-        if _take_events(progress, events, max(0.0, min(remaining, next_status_at - time.monotonic()))):
+        timeout = max(0.0, min(remaining, next_status_at - time.monotonic()))
+        if not watches_answered:
+            timeout = min(timeout, FIRST_ANSWER_POLL_SECONDS)
+        if _take_events(progress, events, timeout):
             next_status_at = 0.0
 
 
