@@ -3,8 +3,6 @@ upstream-style reader every end-to-end test uses to check what a cache serves.""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import socket
@@ -21,7 +19,7 @@ import pytest
 
 from tests.cache.inprocess import cluster  # noqa: F401 (a fixture, shared with every cache test)
 from tests.conftest import free_port
-from tests.tls_certs import tls_secret_pems
+from tests.tls_certs import self_signed_pems, tls_secret_pems
 
 DATA_CACHE_TIMEOUT_SECONDS = 90
 
@@ -186,34 +184,10 @@ class Certificate:
 
 def make_cert(folder: Path, ip: str, dns: str) -> Certificate:
     """A self-signed certificate for ``ip`` and ``dns``: server certificate and root of trust."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "data-cache-test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)), x509.DNSName(dns)]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
+    cert_pem, key_pem = self_signed_pems(ip, dns)
     cert_file, key_file = folder / "tls.crt", folder / "tls.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    cert_file.write_bytes(cert_pem)
+    key_file.write_bytes(key_pem)
     return Certificate(cert_file, key_file)
 
 
