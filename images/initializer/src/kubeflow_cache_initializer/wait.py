@@ -93,10 +93,9 @@ class _Watcher(threading.Thread):
                         self.out.put((self.resource, "FAILED", err))
                     return
                 error = str(err)
-                self.answered.set()
             except Exception as err:  # a dropped connection: watch again from the last version
                 error = f"watch {self.resource.describe(self.namespace)} broke: {err}"
-                self.answered.set()
+            self.answered.set()  # a failing watch has answered too: the wait need not hold for it
             if self.stopped.is_set() or time.monotonic() >= self.deadline:
                 return  # the wait is over: its own message says so
             if self.failing_since is None:
