@@ -809,7 +809,7 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
         if null_refusal(name, values.type, values.null_count):  # a filter on the column cannot drop these
             raise ValueError(
                 f"column {name!r} ({t}) holds {values.null_count} null value(s) inside its lists, which are "
-                f"not null themselves, so no filter on the column leaves them out; override "
+                "not null themselves, so no filter on the column leaves them out; override "
                 "from_arrow_rb_to_tensor to fill them, or write the table without them"
             )
         inner = column_to_tensor(name, values, copy)
