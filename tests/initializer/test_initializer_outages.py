@@ -254,7 +254,7 @@ def test_the_failed_run_deletes_its_cache_even_through_an_api_outage(fake, make_
     fake.fail_next[("pods", "watch")] = [503] * 50
     fake.fail_next[("leaderworkersets", "delete")] = [503]  # the outage is still on at the deadline
 
-    code, _ = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="2"))
+    code, _ = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="3"))
 
     assert code == 1
     assert fake.fail_next[("leaderworkersets", "delete")] == []

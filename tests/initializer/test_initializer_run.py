@@ -100,10 +100,10 @@ def test_a_hopeless_cache_fails_at_once_with_the_reason_and_is_deleted(
 def test_a_cache_that_never_gets_ready_times_out_with_its_progress(fake, make_sim, run_initializer):
     add_train_job(fake, "job-a")
 
-    code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="1.5"))
+    code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="3"))
 
     assert code != 0
-    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1.5" in error
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=3" in error
     assert re.search(r"\d/3 cache pods ready .*; head (loading: 0/2 data nodes loaded|status not available)", error)
     # Each pod that is not ready is named with what it waits on.
     assert "job-a-cache-0-1 running, not ready" in error
@@ -113,10 +113,10 @@ def test_a_cache_that_never_gets_ready_times_out_with_its_progress(fake, make_si
 def test_a_ready_head_is_not_enough_while_the_leader_worker_set_is_not_available(fake, make_sim, run_initializer):
     add_train_job(fake, "job-a")
 
-    code, error = run_initializer(initializer_env(make_sim("not_available"), CACHE_READY_TIMEOUT_SECONDS="1"))
+    code, error = run_initializer(initializer_env(make_sim("not_available"), CACHE_READY_TIMEOUT_SECONDS="3"))
 
     assert code != 0
-    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=1" in error
+    assert "not ready within CACHE_READY_TIMEOUT_SECONDS=3" in error
 
 
 def test_watches_resume_after_the_api_server_forgets_their_version(fake, make_sim, run_initializer):
