@@ -1,6 +1,7 @@
 """Deadlines a reader keeps against servers that misbehave in ways a real cache cannot be made to
 on cue: a node whose reopened stream starts but never sends a batch, an address that accepts
-connections and never answers.
+connections and never answers; and a node that reloads under a long stream more often than a
+reader may ask for a fresh ticket in a row.
 
 The misbehaving node here is a small Flight server speaking the cache's protocol (tickets from
 protocol.Ticket), because freezing a real node between its stream's first message and its first
@@ -106,3 +107,67 @@ def test_an_address_that_accepts_and_never_answers_is_named_as_the_setting_to_ch
     message = str(err.value)
     assert f"could not reach the data cache at {endpoint}" in message
     assert "set DATA_CACHE_ENDPOINT" in message and "stopped answering" not in message
+
+
+class _ReloadingNode(flight.FlightServerBase):
+    """Head and data node in one, whose node reloads ``reloads`` times in the middle of a stream:
+    each time the stream breaks after ``RELOAD_EVERY`` rows, tickets of the old load are refused
+    as stale from then on, and the head's next lookup fails once (it has not seen the reload yet),
+    so the reader reopens with its old ticket, is refused, and must ask the head again."""
+
+    RELOAD_EVERY = 1024
+
+    def __init__(self, reloads: int) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.location = f"grpc://127.0.0.1:{self.port}"
+        self.rows = self.RELOAD_EVERY * (reloads + 1)
+        self.reloads_left = reloads
+        self.load = 1
+        self.lookups_to_fail = 0
+        self.stale_refusals = 0
+
+    def get_flight_info(self, context, descriptor):
+        if self.lookups_to_fail:
+            self.lookups_to_fail -= 1
+            raise flight.FlightUnavailableError("the head is busy")
+        request = ShardRequest.from_json(descriptor.command)
+        ticket = Ticket(f"load-{self.load}", 0, 0, self.rows, self.rows, request, rows=self.rows)
+        endpoint = flight.FlightEndpoint(ticket.to_json(), [self.location])
+        return flight.FlightInfo(SCHEMA, descriptor, [endpoint], self.rows, self.rows * 8)
+
+    def do_get(self, context, ticket):
+        t = Ticket.from_json(ticket.ticket)
+        if t.generation != f"load-{self.load}":
+            self.stale_refusals += 1
+            raise pa.ArrowInvalid(f"stale ticket: issued for data node 0 {t.generation}, this is load-{self.load}")
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            sent = 0
+            for start in range(t.skip, self.rows, 256):
+                if sent == self.RELOAD_EVERY and self.reloads_left:
+                    self.reloads_left -= 1
+                    self.load += 1
+                    self.lookups_to_fail = 1
+                    raise flight.FlightUnavailableError("the data node restarted")
+                stop = min(start + 256, self.rows)
+                yield pa.record_batch([pa.array(range(start, stop), pa.int64())], schema=SCHEMA)
+                sent += stop - start
+
+        return flight.GeneratorStream(SCHEMA, batches())
+
+
+def test_a_long_stream_outlives_more_node_reloads_than_the_replan_limit():
+    """The stale-ticket replans a stream may make count from its last progress: a stream that
+    moves on between reloads is renewed each time, however many reloads it lives through."""
+    reloads = client_module.MAX_REPLANS + 2
+    server = _ReloadingNode(reloads)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        with CacheClient(server.location, deadline_seconds=30) as client:
+            ids = [b.column("id").to_pylist() for b in client.read_shard(ShardRequest(), interleave=False)]
+    finally:
+        server.shutdown()
+        thread.join(10)
+    assert [i for batch in ids for i in batch] == list(range(server.rows)), "every row once, in order"
+    assert server.reloads_left == 0 and server.stale_refusals == reloads, "each reload was met with a stale ticket"
