@@ -224,7 +224,7 @@ def _probe(cache_endpoint: str, env: dict[str, str]) -> str:
     return out.stdout
 
 
-def test_the_token_probe_tells_a_refusing_cache_from_an_open_one(small_table) -> None:
+def test_the_access_probe_tells_a_refusing_cache_from_an_open_one(small_table) -> None:
     """ACCESS_PROBE, which the kind suite runs in the head pod, against a local cache with the
     reader token and one without."""
     from tests.conftest import running_cache
