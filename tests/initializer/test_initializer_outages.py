@@ -18,7 +18,7 @@ from kubeflow_cache_initializer import main as main_module
 from kubeflow_cache_initializer.builders import build_service
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
-from kubeflow_cache_initializer.health import not_ready_reason
+from kubeflow_cache_initializer.health import fetch_head_status, not_ready_reason
 from kubeflow_cache_initializer.kube import PODS, RETRY_INITIAL_SECONDS, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import _Watcher
 from tests.conftest import free_port
@@ -347,3 +347,33 @@ def test_an_answer_that_is_not_json_fails_at_once_quoting_it():
     assert time.monotonic() - started < 5
     assert server.requests == 1  # not retried
     assert "the answer is not JSON: '<html><body>Proxy login" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"state":', "IncompleteRead"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "BadStatusLine"),
+    ],
+)
+def test_a_head_status_answer_cut_short_or_not_http_is_not_reachable_yet(answer, why):
+    """A head that dies mid-answer, or a pod IP now held by something else: 'not answering' (the
+    wait goes on to its deadline), not an error that ends the run and deletes the cache."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def answer_once() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(answer)
+
+        thread = threading.Thread(target=answer_once, daemon=True)
+        thread.start()
+        status, reason = fetch_head_status("127.0.0.1", port, timeout=5)
+        thread.join(5)
+    assert status is None
+    assert reason.startswith(f"GET http://127.0.0.1:{port}/status: "), reason
+    assert why in reason, reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import urllib.request
@@ -115,6 +116,11 @@ def fetch_head_status(
     except (OSError, ValueError) as err:
         log.debug("head /status on %s not available: %s", pod_ip, err)
         return None, f"GET {url}: {getattr(err, 'reason', None) or err}"
+    except http.client.HTTPException as err:
+        # A head that died mid-answer (IncompleteRead), or an address now held by something that
+        # does not speak HTTP (BadStatusLine): not answering yet, as above, not a failed run.
+        log.debug("head /status on %s not available: %r", pod_ip, err)
+        return None, f"GET {url}: not a whole HTTP answer ({type(err).__name__}: {str(err).strip()[:200]})"
     if not isinstance(status, dict):
         return None, f"GET {url}: not a JSON object"
     return status, None
