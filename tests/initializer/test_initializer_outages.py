@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 
 from kubeflow_cache_initializer import main as main_module
-from kubeflow_cache_initializer.builders import build_service
+from kubeflow_cache_initializer.builders import build_service, cache_names
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
 from kubeflow_cache_initializer.health import fetch_head_status, not_ready_reason
@@ -377,3 +377,37 @@ def test_a_head_status_answer_cut_short_or_not_http_is_not_reachable_yet(answer,
     assert status is None
     assert reason.startswith(f"GET http://127.0.0.1:{port}/status: "), reason
     assert why in reason, reason
+
+
+def _failed_pod(name: str, labels: dict[str, str], created: str | None = None) -> dict:
+    """A pod whose container exited 1, as a cache head does on SIGTERM after a failed load."""
+    meta = {"name": name, "namespace": NAMESPACE, "labels": labels}
+    if created:
+        meta["creationTimestamp"] = created
+    terminated = {"terminated": {"exitCode": 1, "reason": "Error", "message": "load failed: no such table"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"containers": [{"name": "cache", "image": "example"}]},
+        "status": {"phase": "Failed", "containerStatuses": [{"name": "cache", "ready": False, "state": terminated}]},
+    }
+
+
+def test_pods_that_are_not_this_caches_do_not_fail_it(fake, make_sim, run_initializer):
+    """Two kinds of pods the instance label alone would take for the cache's own, both failed:
+    a Helm release's pod named like the cache (Helm labels every pod with its release name),
+    and a pod of the cache's previous LeaderWorkerSet, deleted in the background by a failed
+    run and still terminating while the Job's retry makes the next one."""
+    add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    cache = cache_names(load_config(initializer_env(sim))).cache
+    # Made after the cache (a far-off creationTimestamp): only its labels tell it apart.
+    foreign = {"app.kubernetes.io/instance": cache, "app.kubernetes.io/name": "redis"}
+    fake.put("pods", _failed_pod("redis-0", foreign, created="2999-01-01T00:00:00Z"))
+    leftover = {"app.kubernetes.io/instance": cache, "app.kubernetes.io/name": "data-cache",
+                "app.kubernetes.io/component": "head", "app.kubernetes.io/managed-by": "cache-initializer"}  # fmt: skip
+    fake.put("pods", _failed_pod(f"{cache}-0-old", leftover, created="2026-01-01T00:00:00Z"))
+
+    assert run_initializer(initializer_env(sim)) == (0, "")
+    assert sim.created == [cache]

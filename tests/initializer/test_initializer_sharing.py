@@ -7,6 +7,7 @@ import threading
 from kubeflow_cache_initializer.builders import build_leader_worker_set, key_secret_of, shared_cache_name
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.main import main
+from tests.conftest import free_port
 
 from .support import NAMESPACE, TABLE_ENV, add_train_job, initializer_env
 
@@ -122,3 +123,28 @@ def test_a_failed_shared_cache_is_left_for_its_other_owners(fake, make_sim, run_
     assert code != 0
     assert "AccessDenied" in error
     assert fake.get("leaderworkersets", NAMESPACE, CACHE) is not None
+
+
+def test_a_job_joining_a_shared_cache_judges_it_by_the_caches_own_size_and_health_port(
+    fake, make_sim, run_initializer, caplog
+):
+    """Job B's own CLUSTER_SIZE (3) and CACHE_HEALTH_PORT (nothing listens) are not the shared
+    cache's (2 pods, the head's port): B counts the pods and asks the head as the cache was made."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true", CLUSTER_SIZE="2")) == (0, "")
+    caplog.clear()
+
+    # A short grace for missing pods: judged by B's own size, "only 2 of the 3" would fail it.
+    env = initializer_env(
+        sim,
+        "job-b",
+        DATA_CACHE_SHARED="true",
+        CACHE_HEALTH_PORT=str(free_port()),
+        CACHE_UNSCHEDULABLE_GRACE_SECONDS="0.05",
+    )
+    assert run_initializer(env) == (0, "")
+    assert "2/2 cache pods ready" in caplog.text
+    assert "has not answered" not in caplog.text  # the head's /status was read, on its own port
+    assert sim.created == [CACHE]

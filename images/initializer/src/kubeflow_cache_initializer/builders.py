@@ -72,11 +72,13 @@ def cache_labels(cfg: Config, component: str | None = None) -> dict[str, str]:
 
 def head_selector(cfg: Config) -> dict[str, str]:
     """The label selector of the cache's head pod (what each TrainJob's Service points at)."""
-    return {c.LABEL_INSTANCE: cache_names(cfg).cache, c.LABEL_COMPONENT: c.COMPONENT_HEAD}
+    return {c.LABEL_NAME: c.APP_NAME, c.LABEL_INSTANCE: cache_names(cfg).cache, c.LABEL_COMPONENT: c.COMPONENT_HEAD}
 
 
 def pods_selector(cfg: Config) -> str:
-    return f"{c.LABEL_INSTANCE}={cache_names(cfg).cache}"
+    """The cache's pods. The instance label alone is not enough: Helm gives every pod of a release
+    `app.kubernetes.io/instance: <release>`, and a release may be called what the cache is."""
+    return f"{c.LABEL_NAME}={c.APP_NAME},{c.LABEL_INSTANCE}={cache_names(cfg).cache}"
 
 
 def table_annotations(cfg: Config) -> dict[str, str]:

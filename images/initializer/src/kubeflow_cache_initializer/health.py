@@ -96,8 +96,8 @@ def unschedulable_reason(pod: dict) -> str | None:
     return None
 
 
-def head_pod_ip(pods: dict[str, dict]) -> str | None:
-    for pod in pods.values():
+def head_pod_ip(pods: list[dict]) -> str | None:
+    for pod in pods:
         status = pod.get("status") or {}
         if is_head(pod) and status.get("phase") == "Running" and status.get("podIP"):
             return status["podIP"]

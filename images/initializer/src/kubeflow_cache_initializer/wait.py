@@ -138,8 +138,31 @@ def _available(lws: dict | None) -> bool:
     return any(cond.get("type") == "Available" and cond.get("status") == "True" for cond in conditions)
 
 
+def _group_size(lws: dict | None, default: int) -> int:
+    """How many pods the LeaderWorkerSet's group has (a shared cache another TrainJob made keeps
+    its own CLUSTER_SIZE); ``default`` where it does not say."""
+    size = (((lws or {}).get("spec") or {}).get("leaderWorkerTemplate") or {}).get("size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else default
+
+
+def _health_port(lws: dict | None, default: int) -> int:
+    """The port of the head's /status, from the LeaderWorkerSet's leader template (a shared cache
+    another TrainJob made keeps its own CACHE_HEALTH_PORT); ``default`` where it does not say."""
+    template = (((lws or {}).get("spec") or {}).get("leaderWorkerTemplate") or {}).get("leaderTemplate") or {}
+    for container in (template.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            number = port.get("containerPort")
+            if port.get("name") == c.HEALTH_PORT_NAME and isinstance(number, int) and not isinstance(number, bool):
+                return number
+    return default
+
+
 class _Progress:
-    """The latest state of the cache and what has been logged about it."""
+    """The latest state of the cache and what has been logged about it.
+
+    The expected pod count and the head's health port come from the LeaderWorkerSet itself, not
+    from this run's settings: a TrainJob that joins a shared cache judges it by what it is.
+    """
 
     def __init__(self, cfg: Config, lws: dict, pods: list[dict], kube: Kube | None = None):
         self.cfg = cfg
@@ -172,15 +195,30 @@ class _Progress:
             self.pods[health.pod_name(obj)] = obj
         return health.is_head(obj)
 
+    @property
+    def group_size(self) -> int:
+        return _group_size(self.lws, self.cfg.cluster_size)
+
+    @property
+    def health_port(self) -> int:
+        return _health_port(self.lws, self.cfg.health_port)
+
+    def group_pods(self) -> list[dict]:
+        """The pods of the LeaderWorkerSet as it is now, by name. Pods created before it are a
+        deleted one's: a failed run's cache is deleted in the background, and its pods may still
+        be terminating (a head exits 1 on SIGTERM after a failed load) while the Job's retry
+        makes the next; their errors are not this cache's. Kubernetes writes creationTimestamp
+        in one format (RFC 3339, seconds, UTC), so the strings compare as times."""
+        born = ((self.lws or {}).get("metadata") or {}).get("creationTimestamp") or ""
+        pods = sorted(self.pods.values(), key=health.pod_name)
+        return [pod for pod in pods if (pod["metadata"].get("creationTimestamp") or "") >= born]
+
     def pods_line(self) -> str:
         """`2/3 cache pods ready`, and what the others wait on (the first few, by name)."""
-        ready = sum(1 for pod in self.pods.values() if health.is_ready(pod))
-        waiting = [
-            health.not_ready_reason(pod)
-            for pod in sorted(self.pods.values(), key=health.pod_name)
-            if not health.is_ready(pod)
-        ]
-        line = f"{ready}/{self.cfg.cluster_size} cache pods ready"
+        pods = self.group_pods()
+        ready = sum(1 for pod in pods if health.is_ready(pod))
+        waiting = [health.not_ready_reason(pod) for pod in pods if not health.is_ready(pod)]
+        line = f"{ready}/{self.group_size} cache pods ready"
         if waiting:
             more = len(waiting) - NOT_READY_NAMED
             line += " (" + "; ".join(waiting[:NOT_READY_NAMED]) + (f"; and {more} more" if more > 0 else "") + ")"
@@ -208,10 +246,11 @@ class _Progress:
         Nothing in the pods or the LeaderWorkerSet says why: the refusal is an event on its
         StatefulSet, which the initializer is not allowed to read.
         """
-        if len(self.pods) >= self.cfg.cluster_size:
+        exist = len(self.group_pods())
+        if exist >= self.group_size:
             return None
         return (
-            f"only {len(self.pods)} of the {self.cfg.cluster_size} cache pods exist: something refuses to create "
+            f"only {exist} of the {self.group_size} cache pods exist: something refuses to create "
             "the others (a ResourceQuota or LimitRange, Pod Security admission, an OpenShift SCC) or the "
             f"LeaderWorkerSet controller is not running; `kubectl get events -n {self.cfg.namespace} "
             "--field-selector reason=FailedCreate` names it"
@@ -228,7 +267,7 @@ class _Progress:
         if self.lws is None:
             raise CacheFailedError(f"LeaderWorkerSet {name} was deleted while waiting for it")
         now = time.monotonic()
-        for pod in sorted(self.pods.values(), key=health.pod_name):
+        for pod in self.group_pods():
             reason = health.hopeless_reason(pod)
             if reason:
                 raise CacheFailedError(reason)
@@ -335,8 +374,8 @@ def _wait(
             next_status_at = 0.0
         now = time.monotonic()
         if now >= next_status_at:
-            ip = health.head_pod_ip(progress.pods)
-            progress.took_status(*(health.fetch_head_status(ip, cfg.health_port) if ip else (None, None)))
+            ip = health.head_pod_ip(progress.group_pods())
+            progress.took_status(*(health.fetch_head_status(ip, progress.health_port) if ip else (None, None)))
             next_status_at = time.monotonic() + cfg.status_poll_seconds
         progress.log_changes()
         progress.check()
