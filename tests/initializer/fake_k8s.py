@@ -54,6 +54,9 @@ class FakeKube:
         self.kinds = dict(KINDS)  # drop one to play a cluster without that CRD
         self.fail_next: dict[tuple[str, str], list[int]] = {}  # (plural, verb) -> statuses to answer first
         self.slow: dict[tuple[str, str], float] = {}  # (plural, verb) -> seconds before each answer
+        # (plural, verb) -> changes to make, one before each such call is answered: what another
+        # client (a controller, the garbage collector) does between two of the initializer's calls.
+        self.before: dict[tuple[str, str], list[Callable[[], None]]] = {}
         self.cond = threading.Condition()
         self.objects: dict[tuple[str, str, str], dict] = {}  # (plural, namespace, name) -> object
         self.events: list[tuple[int, str, str, dict, dict | None]] = []  # rv, plural, type, object, old
@@ -308,6 +311,8 @@ class FakeKube:
             time.sleep(self.slow[(plural, verb)])
         if self.fail_next.get((plural, verb)):
             raise ApiFailure(self.fail_next[(plural, verb)].pop(0), "ServiceUnavailable", "injected failure")
+        if self.before.get((plural, verb)):
+            self.before[(plural, verb)].pop(0)()
         if self.allowed is not None and (group, plural, verb) not in self.allowed:
             # The API server's wording (its RBAC authorizer's "forbidden" message).
             qualified = f"{plural}.{group}" if group else plural

@@ -148,3 +148,20 @@ def test_a_job_joining_a_shared_cache_judges_it_by_the_caches_own_size_and_healt
     assert "2/2 cache pods ready" in caplog.text
     assert "has not answered" not in caplog.text  # the head's /status was read, on its own port
     assert sim.created == [CACHE]
+
+
+def test_a_shared_cache_deleted_while_a_job_joins_it_is_made_again(fake, make_sim, run_initializer, caplog):
+    """Job B reads the cache, then its last owner (job A) is deleted and the garbage collector
+    takes the cache before B's owner patch lands: B gets 404 and makes the cache anew."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true")) == (0, "")
+
+    fake.before[("leaderworkersets", "patch")] = [lambda: fake.delete("trainjobs", NAMESPACE, "job-a")]
+    assert run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true")) == (0, "")
+
+    assert fake.before[("leaderworkersets", "patch")] == [], "the cache went between B's get and patch"
+    assert sim.created == [CACHE, CACHE]
+    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-b", False)]
+    assert "was deleted while adopting it; creating it again" in caplog.text

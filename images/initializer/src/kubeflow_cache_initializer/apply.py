@@ -101,9 +101,16 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
             # adopted, restart the pods of the cache). The key the cache was made with stays, in
             # whichever form it was made with (a Secret; the value itself, or none, from older runs).
             desired = with_cluster_key_entry(desired, cluster_key_entry(existing))
-        if shared:
-            return _join_shared(kube, resource, desired, existing, owner)
-        return _adopt_owned(kube, resource, desired, existing, owner)
+        try:
+            if shared:
+                return _join_shared(kube, resource, desired, existing, owner)
+            return _adopt_owned(kube, resource, desired, existing, owner)
+        except KubeApiError as err:
+            # Gone between our get and patch: the garbage collector deletes a shared cache whose
+            # last TrainJob went (in the background, so no deletionTimestamp was there to see).
+            if not err.not_found:
+                raise
+            log.info("%s was deleted while adopting it; creating it again", _describe(existing))
 
 
 def create_or_keep(kube: Kube, resource: Resource, desired: dict) -> None:
