@@ -57,10 +57,13 @@ def free_port() -> int:
 class LocalCache:
     """`data-cache local` as a subprocess: waits for its READY line, stops it on exit."""
 
-    def __init__(self, metadata_loc: str, data_nodes: int = 2, env: dict | None = None, args: tuple = ()):
+    def __init__(
+        self, metadata_loc: str, data_nodes: int = 2, env: dict | None = None, args: tuple = (), options: tuple = ()
+    ):
+        """``args`` go after `local`, ``options`` (such as --log-level) before it."""
         self.port = free_port()
         self.endpoint = f"grpc://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", metadata_loc]
+        cmd = [sys.executable, "-m", "kubeflow_data_cache", *options, "local", "--metadata-loc", metadata_loc]
         cmd += ["--data-nodes", str(data_nodes), "--port", str(self.port), *args]
         # stderr goes to a file: a chatty failure could fill a pipe nobody reads and block the nodes.
         self._stderr_file = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the cache)

@@ -49,12 +49,34 @@ def listening():
         ({"startup_timeout": float("nan")}, {}, "(--startup-timeout) should be a finite number of seconds > 0"),
         ({}, {"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "inf"}, "`DATA_CACHE_STARTUP_TIMEOUT_SECONDS` (--startup-timeout)"),
         ({}, {"DATA_CACHE_FAILURE_GRACE_SECONDS": "nan"}, "`DATA_CACHE_FAILURE_GRACE_SECONDS` (--failure-grace)"),
+        # Past what a thread can wait: the failed node's grace raised OverflowError when it came.
+        ({"failure_grace": "1e10"}, {}, "(--failure-grace) should be at most 9223372036 seconds, got '1e10'"),
     ],
 )
 def test_out_of_range_settings_are_refused(flags, env, message):
     with pytest.raises(ConfigError) as err:
         build_config("head", {**HEAD, **flags}, env=env)
     assert message in str(err.value)
+
+
+def test_an_empty_data_nodes_is_unset_as_every_other_setting():
+    """Not 1 data node: the head in a LeaderWorkerSet of 5 would have planned the whole table for
+    node 0 and left three idle."""
+    flags = {**HEAD, "data_nodes": None}
+    assert build_config("head", flags, env={"DATA_NODES": "", "LWS_GROUP_SIZE": "5"}).data_nodes == 4
+
+
+def test_a_token_flag_overrides_the_env_token_file_and_the_other_way_round(tmp_path):
+    """A token and a token file are one setting given two ways: a flag replaces both env values,
+    rather than failing as 'both set'."""
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    env = {"DATA_CACHE_TOKEN": "from-the-env"}
+    assert build_config("head", {**HEAD, "token_file": str(token_file)}, env=env).token == "from-the-file"
+    env = {"DATA_CACHE_TOKEN_FILE": str(token_file)}
+    assert build_config("head", {**HEAD, "token": "from-the-flag"}, env=env).token == "from-the-flag"
+    with pytest.raises(ConfigError, match="not both"):  # both ways at one level is still refused
+        build_config("head", HEAD, env={"DATA_CACHE_TOKEN": "a", "DATA_CACHE_TOKEN_FILE": str(token_file)})
 
 
 def test_a_memory_limit_below_one_byte_is_refused_but_0_means_the_cgroup_limit():

@@ -10,7 +10,7 @@ import pytest
 from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.errors import NotReadyError
 from kubeflow_data_cache.node import DataNode
-from kubeflow_data_cache.service import LOADING, READY, STOPPING, HealthServer, Lifecycle
+from kubeflow_data_cache.service import LOADING, READY, STOPPING, HealthServer, Lifecycle, Metrics
 from tests.cache.inprocess import FLAGS, get, wait_for
 
 
@@ -120,3 +120,22 @@ def test_a_load_that_ends_during_shutdown_leaves_the_node_stopping():
     assert (lifecycle.state, lifecycle.detail) == (STOPPING, "shutting down")
     with pytest.raises(NotReadyError):
         lifecycle.require_ready()
+
+
+def test_a_connection_that_never_sends_its_request_is_closed(monkeypatch):
+    """The health port takes no token: a client that connects and says nothing (or half a request
+    line) is dropped after the request timeout instead of holding a server thread for ever."""
+    import socket
+
+    from kubeflow_data_cache import service
+
+    monkeypatch.setattr(service, "HEALTH_REQUEST_TIMEOUT_SECONDS", 0.5)
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), dict).start()
+    try:
+        for sent in (b"", b"GET /rea"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as idle:
+                idle.sendall(sent)
+                assert idle.recv(1024) == b"", "the server closes the connection"  # not a socket timeout
+        assert get(server.port, "/live") == (200, "ok\n")
+    finally:
+        server.stop()

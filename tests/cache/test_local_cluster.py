@@ -71,6 +71,21 @@ def test_the_table_names_given_to_local_reach_every_process(table_factory):
         cache.stop()
 
 
+def test_the_log_level_given_to_local_reaches_every_process(table_factory):
+    """`data-cache --log-level DEBUG local` set only local's own level: the head and the nodes,
+    which do the work, stayed at INFO."""
+    table = table_factory(2000, 1)
+    # The env says WARNING, which the processes inherit: the flag overrides it for all of them.
+    cache = LocalCache(table.metadata_location, 1, env={"LOG_LEVEL": "WARNING"}, options=("--log-level", "DEBUG"))
+    try:
+        cache.wait_ready(timeout=DEADLINE)
+    finally:
+        cache.stop()
+    lines = cache.stderr.splitlines()
+    assert any(" node-0 DEBUG " in line for line in lines), cache.stderr[-3000:]
+    assert any(" head INFO " in line for line in lines), cache.stderr[-3000:]  # the head logs nothing at DEBUG
+
+
 def test_nodes_stop_when_local_is_sigkilled(table_factory):
     """Nobody is left to stop the nodes: each gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
     cache = LocalCache(table_factory(2000, 1).metadata_location, 2)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kubeflow_data_cache.processes import stop_processes
 
 # A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
@@ -101,6 +103,38 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace():
     stop_processes([proc], grace=1)
     assert 0.9 <= time.monotonic() - started < 10
     assert proc.returncode == -9
+
+
+class _Unkillable:
+    """Stands in for a process stuck in the kernel (D state, a hung NFS read), which outlives even
+    SIGKILL: no test can make a real one."""
+
+    pid = 0
+    args = "unkillable"
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+    def send_signal(self, sig: int) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        raise subprocess.TimeoutExpired(self.args, timeout)
+
+
+def test_one_process_that_outlives_sigkill_does_not_spare_the_others():
+    """The stuck one is reported (TimeoutExpired), after the ones behind it are killed and reaped."""
+    proc = start("ignore")
+    wait_ready(proc)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            stop_processes([_Unkillable(), proc], grace=0.5)
+        assert proc.returncode == -9
+    finally:  # not left behind when the assertion fails
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_kill_group_sweeps_what_outlives_the_groups_leader():

@@ -167,3 +167,58 @@ def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small
     assert " ERROR " not in stderr, stderr
     _, alive = psutil.wait_procs(list(frozen.values()), timeout=15)
     assert not alive, f"still running after local stopped: {[p.cmdline() for p in alive]}"
+
+
+# The head (only) never starts forming the cluster: the cache stays "not ready" for as long as
+# the test needs, with every process past its start and its signal handlers in.
+HEAD_NEVER_FORMS = """
+if b"head" in open("/proc/self/cmdline", "rb").read().split(b"\\0"):
+    import kubeflow_data_cache.head
+    kubeflow_data_cache.head.Head.start = lambda self: None
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes' state in /proc")
+def test_ctrl_c_while_the_cache_loads_exits_0_though_the_nodes_exit_first(small_table, tmp_path):
+    """Nodes past their start catch the terminal's Ctrl-C themselves and exit 0. `local` must not
+    then take a node that exited for a failed cache (exit 1, 'cache failed'): the stop was asked for.
+    `local` is held (SIGSTOP) until every node has exited, the order that made it fail."""
+    import os
+
+    import psutil
+
+    (tmp_path / "sitecustomize.py").write_text(HEAD_NEVER_FORMS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    local = ["local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "2", "--port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubeflow_data_cache", *local],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # a group of its own, as a terminal's foreground job is
+    )
+    parent = psutil.Process(proc.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the head and both data nodes have their handlers in
+            assert proc.poll() is None, f"local exited with {proc.returncode} before its nodes started"
+            assert time.monotonic() < deadline, "local's 3 processes did not all start within 60s"
+            children = parent.children()
+            with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError):
+                if len(children) == 3 and all(_catches(child.pid, signal.SIGTERM) for child in children):
+                    break
+            time.sleep(0.01)
+        _freeze(parent, deadline)
+        os.killpg(proc.pid, signal.SIGINT)
+        for child in children:
+            while child.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"{child.cmdline()} did not exit on Ctrl-C"
+                time.sleep(0.01)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parent.resume()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert "READY" not in stdout, "the cache must still be loading when Ctrl-C comes"
+    assert proc.returncode == 0 and "stopped by a signal before the cache was ready" in stderr, stderr
+    assert " ERROR " not in stderr and "cache failed" not in stderr, stderr

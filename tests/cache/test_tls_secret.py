@@ -127,6 +127,14 @@ def test_a_folder_and_a_certificate_together_are_refused(secret_folder):
         _head_config(env)
 
 
+def test_certificate_flags_override_the_env_folder(secret_folder, self_signed_cert):
+    """Cache pods have DATA_CACHE_TLS_DIR set: --tls-cert and --tls-key replace it, as flags
+    replace env settings, instead of failing as 'both set'."""
+    flags = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
+    cfg = _head_config({"DATA_CACHE_TLS_DIR": str(secret_folder)}, **flags)
+    assert cfg.tls.certificates == [(self_signed_cert.cert_file.read_bytes(), self_signed_cert.key_file.read_bytes())]
+
+
 def test_a_folder_makes_peers_trust_its_ca_and_check_the_server_name(secret_folder):
     cfg = _head_config({"DATA_CACHE_TLS_DIR": str(secret_folder), "DATA_CACHE_TLS_SERVER_NAME": SERVER_NAME})
     assert cfg.scheme == "grpc+tls"

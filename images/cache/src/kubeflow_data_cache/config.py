@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import ssl
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -234,6 +235,10 @@ def seconds_setting(name: str, raw: str | float | None, default: float) -> float
         raise ConfigError(f"{name} should be a number of seconds, got {raw!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} should be a finite number of seconds > 0, got {raw!r}")
+    # Past what a thread can wait for, a wait raises OverflowError at the moment it is needed
+    # (a failed node's grace before it exits), not here.
+    if value > threading.TIMEOUT_MAX:
+        raise ConfigError(f"{name} should be at most {int(threading.TIMEOUT_MAX)} seconds, got {raw!r}")
     return value
 
 
@@ -300,6 +305,14 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         value = flags.get(flag)
         return str(value) if value is not None else env.get(var)
 
+    def pick_group(*pairs: tuple[str, str]) -> list[str | None]:
+        """Settings that are one choice made two ways (a token or its file; a TLS folder or a
+        certificate and key): where any of their flags is given, the flags alone, so a flag
+        overrides the env's other way too (cache pods have DATA_CACHE_TLS_DIR set)."""
+        if any(flags.get(flag) is not None for flag, _ in pairs):
+            return [None if flags.get(flag) is None else str(flags[flag]) for flag, _ in pairs]
+        return [env.get(var) for _, var in pairs]
+
     metadata_loc = pick("metadata_loc", "METADATA_LOC")
     if role == "head" and not metadata_loc:
         raise ConfigError(
@@ -312,12 +325,10 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     health_port = port_setting(
         label("HEALTH_PORT", "--health-port"), pick("health_port", "HEALTH_PORT"), constants.HEALTH_PORT
     )
-    tls = tls_config(
-        pick("tls_cert", "DATA_CACHE_TLS_CERT"),
-        pick("tls_key", "DATA_CACHE_TLS_KEY"),
-        pick("tls_dir", TLS_DIR_ENV),
-        pick("tls_server_name", TLS_SERVER_NAME_ENV),
+    tls_cert, tls_key, tls_dir = pick_group(
+        ("tls_cert", "DATA_CACHE_TLS_CERT"), ("tls_key", "DATA_CACHE_TLS_KEY"), ("tls_dir", TLS_DIR_ENV)
     )
+    tls = tls_config(tls_cert, tls_key, tls_dir, pick("tls_server_name", TLS_SERVER_NAME_ENV))
     scheme = tls.scheme
 
     data_nodes = 0
@@ -325,7 +336,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     head_location = ""
     if role == "head":
         explicit = pick("data_nodes", "DATA_NODES")
-        if explicit is not None:
+        if explicit not in (None, ""):  # empty, as every other setting: not set
             data_nodes = _int(label("DATA_NODES", "--data-nodes"), explicit, 1, minimum=1)
         elif env.get("LWS_GROUP_SIZE"):
             data_nodes = _int(label("LWS_GROUP_SIZE"), env["LWS_GROUP_SIZE"], 2, minimum=2) - 1
@@ -368,7 +379,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         node_index=node_index,
         head_location=head_location,
         memory_limit=memory_limit,
-        token=load_token(pick("token", "DATA_CACHE_TOKEN"), pick("token_file", "DATA_CACHE_TOKEN_FILE")),
+        token=load_token(*pick_group(("token", "DATA_CACHE_TOKEN"), ("token_file", "DATA_CACHE_TOKEN_FILE"))),
         cluster_key=load_cluster_key(env.get(CLUSTER_KEY_ENV)),
         tls=tls,
         startup_timeout=seconds_setting(

@@ -155,6 +155,8 @@ class LocalCluster:
             claim_port(self.host, self.health_port, label("--health-port"), label("--host"))
         # The nodes' memory refusal names our flags; each node gets SIGTERM if we die, even by SIGKILL.
         env = {**os.environ, LOCAL_ENV: "1"}
+        # `data-cache --log-level X local` sets this process's level: the nodes, which do the work, too.
+        env["LOG_LEVEL"] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         # Head and nodes prove themselves to each other with a key no reader holds (security.py).
         env.setdefault(CLUSTER_KEY_ENV, secrets.token_urlsafe(24))
         preexec = _child_preexec(die_with_parent())
@@ -195,6 +197,10 @@ class LocalCluster:
         last_shape, last_logged = None, 0.0
         unanswered_since: float | None = None
         while True:
+            # First: a Ctrl-C reaches the whole process group, and a node past its start catches
+            # it and exits 0 on its own, which would otherwise read as a node that died.
+            if should_stop():
+                raise StoppedBeforeReady()
             # Before asking the head: a status from a port whose head is gone is not ours.
             dead = self._dead()
             if dead:
@@ -270,7 +276,7 @@ def run_local(cluster: LocalCluster) -> int:
         print(f"READY {cluster.location}", flush=True)
         while stopping["signal"] is None:
             dead = cluster._dead()
-            if dead:
+            if dead and stopping["signal"] is None:  # not a node that exited on the same Ctrl-C
                 log.error("%s; stopping the cache", dead)
                 return 1
             time.sleep(0.2)
@@ -279,6 +285,9 @@ def run_local(cluster: LocalCluster) -> int:
         log.info("stopped by a signal before the cache was ready")
         return 0  # as a stop while serving: the operator asked for it
     except RuntimeError as err:
+        if stopping["signal"] is not None:  # whatever it was, the operator asked to stop meanwhile
+            log.info("stopped by a signal before the cache was ready (%s)", err)
+            return 0
         log.error("cache failed: %s", err)
         # A node that refused its settings (exit 2, its error line printed) is a settings error of ours.
         return 2 if any(proc.returncode == 2 for _, proc in cluster.procs) else 1

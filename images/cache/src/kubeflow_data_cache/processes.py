@@ -76,4 +76,13 @@ def stop_processes(
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         if proc.poll() is None or kill_group:
             _send(proc, signal.SIGKILL, kill_group)
-        proc.wait(timeout=grace)
+    # Reaped after every SIGKILL is sent: one process that outlives its SIGKILL (stuck in the
+    # kernel) must not leave the ones after it unkilled.
+    survivor = None
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired as err:
+            survivor = survivor or err
+    if survivor is not None:
+        raise survivor

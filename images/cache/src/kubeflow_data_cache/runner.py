@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -24,6 +25,8 @@ from kubeflow_data_cache.service import STOPPING, HealthServer
 log = logging.getLogger(__name__)
 
 DUMP_STACKS_SIGNAL = signal.SIGUSR1
+# How often the main thread looks for a stop signal or a failed load.
+STOP_POLL_SECONDS = 0.2
 
 
 def _write_termination_log(path: str, message: str) -> None:
@@ -67,9 +70,20 @@ def run_node(cfg: NodeConfig) -> NoReturn:
         health.port,
         ", token required" if cfg.token else "",
     )
-    stop = threading.Event()
+    # The handler only appends to a list: a Python handler runs in the main thread between two
+    # bytecodes, and threading.Event.set() there could wait for ever on the Event's own lock,
+    # taken by the very wait() it interrupted.
+    signals: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: signals.append(signum))
+
+    def stop_wait(seconds: float) -> bool:
+        """Sleep until a stop signal or for ``seconds``; whether a stop was asked for."""
+        until = time.monotonic() + seconds
+        while not signals and (left := until - time.monotonic()) > 0:
+            time.sleep(min(STOP_POLL_SECONDS, left))
+        return bool(signals)
+
     # `kill -USR1 <pid>` writes every thread's Python stack to stderr (the pod's log): what a
     # process that seems stuck is doing, without stopping it. Dumped from the signal handler
     # itself, so it works even when no thread gives up the interpreter.
@@ -79,12 +93,12 @@ def run_node(cfg: NodeConfig) -> NoReturn:
     else:
         server.start_registering()
     code = 0
-    while not stop.wait(0.2):
+    while not stop_wait(STOP_POLL_SECONDS):
         if server.lifecycle.failed_event.is_set():
             error = server.lifecycle.error or "unknown error"
             _write_termination_log(cfg.termination_log, error)
             log.error("exiting in %.0fs: %s", cfg.failure_grace, error)
-            stop.wait(cfg.failure_grace)  # keep /ready and /status answering with the reason meanwhile
+            stop_wait(cfg.failure_grace)  # keep /ready and /status answering with the reason meanwhile
             code = 1
             break
     # Exit through os._exit whatever happens below, not through interpreter shutdown: that

@@ -251,6 +251,8 @@ class _DualStackHTTPServer(_IPv6HTTPServer):
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+# How long the health server waits on a connection's request (probes send theirs at once).
+HEALTH_REQUEST_TIMEOUT_SECONDS = 10.0
 
 
 def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
@@ -275,6 +277,10 @@ class HealthServer:
         lifecycle_, metrics_, status_ = lifecycle, metrics, status
 
         class Handler(BaseHTTPRequestHandler):
+            # The health port takes no token and the per-job Service exposes it: a client that
+            # connects and sends nothing (or half a request) would hold its thread for ever.
+            timeout = HEALTH_REQUEST_TIMEOUT_SECONDS
+
             def do_GET(self) -> None:
                 path = self.path.split("?")[0]
                 if path == "/live":
