@@ -125,6 +125,21 @@ def test_a_failed_shared_cache_is_left_for_its_other_owners(fake, make_sim, run_
     assert fake.get("leaderworkersets", NAMESPACE, CACHE) is not None
 
 
+def test_a_job_that_joins_a_failed_shared_cache_is_told_its_settings_do_not_apply(fake, make_sim, run_initializer):
+    """Every later job for the table joins the failed cache its first job left: the usual fix
+    (other settings) cannot work there, so the message names the cache to delete instead."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("head_load_error")
+    code, first = run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))
+    assert code != 0 and "joined shared cache" not in first  # job A made it: its own settings failed
+
+    code, error = run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true"))
+    assert code != 0 and "AccessDenied" in error
+    assert f"This TrainJob joined shared cache {CACHE}, made by another TrainJob" in error
+    assert f"kubectl delete leaderworkerset -n {NAMESPACE} {CACHE}" in error
+
+
 def test_a_job_joining_a_shared_cache_judges_it_by_the_caches_own_size_and_health_port(
     fake, make_sim, run_initializer, caplog
 ):

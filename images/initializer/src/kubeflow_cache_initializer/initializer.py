@@ -22,6 +22,8 @@ from kubeflow_cache_initializer.builders import (
 )
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import (
+    CacheFailedError,
+    CacheTimeoutError,
     ForeignObjectError,
     KubeApiError,
     TrainJobNotFoundError,
@@ -124,15 +126,31 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     try:
         _ensure_key_secret(kube, cfg, cache)
         status = wait_until_ready(kube, cfg, deadline)
-    except Exception:
+    except Exception as err:
         # Whatever ended the wait (a hopeless pod, the deadline, an API error such as a missing
         # watch grant, something unforeseen), this run reports failure and its dedicated cache
         # would hold its CPU and memory until the TrainJob is deleted. A retried initializer
         # creates it again.
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
+        elif isinstance(err, (CacheFailedError, CacheTimeoutError)) and _made_by_another(cache, train_job):
+            # Kept for its other owners, so every later job for this table joins it too, and this
+            # job's settings do not apply: the usual fix (more memory, another image) won't.
+            raise type(err)(
+                f"{err}. This TrainJob joined shared cache {names.cache}, made by another TrainJob with "
+                f"that one's settings, which this job's do not change: once its jobs are done with it, "
+                f"`kubectl delete leaderworkerset -n {cfg.namespace} {names.cache}` and run again, "
+                "so that the cache is made anew with this job's settings"
+            ) from err
         raise
     return CacheReady(cache=names.cache, service=names.service, flight_url=names.flight_url, status=status)
+
+
+def _made_by_another(cache: dict, train_job: dict) -> bool:
+    """Whether a shared cache has an owner other than this TrainJob: this run joined it, rather
+    than made it (or took it up again after an earlier run of its own)."""
+    ours = train_job["metadata"]["uid"]
+    return any(ref.get("uid") != ours for ref in cache["metadata"].get("ownerReferences") or [])
 
 
 def _ensure_key_secret(kube: Kube, cfg: Config, cache: dict) -> None:
