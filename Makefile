@@ -5,8 +5,15 @@ SHELL := /bin/bash
 PYTHON_VERSION ?= 3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-# uv finds torch's CPU wheel through pip's find-links when the machine has them; never the CUDA build.
-export UV_FIND_LINKS := $(PIP_FIND_LINKS)
+comma := ,
+space := $(subst ,, )
+# uv finds torch's CPU wheel through pip's find-links when the machine has them (pip separates
+# several with spaces, uv with commas); a UV_FIND_LINKS already set wins.
+export UV_FIND_LINKS := $(or $(UV_FIND_LINKS),$(subst $(space),$(comma),$(strip $(PIP_FIND_LINKS))))
+# Never the CUDA build: without find-links, torch comes from PyTorch's CPU index. PyPI's torch is
+# the CUDA build, gigabytes, whose nvidia-* libraries the lock does not even list.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(UV_FIND_LINKS),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
 UV := $(shell command -v uv 2>/dev/null || echo "python3 -m uv")
 # The stamp is rebuilt whenever a lock or a package definition changes.
 STAMP := $(VENV)/.installed
@@ -18,11 +25,11 @@ help: ## List the targets
 
 .PHONY: uv
 uv:
-	@command -v uv >/dev/null 2>&1 || python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	@bash hack/ensure-uv.sh
 
 $(STAMP): $(LOCK_DEPS) | uv
 	$(UV) venv --allow-existing --python $(PYTHON_VERSION) $(VENV)
-	$(UV) pip sync --python $(PY) requirements-dev.lock
+	$(UV) pip sync --strict --python $(PY) $(TORCH_SOURCE) requirements-dev.lock
 	$(UV) pip install --python $(PY) --no-deps -e images/cache -e images/initializer
 	touch $(STAMP)
 
