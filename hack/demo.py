@@ -17,7 +17,6 @@ import argparse
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from kubeflow_data_cache.processes import stop_processes
+from kubeflow_data_cache.processes import die_with_parent, stop_processes
 from kubeflow_data_cache.sample import create_sample_table
 
 HERE = Path(__file__).resolve().parent
@@ -52,12 +51,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def step(message: str, started: float) -> None:
     print(f"[{time.monotonic() - started:5.1f}s] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float) -> str | None:
@@ -101,13 +94,21 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
     step(f"writing a sample Iceberg table: {args.rows:,} rows in {args.files} files", started)
     table = create_sample_table(str(workdir / "warehouse"), rows=args.rows, files=args.files)
 
-    port = free_port()
-    step(f"starting data-cache local: a head and {args.data_nodes} data nodes on port {port}", started)
+    step(f"starting data-cache local: a head and {args.data_nodes} data nodes", started)
     log = workdir / "cache.log"
     cache_cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", table.metadata_location]
-    cache_cmd += ["--data-nodes", str(args.data_nodes), "--port", str(port)]
+    # Port 0: the cache picks a free port itself and names it in its READY line (a port picked
+    # here and freed again could be taken before the cache binds it).
+    cache_cmd += ["--data-nodes", str(args.data_nodes), "--port", "0"]
     with log.open("w") as err:
-        cache = subprocess.Popen(cache_cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        cache = subprocess.Popen(
+            cache_cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # SIGTERM when this process dies, however (SIGKILL, SIGHUP)
+        )
     procs.append(cache)
     endpoint = wait_ready(cache, READY_TIMEOUT_SECONDS)
     if endpoint is None:
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
     train_cmd += [str(HERE / "demo_train.py"), "--endpoint", endpoint, "--rows", str(args.rows)]
     train_cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
-    train = subprocess.Popen(train_cmd, env=env, start_new_session=True)
+    train = subprocess.Popen(train_cmd, env=env, start_new_session=True, preexec_fn=die_with_parent())
     procs.append(train)
     try:
         code = train.wait(timeout=TRAIN_TIMEOUT_SECONDS)
@@ -140,8 +141,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # SIGTERM (e.g. from a CI runner) unwinds like Ctrl-C, through the cleanup below.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (e.g. from a CI runner) and SIGHUP (the terminal closed) unwind like Ctrl-C,
+    # through the cleanup below.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="data-cache-demo-") as tmp:
         try:
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted; stopping the cache and the training job", file=sys.stderr)
             return 130
         finally:
+            # A second Ctrl-C (or SIGTERM) must not cut the cleanup short and leave processes.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
             stop(procs)
 
 

@@ -88,7 +88,11 @@ def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tup
                 print(f"  epoch {epoch}: rank 0 at batch {step} ({done:,} rows)", flush=True)
     seconds = time.perf_counter() - start
     ids = torch.cat(seen) if seen else torch.empty(0, dtype=torch.int64)
-    counts = torch.bincount(ids, minlength=rows).to(torch.int32)
+    # One slot per row id, and a last one for ids outside [0, rows): every rank's tensor has the
+    # same length, so a wrong id is counted as one instead of failing the all-reduce.
+    outside = (ids < 0) | (ids >= rows)
+    counts = torch.bincount(ids[~outside], minlength=rows).to(torch.int32)
+    counts = torch.cat([counts, outside.sum().to(torch.int32).reshape(1)])
     return counts, nbytes, seconds, wait.seconds
 
 
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(sent)
         slowest = torch.tensor([seconds, waited], dtype=torch.float64)  # each on the slowest rank
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        once = len(counts) == args.rows and bool((counts == 1).all())
+        once = int(counts[-1]) == 0 and bool((counts[:-1] == 1).all())
         ok = ok and once
         rows, nbytes, (seconds, waited) = int(counts.sum()), int(sent), slowest.tolist()
         total_rows, total_bytes = total_rows + rows, total_bytes + nbytes
@@ -138,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if not once:
-                missing, repeated = int((counts == 0).sum()), int((counts > 1).sum())
-                print(f"  {missing} row(s) never seen, {repeated} seen more than once", flush=True)
+                missing, repeated = int((counts[:-1] == 0).sum()), int((counts[:-1] > 1).sum())
+                print(
+                    f"  {missing} row(s) never seen, {repeated} seen more than once, "
+                    f"{int(counts[-1])} id(s) outside 0..{args.rows - 1}",
+                    flush=True,
+                )
     if rank == 0:
         print(
             f"summary: {total_rows:,} rows over {args.epochs} epochs, {total_rows / total_seconds:,.0f} rows/s and "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -28,9 +29,42 @@ def test_demo_sees_every_row_once_per_shuffled_epoch_and_cleans_up():
     assert "summary: 40,002 rows over 2 epochs" in run.stdout and "demo passed" in run.stdout
     waited = re.search(r"through the training loop, (\d+)% of its time waiting for data", run.stdout)
     assert waited and 0 < int(waited.group(1)) <= 100, run.stdout
-    port = int(re.search(r"data nodes on port (\d+)", run.stdout).group(1))
+    port = int(re.search(r"cache ready at grpc://127\.0\.0\.1:(\d+)", run.stdout).group(1))
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))  # the cache's head is gone
+
+
+def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
+    """SIGKILL (as a closed terminal's SIGHUP once did) skips the demo's own cleanup: its children,
+    each in a session of its own, get SIGTERM from the kernel instead (PR_SET_PDEATHSIG)."""
+    import time
+
+    import psutil
+
+    cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", "200000", "--files", "2"]
+    cmd += ["--epochs", "50"]  # far longer than the test: training is under way when the demo dies
+    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+        for line in demo.stdout:  # each rank's first line comes once both are up and reading
+            if line.startswith("training on 2 ranks") or time.monotonic() > deadline:
+                break
+        assert line.startswith("training on 2 ranks"), line
+        descendants = psutil.Process(demo.pid).children(recursive=True)
+        # The cache (local, its head and 2 data nodes) and the training job (torchrun, 2 ranks).
+        assert len(descendants) >= 6, [p.cmdline() for p in descendants]
+        demo.kill()
+        demo.wait(timeout=10)
+        _, alive = psutil.wait_procs(descendants, timeout=60)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+    finally:
+        for process in descendants:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        if demo.poll() is None:
+            demo.kill()
+        demo.stdout.close()
 
 
 def test_the_check_fails_when_a_row_is_missing(small_cache):
