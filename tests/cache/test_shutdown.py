@@ -98,6 +98,24 @@ def _freeze(process, deadline: float) -> None:
         time.sleep(0.001)
 
 
+def _start_local_with(table, sitecustomize: str, tmp_path) -> subprocess.Popen:
+    """`data-cache local` (2 data nodes) with ``sitecustomize`` first on its process tree's path,
+    in a process group of its own, as a terminal's foreground job is (a Ctrl-C reaches it all)."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(sitecustomize)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    local = ["local", "--metadata-loc", table.metadata_location, "--data-nodes", "2", "--port", "0"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubeflow_data_cache", *local],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
 # Put first on the path of local's process tree: each node (not local itself) stops itself as
 # soon as pyarrow is loaded, before any of the node's own code (and handlers) runs. Watching for
 # that from outside raced the node: under load it was past its imports before it was caught.
@@ -117,17 +135,7 @@ def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small
 
     import psutil
 
-    (tmp_path / "sitecustomize.py").write_text(STOP_AFTER_PYARROW)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    local = ["local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "2", "--port", "0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kubeflow_data_cache", *local],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # a group of its own, as a terminal's foreground job is
-    )
+    proc = _start_local_with(small_table, STOP_AFTER_PYARROW, tmp_path)
     # Each of local's processes (its head and two data nodes) stops itself once it has loaded
     # pyarrow, still without its own handlers: the Ctrl-C reaches all three mid-import, however
     # fast or slow this machine imports.
@@ -187,17 +195,7 @@ def test_ctrl_c_while_the_cache_loads_exits_0_though_the_nodes_exit_first(small_
 
     import psutil
 
-    (tmp_path / "sitecustomize.py").write_text(HEAD_NEVER_FORMS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    local = ["local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "2", "--port", "0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kubeflow_data_cache", *local],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # a group of its own, as a terminal's foreground job is
-    )
+    proc = _start_local_with(small_table, HEAD_NEVER_FORMS, tmp_path)
     parent = psutil.Process(proc.pid)
     try:
         deadline = time.monotonic() + 60
