@@ -362,6 +362,34 @@ def cluster_key_entry(lws: dict) -> dict | None:
     return None
 
 
+def _group_template(lws: dict | None) -> dict:
+    """A LeaderWorkerSet's `leaderWorkerTemplate` as read back from the API, or {}."""
+    return ((lws or {}).get("spec") or {}).get("leaderWorkerTemplate") or {}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def group_size_of(lws: dict | None) -> int | None:
+    """How many pods a LeaderWorkerSet's group has (a shared cache another TrainJob made keeps
+    its own CLUSTER_SIZE), or None where it does not say."""
+    size = _group_template(lws).get("size")
+    return size if _is_int(size) and size > 0 else None
+
+
+def health_port_of(lws: dict | None) -> int | None:
+    """The port of a LeaderWorkerSet's head /status (its leader's `health` port: a shared cache
+    another TrainJob made keeps its own CACHE_HEALTH_PORT), or None where it does not say."""
+    template = _group_template(lws).get("leaderTemplate") or {}
+    for container in (template.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            number = port.get("containerPort")
+            if port.get("name") == c.HEALTH_PORT_NAME and _is_int(number):
+                return number
+    return None
+
+
 def key_secret_of(lws: dict) -> str | None:
     """The Secret a LeaderWorkerSet's pods read their cluster key from, or None."""
     entry = cluster_key_entry(lws) or {}

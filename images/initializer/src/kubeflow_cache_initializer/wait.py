@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer import health
-from kubeflow_cache_initializer.builders import cache_names, pods_selector
+from kubeflow_cache_initializer.builders import cache_names, group_size_of, health_port_of, pods_selector
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, InitializerError, KubeApiError
 from kubeflow_cache_initializer.kube import (
@@ -138,25 +138,6 @@ def _available(lws: dict | None) -> bool:
     return any(cond.get("type") == "Available" and cond.get("status") == "True" for cond in conditions)
 
 
-def _group_size(lws: dict | None, default: int) -> int:
-    """How many pods the LeaderWorkerSet's group has (a shared cache another TrainJob made keeps
-    its own CLUSTER_SIZE); ``default`` where it does not say."""
-    size = (((lws or {}).get("spec") or {}).get("leaderWorkerTemplate") or {}).get("size")
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else default
-
-
-def _health_port(lws: dict | None, default: int) -> int:
-    """The port of the head's /status, from the LeaderWorkerSet's leader template (a shared cache
-    another TrainJob made keeps its own CACHE_HEALTH_PORT); ``default`` where it does not say."""
-    template = (((lws or {}).get("spec") or {}).get("leaderWorkerTemplate") or {}).get("leaderTemplate") or {}
-    for container in (template.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            number = port.get("containerPort")
-            if port.get("name") == c.HEALTH_PORT_NAME and isinstance(number, int) and not isinstance(number, bool):
-                return number
-    return default
-
-
 class _Progress:
     """The latest state of the cache and what has been logged about it.
 
@@ -197,11 +178,11 @@ class _Progress:
 
     @property
     def group_size(self) -> int:
-        return _group_size(self.lws, self.cfg.cluster_size)
+        return group_size_of(self.lws) or self.cfg.cluster_size
 
     @property
     def health_port(self) -> int:
-        return _health_port(self.lws, self.cfg.health_port)
+        return health_port_of(self.lws) or self.cfg.health_port
 
     def group_pods(self) -> list[dict]:
         """The pods of the LeaderWorkerSet as it is now, by name. Pods created before it are a
