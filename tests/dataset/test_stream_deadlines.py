@@ -10,6 +10,7 @@ batch cannot be timed from outside.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -59,17 +60,24 @@ class _StallingNode(flight.FlightServerBase):
         return flight.GeneratorStream(SCHEMA, batches())
 
 
-@pytest.fixture
-def stalling_node():
-    server = _StallingNode()
+@contextlib.contextmanager
+def _serving(server: flight.FlightServerBase, before_shutdown=lambda: None) -> Iterator[None]:
+    """``server`` serving in a thread of its own until the block ends."""
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     try:
-        yield server
+        yield
     finally:
-        server.release.set()
+        before_shutdown()
         server.shutdown()
         thread.join(10)
+
+
+@pytest.fixture
+def stalling_node():
+    server = _StallingNode()
+    with _serving(server, before_shutdown=server.release.set):  # the blocked streams end first
+        yield server
 
 
 def test_a_reopened_stream_that_never_sends_a_batch_is_given_up_on_at_the_deadline(stalling_node, monkeypatch):
@@ -161,13 +169,7 @@ def test_a_long_stream_outlives_more_node_reloads_than_the_replan_limit():
     moves on between reloads is renewed each time, however many reloads it lives through."""
     reloads = client_module.MAX_REPLANS + 2
     server = _ReloadingNode(reloads)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
-        with CacheClient(server.location, deadline_seconds=30) as client:
-            ids = [b.column("id").to_pylist() for b in client.read_shard(ShardRequest(), interleave=False)]
-    finally:
-        server.shutdown()
-        thread.join(10)
+    with _serving(server), CacheClient(server.location, deadline_seconds=30) as client:
+        ids = [b.column("id").to_pylist() for b in client.read_shard(ShardRequest(), interleave=False)]
     assert [i for batch in ids for i in batch] == list(range(server.rows)), "every row once, in order"
     assert server.reloads_left == 0 and server.stale_refusals == reloads, "each reload was met with a stale ticket"
