@@ -66,6 +66,22 @@ def test_an_empty_data_nodes_is_unset_as_every_other_setting():
     assert build_config("head", flags, env={"DATA_NODES": "", "LWS_GROUP_SIZE": "5"}).data_nodes == 4
 
 
+def test_a_data_node_on_port_0_is_told_to_name_its_head_port():
+    """A node dials the LWS leader on its own Flight port; on port 0 it dialed ``leader:0`` and
+    only ever said the head did not answer."""
+    lws = {"LWS_LEADER_ADDRESS": "cache-0.cache", "LWS_WORKER_INDEX": "1"}
+    with pytest.raises(ConfigError) as err:
+        build_config("worker", {"metadata_loc": "x", "port": 0}, env=lws)
+    assert "pass --head grpc://cache-0.cache:50051" in str(err.value)
+    # A fixed port, or an explicit head, is what a LeaderWorkerSet or `local` gives.
+    assert (
+        build_config("worker", {"metadata_loc": "x", "port": 6000}, env=lws).head_location
+        == "grpc://cache-0.cache:6000"
+    )
+    explicit = {"metadata_loc": "x", "port": 0, "head": "grpc://127.0.0.1:7000"}
+    assert build_config("worker", explicit, env=lws).head_location == "grpc://127.0.0.1:7000"
+
+
 def test_a_token_flag_overrides_the_env_token_file_and_the_other_way_round(tmp_path):
     """A token and a token file are one setting given two ways: a flag replaces both env values,
     rather than failing as 'both set'."""

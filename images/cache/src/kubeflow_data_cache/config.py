@@ -358,6 +358,14 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             leader = env.get("LWS_LEADER_ADDRESS")
             if not leader:
                 raise ConfigError("a data node needs the head's address: LWS_LEADER_ADDRESS (set by LWS) or --head URI")
+            # In a LeaderWorkerSet the head and its data nodes share one pod template port, so
+            # a node dials the leader on its own Flight port; "any free port" names none.
+            if flight_port == 0:
+                raise ConfigError(
+                    f"`FLIGHT_PORT` (--port) is 0 (any free port), so the head's port cannot be taken from "
+                    f"it: pass --head {scheme}://{host_port(leader, constants.FLIGHT_PORT)} (the head's real "
+                    "port) or set a fixed FLIGHT_PORT, the same as the head's"
+                )
             head_location = f"{scheme}://{host_port(leader, flight_port)}"
         check_head_location(head_location)
 
