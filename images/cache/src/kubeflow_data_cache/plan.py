@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
+from kubeflow_data_cache.iceberg_reader import rows_after_deletes
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ ARROW_OVERHEAD = 1.1
 # the row groups it decodes, and pyarrow's scanner decodes ahead (up to 16 batches). Measured on
 # sample tables, per byte of Arrow data in decode: 1.2-1.5x for small files read whole, 0.7x of
 # a 5-row-group file, 1.7-2.0x one row group of 0.7-1M rows. The model: READ_SCRATCH_FACTOR x
-# the smaller of the piece and the larger of a row group and READ_AHEAD_BYTES.
+# the smaller of the file and the larger of a row group and READ_AHEAD_BYTES (a piece of a file
+# is read through its start and a window ahead, whatever its size).
 READ_SCRATCH_FACTOR = 2.0
 READ_AHEAD_BYTES = 64 << 20
 
@@ -313,14 +315,6 @@ def estimate_column_bytes(data_file, schema: pa.Schema, iceberg_fields: list, ro
     return tuple(estimates)
 
 
-def _count_after_deletes(table, task) -> int:
-    from pyiceberg.expressions import AlwaysTrue
-    from pyiceberg.io.pyarrow import ArrowScan
-
-    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
-    return sum(batch.num_rows for batch in scan.to_record_batches([task]))
-
-
 def _refuse_equality_deletes(table, snapshot) -> None:
     """pyiceberg's planner fails on equality deletes with a bare ValueError; find them first."""
     from pyiceberg.manifest import DataFileContent, ManifestContent
@@ -338,10 +332,11 @@ def _refuse_equality_deletes(table, snapshot) -> None:
 
 
 def _reader_type(t: pa.DataType) -> pa.DataType:
-    """The type pyiceberg's reader yields: 32-bit offsets where schema_to_pyarrow says large.
-
-    Serving the reader's own types avoids a cast (a copy of every string and list) at load.
-    """
+    """32-bit offsets where schema_to_pyarrow says large: what pyiceberg's reader yields for
+    most files (it keeps a file's own Arrow types, and Parquet decodes to 32-bit offsets unless
+    the file's stored Arrow schema says large), so most batches load without a cast. Batches of
+    files stored with large types (pyiceberg's writer does this for some binary, list and map
+    columns) are cast at load, which rewrites their offsets only."""
     if pa.types.is_large_string(t):
         return pa.string()
     if pa.types.is_large_binary(t):
@@ -402,7 +397,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
-        rows = _count_after_deletes(table, task) if deletes else task.file.record_count
+        rows = rows_after_deletes(table, task) if deletes else task.file.record_count
         files.append(
             FilePlan(
                 path,
@@ -465,11 +460,12 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         for field, nbytes in zip(plan.schema, columns, strict=True)
     ]
     by_path = plan.files_by_path
-    in_decode = []  # per piece: the most of it in decode at once
+    in_decode = []  # per piece: the most of its file in decode at once
     for p in assignment.pieces:
+        # The reader decodes its file from the start and a window ahead of the rows it hands
+        # out, however few of them the piece keeps: the file's size bounds it, not the piece's.
         f = by_path[p.path]
-        piece_bytes = f.estimated_bytes * (p.stop - p.start) // max(f.rows, 1)
-        in_decode.append(min(piece_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
+        in_decode.append(min(f.estimated_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
     in_decode.sort(reverse=True)
     reading = int(READ_SCRATCH_FACTOR * sum(in_decode[: max(1, load_threads)]))
     loaded = sum(columns)

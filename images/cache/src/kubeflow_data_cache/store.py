@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
+from kubeflow_data_cache.iceberg_reader import task_batches
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.plan import Piece, credential_source
 
@@ -97,12 +98,8 @@ def warm_reader(table, task) -> None:
     """Read one batch of one file and drop it. The first Parquet read in a process sets up
     the reader stack (hundreds of ms); doing it while the cluster forms keeps it out of the load.
     A failure here is left for the real read to report."""
-    from pyiceberg.expressions import AlwaysTrue
-    from pyiceberg.io.pyarrow import ArrowScan
-
-    with contextlib.suppress(Exception):
-        batches = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue()).to_record_batches([task])
-        next(iter(batches), None)
+    with contextlib.suppress(Exception), contextlib.closing(iter(task_batches(table, task))) as batches:
+        next(batches, None)
 
 
 def read_piece(
@@ -111,24 +108,21 @@ def read_piece(
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
     (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs
     after each decoded batch and may raise to stop the read (the load's memory guard)."""
-    from pyiceberg.expressions import AlwaysTrue
-    from pyiceberg.io.pyarrow import ArrowScan
-
-    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
     out: list[pa.RecordBatch] = []
     pos = 0
     try:
-        for batch in scan.to_record_batches([task]):
-            a, b = max(piece.start, pos), min(piece.stop, pos + batch.num_rows)
-            kept = 0
-            if a < b:
-                part = batch.slice(a - pos, b - a)
-                out.append(part if part.num_rows == batch.num_rows else _own_copy(part))
-                kept = out[-1].nbytes
-            pos += batch.num_rows
-            on_batch(max(0, b - a), kept)
-            if pos >= piece.stop:
-                break
+        with contextlib.closing(iter(task_batches(table, task))) as batches:
+            for batch in batches:
+                a, b = max(piece.start, pos), min(piece.stop, pos + batch.num_rows)
+                kept = 0
+                if a < b:
+                    part = batch.slice(a - pos, b - a)
+                    out.append(part if part.num_rows == batch.num_rows else _own_copy(part))
+                    kept = out[-1].nbytes
+                pos += batch.num_rows
+                on_batch(max(0, b - a), kept)
+                if pos >= piece.stop:
+                    break
     except DataCacheError:
         raise  # the guard's own refusal, already saying what to fix
     except Exception as err:

@@ -1,0 +1,70 @@
+"""The two pyiceberg internals the cache reads through, kept in one place.
+
+pyiceberg's public readers decode each data file whole before yielding anything (0.9-0.12
+collect a file's batches into a list, to run the decode in their executor). A data node keeps
+a range of a file's rows and the head only needs a file's live row count, so both go one level
+down: the per-file batch stream, and the delete-file reader. Where a pyiceberg lacks them, the
+public path is used (same results, more memory), with a warning once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+log = logging.getLogger(__name__)
+
+
+def _internals():
+    """(ArrowScan, the per-file stream's name, the delete-file reader or None)."""
+    from pyiceberg.io import pyarrow as pyiceberg_arrow
+
+    scan_class = pyiceberg_arrow.ArrowScan
+    stream = "_record_batches_from_scan_tasks_and_deletes"
+    read_deletes = getattr(pyiceberg_arrow, "_read_all_delete_files", None)
+    if not hasattr(scan_class, stream) or read_deletes is None:
+        _warn_public_path()
+        return scan_class, None, None
+    return scan_class, stream, read_deletes
+
+
+@functools.cache
+def _warn_public_path() -> None:
+    log.warning(
+        "this pyiceberg has no per-file batch stream: each data file is decoded whole before its "
+        "rows are kept, so a load can peak above the planned memory; use the pyiceberg of the "
+        "image's requirements lock"
+    )
+
+
+def task_batches(table, task) -> Iterator[pa.RecordBatch]:
+    """One data file's batches in file order, positional deletes applied, decoded as consumed
+    (pyarrow's scanner reads a window ahead). pyiceberg's reader also handles schema evolution
+    by field id and partition values that are not in the file. Close the generator to stop
+    early: that closes the file."""
+    from pyiceberg.expressions import AlwaysTrue
+
+    scan_class, stream, read_deletes = _internals()
+    scan = scan_class(table.metadata, table.io, table.schema(), AlwaysTrue())
+    if stream is None:
+        return scan.to_record_batches([task])
+    return getattr(scan, stream)([task], read_deletes(table.io, [task]))
+
+
+def rows_after_deletes(table, task) -> int:
+    """A data file's live rows: its record count less the distinct positions its positional
+    delete files name, read from the delete files alone (no data file is decoded on the head)."""
+    _, _, read_deletes = _internals()
+    if read_deletes is None:
+        return sum(batch.num_rows for batch in task_batches(table, task))
+    chunks = read_deletes(table.io, [task]).get(task.file.file_path, [])
+    if not chunks:
+        return task.file.record_count
+    every = np.concatenate([np.asarray(chunk.to_numpy(), dtype=np.int64) for chunk in chunks])
+    # Two delete files may name one row; a position past the file's end deletes nothing.
+    deleted = np.unique(every[(every >= 0) & (every < task.file.record_count)])
+    return task.file.record_count - len(deleted)
