@@ -61,6 +61,22 @@ def test_resume_continues_the_same_order(cache, taken):
     assert ids_of(resumed._iter_world(world)) == full
 
 
+def test_the_state_is_the_position_of_the_iterator_that_last_handed_out_a_batch(cache):
+    """A second iterator made beside a reading one (a shape probe) took the saved position at
+    once: a checkpoint then said 0 rows, and resuming from it repeated what had been read."""
+    world = World(0, 1, 0, 1)
+    ds = make(cache)
+    reading = ds._iter_world(world)
+    ids_of(next(reading) for _ in range(7))
+    probe = ds._iter_world(world)
+    assert ds.state_dict()["rows"] == 700, "the probe has handed out nothing yet"
+    next(reading)
+    assert ds.state_dict()["rows"] == 800
+    next(probe)  # now the probe is the one reading
+    assert ds.state_dict()["rows"] == 100
+    reading.close(), probe.close()
+
+
 def test_resume_rejects_other_settings_or_shards(cache):
     ds = make(cache)
     it = ds._iter_world(World(0, 2, 0, 1))

@@ -106,7 +106,11 @@ if __name__ == "__main__":
 """
 
 
-def test_spawn_workers_of_a_hand_made_process_group_read_their_rank_share(small_cache, tmp_path):
+@pytest.mark.parametrize("launcher_env", [{}, {"RANK": "0", "WORLD_SIZE": "1"}], ids=["no env", "other env"])
+def test_spawn_workers_of_a_hand_made_process_group_read_their_rank_share(small_cache, tmp_path, launcher_env):
+    """Also where the env holds a launcher's RANK/WORLD_SIZE that are not the group's (one
+    process per pod, then mp.spawn): the workers took the env's rank 0 of 1 over the group's,
+    and every rank read the whole table."""
     import torch
 
     from tests.conftest import free_port
@@ -115,6 +119,7 @@ def test_spawn_workers_of_a_hand_made_process_group_read_their_rank_share(small_
     script.write_text(_MP_SPAWN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    env.update(launcher_env)
     cmd = [sys.executable, str(script), small_cache.endpoint, str(free_port()), str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS, env=env)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+from multiprocessing.context import get_spawning_popen
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +190,17 @@ class World:
 
     @classmethod
     def detect(cls, env: dict[str, str] | None = None, parent: tuple[int, int] | None = None) -> World:
-        """torch.distributed when initialized, else ``RANK``/``WORLD_SIZE``, else ``parent`` (the
-        rank and world size of the process that pickled the dataset); the DataLoader worker."""
+        """torch.distributed when initialized, else ``parent`` (the rank and world size of the
+        process group of the process that started this one: a spawn or forkserver DataLoader
+        worker), else ``RANK``/``WORLD_SIZE``; and the DataLoader worker. The parent's group
+        comes before the env: a launcher's per-pod RANK/WORLD_SIZE need not be the group's."""
         env = os.environ if env is None else env
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
-        elif "RANK" in env or "WORLD_SIZE" in env or parent is None:
+        elif parent is not None:
+            rank, world_size = parent
+        else:
             # One without the other is fine only for a world of one (RANK=0, or WORLD_SIZE=1).
             alone_ok = env.get("RANK", "0").strip() == "0" and env.get("WORLD_SIZE", "1").strip() == "1"
             if ("RANK" in env) != ("WORLD_SIZE" in env) and not alone_ok:
@@ -205,8 +210,6 @@ class World:
                     f"`{given}` is set but `{missing}` is not: set both (torchrun does), or neither for one process"
                 )
             rank, world_size = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
-        else:
-            rank, world_size = parent
         info = get_worker_info()
         if info is None:
             return cls(rank, world_size)
@@ -385,11 +388,13 @@ class DataCacheDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # A spawn or forkserver DataLoader worker starts without the process group, and
         # without RANK/WORLD_SIZE when the group was set up by hand (mp.spawn with a tcp://
-        # init_method): it would read as rank 0 of 1, every rank the whole table. So the rank
-        # travels with the pickled dataset.
+        # init_method), or with a launcher's that are not the group's: it would read as rank
+        # 0 of 1, every rank the whole table. So the rank travels to the process being started;
+        # only there: a checkpoint or a copy of the dataset must not carry this rank elsewhere.
         state = self.__dict__.copy()
+        state.pop("_parent_world", None)
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
+        if get_spawning_popen() is not None and dist.is_available() and dist.is_initialized():
             state["_parent_world"] = (dist.get_rank(), dist.get_world_size())
         return state
 
@@ -408,8 +413,14 @@ class DataCacheDataset(IterableDataset):
             self._worker_reads.clear()
         if read_before and self.shuffle and not skip:
             self._warn_repeated_epoch()
-        self._progress = _Progress(self.epoch, world.shard, world.num_shards, skip, streams, order)
-        return self._stream(request, skip, self._progress, slot)
+        progress = _Progress(self.epoch, world.shard, world.num_shards, skip, streams, order)
+        current = self._progress
+        # The saved position is that of the iterator that last handed out a batch (_stream): a
+        # second iterator made beside a reading one (a probe) takes over only when it yields,
+        # unless it resumes or nothing of this epoch was handed out yet.
+        if skip or current is None or current.epoch != self.epoch or not current.rows:
+            self._progress = progress
+        return self._stream(request, skip, progress, slot)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
         with self._lease() as client:
@@ -424,6 +435,7 @@ class DataCacheDataset(IterableDataset):
             for batch, rows in self._rebatch(record_batches):
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
+                self._progress = progress
                 yield batch
         # Read to the end (not abandoned): this reader's part of the epoch is done.
         if slot is not None:
