@@ -169,6 +169,25 @@ def test_world_detection_from_env_and_worker():
     assert World.detect({"WORLD_SIZE": "1"}) == World.detect({"RANK": "0"}) == World(0, 1, 0, 1)
 
 
+def test_an_explicit_rank_and_world_size_shard_over_the_data_parallel_group(cache, monkeypatch):
+    """With tensor or pipeline parallelism the data-parallel group is not the whole world: peers
+    that must see the same batch pass the group's rank, which wins over torch.distributed and the
+    env (as DistributedSampler's num_replicas and rank do)."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    halves = [DataCacheDataset(cache.endpoint, batch_size=1000, columns=["id"], rank=r, world_size=2) for r in (0, 1)]
+    ids = [torch.cat([b["id"] for b in half]).tolist() for half in halves]
+    assert len(ids[0]) == len(ids[1]) == 5_000
+    assert sorted(ids[0] + ids[1]) == list(range(10_000))
+    assert halves[1].batches_per_epoch() == 5
+    with pytest.raises(ValueError, match="rank is given but world_size is not"):
+        DataCacheDataset(cache.endpoint, rank=1)
+    with pytest.raises(ValueError, match=r"rank should be an integer from 0 to world_size - 1 \(1\), got 2"):
+        DataCacheDataset(cache.endpoint, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="world_size should be a positive integer, got 0"):
+        DataCacheDataset(cache.endpoint, rank=0, world_size=0)
+
+
 def test_endpoint_and_token_settings(tmp_path, monkeypatch):
     assert default_endpoint({"DATA_CACHE_ENDPOINT": "grpc://c:1", "TRAIN_JOB_NAME": "j"}) == "grpc://c:1"
     assert default_endpoint({"TRAIN_JOB_NAME": "job-a"}) == "grpc://job-a-cache-service:50051"

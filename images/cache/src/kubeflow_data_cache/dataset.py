@@ -161,6 +161,21 @@ def _env_int(env: dict[str, str], name: str, default: int) -> int:
         raise ConfigError(f"`{name}` should be an integer, got {raw!r}") from None
 
 
+def _data_parallel(rank: Any, world_size: Any) -> tuple[int, int] | None:
+    """The dataset's own ``(rank, world_size)``, checked; None to detect them."""
+    if rank is None and world_size is None:
+        return None
+    if rank is None or world_size is None:
+        given, missing = ("rank", "world_size") if rank is not None else ("world_size", "rank")
+        raise ValueError(f"{given} is given but {missing} is not: give both (the data-parallel group's), or neither")
+    r, w = int_arg(rank), int_arg(world_size)
+    if w is None or w < 1:
+        raise ValueError(f"world_size should be a positive integer, got {world_size!r}")
+    if r is None or not 0 <= r < w:
+        raise ValueError(f"rank should be an integer from 0 to world_size - 1 ({w - 1}), got {rank!r}")
+    return r, w
+
+
 class RepeatedEpochWarning(UserWarning):
     """A shuffled epoch read again without ``set_epoch``: the same order as the last read."""
 
@@ -189,14 +204,23 @@ class World:
         return self.world_size * self.num_workers
 
     @classmethod
-    def detect(cls, env: dict[str, str] | None = None, parent: tuple[int, int] | None = None) -> World:
-        """torch.distributed when initialized, else ``parent`` (the rank and world size of the
-        process group of the process that started this one: a spawn or forkserver DataLoader
-        worker), else ``RANK``/``WORLD_SIZE``; and the DataLoader worker. The parent's group
-        comes before the env: a launcher's per-pod RANK/WORLD_SIZE need not be the group's."""
+    def detect(
+        cls,
+        env: dict[str, str] | None = None,
+        parent: tuple[int, int] | None = None,
+        explicit: tuple[int, int] | None = None,
+    ) -> World:
+        """The rank and world size from ``explicit`` (the dataset's own: a data-parallel group
+        that is not the whole world), else torch.distributed when initialized, else ``parent``
+        (the process group of the process that started this one: a spawn or forkserver
+        DataLoader worker), else ``RANK``/``WORLD_SIZE``; and the DataLoader worker. The
+        parent's group comes before the env: a launcher's per-pod RANK/WORLD_SIZE need not be
+        the group's."""
         env = os.environ if env is None else env
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
+        if explicit is not None:
+            rank, world_size = explicit
+        elif dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif parent is not None:
             rank, world_size = parent
@@ -257,8 +281,11 @@ class DataCacheDataset(IterableDataset):
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
         block_size: int = DEFAULT_BLOCK_SIZE,
         tls_server_name: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         super().__init__()
+        self._data_parallel = _data_parallel(rank, world_size)
         size = int_arg(batch_size)
         if size is None or size < 1:
             raise ValueError(f"batch_size should be a positive integer, got {batch_size!r}")
@@ -377,7 +404,7 @@ class DataCacheDataset(IterableDataset):
 
     def _world(self) -> World:
         """This reader, from torch.distributed, the env or the pickling parent (__getstate__)."""
-        return World.detect(parent=self.__dict__.get("_parent_world"))
+        return World.detect(parent=self.__dict__.get("_parent_world"), explicit=self._data_parallel)
 
     def _lease(self) -> AbstractContextManager[CacheClient]:
         """The connection kept between epochs, for one read (client.KeptClient.lease)."""
