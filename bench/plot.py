@@ -81,11 +81,11 @@ def _targets(ax, heads: list[dict[str, Any]]) -> None:
     """Each target as measured/target (>= targets) or target/measured (<= targets): >= 1 meets it."""
     names, scores, colors = [], [], []
     for h in heads:
-        if h["measured"] is None:
+        if h["measured"] is None or h["met"] is None:  # none measured, or broken (report.verdict)
             continue
         target = float(h["target"].split()[1].rstrip("x%")) / (100 if h["unit"] == "pct" else 1)
         ge = h["target"].startswith(">=")
-        scores.append(h["measured"] / target if ge else target / max(h["measured"], 1e-9))
+        scores.append(h["measured"] / target if ge else target / h["measured"])
         names.append(h["figure"])
         colors.append({True: "tab:green", "noise": "tab:orange"}.get(h["met"], "tab:red"))
     ax.barh(range(len(names)), scores, color=colors)

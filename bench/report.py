@@ -50,8 +50,11 @@ def repeats_met(values: list[float], op: str, target: float) -> int:
 
 
 def verdict(values: list[float], op: str, target: float) -> bool | str | None:
-    """True / False when the repeats agree (MET_SHARE of them), "noise" when they straddle the target."""
-    if not values:
+    """True / False when the repeats agree (MET_SHARE of them), "noise" when they straddle the
+    target; None (n/a) without values, or with one at or below zero: every target is a ratio of
+    two positive quantities, so that is a broken measurement (a memory baseline above the node's
+    own resident set), not a target met."""
+    if not values or min(values) <= 0:
         return None
     share = repeats_met(values, op, target) / len(values)
     if share >= MET_SHARE:
@@ -178,6 +181,8 @@ def _row(case: dict[str, Any]) -> list[str]:
             )
     elif kind == "memory-baseline":
         memory = f"{med(case, 'resident_bytes') / MiB:.0f} MiB RSS (idle node)"
+        if med(case, "resident_bytes_after_serve"):
+            memory += f", {med(case, 'resident_bytes_after_serve') / MiB:.0f} MiB idle after serving (1-row node)"
     gbs = med(case, "gb_per_s")
     return [
         kind,

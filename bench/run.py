@@ -22,14 +22,14 @@ def _cluster_cases(
     table: BenchTable,
     nodes: int,
     mem: CaseResult,
-    baseline_bytes: float,
+    baseline: CaseResult,
     progress: Progress,
 ) -> tuple[list[CaseResult], dict, CacheProcess]:
     """Serve, epoch, resume and post-serve memory on one running cluster (the last start of its point)."""
     results: list[CaseResult] = []
     with CacheProcess(table.metadata_location, nodes, table.env) as cache:
         status = cache.status()
-        memory.record(mem, status, baseline_bytes)
+        memory.record(mem, status, memory.baseline_bytes(baseline))
         memory.reset_peaks(cache)
         for clients in cfg.clients:
             results.append(serve.run(cache, table.rows, nodes, clients, cfg.repeats, cfg.serve_repeat_bytes, progress))
@@ -37,11 +37,11 @@ def _cluster_cases(
             s3 = tables.s3(table.rows) if table.rows in cfg.s3_sizes else None
             results += epoch.run(cache.endpoint, table, s3, nodes, cfg.repeats, cfg.batch_size, cfg.columns, progress)
             results += resume.run(cache.endpoint, table.rows, nodes, cfg.repeats, progress)
-        memory.record_served(mem, cache, baseline_bytes)
+        memory.record_served(mem, cache, baseline)
     return results, status, cache
 
 
-def _size(cfg: BenchConfig, tables: Tables, rows: int, baseline_bytes: float, progress: Progress) -> list[CaseResult]:
+def _size(cfg: BenchConfig, tables: Tables, rows: int, baseline: CaseResult, progress: Progress) -> list[CaseResult]:
     """Every case at one table size; cluster starts and to_arrow() calls alternate."""
     table = tables.local(rows)
     loads = {n: CaseResult("load", "cache", rows, n) for n in cfg.nodes}
@@ -52,12 +52,12 @@ def _size(cfg: BenchConfig, tables: Tables, rows: int, baseline_bytes: float, pr
         for nodes in cfg.nodes:
             load.record_baseline(loads[nodes], table, cfg.cold_process)
             if last:
-                cases, status, cache = _cluster_cases(cfg, tables, table, nodes, mems[nodes], baseline_bytes, progress)
+                cases, status, cache = _cluster_cases(cfg, tables, table, nodes, mems[nodes], baseline, progress)
                 results += cases
             else:
                 with CacheProcess(table.metadata_location, nodes) as cache:
                     status = cache.status()
-                    memory.record(mems[nodes], status, baseline_bytes)
+                    memory.record(mems[nodes], status, memory.baseline_bytes(baseline))
             load.record_cluster(loads[nodes], cache, status)
     results += [load.finish(loads[n], progress) for n in cfg.nodes]
     results += [memory.finish(mems[n], progress) for n in cfg.nodes]
@@ -87,11 +87,10 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
         tables = Tables(root, moto)
         base = memory.baseline(tables.local(1), cfg.load_repeats, progress)
         results.append(base)
-        baseline_bytes = memory.baseline_bytes(base)
         for rows in cfg.sizes:
             progress(f"writing the {rows:,}-row sample table{' (also to moto S3)' if rows in cfg.s3_sizes else ''}")
             tables.local(rows)
-            results += _size(cfg, tables, rows, baseline_bytes, progress)
+            results += _size(cfg, tables, rows, base, progress)
     facts["load_average_end"] = list(os.getloadavg())
     return {
         "version": 1,

@@ -1,7 +1,7 @@
 """Load: the cache's planning-to-ready time against one pyiceberg ``to_arrow()`` of the table.
 
-Three cache figures per cluster start: the head's ``load_seconds`` (from the head starting to
-form the cluster to every node ready: waiting for nodes, planning, reading), the slowest
+Three cache figures per cluster start: the head's ``load_seconds`` (its planning, then from
+every node registered to every node ready: the wait for nodes to start is left out), the slowest
 node's own ``load_seconds`` (its read alone), and the wall time from spawning
 `data-cache local` to its READY line (cold interpreters included). Three pyiceberg figures: a
 warm ``to_arrow()`` in this process (imports done, allocator and page cache warm), a fresh

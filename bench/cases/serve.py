@@ -22,11 +22,14 @@ from pathlib import Path
 from bench.config import CHILD_TIMEOUT_SECONDS
 from bench.procs import CacheProcess, read_line, stop_process
 from bench.stats import CaseResult, gb, paired_ratio
+from kubeflow_data_cache.processes import stop_processes
 
 CHUNK_BYTES = 4 << 20  # large sends: what the kernel can move, not Python's per-call cost
-# Both ends walk through a buffer much larger than the CPU caches, as a DoGet moves rows that
-# are not in cache into fresh batches: a 4 MiB buffer sent again and again would stay cache-hot
-# and overstate the ceiling.
+# The sender walks through a buffer much larger than the CPU caches, as a data node sends rows
+# that are not in cache: a 4 MiB buffer sent again and again would stay cache-hot and overstate
+# the ceiling. The receiver reuses one CHUNK_BYTES buffer, as a DoGet client reuses its batch
+# buffers (allocator.tune_glibc_malloc): receiving into a 64 MiB ring, never in cache, made
+# the ceiling ~30% lower than the loopback a Flight client sees (a bare Flight server beat it).
 SPAN_BYTES = 64 << 20
 # Loopback runs per repeat; the fastest is the ceiling.
 LOOPBACK_TRIES = 3
@@ -37,9 +40,9 @@ def serve_passes(table_bytes: int, repeat_bytes: int) -> int:
     return max(1, -(-repeat_bytes // max(1, table_bytes)))
 
 
-def _span() -> memoryview:
-    """A SPAN_BYTES buffer, written so every page is backed before the clock starts."""
-    return memoryview(bytearray(b"\x01" * SPAN_BYTES))
+def _buffer(nbytes: int) -> memoryview:
+    """A buffer written so every page is backed before the clock starts."""
+    return memoryview(bytearray(b"\x01" * nbytes))
 
 
 def _pump(conn: socket.socket, nbytes: int, payload: memoryview) -> None:
@@ -53,13 +56,12 @@ def _pump(conn: socket.socket, nbytes: int, payload: memoryview) -> None:
 
 
 def _drain(conn: socket.socket, nbytes: int, got: list[int], buf: memoryview) -> None:
-    total = at = 0
+    total = 0
     while total < nbytes:
-        n = conn.recv_into(buf[at : at + CHUNK_BYTES])
+        n = conn.recv_into(buf)
         if n == 0:
             break
         total += n
-        at = (at + n) % (SPAN_BYTES - CHUNK_BYTES)
     got.append(total)
 
 
@@ -75,8 +77,10 @@ def loopback_seconds(nbytes: int, streams: int = 1, timeout: float = CHILD_TIMEO
             accepted = stack.enter_context(server.accept()[0])
             pairs.append((client, accepted))
         got: list[int] = []
-        threads = [threading.Thread(target=_pump, args=(a, nbytes, _span()), daemon=True) for a, _ in pairs]
-        threads += [threading.Thread(target=_drain, args=(b, nbytes, got, _span()), daemon=True) for _, b in pairs]
+        threads = [threading.Thread(target=_pump, args=(a, nbytes, _buffer(SPAN_BYTES)), daemon=True) for a, _ in pairs]
+        threads += [
+            threading.Thread(target=_drain, args=(b, nbytes, got, _buffer(CHUNK_BYTES)), daemon=True) for _, b in pairs
+        ]
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -138,7 +142,8 @@ class Clients:
             if proc.stdin and not proc.stdin.closed:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()  # EOF: the client leaves its loop and exits
-            stop_process(proc, grace=10)
+        # All at once, under one deadline: one that will not stop must not spare the others.
+        stop_processes(self.procs, 10, kill_group=True)
 
 
 class BareFlight:

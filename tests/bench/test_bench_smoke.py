@@ -87,6 +87,31 @@ def test_core_figures_are_present(smoke_result):
     assert "cache_speedup" in epoch["figures"]
 
 
+def test_ratios_are_the_right_way_round_in_every_repeat(smoke_result):
+    """Each paired ratio, recomputed from its own repeat's two measurements: a swapped pair
+    (a ratio upside down) still gave positive figures, and nothing else would have noticed."""
+
+    def raw(case: dict, name: str) -> list[float]:
+        return case["raw"][name]
+
+    serve = report.find(smoke_result, case="serve")
+    pairs = zip(raw(serve, "ratio_to_loopback"), raw(serve, "gb_per_s"), raw(serve, "loopback_gb_per_s"), strict=True)
+    for ratio, doget, loopback in pairs:
+        assert ratio == pytest.approx(doget / loopback, rel=1e-6)  # a share of loopback: DoGet over it
+    for shuffled in (False, True):
+        cache = report.find(smoke_result, case="epoch", variant="cache", shuffled=shuffled)
+        for method in EPOCH_METHODS:
+            other = report.find(smoke_result, case="epoch", variant=method, shuffled=shuffled)
+            expected = [a / b for a, b in zip(raw(other, "seconds"), raw(cache, "seconds"), strict=True)]
+            assert raw(other, "cache_speedup") == pytest.approx(expected)  # the method's time over the cache's
+    for source in ("file", "s3"):
+        load = report.find(smoke_result, case="load", source=source)
+        head, fresh = raw(load, "head_load_seconds"), raw(load, "to_arrow_fresh_call_seconds")
+        assert raw(load, "ratio_head_to_fresh_call") == pytest.approx([a / b for a, b in zip(head, fresh, strict=True)])
+    for head in report.headline(smoke_result):  # every target finds its figure: none reads n/a
+        assert head["measured"] is not None and head["repeats"] >= 1, head
+
+
 def test_png_is_written(smoke_result, tmp_path):
     path = report.write_png(smoke_result, tmp_path, "smoke", latest=None)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -155,6 +180,8 @@ def test_serve_repeats_read_the_table_enough_times_to_move_the_asked_bytes():
         ([1.1], "<=", True),
         ([1.4], "<=", False),
         ([], "<=", None),
+        # A memory ratio below zero (a baseline above the node) is a broken measurement, not met.
+        ([0.9, -9.49, 1.0], "<=", None),
     ],
 )
 def test_a_verdict_needs_most_repeats_on_one_side_of_the_target(values, op, met):
