@@ -33,11 +33,12 @@ def _cluster_cases(
         memory.reset_peaks(cache)
         for clients in cfg.clients:
             results.append(serve.run(cache, table.rows, nodes, clients, cfg.repeats, cfg.serve_repeat_bytes, progress))
-        if table.rows in cfg.epoch_sizes and nodes == cfg.epoch_nodes:
+        shuffled = table.rows in cfg.epoch_sizes and nodes == cfg.epoch_nodes  # the epoch and resume cases
+        if shuffled:
             s3 = tables.s3(table.rows) if table.rows in cfg.s3_sizes else None
             results += epoch.run(cache.endpoint, table, s3, nodes, cfg.repeats, cfg.batch_size, cfg.columns, progress)
             results += resume.run(cache.endpoint, table.rows, nodes, cfg.repeats, progress)
-        memory.record_served(mem, cache, baseline)
+        memory.record_served(mem, cache, baseline, trimmed=shuffled)
     return results, status, cache
 
 

@@ -101,11 +101,14 @@ def resident_now(pid: int) -> float:
     return _status_kib(pid, "VmRSS:") * 1024
 
 
-def record_served(result: CaseResult, cache: CacheProcess, baseline: CaseResult) -> None:
+def record_served(result: CaseResult, cache: CacheProcess, baseline: CaseResult, trimmed: bool) -> None:
     """After the serve, epoch and resume cases: the node once idle again, its peak while
     serving (since reset_peaks), and the bytes served per /metrics. The peak subtracts the
-    baseline at ready (the node's start-up garbage was resident when its peak was reset), the
-    idle figure the baseline idle after serving (both handed it back).
+    baseline at ready (the node's start-up garbage was resident when its peak was reset). So
+    does the idle figure, unless the cluster served shuffled reads (``trimmed``): a node hands
+    its free heap back, start-up garbage included, when its last gathering stream has been
+    idle a while, and in-order reads gather nothing; then it subtracts the baseline idle after
+    a shuffled read.
 
     Resident sizes are read from each node process itself: the head's status carries what its
     supervision poll last saw (every few seconds), which can predate the hand-back.
@@ -120,7 +123,7 @@ def record_served(result: CaseResult, cache: CacheProcess, baseline: CaseResult)
     peaks = {k: max(peak_bytes(pids[k]), idle[k]) for k in idle}
     arrow = {n["index"]: n["bytes"] for n in nodes}
     for name, resident, base in (
-        ("after_serve", idle, baseline_bytes(baseline, after_serve=True)),
+        ("after_serve", idle, baseline_bytes(baseline, after_serve=trimmed)),
         ("peak_serving", peaks, baseline_bytes(baseline)),
     ):
         result.add(f"resident_bytes_{name}", max(resident.values()))
