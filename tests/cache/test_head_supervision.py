@@ -122,6 +122,15 @@ def test_an_index_taken_by_a_data_node_that_still_answers_is_refused(cluster, sm
         ({"memory_limit": "lots"}, "'memory_limit' should be a byte count or null"),
         ({"memory_limit": -1}, "'memory_limit' should be a byte count or null"),
         ({"load_threads": 0}, "'load_threads' should be an integer >= 1"),
+        # Coerced before: "None" and "5" were kept as locations, "0" and True as index 0.
+        (
+            {"location": None},
+            "'location' \\(a grpc:// or grpc\\+tls:// URI with a host and a port\\), got index 0 and location None",
+        ),
+        ({"location": 5}, "got index 0 and location 5"),
+        ({"location": "127.0.0.1:7000"}, "location '127.0.0.1:7000'"),
+        ({"index": "0"}, "'index' \\(an integer\\).*got index '0'"),
+        ({"index": True}, "got index True"),
     ],
 )
 def test_a_malformed_registration_is_refused_by_name(cluster, small_table, body, message):

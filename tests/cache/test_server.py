@@ -92,6 +92,15 @@ def test_projection_filter_and_batch_size(small_cache):
     assert max(chunk.data.num_rows for chunk in reader) <= 100
 
 
+def test_flight_info_bytes_of_a_narrow_projection_are_not_rounded_away(small_cache):
+    """The bytes per row were rounded before multiplying: a bool column (an eighth of a byte a
+    row) reported 0 bytes, and every projection lost its fraction of a byte per row."""
+    req = ShardRequest(columns=["flag"], filter="id < 80")
+    info, table = read_cmd_shard(small_cache.endpoint, req)
+    assert info.total_records == table.num_rows == 80
+    assert info.total_bytes == 10  # 80 bits: the column's share of the nodes' Arrow bytes
+
+
 def test_filtered_even_split(small_cache):
     counts = []
     for s in range(3):

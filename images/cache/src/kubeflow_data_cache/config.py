@@ -189,10 +189,16 @@ def same_table_location(a: str, b: str) -> bool:
     return canonical(a) == canonical(b)
 
 
+def dialable(location: str) -> bool:
+    """Whether ``location`` is a Flight URI a cache process can dial: grpc:// (grpc+tcp://,
+    grpc+tls://) with a host and a port."""
+    parts = urlsplit(location)
+    return "://" in location and parts.scheme in HEAD_SCHEMES and bool(parts.hostname) and bool(uri_port(location))
+
+
 def check_head_location(location: str) -> None:
     """A data node's --head must be a URI it can dial: a scheme and a port."""
-    parts = urlsplit(location)
-    if "://" not in location or parts.scheme not in HEAD_SCHEMES or not parts.hostname or not uri_port(location):
+    if not dialable(location):
         raise ConfigError(
             f"the head's address should be a grpc:// (or grpc+tls://) URI with a port, grpc://10.0.0.5:50051, "
             f"got {location!r} (from --head or LWS_LEADER_ADDRESS)"

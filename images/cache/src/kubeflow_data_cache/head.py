@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
-from kubeflow_data_cache.config import NodeConfig
+from kubeflow_data_cache.config import NodeConfig, dialable
 from kubeflow_data_cache.constants import (
     CACHED_FILTER_COUNTS,
     COUNT_TIMEOUT_SECONDS,
@@ -320,9 +320,12 @@ class Head(ReadOnlyFlight):
         is DEGRADED: /ready answers 503 and GetFlightInfo UNAVAILABLE naming the node, so clients
         retry instead of reading endpoints that cannot answer."""
         while not self._stop.wait(SUPERVISE_POLL_SECONDS):
-            self._poll_nodes()
-            self._reload_restarted()
-            self._update_health()
+            try:
+                self._poll_nodes()
+                self._reload_restarted()
+                self._update_health()
+            except Exception:  # one bad round must not end supervision, leaving READY unwatched
+                log.exception("supervising the data nodes failed; trying again in %gs", SUPERVISE_POLL_SECONDS)
 
     def _update_health(self) -> None:
         why = self._describe_nodes(lambda s: s.get("state") != READY or s.get("generation") != self.generation)
@@ -418,7 +421,7 @@ class Head(ReadOnlyFlight):
         nulls = self._null_counts(schema) if req.filter is None else {}
         metadata = json.dumps({protocol.INFO_NULL_COUNTS: nulls}).encode() if nulls else b""
         return flight.FlightInfo(
-            schema, descriptor, endpoints, rows, rows * self._row_bytes(schema), app_metadata=metadata
+            schema, descriptor, endpoints, rows, round(rows * self._row_bytes(schema)), app_metadata=metadata
         )
 
     def _column_totals(self, key: str) -> dict[str, int]:
@@ -433,10 +436,10 @@ class Head(ReadOnlyFlight):
         """The table's nulls in each of ``schema``'s columns that has any, from the nodes' status."""
         return {name: n for name, n in self._column_totals("null_counts").items() if n and name in schema.names}
 
-    def _row_bytes(self, schema: pa.Schema) -> int:
+    def _row_bytes(self, schema: pa.Schema) -> float:
         col_bytes = self._column_totals("column_bytes")
         rows = max(1, sum(a.rows for a in self.assignments))
-        return round(sum(col_bytes.get(name, 0) for name in schema.names) / rows)
+        return sum(col_bytes.get(name, 0) for name in schema.names) / rows
 
     def get_schema(self, context, descriptor):
         req = self._request(descriptor)
@@ -476,10 +479,14 @@ class Head(ReadOnlyFlight):
                 "register: the cluster key is missing or wrong: give the head and every data node the same "
                 "DATA_CACHE_CLUSTER_KEY"
             )
-        try:
-            index, location = int(body["index"]), str(body["location"])
-        except (KeyError, TypeError, ValueError):
-            raise BadRequestError("register needs 'index' (int) and 'location'") from None
+        index, location = body.get("index"), body.get("location")
+        # Checked here, not coerced: a location of null or 5 was kept as "None" or "5", and the
+        # load then failed as "data node 0 refused its assignment" when the head dialed it.
+        if type(index) is not int or not isinstance(location, str) or not dialable(location):
+            raise BadRequestError(
+                "register needs 'index' (an integer) and 'location' (a grpc:// or grpc+tls:// URI with a host and "
+                f"a port), got index {index!r} and location {location!r}"
+            )
         if not 0 <= index < self.cfg.data_nodes:
             raise BadRequestError(
                 f"data node index {index} is out of range [0, {self.cfg.data_nodes}): this head expects "
