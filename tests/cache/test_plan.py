@@ -179,6 +179,26 @@ def _row_grouped_table(tmp_path, rows: int, row_group_rows: int) -> str:
     return catalog.load_table("s.grouped").metadata_location
 
 
+def _pool_peak_in_a_fresh_process(location: str, setup: str, read: str, also: str) -> dict:
+    """Run ``read`` as a data node would, in a fresh interpreter with the table planned and
+    ``setup`` done; its Arrow pool's peak above where it started (everything the read held at
+    once), with the figures of the ``also`` dict expression."""
+    script = (
+        "import json, sys, pyarrow as pa\n"
+        "from kubeflow_data_cache.plan import assign_rows, open_table, plan_table\n"
+        "from kubeflow_data_cache.store import NodeStore, read_piece\n"
+        "t = open_table(sys.argv[1]); plan, tasks = plan_table(t, sys.argv[1])\n"
+        f"{setup}\n"
+        "pool = pa.default_memory_pool(); before = pool.bytes_allocated()\n"
+        f"{read}\n"
+        f"print(json.dumps({{'peak': pool.max_memory() - before, **{also}}}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("layout", ["3 small files", "1 file of 5 row groups"])
 def test_the_load_peak_estimate_covers_a_real_loads_peak_without_overstating_it(table_factory, tmp_path, layout):
     """A fresh process loads the table as a data node would; its Arrow pool's peak (everything the
@@ -193,20 +213,12 @@ def test_the_load_peak_estimate_covers_a_real_loads_peak_without_overstating_it(
     (assignment,) = assign_rows(plan, 1)
     if layout != "3 small files":
         assert plan.files[0].row_groups == 5
-    script = (
-        "import json, sys, pyarrow as pa\n"
-        "from kubeflow_data_cache.plan import assign_rows, open_table, plan_table\n"
-        "from kubeflow_data_cache.store import NodeStore\n"
-        "t = open_table(sys.argv[1]); plan, tasks = plan_table(t, sys.argv[1])\n"
-        "(a,) = assign_rows(plan, 1)\n"
-        "pool = pa.default_memory_pool(); before = pool.bytes_allocated()\n"
-        "store = NodeStore.load(t, tasks, plan.schema, list(a.pieces), 1)\n"
-        "print(json.dumps({'peak': pool.max_memory() - before, 'rows_bytes': store.nbytes}))\n"
+    measured = _pool_peak_in_a_fresh_process(
+        location,
+        "(a,) = assign_rows(plan, 1)",
+        "store = NodeStore.load(t, tasks, plan.schema, list(a.pieces), 1)",
+        "{'rows_bytes': store.nbytes}",
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
-    )
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
     loaded, estimate = estimated_node_memory(plan, assignment, load_threads=1)
     assert measured["peak"] > measured["rows_bytes"]  # reading and merging really hold more than the rows
     # The model errs high where row groups are small (about 2x for this one; 1.0-1.3x at the
@@ -230,20 +242,12 @@ def test_a_node_keeping_a_few_rows_of_a_large_file_decodes_a_window_of_it_not_al
     location = catalog.load_table("s.big").metadata_location
     plan, _ = plan_table(open_table(location), location)
     first = assign_rows(plan, 100)[0]
-    script = (
-        "import json, sys, pyarrow as pa\n"
-        "from kubeflow_data_cache.plan import assign_rows, open_table, plan_table\n"
-        "from kubeflow_data_cache.store import read_piece\n"
-        "t = open_table(sys.argv[1]); plan, tasks = plan_table(t, sys.argv[1])\n"
-        "(piece,) = assign_rows(plan, 100)[0].pieces\n"
-        "pool = pa.default_memory_pool(); before = pool.bytes_allocated()\n"
-        "kept = read_piece(t, tasks[piece.path], piece)\n"
-        "print(json.dumps({'peak': pool.max_memory() - before, 'rows': sum(b.num_rows for b in kept)}))\n"
+    measured = _pool_peak_in_a_fresh_process(
+        location,
+        "(piece,) = assign_rows(plan, 100)[0].pieces",
+        "kept = read_piece(t, tasks[piece.path], piece)",
+        "{'rows': sum(b.num_rows for b in kept)}",
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
-    )
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
     decoded_file = rows * 16
     assert measured["rows"] == rows // 100
     assert measured["peak"] < decoded_file / 2, measured  # ~35 MiB of a 128 MiB file here
