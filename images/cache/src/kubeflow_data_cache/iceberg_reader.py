@@ -19,17 +19,16 @@ import pyarrow as pa
 log = logging.getLogger(__name__)
 
 
-def _internals():
-    """(ArrowScan, the per-file stream's name, the delete-file reader or None)."""
+def _delete_reader():
+    """pyiceberg's delete-file reader where its ArrowScan also has the per-file stream, else
+    None (the public path, with a warning)."""
     from pyiceberg.io import pyarrow as pyiceberg_arrow
 
-    scan_class = pyiceberg_arrow.ArrowScan
-    stream = "_record_batches_from_scan_tasks_and_deletes"
     read_deletes = getattr(pyiceberg_arrow, "_read_all_delete_files", None)
-    if not hasattr(scan_class, stream) or read_deletes is None:
+    if read_deletes is None or not hasattr(pyiceberg_arrow.ArrowScan, "_record_batches_from_scan_tasks_and_deletes"):
         _warn_public_path()
-        return scan_class, None, None
-    return scan_class, stream, read_deletes
+        return None
+    return read_deletes
 
 
 @functools.cache
@@ -47,18 +46,19 @@ def task_batches(table, task) -> Iterator[pa.RecordBatch]:
     by field id and partition values that are not in the file. Close the generator to stop
     early: that closes the file."""
     from pyiceberg.expressions import AlwaysTrue
+    from pyiceberg.io.pyarrow import ArrowScan
 
-    scan_class, stream, read_deletes = _internals()
-    scan = scan_class(table.metadata, table.io, table.schema(), AlwaysTrue())
-    if stream is None:
+    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
+    read_deletes = _delete_reader()
+    if read_deletes is None:
         return scan.to_record_batches([task])
-    return getattr(scan, stream)([task], read_deletes(table.io, [task]))
+    return scan._record_batches_from_scan_tasks_and_deletes([task], read_deletes(table.io, [task]))
 
 
 def rows_after_deletes(table, task) -> int:
     """A data file's live rows: its record count less the distinct positions its positional
     delete files name, read from the delete files alone (no data file is decoded on the head)."""
-    _, _, read_deletes = _internals()
+    read_deletes = _delete_reader()
     if read_deletes is None:
         return sum(batch.num_rows for batch in task_batches(table, task))
     chunks = read_deletes(table.io, [task]).get(task.file.file_path, [])

@@ -35,9 +35,9 @@ ARROW_OVERHEAD = 1.1
 # sample tables, per byte of Arrow data in decode: 1.2-1.5x for small files read whole, 0.7x of
 # a 5-row-group file, 1.7-2.0x one row group of 0.7-1M rows; small files read whole reached
 # 2.9x once under a loaded CI machine (the reader decodes ahead on its own threads). The model:
-# READ_SCRATCH_FACTOR x
-# the smaller of the file and the larger of a row group and READ_AHEAD_BYTES (a piece of a file
-# is read through its start and a window ahead, whatever its size).
+# READ_SCRATCH_FACTOR x the smaller of the file and the larger of a row group and
+# READ_AHEAD_BYTES (a piece of a file is read through its start and a window ahead, whatever
+# its size).
 READ_SCRATCH_FACTOR = 2.25
 READ_AHEAD_BYTES = 64 << 20
 

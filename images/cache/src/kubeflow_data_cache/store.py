@@ -98,7 +98,7 @@ def warm_reader(table, task) -> None:
     """Read one batch of one file and drop it. The first Parquet read in a process sets up
     the reader stack (hundreds of ms); doing it while the cluster forms keeps it out of the load.
     A failure here is left for the real read to report."""
-    with contextlib.suppress(Exception), contextlib.closing(iter(task_batches(table, task))) as batches:
+    with contextlib.suppress(Exception), contextlib.closing(task_batches(table, task)) as batches:
         next(batches, None)
 
 
@@ -111,7 +111,7 @@ def read_piece(
     out: list[pa.RecordBatch] = []
     pos = 0
     try:
-        with contextlib.closing(iter(task_batches(table, task))) as batches:
+        with contextlib.closing(task_batches(table, task)) as batches:
             for batch in batches:
                 a, b = max(piece.start, pos), min(piece.stop, pos + batch.num_rows)
                 kept = 0
