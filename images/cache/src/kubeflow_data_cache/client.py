@@ -27,6 +27,7 @@ from kubeflow_data_cache import fork_guard
 from kubeflow_data_cache.allocator import tune_glibc_malloc
 from kubeflow_data_cache.config import uri_port
 from kubeflow_data_cache.errors import (
+    LOAD_FAILED_INFO,
     BadRequestError,
     CacheAuthError,
     CacheUnavailableError,
@@ -268,8 +269,12 @@ class CacheClient:
             # The cache's own refusal names the variables too: said once, with the token argument.
             said = "" if reason.startswith("missing or wrong bearer token") else f": {reason}"
             return CacheAuthError(f"the cache at {location} refused the token on {what} ({sent}{said}); {TOKEN_HINT}")
-        if isinstance(err, flight.FlightInternalError):
+        if isinstance(err, flight.FlightInternalError) and getattr(err, "extra_info", None) == LOAD_FAILED_INFO:
             return NotReadyError(f"{what} failed at {location}: {reason}")
+        if isinstance(err, flight.FlightInternalError | flight.FlightServerError):
+            # A failure inside the cache (a data node's stream that broke on its side): its own
+            # words, without the Python traceback a FlightServerError carries (in the node's log).
+            return DataCacheError(f"{what} failed at {location}: {reason}")
         if isinstance(err, pa.ArrowInvalid):
             return BadRequestError(f"{what} rejected by {location}: {reason}")
         if isinstance(err, pa.ArrowNotImplementedError):  # a data node's address given for the head's, say

@@ -36,6 +36,10 @@ class NotReadyError(DataCacheError):
     """The cache has not finished loading (or its load failed)."""
 
 
+class LoadFailedError(DataCacheError):
+    """The cache's load failed: it serves nothing until it is restarted (or reloaded)."""
+
+
 class NodeBusyError(DataCacheError):
     """A data node cannot start another stream now (too near its memory limit); retry shortly."""
 
@@ -63,6 +67,9 @@ class ForkedConnectionError(DataCacheError):
 # Sent as the extra_info of an UNAVAILABLE Flight error, so that clients tell a cache that answered
 # "not ready yet" from one that did not answer by a marker, not by the words of a message.
 NOT_READY_INFO = b"kubeflow-data-cache/not-ready"
+# The extra_info of the INTERNAL error a cache whose load failed answers with: clients tell it
+# from a failure while serving (both INTERNAL) by this marker.
+LOAD_FAILED_INFO = b"kubeflow-data-cache/load-failed"
 
 
 def answered_not_ready(err: BaseException) -> bool:

@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,7 @@ from kubeflow_data_cache.constants import (
     REGISTER_WARN_AFTER_SECONDS,
     REGISTER_WARN_EVERY_SECONDS,
     RPC_TIMEOUT_SECONDS,
+    SERVE_WINDOW_BYTES,
 )
 from kubeflow_data_cache.errors import (
     BadRequestError,
@@ -61,6 +62,20 @@ def gather_ahead(batch_bytes: int) -> int:
     gathered included: as many as GATHER_AHEAD_BYTES holds, at most READAHEAD_BATCHES; none where
     not one fits (each batch is then gathered when Flight asks for it)."""
     return min(READAHEAD_BATCHES, GATHER_AHEAD_BYTES // max(1, batch_bytes))
+
+
+def windows(batches: Iterator[pa.RecordBatch], max_bytes: int = SERVE_WINDOW_BYTES) -> Iterator[pa.Table]:
+    """``batches`` grouped, in order, into tables of up to ``max_bytes`` (at least one batch)."""
+    group: list[pa.RecordBatch] = []
+    size = 0
+    for batch in batches:
+        if group and size + batch.nbytes > max_bytes:
+            yield pa.Table.from_batches(group)
+            group, size = [], 0
+        group.append(batch)
+        size += batch.nbytes
+    if group:
+        yield pa.Table.from_batches(group)
 
 
 def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
@@ -430,16 +445,12 @@ class DataNode(ReadOnlyFlight):
         if matches is None and not req.shuffle:
             slices = store.iter_rows(parts, batch_rows, req.columns)
             if has_offsets(schema):
-                # Slices with rebased offsets (offsets.py) are cut as Flight's writer pulls them,
-                # so only the batch in flight holds a rebased copy.
-                rebased = (zero_based(batch) for batch in slices)
-                return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, self._counted(rebased)))
-            # Fixed-width columns: zero-copy slices handed to Flight's C++ writer as one table,
-            # so no Python runs per batch on the hot path.
-            batches = list(slices)
-            self.metrics.rows_served.inc(sum(b.num_rows for b in batches))
-            self.metrics.bytes_served.inc(sum(b.nbytes for b in batches))
-            return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
+                # Slices with rebased offsets (offsets.py), made as Flight's writer pulls their
+                # window: only the window in flight holds rebased copies.
+                slices = (zero_based(batch) for batch in slices)
+            # Zero-copy slices, a window at a time (constants.SERVE_WINDOW_BYTES), each sent by
+            # Flight's C++ writer and counted as served when the writer takes it.
+            return flight.GeneratorStream(schema, self._served(windows(slices)))
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
         batch_bytes = int(batch_rows * store.row_bytes(req.columns))
@@ -453,26 +464,48 @@ class DataNode(ReadOnlyFlight):
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer
         # where they are small (constants.GATHER_AHEAD_BYTES).
         gathered = store.iter_rows(parts, batch_rows, req.columns)
-        ahead = gather_ahead(batch_bytes)
-        batches = Readahead(gathered, ahead, "gather", count_in_progress=True) if ahead else gathered
-        return flight.GeneratorStream(schema, self._counted(batches, self._gathers))
+        return flight.GeneratorStream(schema, self._served(gathered, gathering=True, ahead=gather_ahead(batch_bytes)))
 
-    def _counted(
-        self, batches: Readahead | Generator[pa.RecordBatch, None, None], gathers: GatherReclaim | None = None
-    ) -> Iterator[pa.RecordBatch]:
-        if gathers:  # here, not before: a generator never started never runs its finally
-            gathers.opened()
+    def _served(
+        self, batches: Iterator[pa.RecordBatch] | Iterator[pa.Table], gathering: bool = False, ahead: int = 0
+    ) -> Iterator[pa.RecordBatch] | Iterator[pa.Table]:
+        """``batches`` (or windows of them) as Flight's writer pulls them: counted, and a failure
+        named for the client.
+
+        A gathering stream counts as open (GatherReclaim) from its first batch until it ends;
+        ``ahead`` batches are gathered ahead of the writer, in a Readahead thread started here,
+        not in the handler: a client that went away before the stream began (a deadline, a
+        cancel) never starts this generator, and a thread started in the handler was left
+        gathering for ever, unseen by the memory guard.
+        """
+        source: Iterator[pa.RecordBatch] = batches
+        sent = 0
+        if gathering:  # here, not before: a generator never started never runs its finally
+            self._gathers.opened()
         try:
-            for batch in batches:
+            if ahead:
+                source = Readahead(batches, ahead, "gather", count_in_progress=True)
+            for batch in source:
                 self.metrics.rows_served.inc(batch.num_rows)
                 self.metrics.bytes_served.inc(batch.nbytes)
+                sent += batch.num_rows
                 yield batch
                 # Flight has written it: let it go while the next one is awaited, which for a
                 # gathering stream is while the next one is gathered.
                 del batch
+        except Exception as err:
+            # Raised here, Python's error would reach the client as its whole traceback with no
+            # status; this says which node failed and where, and the node's log has the rest.
+            self.metrics.errors.labels(method="DoGet", code="INTERNAL").inc()
+            log.exception("DoGet failed after %d rows of its stream", sent)
+            raise flight.FlightInternalError(
+                f"data node {self.cfg.node_index} failed after {sent} rows of the stream: {type(err).__name__}: {err}"
+            ) from None
         finally:  # the client went away mid-stream: stop the source (a Readahead gathering ahead)
             try:
-                batches.close()
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
             finally:
-                if gathers:
-                    gathers.closed()
+                if gathering:
+                    self._gathers.closed()

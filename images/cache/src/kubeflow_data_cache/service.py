@@ -20,9 +20,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kubeflow_data_cache.errors import (
+    LOAD_FAILED_INFO,
     NOT_READY_INFO,
     BadRequestError,
     DataCacheError,
+    LoadFailedError,
     NodeBusyError,
     NotReadyError,
     StaleTicketError,
@@ -86,7 +88,7 @@ class Lifecycle:
         if self.state == READY:
             return
         if self.state == FAILED:
-            raise DataCacheError(f"the cache failed to load: {self.error}")
+            raise LoadFailedError(f"the cache failed to load: {self.error}")
         raise NotReadyError(f"the cache is not ready yet ({self.state}: {self.detail}); retry shortly")
 
 
@@ -167,7 +169,8 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
                 raise NotImplementedError(str(err)) from None
             except DataCacheError as err:
                 metrics.errors.labels(method=method, code="INTERNAL").inc()
-                raise flight.FlightInternalError(str(err)) from None
+                info = LOAD_FAILED_INFO if isinstance(err, LoadFailedError) else b""
+                raise flight.FlightInternalError(str(err), info) from None
             except flight.FlightError as err:
                 metrics.errors.labels(method=method, code=flight_status(err)).inc()
                 raise
