@@ -118,11 +118,20 @@ class FakeKube:
             return [copy.deepcopy(o) for (p, ns, _), o in sorted(self.objects.items())
                     if p == plural and namespace in (None, ns)]  # fmt: skip
 
-    def delete(self, plural: str, namespace: str, name: str) -> None:
+    def delete(self, plural: str, namespace: str, name: str, preconditions: dict | None = None) -> None:
         with self.cond:
-            obj = self.objects.pop((plural, namespace, name), None)
+            obj = self.objects.get((plural, namespace, name))
             if obj is None:
                 raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found')
+            for field, want in (preconditions or {}).items():  # DeleteOptions.preconditions
+                if obj["metadata"].get(field) != want:
+                    raise ApiFailure(
+                        409,
+                        "Conflict",
+                        f"Precondition failed: {field} in precondition: {want}, "
+                        f"{field} in object meta: {obj['metadata'].get(field)}",
+                    )
+            del self.objects[(plural, namespace, name)]
             self._bump(plural, "DELETED", obj, obj)
             self._collect_garbage()
 
@@ -142,6 +151,11 @@ class FakeKube:
                 raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found')
             change(obj)
             return self.put(plural, obj)
+
+    def collect_garbage(self) -> None:
+        """Run the garbage collector now: for dependents left when it runs late (after a delete)."""
+        with self.cond:
+            self._collect_garbage()
 
     def _collect_garbage(self) -> None:
         """Delete dependents whose owners are all gone; drop references to gone owners from the rest."""
@@ -347,7 +361,7 @@ class FakeKube:
         if verb == "delete":
             if payload and payload.get("kind") != "DeleteOptions":
                 raise ApiFailure(400, "BadRequest", "the body of a DELETE must be DeleteOptions")
-            self.delete(plural, ns, name)
+            self.delete(plural, ns, name, (payload or {}).get("preconditions"))
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}, {}
         raise ApiFailure(405, "MethodNotAllowed", f"the fake does not implement {method}")
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
+
+import pytest
 
 from kubeflow_cache_initializer.builders import (
     build_leader_worker_set,
@@ -300,3 +303,70 @@ def test_a_cache_made_without_a_cluster_key_is_adopted_as_it_is(fake, make_sim, 
     assert run_initializer(env) == (0, "")
     assert _keys(fake, fake.get("leaderworkersets", NAMESPACE, "job-a-cache")) == [None, None]
     assert not [r for r in fake.responses if r[0] == "PATCH"]
+
+
+def _left_by_an_earlier_job_a(fake, env: dict[str, str], plurals: tuple[str, ...]) -> str:
+    """The objects a deleted TrainJob job-a left for the garbage collector (owned by its uid)."""
+    cfg = load_config(env)
+    gone = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "job-a"}
+    owner = {**gone, "uid": "0000-earlier-job-a", "controller": True}
+    build = {
+        "serviceaccounts": lambda: build_service_account(cfg, [owner]),
+        "services": lambda: build_service(cfg, [owner]),
+        "leaderworkersets": lambda: build_leader_worker_set(cfg, [owner], new_key_secret_name(cfg)),
+    }
+    for plural in plurals:
+        fake.put(plural, build[plural]())
+    return owner["uid"]
+
+
+@pytest.mark.parametrize(
+    "left",
+    [("serviceaccounts", "services", "leaderworkersets"), ("leaderworkersets",)],
+    ids=["all-read-again", "cache-watched"],
+)
+def test_a_train_job_made_again_under_its_name_waits_for_the_old_ones_objects_to_go(
+    fake, make_sim, run_initializer, caplog, left
+):
+    """`kubectl delete trainjob job-a` then the same TrainJob again: the garbage collector deletes
+    the old job's objects in the background, maybe after the new initializer started. They are
+    waited for and made anew, not refused as another's (which burnt the Job's one retry)."""
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    old_uid = _left_by_an_earlier_job_a(fake, env, left)
+    new_uid = add_train_job(fake, "job-a")["metadata"]["uid"]
+
+    def collect_garbage() -> None:
+        if "serviceaccounts" in left:
+            time.sleep(1.5)  # the run reads its ServiceAccount again meanwhile
+        else:
+            fake.wait_for_watches(("leaderworkersets",))
+        fake.collect_garbage()
+
+    collector = threading.Thread(target=collect_garbage, daemon=True)
+    collector.start()
+    code, error = run_initializer(env)
+    collector.join(30)
+
+    assert (code, error) == (0, "")
+    for plural, name in CACHE_OBJECTS:
+        owners = fake.get(plural, NAMESPACE, name)["metadata"]["ownerReferences"]
+        assert [ref["uid"] for ref in owners] == [new_uid], plural
+    assert old_uid not in json.dumps(fake.items("leaderworkersets", NAMESPACE))
+    assert sim.created == ["job-a-cache"]
+    assert "belongs to an earlier TrainJob job-a (deleted); waiting for the garbage collector" in caplog.text
+
+
+def test_an_earlier_train_jobs_object_the_collector_never_deletes_fails_at_the_deadline(
+    fake, make_sim, run_initializer
+):
+    """A garbage collector that does not run: the run ends at its deadline, saying so."""
+    env = initializer_env(make_sim("healthy"), CACHE_READY_TIMEOUT_SECONDS="2")
+    _left_by_an_earlier_job_a(fake, env, ("serviceaccounts",))
+    add_train_job(fake, "job-a")
+
+    code, error = run_initializer(env)
+
+    assert code != 0
+    assert "ServiceAccount team-a/job-a-cache was still there at the deadline" in error
+    assert "garbage collector (kube-controller-manager) should have deleted it" in error

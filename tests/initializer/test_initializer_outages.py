@@ -125,6 +125,42 @@ def test_a_train_job_named_like_the_cache_is_refused(fake, make_sim, run_initial
     assert fake.items("leaderworkersets", NAMESPACE) == []
 
 
+def _headless_service(name: str, selector: dict, owner: dict | None = None) -> dict:
+    meta = {"name": name, "namespace": NAMESPACE, **({"ownerReferences": [owner]} if owner else {})}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {"clusterIP": "None", "selector": selector},
+    }
+
+
+@pytest.mark.parametrize("role", ["the LeaderWorkerSet's", "the initializer's"])
+def test_a_train_job_named_like_another_ones_cache_is_refused(fake, make_sim, run_initializer, role):
+    """TrainJob `foo-cache` after TrainJob `foo`'s cache: a Service under this TrainJob's name
+    selecting other pods (the cache's, made by its LeaderWorkerSet or its initializer) would be
+    taken by JobSet as its own, and this job's pod hostnames would not resolve."""
+    name = "job-b-cache" if role == "the LeaderWorkerSet's" else "job-b-cache-service"
+    add_train_job(fake, name)
+    selector = {"leaderworkerset.sigs.k8s.io/name": "job-b-cache"}
+    owner = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": "job-b-cache", "uid": "u"}
+    fake.put("services", _headless_service(name, selector, owner))
+
+    code, error = run_initializer(initializer_env(make_sim("healthy"), train_job=name))
+
+    assert code == 1
+    assert f"Service team-a/{name} (owned by LeaderWorkerSet job-b-cache) has this TrainJob's name" in error
+    assert "Rename this TrainJob" in error
+    assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_the_train_jobs_own_headless_service_is_no_clash(fake, make_sim, run_initializer):
+    add_train_job(fake, "job-a")
+    fake.put("services", _headless_service("job-a", {"jobset.sigs.k8s.io/jobset-name": "job-a"}))
+
+    assert run_initializer(initializer_env(make_sim("healthy"))) == (0, "")
+
+
 def _pod(name: str, status: dict) -> dict:
     return {"metadata": {"name": name, "labels": {}}, "status": status}
 

@@ -115,24 +115,37 @@ def test_a_cache_of_that_name_holding_another_table_is_refused(fake, make_sim, r
     assert fake.get("leaderworkersets", NAMESPACE, CACHE)["metadata"].get("ownerReferences") is None
 
 
-def test_a_failed_shared_cache_is_left_for_its_other_owners(fake, make_sim, run_initializer):
+def test_a_failed_shared_cache_no_other_job_uses_is_deleted(fake, make_sim, run_initializer, caplog):
+    """Made by this job and used by no other: freed as a dedicated cache is (kept, it held its
+    pods, and every later job for the table joined it and failed the same way)."""
     add_train_job(fake, "job-a")
 
     code, error = run_initializer(initializer_env(make_sim("head_load_error"), "job-a", DATA_CACHE_SHARED="true"))
 
     assert code != 0
     assert "AccessDenied" in error
-    assert fake.get("leaderworkersets", NAMESPACE, CACHE) is not None
+    assert fake.get("leaderworkersets", NAMESPACE, CACHE) is None
+    assert f"deleted shared LeaderWorkerSet {CACHE}, which no other TrainJob uses" in caplog.text
 
 
 def test_a_job_that_joins_a_failed_shared_cache_is_told_its_settings_do_not_apply(fake, make_sim, run_initializer):
-    """Every later job for the table joins the failed cache its first job left: the usual fix
-    (other settings) cannot work there, so the message names the cache to delete instead."""
+    """Job B joins the cache job A made while A gives up on it: A's delete holds only for the cache
+    as A read it, so it is kept for B. Every later job for the table joins that failed cache: the
+    usual fix (other settings) cannot work there, so the message names the cache to delete."""
     add_train_job(fake, "job-a")
-    add_train_job(fake, "job-b")
+    job_b = add_train_job(fake, "job-b")
+    owner_b = {"apiVersion": job_b["apiVersion"], "kind": "TrainJob", "name": "job-b", "uid": job_b["metadata"]["uid"]}
+
+    def b_joins() -> None:  # between job A's read of the cache and its delete
+        fake.update(
+            "leaderworkersets", NAMESPACE, CACHE, lambda lws: lws["metadata"]["ownerReferences"].append(owner_b)
+        )
+
+    fake.before[("leaderworkersets", "delete")] = [b_joins]
     sim = make_sim("head_load_error")
     code, first = run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))
     assert code != 0 and "joined shared cache" not in first  # job A made it: its own settings failed
+    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-a", False), ("job-b", False)]
 
     code, error = run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true"))
     assert code != 0 and "AccessDenied" in error

@@ -96,6 +96,16 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
         if existing["metadata"].get("deletionTimestamp"):
             _wait_deleted(kube, resource, existing, deadline)
             continue
+        if not shared and _left_by_a_deleted_namesake(existing, owner):
+            # A TrainJob deleted and made again under its name: the garbage collector deletes the
+            # old one's objects in the background, with no deletionTimestamp to show for it.
+            log.info(
+                "%s belongs to an earlier TrainJob %s (deleted); waiting for the garbage collector to delete it",
+                _describe(existing),
+                owner["name"],
+            )
+            _wait_deleted(kube, resource, existing, deadline, collected=True)
+            continue
         if resource == LEADER_WORKER_SETS:
             # Each run draws a new key Secret name: compared as it is, it would read as drift (and,
             # adopted, restart the pods of the cache). The key the cache was made with stays, in
@@ -128,6 +138,16 @@ def create_or_keep(kube: Kube, resource: Resource, desired: dict) -> None:
             log.info("kept %s, created by an earlier run of this initializer", _describe(desired))
             return
         raise  # a 403 names the missing grant and its fix (rbac.forbidden_hint)
+
+
+def _left_by_a_deleted_namesake(existing: dict, owner: dict) -> bool:
+    """Whether every owner of ``existing`` is a TrainJob of ``owner``'s name but another uid: an
+    earlier TrainJob of that name, so one that was deleted (a name is one object's at a time)."""
+    owners = _owners(existing)
+    return bool(owners) and all(
+        ref.get("kind") == owner["kind"] and ref.get("name") == owner["name"] and ref.get("uid") != owner["uid"]
+        for ref in owners
+    )
 
 
 def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, owner: dict) -> dict:
@@ -197,28 +217,43 @@ def _patch_guarded(kube: Kube, resource: Resource, current: dict, make_patch) ->
     raise InitializerError(f"{_describe(current)} kept changing; gave up after {c.PATCH_CONFLICT_RETRIES} patches")
 
 
-def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: float) -> None:
-    """Wait, with a watch, for an object being deleted (a shared cache whose last owner went away) to go."""
+def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: float, collected: bool = False) -> None:
+    """Wait for an object being deleted to go: a shared cache whose last owner went away, or
+    (``collected``) one the garbage collector is to delete, its owner gone. LeaderWorkerSets
+    with a watch; other kinds, which the initializer may not watch, by reading them again."""
     namespace, name = existing["metadata"]["namespace"], existing["metadata"]["name"]
-    if resource != LEADER_WORKER_SETS:
+    if resource != LEADER_WORKER_SETS and not collected:
         raise InitializerError(f"{_describe(existing)} is being deleted; run the initializer again once it is gone")
-    log.info("%s is being deleted; waiting for it to go before creating it again", _describe(existing))
+    if not collected:
+        log.info("%s is being deleted; waiting for it to go before creating it again", _describe(existing))
     version = existing["metadata"]["resourceVersion"]
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise CacheTimeoutError(f"{_describe(existing)} was still being deleted at the deadline")
-        seconds = max(1, min(int(remaining), c.MAX_WATCH_SECONDS))
-        with kube.watch(resource, namespace, version, seconds, field_selector=f"metadata.name={name}") as stream:
-            for kind, obj in stream:
-                if kind == "DELETED":
-                    return
-                if kind == "ERROR":
-                    break
-                version = obj["metadata"]["resourceVersion"]
+            why = (
+                "its owner is gone, so the garbage collector (kube-controller-manager) should have deleted it: "
+                "check that it runs, or delete the object by hand"
+                if collected
+                else "its finalizers (or dependents, in a foreground deletion) have not finished"
+            )
+            raise CacheTimeoutError(f"{_describe(existing)} was still there at the deadline; {why}")
+        if resource == LEADER_WORKER_SETS:
+            seconds = max(1, min(int(remaining), c.MAX_WATCH_SECONDS))
+            with kube.watch(resource, namespace, version, seconds, field_selector=f"metadata.name={name}") as stream:
+                for kind, obj in stream:
+                    if kind == "DELETED":
+                        return
+                    if kind == "ERROR":
+                        break
+                    version = obj["metadata"]["resourceVersion"]
+        else:
+            time.sleep(min(remaining, c.GONE_POLL_SECONDS))
         try:
-            version = kube.get(resource, namespace, name)["metadata"]["resourceVersion"]
+            current = kube.get(resource, namespace, name)
         except KubeApiError as err:
             if err.not_found:
                 return
             raise
+        if current["metadata"]["uid"] != existing["metadata"]["uid"]:
+            return  # gone, and made again meanwhile (a restarted run of ours): ensure looks at it anew
+        version = current["metadata"]["resourceVersion"]

@@ -43,6 +43,9 @@ DEFAULT_START_ERROR_GRACE_SECONDS = 90.0
 
 # Waiting: how long one watch request or one head /status request may take.
 MAX_WATCH_SECONDS = 60
+# How often an object the garbage collector is about to delete is read again, where the
+# initializer may not watch its kind (Services, ServiceAccounts).
+GONE_POLL_SECONDS = 1.0
 STATUS_HTTP_TIMEOUT_SECONDS = 2.0
 API_REQUEST_TIMEOUT_SECONDS = 30.0
 PATCH_CONFLICT_RETRIES = 5
@@ -65,6 +68,8 @@ EKS_STS_REGIONAL_ANNOTATION = "eks.amazonaws.com/sts-regional-endpoints"
 # Names of what is created.
 CACHE_NAME_SUFFIX = "-cache"
 SERVICE_NAME_SUFFIX = "-cache-service"
+# What JobSet's headless Service (named after the JobSet, so the TrainJob) selects its pods by.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 SHARED_NAME_PREFIX = "data-cache-"
 SHARED_HASH_CHARS = 10
 

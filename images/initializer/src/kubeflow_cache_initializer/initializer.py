@@ -81,6 +81,35 @@ def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
             f"each other's DNS. Rename one of the two TrainJobs (no TrainJob may be named like another's "
             f"plus `{c.CACHE_NAME_SUFFIX}` or `{c.SERVICE_NAME_SUFFIX}`)"
         )
+    _check_own_subdomain(kube, cfg)
+
+
+def _check_own_subdomain(kube: Kube, cfg: Config) -> None:
+    """The same clash the other way round: this TrainJob is named like another's cache.
+
+    JobSet takes a Service already under its subdomain (the JobSet's name, so this TrainJob's) as
+    its own, whatever it selects. The cache Service or LeaderWorkerSet of TrainJob `foo` would
+    then stand for TrainJob `foo-cache`'s subdomain, selecting none of its pods: their hostnames
+    would not resolve, and torch's rendezvous would fail on them after the cache came up.
+    """
+    try:
+        service = kube.get(SERVICES, cfg.namespace, cfg.train_job_name)
+    except KubeApiError as err:
+        if err.not_found:  # not made yet, or no DNS hostnames for this TrainJob
+            return
+        raise
+    selector = service.get("spec", {}).get("selector") or {}
+    if selector.get(c.JOBSET_NAME_LABEL) == cfg.train_job_name:
+        return  # the JobSet's own
+    owners = ", ".join(
+        f"{ref.get('kind')} {ref.get('name')}" for ref in service["metadata"].get("ownerReferences") or []
+    )
+    raise ForeignObjectError(
+        f"Service {cfg.namespace}/{cfg.train_job_name} (owned by {owners or 'nobody'}) has this TrainJob's name "
+        f"but selects {selector or 'nothing'}, not this TrainJob's pods: their hostnames would not resolve and "
+        f"the training's rendezvous would fail. Rename this TrainJob (no TrainJob may be named like another's "
+        f"plus `{c.CACHE_NAME_SUFFIX}` or `{c.SERVICE_NAME_SUFFIX}`)"
+    )
 
 
 def run(kube: Kube, cfg: Config) -> CacheReady:
@@ -133,7 +162,12 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         # creates it again.
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
-        elif isinstance(err, (CacheFailedError, CacheTimeoutError)) and _made_by_another(cache, train_job):
+        elif not _made_by_another(cache, train_job):
+            # Made by this job, maybe joined since: freed as a dedicated one is, unless another
+            # TrainJob now uses it. Left in place, it held its pods, and every later job for the
+            # table joined it and failed the same way.
+            _delete_shared_unless_joined(kube, cfg, names.cache, train_job)
+        elif isinstance(err, (CacheFailedError, CacheTimeoutError)):
             # Kept for its other owners, so every later job for this table joins it too, and this
             # job's settings do not apply: the usual fix (more memory, another image) won't.
             raise type(err)(
@@ -164,6 +198,35 @@ def _ensure_key_secret(kube: Kube, cfg: Config, cache: dict) -> None:
     name = key_secret_of(cache)
     if name is not None:
         create_or_keep(kube, SECRETS, build_cluster_key_secret(cfg, name, cache, new_cluster_key()))
+
+
+def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: dict) -> None:
+    """Delete a shared cache whose only owner is this TrainJob. The delete holds only for the
+    LeaderWorkerSet as read (its resourceVersion): a TrainJob joining in between changes it, the
+    API answers 409, and the cache is read again and kept for that job."""
+    kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    for _ in range(c.PATCH_CONFLICT_RETRIES):
+        try:
+            current = kube.get(LEADER_WORKER_SETS, cfg.namespace, name)
+            if _made_by_another(current, train_job):
+                log.info("kept shared LeaderWorkerSet %s: another TrainJob uses it now", name)
+                return
+            meta = current["metadata"]
+            kube.delete(
+                LEADER_WORKER_SETS,
+                cfg.namespace,
+                name,
+                preconditions={"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]},
+            )
+            log.info("deleted shared LeaderWorkerSet %s, which no other TrainJob uses, to free its pods", name)
+            return
+        except KubeApiError as err:
+            if err.not_found:
+                return
+            if not err.conflict:
+                log.warning("could not delete shared LeaderWorkerSet %s: %s", name, err)
+                return
+    log.warning("kept shared LeaderWorkerSet %s: it kept changing while being deleted", name)
 
 
 def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:

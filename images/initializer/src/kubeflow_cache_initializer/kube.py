@@ -289,8 +289,12 @@ class Kube:
         """A JSON merge patch; put metadata.resourceVersion in it to fail with 409 on a concurrent change."""
         return self._call("patch", "PATCH", resource, namespace, name, body=patch, content_type=MERGE_PATCH)
 
-    def delete(self, resource: Resource, namespace: str, name: str) -> None:
+    def delete(self, resource: Resource, namespace: str, name: str, preconditions: dict | None = None) -> None:
+        """Delete an object; with ``preconditions`` (uid, resourceVersion) only the object as it
+        was read: the API answers 409 if it changed since."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if preconditions:
+            body["preconditions"] = preconditions
         self._call("delete", "DELETE", resource, namespace, name, body=body)
 
 
