@@ -161,3 +161,22 @@ def test_the_validator_catches_a_broken_trainer_tls_volume(mutate, message):
     mutate(volume)
     with pytest.raises(ObjectInvalid, match=message):
         validate_object(runtime)
+
+
+def test_a_bad_setting_fails_the_initializer_job_without_its_retry():
+    """The initializer exits with ConfigError's code for a bad setting, which no retry can fix:
+    the Job's podFailurePolicy fails at once on that code (and on no other), which it can only
+    do with restartPolicy Never; an evicted pod does not use up the one retry."""
+    from kubeflow_cache_initializer.errors import ConfigError, InitializerError
+
+    job = replicated_job(source(), "dataset-initializer")["template"]["spec"]
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+    fail, ignore = job["podFailurePolicy"]["rules"]
+    assert fail["action"] == "FailJob"
+    assert fail["onExitCodes"] == {
+        "containerName": "dataset-initializer",
+        "operator": "In",
+        "values": [ConfigError.exit_code],
+    }
+    assert InitializerError.exit_code not in fail["onExitCodes"]["values"]  # other failures keep their retry
+    assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
