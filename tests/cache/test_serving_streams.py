@@ -63,15 +63,18 @@ def test_a_gathering_stream_whose_client_left_before_it_began_leaves_no_thread(r
     assert reader.do_get(ticket).read_all().num_rows == ROWS
 
 
-def test_served_rows_count_what_was_sent_not_what_the_stream_would_hold(ready, monkeypatch):
+def test_served_rows_count_what_was_sent_not_what_the_stream_would_hold(cluster, table_factory, monkeypatch):  # noqa: F811
     """An in-order stream the reader stops after one batch: the node counts the windows Flight's
-    writer took (a few ahead at most), not the whole stream at its start. Fixed-width columns:
-    the stream whose slices the writer used to be handed all at once."""
-    head, _, node_health = ready
-    # Windows of 1 MiB (constants.SERVE_WINDOW_BYTES is larger than this 7 MiB stream).
+    writer took, not the whole stream at its start. Fixed-width columns: the stream whose slices
+    the writer used to be handed all at once. gRPC's flow control lets the writer run a few MiB
+    ahead of a reader (up to ~5 MiB measured on loopback), so the stream is 24 MiB."""
+    rows = 1_000_000
+    head, _, _, node_health = cluster(table_factory(rows, 2, with_text=False).metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
+    # Windows of 1 MiB, as if the stream were 16 times larger (constants.SERVE_WINDOW_BYTES).
     monkeypatch.setattr(node_module, "windows", functools.partial(node_module.windows, max_bytes=1 << 20))
     with CacheClient(head.location, deadline_seconds=30) as client:
-        request = ShardRequest(batch_size=1000, columns=("id", "feature_b", "label"))
+        request = ShardRequest(batch_size=1000, columns=("id", "feature_b", "label", "flag"))
         batches = client.read_shard(request, interleave=False)
         assert next(batches).num_rows == 1000
         batches.close()
@@ -83,7 +86,7 @@ def test_served_rows_count_what_was_sent_not_what_the_stream_would_hold(ready, m
             if line.startswith("data_cache_rows_served_total ")
         )
     )
-    assert 1000 <= served < ROWS / 2
+    assert 1000 <= served < rows / 2
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
