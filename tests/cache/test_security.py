@@ -279,3 +279,31 @@ def test_local_names_the_tls_error_when_its_certificate_does_not_cover_the_nodes
     assert result.returncode == 1
     (line,) = [ln for ln in result.stderr.splitlines() if "was not ready within 8s" in ln]
     assert "head not answering yet: " in line and "127.0.0.1" in line, line
+
+
+def test_every_channel_to_a_cache_process_caps_the_reconnect_backoff(monkeypatch):
+    """gRPC waits up to 120 s between attempts to reconnect a channel whose peer was down: a node
+    restarted at its address after a long outage went unseen by the head for 35 s (and nodes by a
+    restarted head for 30 s) until the wait was capped. Internal and reader channels both cap it;
+    a reader's own channel options still win."""
+    from kubeflow_data_cache import security
+    from kubeflow_data_cache.security import RECONNECT_BACKOFF_MAX_MS, client_for
+
+    made: list[dict] = []
+
+    class Recording:
+        def __init__(self, location, **kwargs):
+            made.append(kwargs)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(security.flight, "FlightClient", Recording)
+    client_for("grpc://127.0.0.1:1")
+    with CacheClient("grpc://127.0.0.1:1") as reader:
+        reader._client("grpc://127.0.0.1:2")
+    with CacheClient("grpc://127.0.0.1:1", generic_options=[("grpc.max_reconnect_backoff_ms", 9000)]) as reader:
+        reader._client("grpc://127.0.0.1:2")
+    options = [dict(kwargs["generic_options"]) for kwargs in made]
+    assert RECONNECT_BACKOFF_MAX_MS <= 5000
+    assert [o["grpc.max_reconnect_backoff_ms"] for o in options] == [RECONNECT_BACKOFF_MAX_MS] * 2 + [9000]

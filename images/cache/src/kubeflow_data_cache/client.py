@@ -41,7 +41,7 @@ from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential
 from kubeflow_data_cache.interleave import interleave as interleave_streams
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_order, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import check_token, server_name_problem
+from kubeflow_data_cache.security import channel_options, check_token, server_name_problem
 from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
@@ -225,13 +225,12 @@ class CacheClient:
             if client is None:
                 fork_guard.check_usable()  # a forked child: fail with the fix rather than hang
                 fork_guard.opening()
-                kwargs: dict[str, Any] = {}
+                # A node back at its address after a long outage is reconnected within seconds.
+                kwargs: dict[str, Any] = {"generic_options": channel_options(self._generic_options)}
                 if self._tls_root_certs is not None:
                     kwargs["tls_root_certs"] = self._tls_root_certs
                 if self._tls_server_name is not None:
                     kwargs["override_hostname"] = self._tls_server_name
-                if self._generic_options:
-                    kwargs["generic_options"] = self._generic_options
                 client = flight.FlightClient(location, **kwargs)
                 self._clients[location] = client
                 fork_guard.opened(self, client)

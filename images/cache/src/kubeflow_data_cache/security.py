@@ -190,12 +190,27 @@ def checked_server_name(name: str | None, source: str) -> str | None:
     return name
 
 
+# gRPC waits longer and longer between attempts to reconnect a channel whose peer is down, up
+# to 120 s: a data node or head back at the same address after a long outage went unseen by the
+# channel kept for it for 30 s and more (the head stayed degraded, nodes could not register).
+# Every channel to a cache process caps the wait at this.
+RECONNECT_BACKOFF_MAX_MS = 2000
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),)
+
+
+def channel_options(extra: list[tuple[str, object]] | None = None) -> list[tuple[str, object]]:
+    """CHANNEL_OPTIONS with ``extra`` (gRPC channel arguments) added, ``extra`` winning a key both set."""
+    return list({**dict(CHANNEL_OPTIONS), **dict(extra or [])}.items())
+
+
 def client_for(
     location: str, tls_root_certs: bytes | None = None, server_name: str | None = None
 ) -> flight.FlightClient:
     """A Flight client for a peer: over TLS (a grpc+tls:// location) trusting ``tls_root_certs``
     and, where given, checking ``server_name`` in its certificate instead of the address."""
-    kwargs: dict = {"tls_root_certs": tls_root_certs} if tls_root_certs else {}
+    kwargs: dict = {"generic_options": channel_options()}
+    if tls_root_certs:
+        kwargs["tls_root_certs"] = tls_root_certs
     if tls_root_certs and server_name:
         kwargs["override_hostname"] = server_name
     return flight.FlightClient(location, **kwargs)
