@@ -51,6 +51,12 @@ def listening():
         ({}, {"DATA_CACHE_FAILURE_GRACE_SECONDS": "nan"}, "`DATA_CACHE_FAILURE_GRACE_SECONDS` (--failure-grace)"),
         # Past what a thread can wait: the failed node's grace raised OverflowError when it came.
         ({"failure_grace": "1e10"}, {}, "(--failure-grace) should be at most 9223372036 seconds, got '1e10'"),
+        # The head kept a list of every missing index: 10**12 grew to GBs and never reached its deadline.
+        ({"data_nodes": "1000000000000"}, {}, "`DATA_NODES` (--data-nodes) should be <= 16384"),
+        ({"data_nodes": ""}, {"LWS_GROUP_SIZE": "16386"}, "`LWS_GROUP_SIZE` should be <= 16385"),
+        # int() reads any script's digits: an Arabic-Indic three was port 3.
+        ({"port": None}, {"FLIGHT_PORT": "\u0663"}, "`FLIGHT_PORT` (--port) should be an integer"),
+        ({"metadata_loc": "s3://[bucket/t/metadata/1.json"}, {}, "is not a valid URI: Invalid IPv6 URL"),
     ],
 )
 def test_out_of_range_settings_are_refused(flags, env, message):
@@ -171,6 +177,9 @@ def test_bad_values_exit_2_with_one_line(args, env, fragments):
         # A data node that could not dial its head waited for ever.
         (["worker", "--index", "0", "--head", "127.0.0.1:50051"], ["grpc:// (or grpc+tls://) URI with a port"]),
         (["worker", "--index", "0", "--head", "grpc://head"], ["URI with a port", "'grpc://head'"]),
+        (["worker", "--index", "0", "--head", "grpc://[::1:50051"], ["URI with a port", "'grpc://[::1:50051'"]),
+        # Two ports a node: the free-port search looped for ever past what the OS has.
+        (["local", "--metadata-loc", "x", "--data-nodes", "100000"], ["--data-nodes should be from 1 to 256"]),
     ],
 )
 def test_locations_the_cache_cannot_use_exit_2_at_once(args, fragments):

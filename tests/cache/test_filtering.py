@@ -163,3 +163,36 @@ def test_a_node_without_rows_checks_the_filter_all_the_same():
     for predicate in ("nosuch > 1", "id >", "id IN (SELECT 1)", "random() < 0.5", "id > 'abc'"):
         with pytest.raises(BadRequestError, match="invalid filter"):
             matching_rows(empty, predicate)
+
+
+@pytest.mark.parametrize(
+    ("predicate", "refusal"),
+    [
+        # 12,000 ORs overflowed DataFusion's stack: the node died (SIGSEGV) on a count.
+        (" OR ".join(f"id = {i}" for i in range(12_000)), "characters, more than 65536"),
+        # Planning grows with the chain: 512 additions took 1.5 s, 5,000 did not finish in 2 min.
+        ("id" + " + id" * 1000 + " > 0", "has 1001 operators, more than 128"),
+        (" OR ".join(f"id = {i}" for i in range(70)), "has 139 operators"),
+        # Values far larger than the rows: repeat() took a node to 22 GB, then an abort.
+        ("length(repeat(name, 100000000)) > 0", "repeat() can make values far larger than the rows"),
+        ("length(lpad(name, 1000000000)) > 0", "lpad() can make values far larger"),
+    ],
+)
+def test_a_filter_too_costly_for_a_node_is_refused(store, predicate, refusal):
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(store, predicate)
+    assert refusal in str(refused.value)
+    assert len(str(refused.value)) < 400  # names the problem, not the whole filter
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [
+        (" OR ".join(f"id = {i}" for i in range(64)), list(range(10))),  # 127 operators: within the cap
+        ("id IN (" + ", ".join(map(str, range(0, 10_000, 2))) + ")", [0, 2, 4, 6, 8]),  # long lists are cheap
+        # Operators inside quotes are data and names, not operators.
+        ("name = '" + "+-*/%=<>" * 40 + "' OR id = 1", [1]),
+    ],
+)
+def test_large_but_cheap_filters_are_served(store, predicate, rows):
+    assert matching_rows(store, predicate).tolist() == rows

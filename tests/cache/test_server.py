@@ -130,12 +130,25 @@ def test_filtered_even_split(small_cache):
         (flight.FlightDescriptor.for_command(b'{"columns": ["nope"]}'), "unknown column(s) ['nope']"),
         (flight.FlightDescriptor.for_command(b'{"filter": "nope = 1"}'), "invalid filter"),
         (flight.FlightDescriptor.for_command(b'{"even": "sometimes"}'), "'even' should be one of"),
+        # Refused by the head, before any data node sees it: 12,000 ORs killed every node (SIGSEGV).
+        (
+            flight.FlightDescriptor.for_command(
+                json.dumps({"filter": " OR ".join(f"id = {i}" for i in range(12_000))}).encode()
+            ),
+            "'filter' is 156886 characters, more than 65536",
+        ),
+        (
+            flight.FlightDescriptor.for_command(json.dumps({"columns": [f"c{i}" for i in range(40_000)]}).encode()),
+            "'columns' names more than 16384 columns",
+        ),
     ],
 )
 def test_bad_descriptors_are_invalid_argument(small_cache, descriptor, message):
     with pytest.raises(pa.ArrowInvalid, match=None) as err:
         flight.FlightClient(small_cache.endpoint).get_flight_info(descriptor)
     assert message in str(err.value)
+    # The cache still serves whole.
+    assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
 
 
 @pytest.mark.parametrize(
@@ -166,6 +179,19 @@ def test_bad_and_stale_tickets(small_cache):
     stale = Ticket("other-load", ticket.node, ticket.offset, ticket.node_rows, ticket.total, ticket.request)
     with pytest.raises(pa.ArrowInvalid, match="stale ticket: issued for data node"):
         node.do_get(flight.Ticket(stale.to_json())).read_all()
+    # Forged numbers and versions are refused as bad requests, not failed inside the stream.
+    body = json.loads(info.endpoints[0].ticket.ticket)
+    for change, refusal in (
+        ({"offset": 10**18}, f"places {ticket.node_rows} rows at {10**18}"),
+        ({"order": 7}, "shuffled order 7 is not the one this node streams"),
+        ({"v": 1.0}, "ticket protocol version 1.0 is not supported"),
+        ({"v": True}, "ticket protocol version True is not supported"),
+        # Too many blocks for a shuffle: refused before the stream, not as an INTERNAL inside it.
+        ({"total": 10**12, "request": {**body["request"], "shuffle": True, "block_size": 1}}, "blocks is refused"),
+    ):
+        with pytest.raises(pa.ArrowInvalid) as refused:
+            node.do_get(flight.Ticket(json.dumps({**body, **change}).encode())).read_all()
+        assert refusal in str(refused.value)
     # The server survives all of it.
     assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
 

@@ -143,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                     handler.setFormatter(logging.Formatter(_log_format(f"node-{cfg.node_index}")))
             return run_node(cfg)
         if args.command == "local":
-            from kubeflow_data_cache.local import LocalCluster, run_local
+            from kubeflow_data_cache.local import MAX_LOCAL_DATA_NODES, LocalCluster, run_local
 
-            if args.data_nodes < 1:
-                raise DataCacheError(f"--data-nodes should be >= 1, got {args.data_nodes}")
+            if not 1 <= args.data_nodes <= MAX_LOCAL_DATA_NODES:
+                raise DataCacheError(
+                    f"--data-nodes should be from 1 to {MAX_LOCAL_DATA_NODES} (processes on this machine, "
+                    f"each an interpreter), got {args.data_nodes}"
+                )
             # Given to every process, so /status and data_cache_info name the table (the env's
             # SCHEMA_NAME / TABLE_NAME reach them anyway).
             names = (("--schema-name", args.schema_name), ("--table-name", args.table_name))

@@ -165,7 +165,10 @@ HEAD_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls")
 
 def check_metadata_location(location: str) -> None:
     """Refuse, at once, a store the cache cannot read (planning would only fail at its deadline)."""
-    scheme = urlsplit(location).scheme if "://" in location else ""
+    try:
+        scheme = urlsplit(location).scheme if "://" in location else ""
+    except ValueError as err:  # an unclosed [ (urllib reads it as an IPv6 host)
+        raise ConfigError(f"{label('METADATA_LOC', '--metadata-loc')} {location!r} is not a valid URI: {err}") from None
     if scheme and scheme not in METADATA_SCHEMES:
         raise ConfigError(
             f"{label('METADATA_LOC', '--metadata-loc')} {location!r}: the {scheme}:// store is not supported; "
@@ -192,8 +195,14 @@ def same_table_location(a: str, b: str) -> bool:
 def dialable(location: str) -> bool:
     """Whether ``location`` is a Flight URI a cache process can dial: grpc:// (grpc+tcp://,
     grpc+tls://) with a host and a port."""
-    parts = urlsplit(location)
-    return "://" in location and parts.scheme in HEAD_SCHEMES and bool(parts.hostname) and bool(uri_port(location))
+    if not location.isprintable():  # a newline in an address it logs would forge log lines
+        return False
+    try:
+        parts = urlsplit(location)
+        hostname = parts.hostname
+    except ValueError:  # an unclosed [ (urllib reads it as an IPv6 host)
+        return False
+    return "://" in location and parts.scheme in HEAD_SCHEMES and bool(hostname) and bool(uri_port(location))
 
 
 def check_head_location(location: str) -> None:
@@ -210,15 +219,19 @@ def label(var: str, flag: str | None = None) -> str:
     return f"`{var}` ({flag})" if flag else f"`{var}`"
 
 
-def _int(name: str, raw: str | int | None, default: int, minimum: int = 0) -> int:
+def _int(name: str, raw: str | int | None, default: int, minimum: int = 0, maximum: int | None = None) -> int:
     if raw is None or raw == "":
         return default
     try:
+        if isinstance(raw, str) and not raw.strip().isascii():
+            raise ValueError  # int() takes any script's digits: "٣" would be 3
         value = int(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} should be an integer, got {raw!r}") from None
     if value < minimum:
         raise ConfigError(f"{name} should be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} should be <= {maximum}, got {value}")
     return value
 
 
@@ -343,9 +356,12 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     if role == "head":
         explicit = pick("data_nodes", "DATA_NODES")
         if explicit not in (None, ""):  # empty, as every other setting: not set
-            data_nodes = _int(label("DATA_NODES", "--data-nodes"), explicit, 1, minimum=1)
+            data_nodes = _int(
+                label("DATA_NODES", "--data-nodes"), explicit, 1, minimum=1, maximum=constants.MAX_DATA_NODES
+            )
         elif env.get("LWS_GROUP_SIZE"):
-            data_nodes = _int(label("LWS_GROUP_SIZE"), env["LWS_GROUP_SIZE"], 2, minimum=2) - 1
+            group = env["LWS_GROUP_SIZE"]
+            data_nodes = _int(label("LWS_GROUP_SIZE"), group, 2, minimum=2, maximum=constants.MAX_DATA_NODES + 1) - 1
         else:
             raise ConfigError(
                 "the head needs the number of data nodes: run it in a LeaderWorkerSet (LWS_GROUP_SIZE) "

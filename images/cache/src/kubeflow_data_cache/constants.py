@@ -20,6 +20,9 @@ LOAD_POLL_SECONDS = 0.05
 SUPERVISE_POLL_SECONDS = 5.0
 # Timeout of one internal Flight call between head and data nodes.
 RPC_TIMEOUT_SECONDS = 10.0
+# Data nodes one head may have: far past any cluster, and small enough that the head's
+# per-node bookkeeping (and the memory advice's search) stays cheap.
+MAX_DATA_NODES = 1 << 14
 # How long the head waits for the data node registered under an index before it lets another
 # take that index (a node that moved answers nothing at its old address).
 REGISTER_PROBE_SECONDS = 3.0

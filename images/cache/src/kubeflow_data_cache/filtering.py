@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, server_message
+from kubeflow_data_cache.protocol import check_filter
 from kubeflow_data_cache.store import NodeStore, indices
 
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
@@ -23,7 +24,13 @@ PLAIN_FILTER_NODES = {"Projection", "Filter", "TableScan", "EmptyRelation"}  # t
 # Functions whose value changes from call to call: the head and the nodes would count different
 # rows for the same filter, and shards would overlap or miss rows.
 VOLATILE_CALL = re.compile(r"\b(random|uuid|now|current_time|current_date|current_timestamp)\(", re.IGNORECASE)
-# String literals in an expression's canonical form, left out of that check: 'random()' is data.
+# Functions whose output can be far larger than their input: repeat(text, 100000000) took a node
+# to 22 GB here. DataFusion's memory pool does not limit scalar functions, so they are refused.
+GROWING_CALL = re.compile(
+    r"\b(repeat|lpad|rpad|array_repeat|list_repeat|array_resize|list_resize|range|generate_series)\(",
+    re.IGNORECASE,
+)
+# String literals in an expression's canonical form, left out of those checks: 'random()' is data.
 STRING_LITERAL = re.compile(r'(?:Large)?Utf8(?:View)?\("(?:[^"\\]|\\.)*"\)')
 
 
@@ -54,6 +61,8 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
     """Local row numbers (ascending) of the rows for which ``predicate`` is true."""
     import datafusion
 
+    check_filter(predicate)  # also for a count sent to a node directly, not through the head
+
     batches = []
     for batch, start in zip(store.batches, store.offsets[:-1], strict=True):
         rows = indices(np.arange(start, start + batch.num_rows, dtype=np.int64))  # no numpy.ma: store.indices
@@ -72,10 +81,16 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
         # column it may not see is not there to name.
         columns = table.select(*(_column(name) for name in store.schema.names))
         condition = columns.parse_sql_expr(predicate)
-        if VOLATILE_CALL.search(STRING_LITERAL.sub("''", condition.canonical_name())):
+        calls = STRING_LITERAL.sub("''", condition.canonical_name())
+        if VOLATILE_CALL.search(calls):
             raise BadRequestError(
                 f"invalid filter {predicate!r}: it calls a function whose value changes between calls, so "
                 'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
+            )
+        if grows := GROWING_CALL.search(calls):
+            raise BadRequestError(
+                f"invalid filter {predicate!r}: {grows.group(1)}() can make values far larger than the rows "
+                "(and the data node's memory); a filter compares a row's own values"
             )
         selected = table.filter(condition).select(_column(ROW_COLUMN))
         if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:
@@ -86,7 +101,11 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
         result = selected.to_arrow_table()
     except BadRequestError:
         raise
-    except Exception as err:  # DataFusion raises one exception type for parse, plan and type errors
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # DataFusion raises one exception type for parse, plan and type errors; a panic inside it
+    # (an overflow) comes as pyo3's PanicException, a BaseException.
+    except BaseException as err:
         raise BadRequestError(
             f"invalid filter {predicate!r}: {_reason(err)}. A filter is one SQL predicate over the table's "
             f'columns {store.schema.names} (double-quote names with capitals or spaces: "Score" > 3), '

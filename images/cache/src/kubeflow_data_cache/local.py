@@ -54,13 +54,22 @@ HEAD_UNANSWERED_DETAIL_SECONDS = 3.0
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
+# Data node processes `local` starts on one machine: each is an interpreter (~130 MiB before
+# its rows) with two ports.
+MAX_LOCAL_DATA_NODES = 256
+
+
 def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
     """``count`` distinct free ports on ``host``, none of them in ``taken``."""
     ports: list[int] = []
-    while len(ports) < count:
+    for _ in range(10 * count + 100):  # the OS hands out a port again at times; not for ever
+        if len(ports) == count:
+            break
         port = claim_port(host, 0, label("--port"), label("--host"))
         if port not in taken and port not in ports:
             ports.append(port)
+    if len(ports) < count:
+        raise ConfigError(f"found {len(ports)} of the {count} free ports needed on {host}; start fewer data nodes")
     return ports
 
 

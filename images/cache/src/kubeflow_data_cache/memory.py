@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
+from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES, MAX_DATA_NODES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, NodeBusyError
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def under_local() -> bool:
     return os.environ.get(LOCAL_ENV) == "1"
 
 
-MAX_ADVISED_NODES = 1 << 14
+MAX_ADVISED_NODES = MAX_DATA_NODES
 
 
 def _fewest_nodes(peaks_for: Callable[[int], list[int]], nodes: int, usable: int) -> int | None:

@@ -51,7 +51,7 @@ from kubeflow_data_cache.service import (
     meter_calls,
     parse_action_body,
 )
-from kubeflow_data_cache.sharding import node_rows
+from kubeflow_data_cache.sharding import epoch_order, node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
 log = logging.getLogger(__name__)
@@ -440,6 +440,8 @@ class DataNode(ReadOnlyFlight):
             raise StaleTicketError(
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
+        if req.shuffle:
+            epoch_order(t.total, req)  # refused here (too many blocks), not inside the stream
         parts = node_rows(t.offset, held, t.total, req, t.skip)
         batch_rows = store.batch_rows(req.batch_size, req.columns)
         if matches is None and not req.shuffle:

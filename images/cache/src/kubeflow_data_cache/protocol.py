@@ -12,6 +12,8 @@ docs/protocol.md for the prose version.
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -54,6 +56,17 @@ MAX_BLOCK_SIZE = 1 << 20
 # Readers are ranks x DataLoader workers: a million is far past any job, and keeps the head's
 # per-shard arithmetic in plain ranges.
 MAX_SHARDS = 1 << 20
+# A projection names each column once; the cap keeps a request's checks cheap (a table of
+# thousands of columns still fits).
+MAX_COLUMNS = 1 << 14
+# A filter is parsed, planned and evaluated by DataFusion on every data node, and its cost grows
+# with its size, not with the rows: a chain of 512 additions took 1.5 s to plan here, 12,000 ORs
+# overflowed the parser's stack and killed the node. Long IN lists stay cheap (10,000 values: 0.07 s).
+MAX_FILTER_CHARS = 1 << 16
+MAX_FILTER_OPERATORS = 128
+# Quoted text, left out when counting operators: "a-b" and 'x+y' are names and data.
+_QUOTED = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"")
+_OPERATOR = re.compile(r"\b(?:AND|OR|NOT|LIKE|ILIKE|BETWEEN)\b|<=|>=|<>|!=|\|\||<<|>>|[-+*/%=<>&|^]", re.IGNORECASE)
 
 # Actions served by the head and the data nodes (DoAction types).
 ACTION_STATUS = "status"
@@ -62,6 +75,21 @@ ACTION_LOAD = "load"  # head -> data node
 # In register and load bodies where DATA_CACHE_CLUSTER_KEY is set (security.load_cluster_key).
 CLUSTER_KEY_FIELD = "cluster_key"
 ACTION_COUNT = "count"  # head -> data node: rows matching a filter
+
+
+def check_filter(predicate: str) -> None:
+    """Refuse a filter too large for the data nodes to plan in bounded time and memory."""
+    _require(
+        len(predicate) <= MAX_FILTER_CHARS,
+        f"'filter' is {len(predicate)} characters, more than {MAX_FILTER_CHARS}: a filter is one predicate "
+        "over a row's columns; for a long list of values, keep a column that marks the rows to read",
+    )
+    operators = len(_OPERATOR.findall(_QUOTED.sub("''", predicate)))
+    _require(
+        operators <= MAX_FILTER_OPERATORS,
+        f"'filter' has {operators} operators, more than {MAX_FILTER_OPERATORS}: write a long chain of "
+        'comparisons as one IN list ("id IN (1, 2, 3)"), or keep a column that marks the rows to read',
+    )
 
 
 def _require(cond: bool, message: str) -> None:
@@ -121,13 +149,16 @@ class ShardRequest:
                 f"'columns' should be a list of column names, got {self.columns!r}",
             )
             _require(len(self.columns) > 0, "'columns' should name at least one column (or be null for all of them)")
-            twice = sorted({c for c in self.columns if self.columns.count(c) > 1})
+            _require(len(self.columns) <= MAX_COLUMNS, f"'columns' names more than {MAX_COLUMNS} columns")
+            twice = sorted(c for c, n in Counter(self.columns).items() if n > 1)
             _require(not twice, f"'columns' names {twice} more than once")
             object.__setattr__(self, "columns", tuple(self.columns))
         _require(
             self.filter is None or (isinstance(self.filter, str) and self.filter.strip() != ""),
             f"'filter' should be a non-empty SQL predicate string, got {self.filter!r}",
         )
+        if self.filter is not None:
+            check_filter(self.filter)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -195,8 +226,17 @@ class Ticket:
 
     def __post_init__(self) -> None:
         _as_int("skip", self.skip)
+        _require(
+            self.offset + self.node_rows <= self.total,
+            f"the ticket places {self.node_rows} rows at {self.offset}, past its {self.total} rows",
+        )
         if self.order is not None:
             _as_int("order", self.order)
+            _require(
+                self.order == ORDER_VERSION,
+                f"the ticket's shuffled order {self.order} is not the one this node streams ({ORDER_VERSION}): "
+                "the head and data nodes should run the same version",
+            )
         if self.rows is not None:
             _as_int("rows", self.rows)
             _require(self.skip <= self.rows, f"'skip' ({self.skip}) is past the stream's {self.rows} rows")
@@ -225,7 +265,7 @@ class Ticket:
         _require(isinstance(data, dict), "a ticket should be a JSON object")
         version = data.get("v")
         _require(
-            version in (PROTOCOL_VERSION, SKIP_VERSION),
+            type(version) is int and version in (PROTOCOL_VERSION, SKIP_VERSION),  # not 1.0 or true
             f"ticket protocol version {version!r} is not supported (this node speaks "
             f"{PROTOCOL_VERSION} and {SKIP_VERSION})",
         )
