@@ -131,6 +131,10 @@ def test_an_index_taken_by_a_data_node_that_still_answers_is_refused(cluster, sm
         ({"location": "127.0.0.1:7000"}, "location '127.0.0.1:7000'"),
         ({"index": "0"}, "'index' \\(an integer\\).*got index '0'"),
         ({"index": True}, "got index True"),
+        # A newline in the location would have forged lines in the head's log; an unclosed [ was
+        # an INTERNAL error with urllib's traceback.
+        ({"location": "grpc://127.0.0.1:1/\n2026-01-01 head INFO forged"}, "got index 0 and location"),
+        ({"location": "grpc://[::1:47003"}, "location 'grpc://\\[::1:47003'"),
     ],
 )
 def test_a_malformed_registration_is_refused_by_name(cluster, small_table, body, message):
@@ -194,3 +198,60 @@ def test_a_data_node_whose_head_went_away_before_its_load_says_so(small_table, m
     finally:
         never.set()
         node.stop()
+
+
+def test_a_node_that_never_answers_its_assignment_is_named_as_frozen(small_table, monkeypatch):
+    """A node that registered, then froze (SIGSTOP, a hung pod): the load call times out, and the
+    cache's failure names the node and what to check, not gRPC's bare "Deadline Exceeded"."""
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 30}
+    head = head_module.Head(build_config("head", flags, env={}))
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+
+    def frozen(self, node_index):  # what the call raises at its RPC_TIMEOUT_SECONDS
+        raise flight.FlightTimedOutError("Flight returned timeout error, with message: Deadline Exceeded")
+
+    monkeypatch.setattr(head_module.Head, "_send_load", frozen)
+    head.start()
+    node.start_registering()
+    try:
+        wait_for(lambda: head.lifecycle.state == "failed", timeout=30)
+        assert f"data node 0 at {node.location} did not answer its assignment within 10s" in head.lifecycle.error
+        assert "frozen or overloaded" in head.lifecycle.error
+    finally:
+        node.stop()
+        head.stop()
+
+
+def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(small_table, monkeypatch):
+    """A data node restarted after the cache was ready, whose reload then hangs (storage that
+    stopped answering): the head was degraded for good. The reload gets the startup deadline, as
+    the first load does; then the head fails, naming the node, and exits for the group to restart."""
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 3}
+    head = head_module.Head(build_config("head", flags, env={}))
+    nodes = []
+
+    def start_node() -> DataNode:
+        cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location, "startup_timeout": 3}, env={})
+        nodes.append(DataNode(cfg))
+        nodes[-1].start_registering()
+        return nodes[-1]
+
+    never = threading.Event()
+    head.start()
+    try:
+        start_node()
+        wait_for(lambda: head.lifecycle.state == "ready", timeout=30)
+        monkeypatch.setattr(node_module.NodeStore, "load", staticmethod(lambda *args, **kwargs: never.wait()))
+        nodes[0].stop()
+        start_node()  # at another port: the head takes it as moved, and sends it its rows again
+        wait_for(lambda: head.lifecycle.state == "degraded", timeout=15)
+        wait_for(lambda: head.lifecycle.state == "failed", timeout=15)
+        error = head.lifecycle.error
+        assert "data node 0 (grpc://127.0.0.1:" in error
+        assert "restarted and did not hold its rows again within 3s of being sent them (loading)" in error
+    finally:
+        never.set()
+        for node in nodes:
+            node.stop()
+        head.stop()

@@ -82,6 +82,9 @@ class Head(ReadOnlyFlight):
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
         self._nodes_changed = threading.Event()
         self._clients: dict[str, flight.FlightClient] = {}
+        # When each node that restarted was sent its rows again, until it holds them: a reload
+        # gets the startup deadline, as the first load does.
+        self._reloads: dict[int, float] = {}
         meter_calls(self, self.metrics)
 
     # --- internal calls to data nodes --------------------------------------------------------
@@ -134,6 +137,13 @@ class Head(ReadOnlyFlight):
                         "must be reachable from the head"
                     ) from None
                 time.sleep(attempt)
+            except flight.FlightTimedOutError:
+                # Connected, and no answer: not a wrong address but a node that is frozen (a
+                # stopped process, a hung pod) or far too busy. Retrying would not unfreeze it.
+                raise ClusterFormationError(
+                    f"data node {node} at {self._location(node)} did not answer its assignment within "
+                    f"{RPC_TIMEOUT_SECONDS:.0f}s: it is frozen or overloaded; check that pod (its log, its CPU)"
+                ) from None
 
     # --- formation and load ------------------------------------------------------------------
     def start(self) -> None:
@@ -301,6 +311,7 @@ class Head(ReadOnlyFlight):
             log.warning("data node %d restarted; sending its assignment again", node)
             try:
                 self._send_load(node)
+                self._reloads.setdefault(node, time.monotonic())
             except Exception as err:
                 log.warning("could not reload data node %d: %s", node, err)
 
@@ -324,8 +335,40 @@ class Head(ReadOnlyFlight):
                 self._poll_nodes()
                 self._reload_restarted()
                 self._update_health()
+                late = self._late_reload()
             except Exception:  # one bad round must not end supervision, leaving READY unwatched
                 log.exception("supervising the data nodes failed; trying again in %gs", SUPERVISE_POLL_SECONDS)
+                continue
+            if late:
+                # Serving again needs every node's rows; a reload stuck past the deadline (storage
+                # that stopped answering) would keep the cache degraded for good. Failing exits the
+                # head, so the LeaderWorkerSet recreates the group and it loads afresh.
+                self.metrics.ready.set(0)
+                self.lifecycle.fail(late)
+                return
+
+    def _late_reload(self) -> str:
+        """Why the cache failed, where a node was sent its rows again longer ago than the startup
+        deadline and does not hold them yet; '' otherwise."""
+        now = time.monotonic()
+        for node, sent in sorted(self._reloads.items()):
+            status = self.node_status.get(node, {})
+            if status.get("state") == READY and status.get("generation") == self.generation:
+                del self._reloads[node]
+            elif now - sent > self.cfg.startup_timeout:
+                state = status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
+                reads = waiting_reads([(node, status)], at_least=0)
+                return "; ".join(
+                    filter(
+                        None,
+                        [
+                            f"data node {node} ({self._location(node)}) restarted and did not hold its rows again "
+                            f"within {self.cfg.startup_timeout:.0f}s of being sent them ({state})",
+                            reads,
+                        ],
+                    )
+                )
+        return ""
 
     def _update_health(self) -> None:
         why = self._describe_nodes(lambda s: s.get("state") != READY or s.get("generation") != self.generation)
