@@ -222,18 +222,22 @@ def test_a_node_that_never_answers_its_assignment_is_named_as_frozen(small_table
         head.stop()
 
 
-def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(small_table, monkeypatch):
+@pytest.mark.parametrize("trouble", ["hangs", "refuses"])
+def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
+    small_table, table_factory, monkeypatch, trouble
+):
     """A data node restarted after the cache was ready, whose reload then hangs (storage that
-    stopped answering): the head was degraded for good. The reload gets the startup deadline, as
-    the first load does; then the head fails, naming the node, and exits for the group to restart."""
+    stopped answering) or which refuses its rows each time (started with another METADATA_LOC):
+    the head was degraded for good. The reload gets the startup deadline, as the first load does;
+    then the head fails, naming the node and why, and exits for the group to restart."""
     monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
     flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 3}
     head = head_module.Head(build_config("head", flags, env={}))
     nodes = []
 
-    def start_node() -> DataNode:
-        cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location, "startup_timeout": 3}, env={})
-        nodes.append(DataNode(cfg))
+    def start_node(**flags) -> DataNode:
+        flags = {**FLAGS, "index": 0, "head": head.location, "startup_timeout": 3, **flags}
+        nodes.append(DataNode(build_config("worker", flags, env={})))
         nodes[-1].start_registering()
         return nodes[-1]
 
@@ -242,14 +246,22 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(sma
     try:
         start_node()
         wait_for(lambda: head.lifecycle.state == "ready", timeout=30)
-        monkeypatch.setattr(node_module.NodeStore, "load", staticmethod(lambda *args, **kwargs: never.wait()))
         nodes[0].stop()
-        start_node()  # at another port: the head takes it as moved, and sends it its rows again
+        # At another port: the head takes it as moved, and sends it its rows again.
+        if trouble == "hangs":
+            monkeypatch.setattr(node_module.NodeStore, "load", staticmethod(lambda *args, **kwargs: never.wait()))
+            start_node()
+        else:
+            start_node(metadata_loc=table_factory(2000, 1).metadata_location)
         wait_for(lambda: head.lifecycle.state == "degraded", timeout=15)
         wait_for(lambda: head.lifecycle.state == "failed", timeout=15)
         error = head.lifecycle.error
         assert "data node 0 (grpc://127.0.0.1:" in error
-        assert "restarted and did not hold its rows again within 3s of being sent them (loading)" in error
+        assert "restarted and did not hold its rows again within 3s of being sent them" in error
+        if trouble == "hangs":
+            assert "of being sent them (loading)" in error
+        else:
+            assert "sending them last failed: load: this data node serves the table at" in error
     finally:
         never.set()
         for node in nodes:

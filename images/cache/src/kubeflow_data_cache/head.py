@@ -85,6 +85,7 @@ class Head(ReadOnlyFlight):
         # When each node that restarted was sent its rows again, until it holds them: a reload
         # gets the startup deadline, as the first load does.
         self._reloads: dict[int, float] = {}
+        self._reload_errors: dict[int, str] = {}  # why the last send of its rows failed
         meter_calls(self, self.metrics)
 
     # --- internal calls to data nodes --------------------------------------------------------
@@ -309,10 +310,14 @@ class Head(ReadOnlyFlight):
         ]
         for node in lost:
             log.warning("data node %d restarted; sending its assignment again", node)
+            # From the first try: a node that refuses its rows every time is as stuck as one
+            # whose reload hangs.
+            self._reloads.setdefault(node, time.monotonic())
             try:
                 self._send_load(node)
-                self._reloads.setdefault(node, time.monotonic())
+                self._reload_errors.pop(node, None)
             except Exception as err:
+                self._reload_errors[node] = first_line(err)
                 log.warning("could not reload data node %d: %s", node, err)
 
     def _describe_nodes(self, which: Callable[[dict[str, Any]], bool]) -> str:
@@ -355,16 +360,18 @@ class Head(ReadOnlyFlight):
             status = self.node_status.get(node, {})
             if status.get("state") == READY and status.get("generation") == self.generation:
                 del self._reloads[node]
+                self._reload_errors.pop(node, None)
             elif now - sent > self.cfg.startup_timeout:
                 state = status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
-                reads = waiting_reads([(node, status)], at_least=0)
+                refused = self._reload_errors.get(node)
                 return "; ".join(
                     filter(
                         None,
                         [
                             f"data node {node} ({self._location(node)}) restarted and did not hold its rows again "
                             f"within {self.cfg.startup_timeout:.0f}s of being sent them ({state})",
-                            reads,
+                            f"sending them last failed: {refused}" if refused else "",
+                            waiting_reads([(node, status)], at_least=0),
                         ],
                     )
                 )
