@@ -97,7 +97,7 @@ package: $(STAMP) ## Package the Helm chart (CRDs and subcharts filled first) in
 	$(PY) hack/helm.py package charts/kubeflow-trainer --destination dist
 
 .PHONY: test-e2e
-test-e2e: $(STAMP) ## Kind end-to-end suite (needs Docker, kind, kubectl, helm); KEEP_CLUSTER=1 keeps it
+test-e2e: $(STAMP) ## Kind end-to-end suite (needs Docker; kind and kubectl are fetched, helm is optional); KEEP_CLUSTER=1 keeps it
 	$(PY) -m pytest tests/e2e -m e2e -p no:cacheprovider
 
 .PHONY: clean
