@@ -103,11 +103,19 @@ def warm_reader(table, task) -> None:
 
 
 def read_piece(
-    table, task, piece: Piece, on_batch: Callable[[int, int], None] = lambda rows, nbytes: None
+    table,
+    task,
+    piece: Piece,
+    on_batch: Callable[[int, int], None] = lambda rows, nbytes: None,
+    schema: pa.Schema | None = None,
 ) -> list[pa.RecordBatch]:
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
     (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs
-    after each decoded batch and may raise to stop the read (the load's memory guard)."""
+    after each decoded batch and may raise to stop the read (the load's memory guard).
+
+    With ``schema`` (the cache's), the rows kept are cast to it before they are copied: a
+    file stored with view types (string_view, binary_view) decodes to them, and pyarrow has no
+    take kernel for those, so copying part of such a batch failed the load."""
     out: list[pa.RecordBatch] = []
     pos = 0
     try:
@@ -117,6 +125,8 @@ def read_piece(
                 kept = 0
                 if a < b:
                     part = batch.slice(a - pos, b - a)
+                    if schema is not None and part.schema != schema:
+                        part = part.cast(schema)  # the rows kept only: a few of a large file's
                     out.append(part if part.num_rows == batch.num_rows else _own_copy(part))
                     kept = out[-1].nbytes
                 pos += batch.num_rows
@@ -170,7 +180,7 @@ class NodeStore:
         def read(piece: Piece) -> list[pa.RecordBatch]:
             with progress.reading(piece.path) as token:
                 batches = read_piece(
-                    table, tasks[piece.path], piece, lambda rows, nbytes: progress.batch(rows, nbytes, token)
+                    table, tasks[piece.path], piece, lambda rows, nbytes: progress.batch(rows, nbytes, token), schema
                 )
             progress.read()
             return batches
