@@ -187,7 +187,7 @@ class NodeStore:
 
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="load") as pool:
             results = list(pool.map(read, pieces))
-        batches = deque(b.cast(schema) if b.schema != schema else b for part in results for b in part)
+        batches = deque(b for part in results for b in part)  # cast to ``schema`` by read_piece
         del results
         store = cls(schema, compact(batches, schema, on_column=progress.batch))
         # Give cached decode buffers back to the OS (immediate under the data node's jemalloc).
