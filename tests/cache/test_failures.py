@@ -129,3 +129,22 @@ def test_a_worker_indexed_by_lws_names_its_index_in_every_log_line():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize(("extra", "message"), [(7, "has at least 1007 live row"), (-7, "expected at least 1000")])
+def test_a_data_file_changed_after_its_commit_fails_the_load(tmp_path, extra, message):
+    """The head splits rows by the manifests' record counts. A file rewritten in place with
+    more rows than its manifest counts was cut at the count: its last rows were left out of
+    the cache without a word. The node reading a file's tail now reads on to its end."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = create_sample_table(str(tmp_path / "wh"), 2000, 2)
+    victim = sorted(Path(tmp_path / "wh").rglob("*.parquet"))[-1]
+    rows = pq.read_table(victim)  # keeps the Iceberg field ids the reader maps by
+    assert rows.num_rows == 1000
+    changed = pa.concat_tables([rows, rows.slice(0, extra)]) if extra > 0 else rows.slice(0, 1000 + extra)
+    pq.write_table(changed, victim)
+    code, stderr = failed_local(table.metadata_location)
+    assert code == 1
+    assert message in stderr and victim.name in stderr

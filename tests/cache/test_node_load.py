@@ -29,6 +29,8 @@ def test_a_well_formed_order_parses():
     order = LoadOrder.parse(GOOD)
     assert order.generation == "g1" and order.global_stop - order.global_start == 20
     assert [(p.path, p.start, p.stop) for p in order.pieces] == [("a.parquet", 0, 5), ("b.parquet", 3, 18)]
+    with_counts = {**GOOD, "pieces": [{"path": "a.parquet", "start": 0, "stop": 20, "file_rows": 20}]}
+    assert LoadOrder.parse(with_counts).pieces[0].file_rows == 20
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,8 @@ def test_a_well_formed_order_parses():
         ({"pieces": None}, "'pieces'"),
         ({"pieces": [{"path": "a.parquet", "start": 5, "stop": 1}]}, "0 <= start <= stop"),
         ({"pieces": [{"path": "a.parquet", "start": 0, "stop": "5"}]}, "0 <= start <= stop"),
+        ({"pieces": [{"path": "a.parquet", "start": 0, "stop": 5, "file_rows": 4}]}, "'file_rows'"),
+        ({"pieces": [{"path": "a.parquet", "start": 0, "stop": 5, "file_rows": "9"}]}, "'file_rows'"),
         ({"global_stop": 5}, "'global_start' <= 'global_stop'"),
         ({"global_stop": 31}, "add up"),
         ({"snapshot_id": "7"}, "'snapshot_id'"),

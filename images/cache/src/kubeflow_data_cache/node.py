@@ -139,7 +139,12 @@ class LoadOrder:
                 and integer(p.get("stop"))
             )
             need(ok and p["start"] <= p["stop"], f"piece {p!r} should be {{path, start, stop}} with 0 <= start <= stop")
-            pieces.append(Piece(p["path"], p["start"], p["stop"]))
+            file_rows = p.get("file_rows")
+            need(
+                file_rows is None or (integer(file_rows) and file_rows >= p["stop"]),
+                f"piece {p!r}: 'file_rows' should be null or an integer >= its 'stop'",
+            )
+            pieces.append(Piece(p["path"], p["start"], p["stop"], file_rows))
         need(
             sum(p.stop - p.start for p in pieces) == stop - start,
             "the pieces' rows should add up to global_stop - global_start",

@@ -59,14 +59,17 @@ class FilePlan:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[start, stop)`` of one file (row numbers after deletes)."""
+    """Rows ``[start, stop)`` of one file (row numbers after deletes). ``file_rows`` is the
+    file's row count after deletes as planned from its manifest: the node that reads the file's
+    tail checks that the file ends there (None: not checked)."""
 
     path: str
     start: int
     stop: int
+    file_rows: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "start": self.start, "stop": self.stop}
+        return {"path": self.path, "start": self.start, "stop": self.stop, "file_rows": self.file_rows}
 
 
 @dataclass(frozen=True)
@@ -430,7 +433,7 @@ def assign_rows(plan: TablePlan, data_nodes: int) -> list[NodeAssignment]:
                 break
             a, b = max(lo, file_start), min(hi, file_start + f.rows)
             if a < b:
-                pieces.append(Piece(f.path, a - file_start, b - file_start))
+                pieces.append(Piece(f.path, a - file_start, b - file_start, f.rows))
         assignments.append(NodeAssignment(node, lo, hi, tuple(pieces)))
     return assignments
 

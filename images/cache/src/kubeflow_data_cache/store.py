@@ -118,9 +118,14 @@ def read_piece(
     take kernel for those, so copying part of such a batch failed the load."""
     out: list[pa.RecordBatch] = []
     pos = 0
+    # The piece that ends the file (as planned) reads on to the file's end: rows past what the
+    # manifest counted would otherwise be left out of the cache without a word.
+    tail = piece.file_rows is not None and piece.stop >= piece.file_rows
     try:
         with contextlib.closing(task_batches(table, task)) as batches:
             for batch in batches:
+                if tail and pos + batch.num_rows > piece.stop:
+                    _more_rows_than_planned(piece, pos + batch.num_rows)
                 a, b = max(piece.start, pos), min(piece.stop, pos + batch.num_rows)
                 kept = 0
                 if a < b:
@@ -131,7 +136,7 @@ def read_piece(
                     kept = out[-1].nbytes
                 pos += batch.num_rows
                 on_batch(max(0, b - a), kept)
-                if pos >= piece.stop:
+                if pos >= piece.stop and not tail:
                     break
     except DataCacheError:
         raise  # the guard's own refusal, already saying what to fix
@@ -145,6 +150,15 @@ def read_piece(
             "the table changed under the cache; point METADATA_LOC at the current metadata and restart"
         )
     return out
+
+
+def _more_rows_than_planned(piece: Piece, at_least: int) -> None:
+    raise TableLoadError(
+        f"data file {piece.path} has at least {at_least} live row(s), but the table's metadata "
+        f"counts {piece.file_rows}: the file was changed after it was committed, or the manifest's "
+        "record_count is wrong; the cache refuses to leave rows out. Repair the table (rewrite the "
+        "file through the catalog) and restart the cache"
+    )
 
 
 class NodeStore:
