@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,11 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         "make bench" + (" FULL=1" if cfg.name == "full" else "") if cfg.name != "smoke" else "python -m bench --smoke"
     )
     progress = Progress()
+    # A SIGTERM (a CI timeout, `kill`) would end this process without run()'s clean-up, and the
+    # clusters and moto it started live in sessions of their own: make it an interrupt.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = run(cfg, progress)
     except KeyboardInterrupt:
         progress("interrupted: every process the run started has been stopped")
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     # Only a real grid replaces its latest.json/png (full-latest.* for the full grid); smoke never does.
     latest = report.latest_name(cfg.name) if cfg.name != "smoke" else None
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     for h in report.headline(result):
         measured = "n/a" if h["measured"] is None else f"{h['measured']:.2f}"
         progress(f"target {h['figure']}: {measured} ({h['target']}): met {report.verdict_text(h)}")
-    if args.no_readme:
+    if args.no_readme or cfg.name == "smoke":  # a smoke run's figures never replace a published table
         return 0
     # The quick grid's table is README's performance section; the full grid's is in docs/benchmarks.md.
     full = cfg.name == "full"
@@ -66,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         print(block)
         progress(f"{target} has no {markers[0]} ... {markers[1]} markers: table printed above")
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

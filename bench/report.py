@@ -229,12 +229,26 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"({cfg['load_repeats']} cluster starts per load figure); min/max in `bench/results/{latest_name(cfg['name'])}.json`. "
         f"Headline: {cfg['headline_rows']:,} rows, {cfg['epoch_nodes']} data node(s), batch {cfg['batch_size']}, "
         f"columns {', '.join(cfg['columns'])}.",
+        *_busy_warning(m),
         "",
         _table(["figure", "measured", "target", "met"], heads),
         "",
         _table(list(TABLE_COLUMNS), [_row(c) for c in sorted(result["cases"], key=_order)]),
     ]
     return "\n".join(parts)
+
+
+def _busy_warning(machine: dict[str, Any]) -> list[str]:
+    """A line to say so when the run started on a busy machine: a load average above the CPU
+    count means other work was running, and every figure below shared the CPUs with it."""
+    load = machine["load_average_start"][0]
+    if load <= machine["cpus"]:
+        return []
+    return [
+        "",
+        f"**Busy machine:** the load average was {load:.1f} on {machine['cpus']} CPUs when this run started, "
+        "so other work shared the CPUs with it; its figures and verdicts are less reliable than a quiet run's.",
+    ]
 
 
 def _marker_line(text: str, marker: str, after: int = 0) -> re.Match[str] | None:

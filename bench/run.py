@@ -59,7 +59,7 @@ def _size(cfg: BenchConfig, tables: Tables, rows: int, baseline: CaseResult, pro
                 with CacheProcess(table.metadata_location, nodes) as cache:
                     status = cache.status()
                     memory.record(mems[nodes], status, memory.baseline_bytes(baseline))
-            load.record_cluster(loads[nodes], cache, status)
+            load.record_cluster(loads[nodes], cache, status, table)
     results += [load.finish(loads[n], progress) for n in cfg.nodes]
     results += [memory.finish(mems[n], progress) for n in cfg.nodes]
     if rows in cfg.s3_sizes and cfg.s3_load:
@@ -72,7 +72,7 @@ def _s3_load(cfg: BenchConfig, table: BenchTable, progress: Progress) -> CaseRes
     for _ in range(cfg.load_repeats):
         load.record_baseline(result, table, cfg.cold_process)
         with CacheProcess(table.metadata_location, cfg.epoch_nodes, table.env) as cache:
-            load.record_cluster(result, cache, cache.status())
+            load.record_cluster(result, cache, cache.status(), table)
     return load.finish(result, progress)
 
 

@@ -199,6 +199,8 @@ def run(
                 raise RuntimeError(f"a serve client read {[r['rows'] for r in reads]} rows, expected {rows}")
             wall = max(r["end"] for r in reads) - min(r["start"] for r in reads)
             bare = bare_procs.read(passes)
+            if any(int(r["rows"]) != rows for r in bare):
+                raise RuntimeError(f"a bare Flight client read {[r['rows'] for r in bare]} rows, expected {rows}")
             bare_wall = max(r["end"] for r in bare) - min(r["start"] for r in bare)
             # The ceiling is the best the machine did in this repeat: a loopback run slowed by
             # a neighbour would read as DoGet beating it (ratios above 100% were seen).

@@ -214,3 +214,78 @@ def test_the_peak_while_serving_starts_at_the_reset_not_at_the_load():
         proc.communicate("\n", timeout=30)
     assert before > 200 << 20
     assert after < 100 << 20, f"the high-water mark stayed at {after / 2**20:.0f} MiB after the reset"
+
+
+def test_a_run_started_on_a_busy_machine_says_so(smoke_result):
+    cpus = smoke_result["machine"]["cpus"]
+    quiet = {**smoke_result, "machine": {**smoke_result["machine"], "load_average_start": [cpus - 0.5, 0, 0]}}
+    busy = {**smoke_result, "machine": {**smoke_result["machine"], "load_average_start": [cpus + 1.0, 0, 0]}}
+    assert "Busy machine" not in report.markdown(quiet, "make bench")
+    assert f"load average was {cpus + 1.0:.1f} on {cpus} CPUs" in report.markdown(busy, "make bench")
+
+
+@pytest.mark.parametrize(("grid", "writes"), [("--smoke", False), ("--quick", True)])
+def test_only_a_real_grid_replaces_the_readme_table(smoke_result, tmp_path, monkeypatch, grid, writes):
+    """A smoke run's 3,000-row figures once replaced the published table when `--no-readme`
+    was left out. The run itself is the smoke result already measured (real figures), handed to
+    the command line as if its grid had produced them."""
+    import bench.__main__ as cli
+
+    monkeypatch.setattr(cli, "run", lambda cfg, progress: smoke_result)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.START_MARKER}\npublished\n{report.END_MARKER}\n")
+    assert cli.main([grid, "--out", str(tmp_path / "out"), "--readme", str(readme)]) == 0
+    assert ("published" not in readme.read_text()) is writes
+
+
+def test_a_terminated_run_stops_every_process_it_started(tmp_path):
+    """SIGTERM (a CI timeout, `kill`) ended the run without its clean-up: the clusters and moto
+    live in sessions of their own, so they and the temp folder outlived it."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    started: list[psutil.Process] = []
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path / "out")],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and bench.poll() is None:
+            started = psutil.Process(bench.pid).children(recursive=True)
+            if any("data-cache" in " ".join(p.cmdline()) for p in started if p.is_running()):
+                break
+            time.sleep(0.2)
+        assert bench.poll() is None and started, "the run ended before it started a cluster"
+        started = psutil.Process(bench.pid).children(recursive=True)  # the cluster's own processes too
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 130
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        assert not list(tmp_path.glob("data-cache-bench-*")), "the run's temp folder was left behind"
+    finally:  # whatever the outcome, nothing of this run outlives the test
+        for proc in [bench, *(p for p in started if p.is_running())]:
+            with contextlib.suppress(Exception):
+                proc.kill()
+
+
+def test_a_cluster_that_loaded_fewer_rows_than_the_table_fails_the_run():
+    """Load and memory figures of a cache that loaded part of the table would read as a fast
+    load and a lean node; the run stops instead."""
+    from bench.cases.load import record_cluster
+    from bench.stats import CaseResult
+    from bench.tables import BenchTable
+    from kubeflow_data_cache.sample import SampleTable
+
+    table = BenchTable(SampleTable("file:///t/metadata.json", "demo", "events", rows=1000, files=1), "file", {}, {})
+    status = {"rows": 999, "bytes": 10, "load_seconds": 0.1, "nodes": []}
+    with pytest.raises(RuntimeError, match="loaded 999 rows of a 1000-row table"):
+        record_cluster(CaseResult("load", "cache", 1000, 2), object(), status, table)
