@@ -132,6 +132,27 @@ def test_persistent_workers_follow_set_epoch(cache):
     assert np.array_equal(epoch_order(fresh, DataLoader(fresh, batch_size=None, **WORKERS), 2), orders[2])
 
 
+def test_set_epoch_between_iter_and_the_first_batch_selects_the_epoch_read(cache):
+    """As with DistributedSampler: a loop that makes its iterator, then calls set_epoch, reads
+    the epoch it set. The iterator used to fix its epoch at iter(): it read the old epoch's
+    order while state_dict() described the new one, so a checkpoint named rows not read."""
+
+    def dataset():
+        return DataCacheDataset(cache.endpoint, batch_size=500, columns=["id"], shuffle=True, seed=6)
+
+    reference = dataset()
+    reference.set_epoch(1)
+    epoch_1 = torch.cat([b["id"] for b in reference]).numpy()
+
+    ds = dataset()
+    batches = iter(DataLoader(ds, batch_size=None))
+    ds.set_epoch(1)
+    first = next(batches)["id"].numpy()
+    assert ds.state_dict()["epoch"] == 1 and ds.state_dict()["rows"] == 500
+    ids = np.concatenate([first, *(b["id"].numpy() for b in batches)])
+    assert np.array_equal(ids, epoch_1)
+
+
 def test_a_copy_of_the_dataset_has_its_own_epoch():
     ds = DataCacheDataset("grpc://127.0.0.1:1", shuffle=True)
     ds.set_epoch(4)

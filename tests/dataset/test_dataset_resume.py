@@ -91,7 +91,7 @@ def test_resume_rejects_other_settings_or_shards(cache):
     other = make(cache)
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved state is for shard 0 of 2, but this reader is shard 0 of 3"):
-        other._iter_world(World(0, 3, 0, 1))
+        next(other._iter_world(World(0, 3, 0, 1)))
     # Moving to another epoch drops the saved position instead of applying it there.
     moved = make(cache)
     moved.load_state_dict(state)

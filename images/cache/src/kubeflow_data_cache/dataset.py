@@ -426,7 +426,14 @@ class DataCacheDataset(IterableDataset):
         return state
 
     def _iter_world(self, world: World) -> Iterator[Any]:
-        """Set up this reader's epoch now (so state_dict is right at once), then stream."""
+        """Set up this reader's epoch at the first ``next()``, then stream.
+
+        A generator, so nothing is fixed at ``iter()``: like DistributedSampler's iterator, one
+        made before ``set_epoch`` (``iter(loader)``, then ``set_epoch(e)``, then the first batch)
+        reads epoch ``e``. Set up at ``iter()``, it read the epoch before, and state_dict()
+        described epoch ``e`` while the rows handed out were the old epoch's. Until the first
+        ``next()`` state_dict() says what it said before the iterator was made (the saved
+        position still to resume, or nothing of this epoch read), which is where it stands."""
         request = self.shard_request(world)
         skip, streams, order = self._take_resume(world)
         slot = None
@@ -447,7 +454,7 @@ class DataCacheDataset(IterableDataset):
         # unless it resumes or nothing of this epoch was handed out yet.
         if skip or current is None or current.epoch != self.epoch or not current.rows:
             self._progress = progress
-        return self._stream(request, skip, progress, slot)
+        yield from self._stream(request, skip, progress, slot)
 
     def _stream(self, request: ShardRequest, skip: int, progress: _Progress, slot: int | None) -> Iterator[Any]:
         with self._lease() as client:
