@@ -35,7 +35,10 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
     node_health.stop()
     _, body = wait_for(lambda: (r := get(head_health.port, "/ready"))[0] == 503 and r)
     assert "degraded" in body and f"data node 0 ({lost_at}) unreachable" in body
-    assert "data_cache_ready 0.0" in get(head_health.port, "/metrics")[1]
+    degraded = get(head_health.port, "/metrics")[1]
+    # What the head holds is what /status says: not the whole table while its only node is gone.
+    assert json.loads(get(head_health.port, "/status")[1])["rows"] == 0
+    assert "data_cache_ready 0.0" in degraded and "data_cache_rows_loaded 0.0" in degraded
     with pytest.raises(flight.FlightUnavailableError, match=r"data node 0 .* unreachable"):
         total_records(head)
 
@@ -46,7 +49,8 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
     try:
         replacement.start_registering()
         wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
-        assert "data_cache_ready 1.0" in get(head_health.port, "/metrics")[1]
+        serving = get(head_health.port, "/metrics")[1]
+        assert "data_cache_ready 1.0" in serving and f"data_cache_rows_loaded {float(small_table.rows)}" in serving
         assert total_records(head) == small_table.rows
         endpoint = (
             flight.FlightClient(head.location)
@@ -173,7 +177,7 @@ def test_a_filter_count_a_data_node_cannot_answer_is_unavailable_naming_it(clust
     with pytest.raises(flight.FlightUnavailableError, match=rf"data node 0 \({lost_at}\) did not count"):
         flight.FlightClient(head.location).get_flight_info(flight.FlightDescriptor.for_command(request))
     metrics = get(head_health.port, "/metrics")[1]
-    assert 'data_cache_errors_total{code="UNAVAILABLE",method="GetFlightInfo"} 1.0' in metrics
+    assert 'data_cache_errors_total{action="",code="UNAVAILABLE",method="GetFlightInfo"} 1.0' in metrics
     assert 'code="FLIGHT"' not in metrics
 
 

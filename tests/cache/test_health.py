@@ -60,28 +60,79 @@ def test_served_rows_are_counted(cluster, small_table):
     assert rows == small_table.rows
     metrics = get(node_health.port, "/metrics")[1]
     assert f"data_cache_rows_served_total {float(rows)}" in metrics
-    assert 'data_cache_requests_total{method="DoGet"} 1.0' in metrics
+    assert 'data_cache_requests_total{action="",method="DoGet"} 1.0' in metrics
     head_metrics = get(head_health.port, "/metrics")[1]
-    assert 'data_cache_requests_total{method="GetFlightInfo"} 1.0' in head_metrics
+    assert 'data_cache_requests_total{action="",method="GetFlightInfo"} 1.0' in head_metrics
     # Which table each scraped pod caches (SCHEMA_NAME.TABLE_NAME; the defaults here).
     assert 'data_cache_info{role="head",table="default.table"} 1.0' in head_metrics
     assert 'data_cache_info{role="data-node",table="default.table"} 1.0' in metrics
     # Every call is timed, once, on the role that answered it.
-    assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 1.0' in head_metrics
-    assert 'data_cache_request_seconds_count{method="DoGet"} 1.0' in metrics
-    assert 'data_cache_request_seconds_bucket{le="+Inf",method="DoGet"} 1.0' in metrics
+    assert 'data_cache_request_seconds_count{action="",method="GetFlightInfo"} 1.0' in head_metrics
+    assert 'data_cache_request_seconds_count{action="",method="DoGet"} 1.0' in metrics
+    assert 'data_cache_request_seconds_bucket{action="",le="+Inf",method="DoGet"} 1.0' in metrics
     # A refused call is timed as well.
     with pytest.raises(pa.ArrowInvalid, match="out of range"):
         client.get_flight_info(flight.FlightDescriptor.for_path("5", "1"))
     head_metrics = get(head_health.port, "/metrics")[1]
-    assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 2.0' in head_metrics
+    assert 'data_cache_request_seconds_count{action="",method="GetFlightInfo"} 2.0' in head_metrics
     # ListFlights answers with a FlightInfo, but it is one call: counted and timed as ListFlights only.
     assert len(list(client.list_flights())) == 1
     head_metrics = get(head_health.port, "/metrics")[1]
-    assert 'data_cache_requests_total{method="ListFlights"} 1.0' in head_metrics
-    assert 'data_cache_request_seconds_count{method="ListFlights"} 1.0' in head_metrics
-    assert 'data_cache_requests_total{method="GetFlightInfo"} 2.0' in head_metrics
-    assert 'data_cache_request_seconds_count{method="GetFlightInfo"} 2.0' in head_metrics
+    assert 'data_cache_requests_total{action="",method="ListFlights"} 1.0' in head_metrics
+    assert 'data_cache_request_seconds_count{action="",method="ListFlights"} 1.0' in head_metrics
+    assert 'data_cache_requests_total{action="",method="GetFlightInfo"} 2.0' in head_metrics
+    assert 'data_cache_request_seconds_count{action="",method="GetFlightInfo"} 2.0' in head_metrics
+
+
+def test_calls_are_labelled_with_the_action_they_carry(cluster, small_table):
+    """The cache's own calls (the head's load, count and status polls, a node's register) were
+    counted with readers' under method="DoAction", and one reader's bad filter counted as an
+    error on every data node too: the ``action`` label tells them apart."""
+    import pyarrow.flight as flight
+
+    from kubeflow_data_cache.protocol import ShardRequest
+
+    head, _head_health, node, _node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
+    client = flight.FlightClient(head.location)
+    with pytest.raises(pa.ArrowInvalid, match="no_such_column"):
+        client.get_flight_info(flight.FlightDescriptor.for_command(ShardRequest(filter="no_such_column > 1").to_json()))
+    with pytest.raises(pa.ArrowNotImplementedError):
+        list(client.do_action(flight.Action("made-up-by-a-client", b"")))
+    on_head, on_node = head.metrics.registry.get_sample_value, node.metrics.registry.get_sample_value
+    assert (
+        on_head("data_cache_errors_total", {"method": "GetFlightInfo", "action": "", "code": "INVALID_ARGUMENT"}) == 1
+    )
+    assert on_head("data_cache_errors_total", {"method": "DoAction", "action": "other", "code": "UNIMPLEMENTED"}) == 1
+    assert on_head("data_cache_requests_total", {"method": "DoAction", "action": "register"}) >= 1
+    assert on_node("data_cache_requests_total", {"method": "DoAction", "action": "load"}) == 1
+    assert (
+        on_node("data_cache_errors_total", {"method": "DoAction", "action": "count", "code": "INVALID_ARGUMENT"}) == 1
+    )
+    assert on_node("data_cache_errors_total", {"method": "DoAction", "action": "", "code": "INVALID_ARGUMENT"}) is None
+
+
+def test_the_gauges_follow_what_ready_and_status_say(cluster, small_table):
+    """ready, rows_loaded and bytes_loaded were set on events and drifted: a node kept
+    data_cache_ready 1 after SIGTERM (its /ready 503), and a node given a new assignment kept
+    counting its old rows while /status said 0."""
+    from kubeflow_data_cache.service import LOADING, STOPPING
+
+    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
+    metrics = get(node_health.port, "/metrics")[1]
+    assert "data_cache_ready 1.0" in metrics and f"data_cache_rows_loaded {float(small_table.rows)}" in metrics
+    assert f"data_cache_bytes_loaded {float(node.store.nbytes)}" in metrics
+
+    node.store, node.filters = None, None  # as a new assignment leaves it (node._start_load)
+    node.lifecycle.set(LOADING, "reading data files")
+    metrics = get(node_health.port, "/metrics")[1]
+    assert "data_cache_ready 0.0" in metrics and "data_cache_rows_loaded 0.0" in metrics
+    assert "data_cache_bytes_loaded 0.0" in metrics
+
+    head.lifecycle.set(STOPPING, "shutting down")  # what SIGTERM does (runner.serve)
+    assert get(head_health.port, "/ready")[0] == 503
+    assert "data_cache_ready 0.0" in get(head_health.port, "/metrics")[1]
 
 
 def test_nodes_report_their_load_without_waiting_for_the_poll(cluster, small_table, monkeypatch):

@@ -259,8 +259,10 @@ def test_calls_refused_for_the_token_are_counted(small_table):
         with pytest.raises(flight.FlightUnauthenticatedError):
             list(client.do_action(flight.Action("status", b""), bearer(None)))
         sample = head.metrics.registry.get_sample_value
-        assert sample("data_cache_errors_total", {"method": "GetFlightInfo", "code": "UNAUTHENTICATED"}) == 3
-        assert sample("data_cache_errors_total", {"method": "DoAction", "code": "UNAUTHENTICATED"}) == 1
+        assert (
+            sample("data_cache_errors_total", {"method": "GetFlightInfo", "action": "", "code": "UNAUTHENTICATED"}) == 3
+        )
+        assert sample("data_cache_errors_total", {"method": "DoAction", "action": "", "code": "UNAUTHENTICATED"}) == 1
         client.close()
     finally:
         head.stop()

@@ -125,7 +125,7 @@ def test_a_node_at_its_limit_refuses_gathering_streams_and_readers_wait(cluster,
         assert sum(b.num_rows for b in client.read_shard(ShardRequest(), interleave=False)) == small_table.rows
     metrics = get(node_health.port, "/metrics")[1]
     assert "data_cache_streams_refused_total 1.0" in metrics
-    assert 'data_cache_errors_total{code="UNAVAILABLE",method="DoGet"} 1.0' in metrics
+    assert 'data_cache_errors_total{action="",code="UNAVAILABLE",method="DoGet"} 1.0' in metrics
     assert json.loads(get(node_health.port, "/status")[1])["refused_streams"] == 1
 
     # A reader retries: once streams elsewhere free their memory, its shuffled read is whole.

@@ -131,7 +131,9 @@ def test_a_stream_that_fails_on_the_node_names_the_node_and_is_counted(ready, mo
     assert got == (2000 if shuffle else 1000)
     assert f"data node 0 failed after {got} rows of the stream: MemoryError: simulated allocation failure" in message
     assert "Traceback" not in message
-    assert 'data_cache_errors_total{code="INTERNAL",method="DoGet"} 1.0' in get(node_health.port, "/metrics")[1]
+    assert (
+        'data_cache_errors_total{action="",code="INTERNAL",method="DoGet"} 1.0' in get(node_health.port, "/metrics")[1]
+    )
 
 
 def test_a_cache_whose_load_failed_is_not_ready_for_its_readers(cluster, tmp_path):  # noqa: F811

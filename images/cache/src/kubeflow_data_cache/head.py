@@ -71,6 +71,12 @@ class Head(ReadOnlyFlight):
         self.location = cfg.location(self.port)
         self.registered: dict[int, dict[str, Any]] = {}
         self.node_status: dict[int, dict[str, Any]] = {}
+        # What the nodes hold now, as /status sums it (a node gone or reloading holds nothing).
+        self.metrics.follow(
+            self.lifecycle,
+            lambda: sum(s.get("rows", 0) for s in list(self.node_status.values())),
+            lambda: sum(s.get("bytes", 0) for s in list(self.node_status.values())),
+        )
         self.plan: TablePlan | None = None
         self.assignments = []
         self.generation = uuid.uuid4().hex[:12]
@@ -194,10 +200,7 @@ class Head(ReadOnlyFlight):
         # Planning to ready, without the wait for pods to register.
         self.load_seconds = self.plan_seconds + time.monotonic() - started
         rows = sum(s["rows"] for s in self.node_status.values())
-        self.metrics.rows_loaded.set(rows)
-        self.metrics.bytes_loaded.set(sum(s["bytes"] for s in self.node_status.values()))
         self.metrics.load_seconds.set(self.load_seconds)
-        self.metrics.ready.set(1)
         self.lifecycle.set(READY, f"{rows} rows on {self.cfg.data_nodes} data node(s)")
         log.info("cache ready: %d rows on %d data node(s) in %.2fs", rows, self.cfg.data_nodes, self.load_seconds)
         self._supervise()
@@ -348,7 +351,6 @@ class Head(ReadOnlyFlight):
                 # Serving again needs every node's rows; a reload stuck past the deadline (storage
                 # that stopped answering) would keep the cache degraded for good. Failing exits the
                 # head, so the LeaderWorkerSet recreates the group and it loads afresh.
-                self.metrics.ready.set(0)
                 self.lifecycle.fail(late)
                 return
 
@@ -382,11 +384,9 @@ class Head(ReadOnlyFlight):
         if why:
             if self.lifecycle.state == READY:
                 log.warning("not serving until every data node holds its rows again: %s", why)
-            self.metrics.ready.set(0)
             self.lifecycle.set(DEGRADED, f"{why}; serving again once it is back and reloaded")
         elif self.lifecycle.state == DEGRADED:
             log.info("every data node holds its rows again; serving")
-            self.metrics.ready.set(1)
             self.lifecycle.set(
                 READY, f"{sum(a.rows for a in self.assignments)} rows on {self.cfg.data_nodes} data node(s)"
             )

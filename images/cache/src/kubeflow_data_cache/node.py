@@ -85,7 +85,8 @@ def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
     if cfg.token:
 
         def refused(method: str) -> None:
-            metrics.errors.labels(method=method, code="UNAUTHENTICATED").inc()
+            # Refused before the handler, so a DoAction's type is not known: action "".
+            metrics.errors.labels(method=method, action="", code="UNAUTHENTICATED").inc()
 
         kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token, on_refused=refused)}
     return kwargs
@@ -160,6 +161,11 @@ class DataNode(ReadOnlyFlight):
         self.lifecycle = Lifecycle()
         self.location = cfg.location(self.port)
         self.store: NodeStore | None = None
+        self.metrics.follow(
+            self.lifecycle,
+            lambda: self.store.num_rows if self.store is not None else 0,
+            lambda: self.store.nbytes if self.store is not None else 0,
+        )
         self.filters: FilterCache | None = None
         self.generation: str | None = None
         self.load_seconds = 0.0
@@ -307,7 +313,6 @@ class DataNode(ReadOnlyFlight):
             self.generation = order.generation
             self.store, self.filters = None, None
             previous = self._load_thread
-            self.metrics.ready.set(0)
             self.lifecycle.set(LOADING, "reading data files")
             # A newer assignment (a restarted head) supersedes a load still running: that one
             # stops at its next piece, and this one reads only once it has, so the node never
@@ -359,10 +364,7 @@ class DataNode(ReadOnlyFlight):
                 return  # superseded by a newer assignment while loading
             self.store, self.filters = store, FilterCache(store)
             self.load_seconds = time.monotonic() - started
-        self.metrics.rows_loaded.set(store.num_rows)
-        self.metrics.bytes_loaded.set(store.nbytes)
         self.metrics.load_seconds.set(self.load_seconds)
-        self.metrics.ready.set(1)
         self.lifecycle.set(READY, f"{store.num_rows} rows loaded")
         self._wake_register.set()
         log.info(
@@ -503,7 +505,7 @@ class DataNode(ReadOnlyFlight):
         except Exception as err:
             # Raised here, Python's error would reach the client as its whole traceback with no
             # status; this says which node failed and where, and the node's log has the rest.
-            self.metrics.errors.labels(method="DoGet", code="INTERNAL").inc()
+            self.metrics.errors.labels(method="DoGet", action="", code="INTERNAL").inc()
             log.exception("DoGet failed after %d rows of its stream", sent)
             raise flight.FlightInternalError(
                 f"data node {self.cfg.node_index} failed after {sent} rows of the stream: {type(err).__name__}: {err}"

@@ -31,6 +31,7 @@ from kubeflow_data_cache.errors import (
     first_line,
 )
 from kubeflow_data_cache.memory import resident_bytes
+from kubeflow_data_cache.protocol import ACTION_COUNT, ACTION_LOAD, ACTION_REGISTER, ACTION_STATUS
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +116,16 @@ class Metrics:
             "Shuffled or filtered DoGet streams a data node refused (UNAVAILABLE) near its memory limit",
             registry=r,
         )
-        self.requests = Counter("data_cache_requests", "Flight calls", ["method"], registry=r)
-        self.errors = Counter("data_cache_errors", "Flight calls that failed", ["method", "code"], registry=r)
+        # ``action``: a DoAction's type (ACTION_LABELS), else "": the cache's own calls (a head's
+        # status polls, a node's register, the head's load and count) are told from readers'.
+        self.requests = Counter("data_cache_requests", "Flight calls", ["method", "action"], registry=r)
+        self.errors = Counter("data_cache_errors", "Flight calls that failed", ["method", "action", "code"], registry=r)
         # The handler's own time: a whole unary call; for DoGet, checking the ticket and setting up
         # the stream (Flight's C++ writer sends it afterwards, out of the handler's sight).
         self.request_seconds = Histogram(
             "data_cache_request_seconds",
             "Seconds the handler of a Flight call ran (DoGet: until its stream was set up)",
-            ["method"],
+            ["method", "action"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=r,
         )
@@ -131,6 +134,17 @@ class Metrics:
         info = Gauge("data_cache_info", "Role of this process and the table it caches", ["role", "table"], registry=r)
         info.labels(role=role, table=table).set(1)
 
+    def follow(self, lifecycle: Lifecycle, rows: Callable[[], int], nbytes: Callable[[], int]) -> None:
+        """Read ``ready`` and what is held when scraped, from the state /ready and /status answer
+        with: gauges set on events drifted from them (ready 1 after SIGTERM, a new assignment's
+        node still counting its old rows, a degraded head its whole table)."""
+        self.ready.set_function(lambda: 1.0 if lifecycle.state == READY else 0.0)
+        self.rows_loaded.set_function(rows)
+        self.bytes_loaded.set_function(nbytes)
+
+
+# The DoAction types the metrics name (the ``action`` label); any other is counted as "other".
+ACTION_LABELS = frozenset({ACTION_STATUS, ACTION_REGISTER, ACTION_LOAD, ACTION_COUNT})
 
 # The gRPC status each pyarrow Flight error class stands for (FlightServerError: any other).
 _FLIGHT_STATUS = (
@@ -147,39 +161,49 @@ def flight_status(err: flight.FlightError) -> str:
     return next((code for cls, code in _FLIGHT_STATUS if isinstance(err, cls)), "UNKNOWN")
 
 
+def action_label(method: str, call_args: tuple) -> str:
+    """The metrics' ``action`` label of a call: a DoAction's type, bounded (anything a client
+    makes up is ``other``); "" for every other method."""
+    if method != "DoAction" or not call_args:
+        return ""
+    kind = getattr(call_args[-1], "type", None)
+    return kind if kind in ACTION_LABELS else "other"
+
+
 def flight_errors(metrics: Metrics, method: str) -> Callable:
     """Map our errors to Flight statuses, count them, and never let one crash the server."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            metrics.requests.labels(method=method).inc()
+            labels = {"method": method, "action": action_label(method, args)}
+            metrics.requests.labels(**labels).inc()
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             except (BadRequestError, StaleTicketError) as err:
-                metrics.errors.labels(method=method, code="INVALID_ARGUMENT").inc()
+                metrics.errors.labels(**labels, code="INVALID_ARGUMENT").inc()
                 raise pa.ArrowInvalid(str(err)) from None
             except (NotReadyError, NodeBusyError) as err:
-                metrics.errors.labels(method=method, code="UNAVAILABLE").inc()
+                metrics.errors.labels(**labels, code="UNAVAILABLE").inc()
                 info = NOT_READY_INFO if isinstance(err, NotReadyError) else b""
                 raise flight.FlightUnavailableError(str(err), info) from None
             except NotImplementedError as err:
-                metrics.errors.labels(method=method, code="UNIMPLEMENTED").inc()
+                metrics.errors.labels(**labels, code="UNIMPLEMENTED").inc()
                 raise NotImplementedError(str(err)) from None
             except DataCacheError as err:
-                metrics.errors.labels(method=method, code="INTERNAL").inc()
+                metrics.errors.labels(**labels, code="INTERNAL").inc()
                 info = LOAD_FAILED_INFO if isinstance(err, LoadFailedError) else b""
                 raise flight.FlightInternalError(str(err), info) from None
             except flight.FlightError as err:
-                metrics.errors.labels(method=method, code=flight_status(err)).inc()
+                metrics.errors.labels(**labels, code=flight_status(err)).inc()
                 raise
             except Exception as err:
-                metrics.errors.labels(method=method, code="INTERNAL").inc()
+                metrics.errors.labels(**labels, code="INTERNAL").inc()
                 log.exception("%s failed", method)
                 raise flight.FlightInternalError(f"{method} failed: {type(err).__name__}: {err}") from None
             finally:
-                metrics.request_seconds.labels(method=method).observe(time.perf_counter() - started)
+                metrics.request_seconds.labels(**labels).observe(time.perf_counter() - started)
 
         return inner
 
