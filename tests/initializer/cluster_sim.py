@@ -144,8 +144,12 @@ class CacheSim:
         self.fake.update("pods", meta["namespace"], meta["name"], change)
 
     def _status(self, state: str, nodes: int, loaded: int, error: str | None = None, node_error: int = -1) -> None:
+        """The head's /status as head.Head.status() shapes it: a loading node holds no rows yet
+        and says in ``loading`` how far its read is (half way, here)."""
+        reading = {"rows": ROWS_PER_NODE // 2, "bytes": BYTES_PER_NODE // 2, "oldest_read": None}
         self.head_status = {
             "state": state,
+            "detail": error or f"{loaded}/{nodes} data nodes ready",
             "error": error,
             "rows": loaded * ROWS_PER_NODE,
             "bytes": loaded * BYTES_PER_NODE,
@@ -156,6 +160,7 @@ class CacheSim:
                     "rows": ROWS_PER_NODE if i < loaded else 0,
                     "bytes": BYTES_PER_NODE if i < loaded else 0,
                     "error": error if i == node_error else None,
+                    "loading": reading if i >= loaded and i != node_error else None,
                 }
                 for i in range(nodes)
             ],
@@ -259,7 +264,11 @@ class CacheSim:
             return
         # As the head reports a data node it cannot reach yet: an error, but not a failure.
         self._status("loading", nodes, 0)
-        self.head_status["nodes"][-1] |= {"state": "unreachable", "error": "connection refused"}
+        self.head_status["nodes"][-1] |= {"state": "unreachable", "error": "connection refused", "loading": None}
+        self.head_status["detail"] = (
+            f"0/{nodes} data nodes ready, {ROWS_PER_NODE // 2} rows loaded; data node {nodes - 1} unreachable; "
+            "data node 0 has waited 42s on a read of s3://bucket/data/0.parquet"
+        )
         for pod in pods:
             self._set(pod)
         time.sleep(self.step)

@@ -105,6 +105,11 @@ def test_a_cache_that_never_gets_ready_times_out_with_its_progress(fake, make_si
     assert code != 0
     assert "not ready within CACHE_READY_TIMEOUT_SECONDS=3" in error
     assert re.search(r"\d/3 cache pods ready .*; head (loading: 0/2 data nodes loaded|status not available)", error)
+    if "head loading" in error:
+        # How far the loading node has read (the head's own totals stay 0 until a node is done),
+        # and the head's detail: a read that waits on storage is the lead an admin needs.
+        assert "0/2 data nodes loaded, 500 rows" in error
+        assert "data node 0 has waited 42s on a read of s3://bucket/data/0.parquet" in error
     # Each pod that is not ready is named with what it waits on.
     assert "job-a-cache-0-1 running, not ready" in error
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None

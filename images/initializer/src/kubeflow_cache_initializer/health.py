@@ -164,13 +164,30 @@ def _human_bytes(size: int) -> str:
     return f"{size} B"
 
 
+def _number(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def describe_status(status: dict | None) -> str:
-    """One line of load progress, e.g. `head loading: 1/2 data nodes loaded, 5,000 rows, 1.2 MiB`."""
+    """One line of load progress, e.g. `head loading: 1/2 data nodes loaded, 5,000 rows, 1.2 MiB
+    (<the head's detail>)`.
+
+    Rows and bytes count what loading nodes have decoded so far, not only what loaded nodes
+    hold (the head's own totals, which stay at 0 until a node is done). Until the head is ready
+    its detail follows: the nodes it cannot reach, and a read that has waited on storage."""
     if status is None:
         return "head status not available yet"
-    nodes = status.get("nodes") or []
+    nodes = [node for node in status.get("nodes") or [] if isinstance(node, dict)]
     loaded = sum(1 for node in nodes if node.get("state") == "ready")
-    return (
-        f"head {status.get('state', 'unknown')}: {loaded}/{len(nodes)} data nodes loaded, "
-        f"{int(status.get('rows') or 0):,} rows, {_human_bytes(int(status.get('bytes') or 0))}"
-    )
+    rows = nbytes = 0
+    for node in nodes:
+        loading = node.get("loading")
+        so_far = loading if node.get("state") != "ready" and isinstance(loading, dict) else node
+        rows += _number(so_far.get("rows"))
+        nbytes += _number(so_far.get("bytes"))
+    state = status.get("state", "unknown")
+    line = f"head {state}: {loaded}/{len(nodes)} data nodes loaded, {rows:,} rows, {_human_bytes(nbytes)}"
+    detail = status.get("detail")
+    if state != "ready" and isinstance(detail, str) and detail:
+        line += f" ({detail})"
+    return line
