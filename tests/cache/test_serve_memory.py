@@ -85,6 +85,26 @@ def test_streams_opened_together_count_at_full_size_until_they_show():
     guard.admit(MiB, open_streams=admitted, node=0)
 
 
+def test_a_short_stream_counts_at_its_own_size_and_leaves_the_ramp_when_it_ends():
+    """Each stream counted at ten full batches, for the 2 s ramp even after it ended: a node
+    with 12 readers' short streams refused them at a third of its limit, and epoch starts took
+    9x as long. A stream now counts at most twice its own bytes, and only while it lasts."""
+    now = [0.0]
+    guard = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: 500 * MiB, local=False, clock=lambda: now[0])
+    short = []
+    for _ in range(200):  # 4 MiB batches asked for, but 100 KiB of rows each: 200 KiB counted
+        short.append(guard.admit(4 * MiB, open_streams=len(short), node=0, stream_bytes=100 * 1024))
+    full = []
+    with pytest.raises(NodeBusyError):  # full-size streams still count at ten batches
+        for _ in range(20):
+            full.append(guard.admit(4 * MiB, open_streams=len(short) + len(full), node=0, stream_bytes=1 << 30))
+    assert 0 < len(full) < 10  # (921.6 - 500) MiB of room, less the short streams' 39 MiB
+    for admitted in short:
+        guard.release(admitted)  # they ended within the ramp
+    assert guard._ramping() == len(full) * 40 * MiB
+    guard.release(None)  # an unlimited guard's (or an unknown) admission: nothing to release
+
+
 def test_local_refusals_name_the_local_flags():
     guard = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: LIMIT, local=True)
     with pytest.raises(NodeBusyError, match="more memory \\(--memory-limit\\), use more of them \\(--data-nodes\\)"):

@@ -325,3 +325,44 @@ def test_deal_takes_the_first_row_of_every_run_then_the_second_and_so_on(n, bloc
     positions = np.arange(n)
     expected = rows[np.lexsort((positions // block, positions % block))]
     assert np.array_equal(deal(rows, block), expected)
+
+
+def test_readers_asking_for_one_epoch_at_once_wait_for_one_build(monkeypatch):
+    """Every reader of an epoch asks at its start, at once: an lru_cache does not merge those
+    misses, and each built the same order in parallel (16 readers took a node past its memory
+    limit). Concurrent callers of one key now wait for the first one's build."""
+    import threading
+    import time
+
+    from kubeflow_data_cache import sharding
+
+    built = []
+
+    class SlowOrder(sharding.EpochOrder):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            time.sleep(0.3)  # long enough that every caller arrives during the build
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "EpochOrder", SlowOrder)
+    req = ShardRequest(shuffle=True, seed=987_654_321, epoch=3)  # a key no other test has built
+    results: list = []
+    readers = [threading.Thread(target=lambda: results.append(sharding.epoch_order(50_000, req))) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(10)
+    assert len(results) == 8 and all(order is results[0] for order in results)
+    assert built == [1]
+    assert not sharding._building  # nothing left pending
+
+    failing = ShardRequest(shuffle=True, seed=987_654_322, epoch=3)
+
+    class BrokenOrder(sharding.EpochOrder):
+        def __init__(self, *args, **kwargs):
+            raise MemoryError("no room")
+
+    monkeypatch.setattr(sharding, "EpochOrder", BrokenOrder)
+    with pytest.raises(MemoryError):  # a failed build reaches its caller, and is not kept
+        sharding.epoch_order(50_000, failing)
+    assert not sharding._building

@@ -4,6 +4,7 @@ gathering streams near it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -300,6 +301,13 @@ class ServeMemoryGuard:
         self._refusing = False
         self.refused = 0
 
+    def release(self, admitted: tuple[float, int] | None) -> None:
+        """A stream ended: it no longer counts as starting (its memory is freed, or shows)."""
+        if admitted is None:
+            return
+        with self._lock, contextlib.suppress(ValueError):  # already past the ramp, and dropped
+            self._recent.remove(admitted)
+
     def _ramping(self) -> int:
         """The size of streams admitted too recently to show in resident memory yet."""
         horizon = self._clock() - GATHER_STREAM_RAMP_SECONDS
@@ -307,12 +315,22 @@ class ServeMemoryGuard:
             self._recent.popleft()
         return sum(size for _, size in self._recent)
 
-    def admit(self, batch_bytes: int, open_streams: int, node: int) -> None:
-        """Return if a stream of ``batch_bytes`` batches fits, else raise NodeBusyError."""
+    def admit(
+        self, batch_bytes: int, open_streams: int, node: int, stream_bytes: int | None = None
+    ) -> tuple[float, int] | None:
+        """Return if a stream of ``batch_bytes`` batches fits, else raise NodeBusyError.
+
+        ``stream_bytes``, the whole stream's rows, caps what it is counted at: a short stream
+        (one of many readers' parts of an epoch) cannot hold ten batches of the requested size,
+        and counting it so refused streams at a third of the limit. Twice its bytes: its
+        gathered copies and what gRPC buffered of them. The value returned goes to ``release``
+        once the stream ends."""
         if self.limit is None:
-            return
+            return None
         threshold = load_guard_threshold(self.limit)
         need = batch_bytes * GATHER_STREAM_BATCHES
+        if stream_bytes is not None:
+            need = max(1, min(need, 2 * stream_bytes))
         with self._lock:
             ramping = self._ramping()
             resident = self._resident()
@@ -323,7 +341,8 @@ class ServeMemoryGuard:
             # waits: one stream at a time always goes (the load check left room for it).
             alone = open_streams == 0 and not ramping
             if alone or resident + ramping + need <= threshold:
-                self._recent.append((self._clock(), need))
+                admitted = (self._clock(), need)
+                self._recent.append(admitted)
                 if self._refusing:
                     self._refusing = False
                     log.info(
@@ -331,7 +350,7 @@ class ServeMemoryGuard:
                         _fmt(resident),
                         _fmt(self.limit),
                     )
-                return
+                return admitted
             self.refused += 1
             first = not self._refusing
             self._refusing = True

@@ -51,7 +51,7 @@ from kubeflow_data_cache.service import (
     meter_calls,
     parse_action_body,
 )
-from kubeflow_data_cache.sharding import epoch_order, node_rows
+from kubeflow_data_cache.sharding import endpoint_rows, epoch_order, node_rows
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
 log = logging.getLogger(__name__)
@@ -462,9 +462,15 @@ class DataNode(ReadOnlyFlight):
             return flight.GeneratorStream(schema, self._served(windows(slices)))
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
-        batch_bytes = int(batch_rows * store.row_bytes(req.columns))
+        row_bytes = store.row_bytes(req.columns)
+        batch_bytes = int(batch_rows * row_bytes)
+        # The stream's own rows, counted here as the head counts them (not taken from the ticket,
+        # which a client could change): what the memory guard may count it at.
+        stream_rows = max(0, endpoint_rows([t.offset, t.offset + held], t.total, req)[0] - t.skip)
         try:
-            self._serve_guard.admit(batch_bytes, self._gathers.open_streams, self.cfg.node_index)
+            admitted = self._serve_guard.admit(
+                batch_bytes, self._gathers.open_streams, self.cfg.node_index, int(stream_rows * row_bytes)
+            )
         except NodeBusyError:
             self.metrics.streams_refused.inc()
             raise
@@ -473,10 +479,16 @@ class DataNode(ReadOnlyFlight):
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer
         # where they are small (constants.GATHER_AHEAD_BYTES).
         gathered = store.iter_rows(parts, batch_rows, req.columns)
-        return flight.GeneratorStream(schema, self._served(gathered, gathering=True, ahead=gather_ahead(batch_bytes)))
+        return flight.GeneratorStream(
+            schema, self._served(gathered, gathering=True, ahead=gather_ahead(batch_bytes), admitted=admitted)
+        )
 
     def _served(
-        self, batches: Iterator[pa.RecordBatch] | Iterator[pa.Table], gathering: bool = False, ahead: int = 0
+        self,
+        batches: Iterator[pa.RecordBatch] | Iterator[pa.Table],
+        gathering: bool = False,
+        ahead: int = 0,
+        admitted: tuple[float, int] | None = None,
     ) -> Iterator[pa.RecordBatch] | Iterator[pa.Table]:
         """``batches`` (or windows of them) as Flight's writer pulls them: counted, and a failure
         named for the client.
@@ -518,3 +530,4 @@ class DataNode(ReadOnlyFlight):
             finally:
                 if gathering:
                     self._gathers.closed()
+                    self._serve_guard.release(admitted)  # ServeMemoryGuard.admit's entry
