@@ -41,7 +41,7 @@ def test_list_flights_before_ready_is_unavailable_and_counted(cluster, small_tab
     head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
     with pytest.raises(flight.FlightUnavailableError, match="not ready yet"):
         list(flight.FlightClient(head.location).list_flights())
-    errors = head.metrics.errors.labels(method="ListFlights", code="UNAVAILABLE")._value.get()
+    errors = head.metrics.errors.labels(method="ListFlights", action="", code="UNAVAILABLE")._value.get()
     assert errors == 1
 
 
