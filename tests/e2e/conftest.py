@@ -306,19 +306,30 @@ def distribution(request, kube, e2e_images, artifacts, tmp_path_factory) -> Iter
         for ns in (SYSTEM_NAMESPACE, LWS_NAMESPACE, namespace):
             kube.dump(ns, dest / ns)
         print(f"\n{method} install failed; status, events and logs dumped to {dest}")
+        # Removed even so: the other install method runs next on the same cluster, and a
+        # leftover release (its controller Deployment has other selectors) would fail it too,
+        # hiding whether that method works. Its own errors must not replace this one.
+        with contextlib.suppress(Exception):
+            _uninstall(kube, method, namespace, rendered)
         raise
     yield Install(method, namespace)
+    _uninstall(kube, method, namespace, rendered)
+
+
+def _uninstall(kube: Kube, method: str, namespace: str, rendered: list[dict]) -> None:
+    """The test namespace, then what the install method put in the cluster."""
     kube(
         "delete",
         "namespace",
         namespace,
+        "--ignore-not-found",
         "--wait=true",
         f"--timeout={UNINSTALL_TIMEOUT}s",
         timeout=UNINSTALL_TIMEOUT + 30,
     )
     if method == "helm":
         _uninstall_helm(kube)
-    else:
+    elif rendered:
         kube(
             "delete",
             "-f",

@@ -41,7 +41,9 @@ LWS_NAMESPACE = "lws-system"
 PART_OF = {"app.kubernetes.io/part-of": "kubeflow-data-cache-e2e"}
 
 # MinIO: a single-node S3 store inside the cluster; throwaway credentials for a throwaway cluster.
-MINIO_IMAGE = "docker.io/minio/minio:RELEASE.2025-04-22T22-12-26Z"
+# quay.io: Docker Hub stopped serving minio/minio (every tag) in September 2026; MinIO still
+# publishes the same release tags on quay.io.
+MINIO_IMAGE = "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z"
 MINIO_NAME = "minio"
 MINIO_PORT = 9000
 S3_ACCESS_KEY = "e2e-access-key"
