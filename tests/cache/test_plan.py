@@ -327,6 +327,35 @@ def test_s3_properties_from_standard_env():
     assert "s3.region" not in s3_properties_from_env({})
 
 
+def test_s3_settings_that_cannot_work_are_refused_naming_the_variable():
+    """An endpoint without a scheme was taken as https ("SSL connect error ... wrong version
+    number"), and half a key pair failed in pyarrow's words; a lone session token, which the AWS
+    SDKs skip, broke a profile or IRSA that works everywhere else."""
+    with pytest.raises(ConfigError, match=r"AWS_ENDPOINT_URL_S3='minio:9000' has no scheme: write http://minio:9000"):
+        s3_properties_from_env({"AWS_ENDPOINT_URL_S3": "minio:9000"})
+    with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY is not set but AWS_ACCESS_KEY_ID is"):
+        s3_properties_from_env({"AWS_ACCESS_KEY_ID": "AKIA..."})
+    with pytest.raises(ConfigError, match="AWS_ACCESS_KEY_ID is not set but AWS_SECRET_ACCESS_KEY is"):
+        s3_properties_from_env({"AWS_SECRET_ACCESS_KEY": "s"})
+    assert s3_properties_from_env({"AWS_SESSION_TOKEN": "stray", "AWS_PROFILE": "team"}) == {}
+    pair = s3_properties_from_env({"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t"})
+    assert pair == {"s3.access-key-id": "a", "s3.secret-access-key": "s", "s3.session-token": "t"}
+    assert s3_properties_from_env({"AWS_ENDPOINT_URL": "HTTPS://store:443"})["s3.endpoint"] == "HTTPS://store:443"
+
+
+def test_aws_ca_bundle_is_trusted_by_the_s3_client():
+    """pyarrow's S3 client reads SSL_CERT_FILE, not AWS_CA_BUNDLE (which a review proved was
+    ignored against a TLS store with a private CA, where SSL_CERT_FILE worked)."""
+    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+
+    environ = {"AWS_CA_BUNDLE": "/etc/ca/ca.pem"}
+    trust_aws_ca_bundle(environ)
+    assert environ["SSL_CERT_FILE"] == "/etc/ca/ca.pem"
+    environ = {"AWS_CA_BUNDLE": "/etc/ca/ca.pem", "SSL_CERT_FILE": "/etc/ssl/mine.pem"}
+    trust_aws_ca_bundle(environ)
+    assert environ["SSL_CERT_FILE"] == "/etc/ssl/mine.pem"  # one set by hand wins
+
+
 def test_a_bad_request_on_the_metadata_names_the_session_token_and_region():
     # What pyarrow's S3 filesystem raises for a HEAD refused with 400 (an expired session token).
     err = OSError(

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX, STORE_CHUNK_VARIABLE_BYTES
-from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
+from kubeflow_data_cache.errors import ConfigError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.iceberg_reader import rows_after_deletes
 
 log = logging.getLogger(__name__)
@@ -125,10 +125,17 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     the AWS default chain (web identity / IRSA, instance profile, shared credentials file).
     Region and endpoint come from these variables only, not from a profile's config.
     """
+    if env is None:
+        trust_aws_ca_bundle(os.environ)
     env = dict(os.environ if env is None else env)
     props: dict[str, str] = {}
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    name = "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+    endpoint = env.get(name)
     if endpoint:
+        if not endpoint.lower().startswith(("http://", "https://")):
+            # Without a scheme the S3 client assumes https: a plain-HTTP MinIO at minio:9000
+            # then fails with "SSL connect error ... wrong version number", naming no setting.
+            raise ConfigError(f"{name}={endpoint!r} has no scheme: write http://{endpoint} or https://{endpoint}")
         props["s3.endpoint"] = endpoint
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
     if not region and endpoint:
@@ -138,14 +145,29 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
         region = ENDPOINT_DEFAULT_REGION
     if region:
         props["s3.region"] = region
-    for key, prop in (
-        ("AWS_ACCESS_KEY_ID", "s3.access-key-id"),
-        ("AWS_SECRET_ACCESS_KEY", "s3.secret-access-key"),
-        ("AWS_SESSION_TOKEN", "s3.session-token"),
-    ):
-        if env.get(key):
-            props[prop] = env[key]
+    key_id, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if bool(key_id) != bool(secret):
+        missing = "AWS_SECRET_ACCESS_KEY" if key_id else "AWS_ACCESS_KEY_ID"
+        raise ConfigError(
+            f"{missing} is not set but {'AWS_ACCESS_KEY_ID' if key_id else 'AWS_SECRET_ACCESS_KEY'} is: set both, or "
+            "neither to use the AWS default chain (web identity / IRSA, a profile, the instance role)"
+        )
+    # Static keys only as a pair, with their session token; a token on its own is ignored, as
+    # the AWS SDKs ignore incomplete environment credentials and go on down the chain.
+    if key_id and secret:
+        props["s3.access-key-id"], props["s3.secret-access-key"] = key_id, secret
+        if env.get("AWS_SESSION_TOKEN"):
+            props["s3.session-token"] = env["AWS_SESSION_TOKEN"]
     return props
+
+
+def trust_aws_ca_bundle(environ) -> None:
+    """Make AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting for a private CA, e.g. MinIO or Ceph
+    behind an internal CA) trusted by pyarrow's S3 client, which reads SSL_CERT_FILE instead
+    (pyiceberg passes it no CA of its own). A SSL_CERT_FILE already set wins."""
+    bundle = environ.get("AWS_CA_BUNDLE")
+    if bundle and not environ.get("SSL_CERT_FILE"):
+        environ["SSL_CERT_FILE"] = bundle
 
 
 def credential_source(env: dict[str, str] | None = None) -> str:
