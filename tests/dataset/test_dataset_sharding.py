@@ -15,6 +15,11 @@ from hypothesis import strategies as st
 
 from kubeflow_data_cache.dataset import DataCacheDataset, World
 
+# Every simulated reader of an epoch runs in this one process, so the second one to read an
+# epoch looks like a repeat of it to the dataset (its warning is tested in
+# test_dataset_repeat_warning.py): not a repeat here.
+pytestmark = pytest.mark.filterwarnings("ignore::kubeflow_data_cache.dataset.RepeatedEpochWarning")
+
 # (rows, files, data nodes): more nodes than rows (node 0 holds none) and than files; several
 # files per node.
 TABLES = [(2, 1, 3), (2503, 3, 2)]
