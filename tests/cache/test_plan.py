@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -474,3 +475,15 @@ def test_the_load_guard_stops_within_its_margin_and_projects_the_need():
 def test_a_denied_local_metadata_read_says_nothing_of_aws():
     refusal = str(_open_error("/t/m.metadata.json", "/t/m.metadata.json", PermissionError(13, "Permission denied")))
     assert "was denied" in refusal and "AWS" not in refusal
+
+
+def test_the_head_and_data_nodes_trust_aws_ca_bundle_from_their_start(monkeypatch, tmp_path):
+    from kubeflow_data_cache import cli, runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run_node", lambda cfg: seen.append(os.environ.get("SSL_CERT_FILE")) or 0)
+    monkeypatch.setenv("AWS_CA_BUNDLE", "/etc/ca/ca.pem")
+    monkeypatch.setenv("SSL_CERT_FILE", "recorded")  # so the one main() sets is undone after the test
+    monkeypatch.delenv("SSL_CERT_FILE")
+    assert cli.main(["head", "--metadata-loc", str(tmp_path / "v1.metadata.json"), "--data-nodes", "1"]) == 0
+    assert seen == ["/etc/ca/ca.pem"]

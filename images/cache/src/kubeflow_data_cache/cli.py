@@ -134,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                 # Before pyarrow loads (it reads the pool choice once) and before threads start.
                 allocator.prepare_data_node()
             from kubeflow_data_cache.config import build_config
+            from kubeflow_data_cache.plan import trust_aws_ca_bundle
             from kubeflow_data_cache.runner import run_node
+
+            # Once, before any S3 client exists in this process (head and data nodes open the
+            # table with it); `local` hands its environment to the processes it starts.
+            trust_aws_ca_bundle(os.environ)
 
             cfg = build_config(args.command, vars(args))
             if args.command == "worker":

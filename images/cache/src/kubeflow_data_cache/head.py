@@ -72,11 +72,7 @@ class Head(ReadOnlyFlight):
         self.registered: dict[int, dict[str, Any]] = {}
         self.node_status: dict[int, dict[str, Any]] = {}
         # What the nodes hold now, as /status sums it (a node gone or reloading holds nothing).
-        self.metrics.follow(
-            self.lifecycle,
-            lambda: sum(s.get("rows", 0) for s in list(self.node_status.values())),
-            lambda: sum(s.get("bytes", 0) for s in list(self.node_status.values())),
-        )
+        self.metrics.follow(self.lifecycle, lambda: self._held("rows"), lambda: self._held("bytes"))
         self.plan: TablePlan | None = None
         self.assignments = []
         self.generation = uuid.uuid4().hex[:12]
@@ -199,11 +195,16 @@ class Head(ReadOnlyFlight):
             return
         # Planning to ready, without the wait for pods to register.
         self.load_seconds = self.plan_seconds + time.monotonic() - started
-        rows = sum(s["rows"] for s in self.node_status.values())
+        rows = self._held("rows")
         self.metrics.load_seconds.set(self.load_seconds)
         self.lifecycle.set(READY, f"{rows} rows on {self.cfg.data_nodes} data node(s)")
         log.info("cache ready: %d rows on %d data node(s) in %.2fs", rows, self.cfg.data_nodes, self.load_seconds)
         self._supervise()
+
+    def _held(self, key: str) -> int:
+        """Rows or bytes the data nodes hold, by their latest status (a copy: the supervising
+        thread replaces entries while a scrape reads them)."""
+        return sum(s.get(key, 0) for s in list(self.node_status.values()))
 
     def _plan(self):
         table = open_table(self.cfg.metadata_loc, s3_properties_from_env())

@@ -125,8 +125,6 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     the AWS default chain (web identity / IRSA, instance profile, shared credentials file).
     Region and endpoint come from these variables only, not from a profile's config.
     """
-    if env is None:
-        trust_aws_ca_bundle(os.environ)
     env = dict(os.environ if env is None else env)
     props: dict[str, str] = {}
     name = "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
