@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 
 import numpy as np
 import pyarrow as pa
@@ -10,7 +11,7 @@ import pyarrow.ipc as ipc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kubeflow_data_cache.offsets import has_offsets, rebase, zero_based
+from kubeflow_data_cache.offsets import has_offsets, rebase, rebaser, zero_based
 
 ROWS = 3000
 
@@ -104,3 +105,21 @@ def test_only_types_with_offsets_take_the_rebasing_path():
     assert has_offsets(schema)
     numeric = pa.schema([("id", pa.int64()), ("v", pa.list_(pa.float32(), 4)), ("s", pa.struct([("n", pa.int8())]))])
     assert not has_offsets(numeric)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(0, ROWS), min_size=1, max_size=6), with_nulls=st.booleans())
+def test_one_rebaser_serves_every_slice_of_a_stream(cuts, with_nulls):
+    """A stream builds its rebaser once from the schema and calls it on each slice in turn:
+    each comes out as rebasing it alone gives, the same rows with its columns at offset 0."""
+    source = table(with_nulls)
+    rebased = rebaser(source.schema)
+    bounds = sorted({0, ROWS, *cuts})
+    for lo, hi in itertools.pairwise(bounds):
+        part = source.slice(lo, hi - lo)
+        got = rebased(part)
+        assert got.equals(part) and got.schema == part.schema
+        for name in ("text", "blob", "ints", "words", "pair"):
+            alone = rebase(part.column(name))
+            assert got.column(name).offset == alone.offset, name
+        assert ipc_round_trip(got).equals(part)

@@ -72,7 +72,7 @@ def test_served_rows_count_what_was_sent_not_what_the_stream_would_hold(cluster,
     head, _, _, node_health = cluster(table_factory(rows, 2, with_text=False).metadata_location)
     wait_for(lambda: head.lifecycle.state == "ready")
     # Windows of 1 MiB, as if the stream were 16 times larger (constants.SERVE_WINDOW_BYTES).
-    monkeypatch.setattr(node_module, "windows", functools.partial(node_module.windows, max_bytes=1 << 20))
+    monkeypatch.setattr(node_module, "window_rows", functools.partial(node_module.window_rows, max_bytes=1 << 20))
     with CacheClient(head.location, deadline_seconds=30) as client:
         request = ShardRequest(batch_size=1000, columns=("id", "feature_b", "label", "flag"))
         batches = client.read_shard(request, interleave=False)
@@ -96,7 +96,7 @@ def test_a_stream_that_fails_on_the_node_names_the_node_and_is_counted(ready, mo
     counts it and logs the traceback."""
     head, _, node_health = ready
     # In order, one batch a window: a window is sent once the next batch is made.
-    monkeypatch.setattr(node_module, "windows", functools.partial(node_module.windows, max_bytes=1))
+    monkeypatch.setattr(node_module, "window_rows", functools.partial(node_module.window_rows, max_bytes=1))
     calls = {"n": 0}
 
     def third_fails() -> None:
@@ -146,18 +146,22 @@ def test_a_cache_whose_load_failed_is_not_ready_for_its_readers(cluster, tmp_pat
     assert "the cache failed to load" in str(caught.value) and "does not exist" in str(caught.value)
 
 
-def test_windows_keep_every_batch_in_order_within_the_byte_bound():
+def test_windows_keep_every_batch_in_order_within_the_row_bound():
     import pyarrow as pa
 
     batches = [
         pa.record_batch({"x": pa.array(range(i * 100, i * 100 + n), pa.int64())})
         for i, n in enumerate([100, 50, 100, 7, 100])
     ]
-    limit = 160 * 8  # 160 int64 values a window
-    got = list(node_module.windows(iter(batches), max_bytes=limit))
+    got = list(node_module.windows(iter(batches), max_rows=160))
     assert [t.num_rows for t in got] == [150, 107, 100]
-    assert all(t.nbytes <= limit for t in got)
     assert pa.concat_tables(got).column("x").to_pylist() == [v for b in batches for v in b.column(0).to_pylist()]
     # A batch larger than the bound is a window of its own; nothing in, nothing out.
-    assert [t.num_rows for t in node_module.windows(iter(batches), max_bytes=1)] == [100, 50, 100, 7, 100]
-    assert list(node_module.windows(iter([]))) == []
+    assert [t.num_rows for t in node_module.windows(iter(batches), max_rows=1)] == [100, 50, 100, 7, 100]
+    assert list(node_module.windows(iter([]), max_rows=10)) == []
+
+
+def test_a_window_holds_about_the_window_bytes_of_average_rows():
+    assert node_module.window_rows(8.0, max_bytes=160 * 8) == 160
+    assert node_module.window_rows(1e9, max_bytes=16) == 1  # one huge row: still a window
+    assert node_module.window_rows(0.0, max_bytes=16) == 16  # rows of no bytes: any bound

@@ -69,8 +69,8 @@ GATHER_AHEAD_BYTES = 2 << 20
 # 2 KiB embedding) and many concurrent readers, row-counted batches alone would let serving
 # memory grow far past what the memory check keeps aside (BASELINE_MEMORY_BYTES).
 SERVED_BATCH_MAX_BYTES = 4 << 20
-# An in-order DoGet hands Flight's C++ writer its zero-copy slices in windows of this many bytes
-# (at least one batch): Python runs, and counts rows served, once per window. Per batch, a Python
-# generator cost ~65 us of GIL hand-over here, 10% of a fixed-width stream; a reader that stops
-# early is counted at most one window past what it was sent.
+# An in-order DoGet hands Flight's C++ writer its zero-copy slices in windows of about this many
+# bytes (rows of the average size; at least one batch): Python runs, and counts rows served, once
+# per window. Per batch, a Python generator cost ~65 us of GIL hand-over here, 10% of a
+# fixed-width stream; a reader that stops early is counted at most one window past what it was sent.
 SERVE_WINDOW_BYTES = 16 << 20

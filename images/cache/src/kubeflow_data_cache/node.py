@@ -38,7 +38,7 @@ from kubeflow_data_cache.errors import (
 from kubeflow_data_cache.filtering import FilterCache
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, resident_bytes
-from kubeflow_data_cache.offsets import has_offsets, zero_based
+from kubeflow_data_cache.offsets import has_offsets, rebaser
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TokenAuthFactory, call_options, key_matches
@@ -64,16 +64,25 @@ def gather_ahead(batch_bytes: int) -> int:
     return min(READAHEAD_BATCHES, GATHER_AHEAD_BYTES // max(1, batch_bytes))
 
 
-def windows(batches: Iterator[pa.RecordBatch], max_bytes: int = SERVE_WINDOW_BYTES) -> Iterator[pa.Table]:
-    """``batches`` grouped, in order, into tables of up to ``max_bytes`` (at least one batch)."""
+def window_rows(row_bytes: float, max_bytes: int = SERVE_WINDOW_BYTES) -> int:
+    """Rows in a serve window of about ``max_bytes``, for rows of ``row_bytes`` on average."""
+    return max(1, int(max_bytes // row_bytes)) if row_bytes > 0 else max_bytes
+
+
+def windows(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.Table]:
+    """``batches`` grouped, in order, into tables of up to ``max_rows`` rows (at least one batch).
+
+    Bounded by rows, not by each batch's ``nbytes``: for a slice with a string column that walks
+    the slice's buffers, and cost as much as 1% of an in-order stream.
+    """
     group: list[pa.RecordBatch] = []
-    size = 0
+    rows = 0
     for batch in batches:
-        if group and size + batch.nbytes > max_bytes:
+        if group and rows + batch.num_rows > max_rows:
             yield pa.Table.from_batches(group)
-            group, size = [], 0
+            group, rows = [], 0
         group.append(batch)
-        size += batch.nbytes
+        rows += batch.num_rows
     if group:
         yield pa.Table.from_batches(group)
 
@@ -451,18 +460,18 @@ class DataNode(ReadOnlyFlight):
             epoch_order(t.total, req)  # refused here (too many blocks), not inside the stream
         parts = node_rows(t.offset, held, t.total, req, t.skip)
         batch_rows = store.batch_rows(req.batch_size, req.columns)
+        row_bytes = store.row_bytes(req.columns)
         if matches is None and not req.shuffle:
             slices = store.iter_rows(parts, batch_rows, req.columns)
             if has_offsets(schema):
                 # Slices with rebased offsets (offsets.py), made as Flight's writer pulls their
                 # window: only the window in flight holds rebased copies.
-                slices = (zero_based(batch) for batch in slices)
+                slices = map(rebaser(schema), slices)
             # Zero-copy slices, a window at a time (constants.SERVE_WINDOW_BYTES), each sent by
             # Flight's C++ writer and counted as served when the writer takes it.
-            return flight.GeneratorStream(schema, self._served(windows(slices)))
+            return flight.GeneratorStream(schema, self._served(windows(slices, window_rows(row_bytes))))
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
-        row_bytes = store.row_bytes(req.columns)
         batch_bytes = int(batch_rows * row_bytes)
         # The stream's own rows, counted here as the head counts them (not taken from the ticket,
         # which a client could change): what the memory guard may count it at.

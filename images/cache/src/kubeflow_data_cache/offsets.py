@@ -11,23 +11,17 @@ setting keeps for reuse, so the writer sends every buffer as it is. Data buffers
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pyarrow as pa
-
-# Types whose offsets buffer (buffers()[1]) indexes into a data buffer (buffers()[2]).
-_BINARY_LIKE = {
-    pa.string(): np.int32,
-    pa.binary(): np.int32,
-    pa.large_string(): np.int64,
-    pa.large_binary(): np.int64,
-}
 
 
 def has_offsets(typ: pa.DataType | pa.Schema) -> bool:
     """Whether slices of this type (or of any column of this schema) can need rebasing."""
     if isinstance(typ, pa.Schema):
         return any(has_offsets(field.type) for field in typ)
-    if typ in _BINARY_LIKE or _is_list(typ):
+    if _offset_width(typ) is not None:  # string, binary or list (their large forms too)
         return True
     return pa.types.is_struct(typ) and any(has_offsets(typ.field(i).type) for i in range(typ.num_fields))
 
@@ -35,11 +29,44 @@ def has_offsets(typ: pa.DataType | pa.Schema) -> bool:
 def zero_based(batch: pa.RecordBatch) -> pa.RecordBatch:
     """The same rows, with every string, binary and list column (also inside lists and structs)
     rebuilt so that its offsets start at 0. Other columns are kept as they are."""
-    old = batch.columns
-    columns = [rebase(col) for col in old]
-    if all(a is b for a, b in zip(columns, old, strict=True)):
+    return rebaser(batch.schema)(batch)
+
+
+Rebaser = Callable[[pa.RecordBatch], pa.RecordBatch]
+
+
+def rebaser(schema: pa.Schema) -> Rebaser:
+    """``zero_based`` for batches of ``schema``, with the columns to rebase and how found once.
+
+    An in-order stream calls it once per batch: looking the types up again for every batch
+    (``DataType`` hashes by its string form) and rebuilding the batch from all of its columns
+    cost about as much as the rebasing itself.
+    """
+    plan = [(i, field, _fixer(field.type)) for i, field in enumerate(schema) if has_offsets(field.type)]
+
+    def rebased(batch: pa.RecordBatch) -> pa.RecordBatch:
+        for i, field, fix in plan:
+            column = batch.column(i)
+            fixed = fix(column)
+            if fixed is not column:
+                batch = batch.set_column(i, field, fixed)
         return batch
-    return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
+
+    return rebased
+
+
+def _fixer(typ: pa.DataType) -> Callable[[pa.Array], pa.Array]:
+    """``rebase`` specialised for one type: the same result, the type's checks done once."""
+    width = _offset_width(typ)
+    if width is not None and not _is_list(typ):  # string or binary
+        return lambda arr: _rebase_binary(arr, width) if arr.offset else arr
+    if width is not None:  # a list: its offsets, then its child's
+        child = _fixer(typ.value_type) if has_offsets(typ.value_type) else None
+        return lambda arr: _rebase_list(arr, width, child) if arr.offset else arr
+    if pa.types.is_struct(typ):
+        fields = [_fixer(typ.field(i).type) if has_offsets(typ.field(i).type) else None for i in range(typ.num_fields)]
+        return lambda arr: _rebase_struct(arr, fields) if arr.offset else arr
+    return lambda arr: arr
 
 
 def _validity(arr: pa.Array) -> pa.Buffer | bool | None:
@@ -64,24 +91,46 @@ def rebase(arr: pa.Array) -> pa.Array:
 
     An array at offset 0 (a stored chunk, or the first slice of one) is returned as it is.
     """
-    typ = arr.type
-    if arr.offset == 0 or not (typ in _BINARY_LIKE or _is_list(typ) or pa.types.is_struct(typ)):
-        return arr
+    return _fixer(arr.type)(arr)
+
+
+def _rebase_binary(arr: pa.Array, width) -> pa.Array:
     validity = _validity(arr)
     if validity is False:
         return arr  # the writer shifts the bitmap and rebases; rare enough to leave to it
-    if typ in _BINARY_LIKE:
-        offsets, start, stop = _offsets(arr, _BINARY_LIKE[typ])
-        data = arr.buffers()[2]
-        data = data.slice(start, stop - start) if data is not None else None
-        return pa.Array.from_buffers(typ, len(arr), [validity, offsets, data], null_count=arr.null_count)
-    if _is_list(typ):
-        offsets, start, stop = _offsets(arr, np.int64 if pa.types.is_large_list(typ) else np.int32)
-        child = rebase(arr.values.slice(start, stop - start))  # .values: the whole child
-        return pa.Array.from_buffers(typ, len(arr), [validity, offsets], null_count=arr.null_count, children=[child])
-    # A struct: field(i) is the child already cut to this slice.
-    children = [rebase(arr.field(i)) for i in range(typ.num_fields)]
-    return pa.Array.from_buffers(typ, len(arr), [validity], null_count=arr.null_count, children=children)
+    offsets, start, stop = _offsets(arr, width)
+    data = arr.buffers()[2]
+    data = data.slice(start, stop - start) if data is not None else None
+    return pa.Array.from_buffers(arr.type, len(arr), [validity, offsets, data], null_count=arr.null_count)
+
+
+def _rebase_list(arr: pa.Array, width, child: Callable[[pa.Array], pa.Array] | None) -> pa.Array:
+    validity = _validity(arr)
+    if validity is False:
+        return arr
+    offsets, start, stop = _offsets(arr, width)
+    values = arr.values.slice(start, stop - start)  # .values: the whole child
+    if child is not None:
+        values = child(values)
+    return pa.Array.from_buffers(arr.type, len(arr), [validity, offsets], null_count=arr.null_count, children=[values])
+
+
+def _rebase_struct(arr: pa.Array, fields: list[Callable[[pa.Array], pa.Array] | None]) -> pa.Array:
+    validity = _validity(arr)
+    if validity is False:
+        return arr
+    # field(i) is the child already cut to this slice.
+    children = [arr.field(i) if fix is None else fix(arr.field(i)) for i, fix in enumerate(fields)]
+    return pa.Array.from_buffers(arr.type, len(arr), [validity], null_count=arr.null_count, children=children)
+
+
+def _offset_width(typ: pa.DataType):
+    """The numpy type of ``typ``'s offsets, None for a type without offsets."""
+    if pa.types.is_string(typ) or pa.types.is_binary(typ) or pa.types.is_list(typ):
+        return np.int32
+    if pa.types.is_large_string(typ) or pa.types.is_large_binary(typ) or pa.types.is_large_list(typ):
+        return np.int64
+    return None
 
 
 def _is_list(typ: pa.DataType) -> bool:
