@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -61,6 +62,53 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
     finally:
         replacement.stop()
         replacement_health.stop()
+
+
+def test_a_replacement_is_reloaded_and_the_head_ready_at_once_not_at_the_next_polls(cluster, small_table, monkeypatch):
+    """The replacement's registration, and its report once loaded, each start a supervision round:
+    the head was degraded up to two polls (5 s each) longer than the reload itself."""
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    node.stop()
+    node_health.stop()
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 503)
+    # From here on a poll alone would take 60 s.
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 60.0)
+    time.sleep(0.5)  # the round under way ends; the next one waits 60 s
+    replacement = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    try:
+        replacement.start_registering()
+        wait_for(lambda: get(head_health.port, "/ready")[0] == 200, timeout=15)
+        assert total_records(head) == small_table.rows
+    finally:
+        replacement.stop()
+
+
+def test_heartbeats_of_a_serving_node_start_no_supervision_round(cluster, small_table, monkeypatch):
+    """Every node re-registers every REGISTER_INTERVAL_SECONDS; a round for each would poll every
+    node N times as often as SUPERVISE_POLL_SECONDS says."""
+    import re
+
+    monkeypatch.setattr(node_module, "REGISTER_INTERVAL_SECONDS", 0.1)
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    head, head_health, _, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    time.sleep(0.5)  # a round has seen the node serving
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 60.0)
+    time.sleep(0.5)  # the round under way ends; the next one waits 60 s
+
+    def status_polls() -> float:
+        metrics = get(node_health.port, "/metrics")[1]
+        return float(
+            re.search(r'^data_cache_requests_total\{action="status",method="DoAction"\} (\S+)$', metrics, re.M)[1]
+        )
+
+    registrations = head.metrics.requests.labels(method="DoAction", action="register")
+    before, heartbeats = status_polls(), registrations._value.get()
+    time.sleep(2.0)
+    assert registrations._value.get() - heartbeats >= 5  # the node kept registering
+    assert status_polls() == before
 
 
 def test_a_data_node_the_head_refuses_fails_at_once_with_the_reason(cluster, small_table):

@@ -83,6 +83,9 @@ class Head(ReadOnlyFlight):
         self._stop = threading.Event()
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
         self._nodes_changed = threading.Event()
+        # Set by a registration that is news once serving (a restarted node, one back with its
+        # rows, one that moved): supervision looks at once instead of at its next poll.
+        self._supervise_now = threading.Event()
         self._clients: dict[str, flight.FlightClient] = {}
         # When each node that restarted was sent its rows again, until it holds them: a reload
         # gets the startup deadline, as the first load does.
@@ -159,6 +162,7 @@ class Head(ReadOnlyFlight):
     def stop(self) -> None:
         self._stop.set()
         self._nodes_changed.set()
+        self._supervise_now.set()
         self.shutdown()
 
     def _run(self) -> None:
@@ -339,7 +343,14 @@ class Head(ReadOnlyFlight):
         """Keep the nodes loaded; while one is not (down, restarted, reloading, failed), the head
         is DEGRADED: /ready answers 503 and GetFlightInfo UNAVAILABLE naming the node, so clients
         retry instead of reading endpoints that cannot answer."""
-        while not self._stop.wait(SUPERVISE_POLL_SECONDS):
+        while True:
+            # A restarted node was sent its rows up to a poll after it registered, and the head
+            # turned ready again up to a poll after the node reported them loaded: ~10 s degraded
+            # beyond the reload itself, every reader retrying meanwhile.
+            self._supervise_now.wait(SUPERVISE_POLL_SECONDS)
+            self._supervise_now.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._poll_nodes()
                 self._reload_restarted()
@@ -565,6 +576,11 @@ class Head(ReadOnlyFlight):
             )
         self.registered[index] = {"location": location, "memory_limit": memory_limit, "load_threads": load_threads}
         self._nodes_changed.set()
+        # Heartbeats of a node the head knows serving its rows are not news (every node sends one
+        # every REGISTER_INTERVAL_SECONDS: a round for each would poll every node N times as often).
+        serving = self.node_status.get(index, {}).get("state") == READY and body.get("generation") == self.generation
+        if not serving or previous is None or previous["location"] != location:
+            self._supervise_now.set()
         if previous is None:
             log.info("data node %d registered at %s", index, location)
         elif previous["location"] != location:
