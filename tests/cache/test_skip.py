@@ -87,6 +87,19 @@ def test_a_resumed_read_gets_the_rest_and_the_node_sends_only_that(one_node, sma
             list(client.read_shard(request, start=small_table.rows + 1))
 
 
+def test_one_stream_is_read_in_the_nodes_batches_not_cut_into_blocks(one_node, small_table):
+    """With one endpoint there is nothing to interleave: a shuffled read of 1-row blocks comes
+    in the node's batches (it came as one slice per row), in the same order, resumed alike."""
+    endpoint, _ = one_node
+    request = ShardRequest(shuffle=True, epoch=1, columns=("id",), batch_size=1000, block_size=1)
+    with CacheClient(endpoint) as client:
+        batches = list(client.read_shard(request))
+        assert len(batches) == small_table.rows // 1000
+        in_order = ids(client.read_shard(request, interleave=False))
+        assert ids(batches) == in_order and sorted(in_order) == list(range(small_table.rows))
+        assert ids(client.read_shard(request, start=4321)) == in_order[4321:]
+
+
 def test_a_stream_short_of_its_ticket_is_an_error(one_node):
     endpoint, _ = one_node
     request = ShardRequest(columns=("id",))

@@ -273,10 +273,10 @@ def test_drop_last_implies_even_drop_and_arguments_are_checked():
 
 def test_an_endpoint_that_is_not_grpc_is_refused_with_the_form_it_takes():
     for endpoint in ("http://h:1", "h:1", "grpc:/h:1"):
-        with pytest.raises(ValueError, match="should be a grpc:// or grpc\\+tls:// URI"):
+        with pytest.raises(ValueError, match="should be a grpc://, grpc\\+tls://, grpc\\+tcp:// or grpc\\+unix:// URI"):
             CacheClient(endpoint)
         # The dataset checks at construction, not at the first batch inside a DataLoader worker.
-        with pytest.raises(ValueError, match="should be a grpc:// or grpc\\+tls:// URI"):
+        with pytest.raises(ValueError, match="should be a grpc://, grpc\\+tls://, grpc\\+tcp:// or grpc\\+unix:// URI"):
             DataCacheDataset(endpoint)
     CacheClient("grpc+tls://h:1").close()
     CacheClient("grpc://[::1]:50051").close()
@@ -305,7 +305,9 @@ def test_an_endpoint_from_the_environment_is_named_with_what_is_wrong(monkeypatc
 def test_an_empty_endpoint_or_a_token_no_header_can_carry_is_refused(monkeypatch):
     monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://elsewhere:50051")
     # An empty value (from a config file, say) is a mistake, not "use the environment".
-    with pytest.raises(ValueError, match=r"should be a grpc:// or grpc\+tls:// URI .*, got ''"):
+    with pytest.raises(
+        ValueError, match=r"should be a grpc://, grpc\+tls://, grpc\+tcp:// or grpc\+unix:// URI .*, got ''"
+    ):
         DataCacheDataset("")
     assert DataCacheDataset().endpoint == "grpc://elsewhere:50051"
     secret = "s3cret\n"
