@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,9 +58,16 @@ class LocalCache:
     """`data-cache local` as a subprocess: waits for its READY line, stops it on exit."""
 
     def __init__(
-        self, metadata_loc: str, data_nodes: int = 2, env: dict | None = None, args: tuple = (), options: tuple = ()
+        self,
+        metadata_loc: str,
+        data_nodes: int = 2,
+        env: dict | None = None,
+        args: tuple = (),
+        options: tuple = (),
+        preexec: Callable[[], None] | None = None,
     ):
-        """``args`` go after `local`, ``options`` (such as --log-level) before it."""
+        """``args`` go after `local`, ``options`` (such as --log-level) before it; ``preexec``
+        runs in the child before `data-cache` starts (its streams are set up by then)."""
         self.port = free_port()
         self.endpoint = f"grpc://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kubeflow_data_cache", *options, "local", "--metadata-loc", metadata_loc]
@@ -74,6 +81,7 @@ class LocalCache:
             text=True,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            preexec_fn=preexec,
         )
         self.stderr = ""
 

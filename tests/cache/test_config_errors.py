@@ -231,3 +231,14 @@ def test_local_exits_2_when_its_nodes_refuse_their_settings():
     assert result.returncode == 2, result.stderr
     assert "error: `MEMORY_LIMIT` should be a byte count" in result.stderr
     assert "exited with code 2" in result.stderr
+
+
+def test_ctrl_c_before_a_commands_handlers_are_in_exits_130_without_a_traceback(monkeypatch):
+    """`local` imports pyarrow before it installs its handlers: a Ctrl-C then printed a traceback."""
+    from kubeflow_data_cache import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main(["local", "--metadata-loc", "x"]) == 130

@@ -153,3 +153,71 @@ def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(table_factory):
         assert read_path_shards(location).num_rows == 2000
     finally:
         cache.stop()
+
+
+def test_local_started_with_stderr_closed_still_serves(table_factory):
+    """`data-cache local ... 2>&-`: every process failed at start-up with nothing said (logging
+    and faulthandler had no stderr) and `local` exited 1; the logs now go to /dev/null."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 1, preexec=lambda: os.close(2))
+    try:
+        location = cache.wait_ready(timeout=DEADLINE).split()[1]
+        assert read_path_shards(location).num_rows == 2000
+        cache.proc.send_signal(signal.SIGTERM)
+        assert cache.proc.wait(timeout=DEADLINE) == 0
+    finally:
+        cache.stop()
+
+
+def test_a_closed_stdout_stops_local_with_one_line_not_a_traceback(table_factory):
+    """Whoever started `local` stopped reading before READY: a BrokenPipeError traceback before."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
+    try:
+        cache.proc.stdout.close()
+        assert cache.proc.wait(timeout=DEADLINE) == 1
+        err = cache.read_stderr()
+        assert "stdout is closed" in err and "the READY line could not be written" in err, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+    finally:
+        cache.stop()
+
+
+def test_sighup_to_the_process_group_stops_every_process_in_order(table_factory):
+    """A closed terminal's SIGHUP reaches `local`, the head and the nodes at once. Its default
+    action killed each on the spot (`local` exited -1, the nodes without their stream grace)."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
+    try:
+        cache.wait_ready()
+        nodes = psutil.Process(cache.proc.pid).children()
+        os.killpg(cache.proc.pid, signal.SIGHUP)  # its own session and group (LocalCache)
+        assert cache.proc.wait(timeout=DEADLINE) == 0
+        _, alive = psutil.wait_procs(nodes, timeout=DEADLINE)
+        assert not alive
+        err = cache.read_stderr()
+        assert "head stopping on SIGHUP" in err and "worker stopping on SIGHUP" in err, err[-3000:]
+    finally:
+        cache.stop()
+
+
+def _ignore_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_under_nohup_a_closed_terminal_leaves_every_process_serving(table_factory):
+    """`nohup data-cache local ...` asks the cache to outlive its terminal: SIGHUP ignored on
+    start stays ignored in `local` and in the nodes it starts (they inherit it through exec)."""
+    table = table_factory(2000, 2)
+    cache = LocalCache(table.metadata_location, 2, preexec=_ignore_sighup)
+    try:
+        location = cache.wait_ready().split()[1]
+        nodes = psutil.Process(cache.proc.pid).children()
+        assert len(nodes) == 3
+        os.killpg(cache.proc.pid, signal.SIGHUP)
+        # Several of the nodes' signal polls (runner.STOP_POLL_SECONDS) and `local`'s own loop.
+        time.sleep(1.5)
+        assert cache.proc.poll() is None, cache.read_stderr()[-3000:]
+        assert not [node.cmdline() for node in nodes if gone(node)]
+        assert read_path_shards(location).num_rows == table.rows
+        assert "stopping on SIGHUP" not in cache.read_stderr()
+        assert cache.stop() == 0  # SIGTERM still stops it the ordinary way
+    finally:
+        cache.stop()

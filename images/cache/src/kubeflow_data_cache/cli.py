@@ -121,7 +121,37 @@ def _log_level(raw: str) -> str:
     return level
 
 
+def _reopen_closed_standard_streams() -> None:
+    """Put /dev/null on stdin, stdout or stderr where the caller closed it (``2>&-``).
+
+    Python starts with ``sys.stderr = None`` then: logging and faulthandler failed in every node,
+    which exited 1 with nothing said, and the next file or socket opened took the free fd 2, so
+    anything written to "stderr" went into it.
+    """
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115 (the process's own)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _reopen_closed_standard_streams()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handlers are in (its imports take a while): a stop asked
+        # for, not a traceback. Nothing was started yet.
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
     try:

@@ -29,7 +29,7 @@ from kubeflow_data_cache.config import (
 from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
-from kubeflow_data_cache.processes import die_with_parent, stop_processes
+from kubeflow_data_cache.processes import die_with_parent, handle_signals, stop_processes
 from kubeflow_data_cache.security import (
     CLUSTER_KEY_ENV,
     TLS_DIR_ENV,
@@ -76,7 +76,9 @@ def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
 def _child_preexec(die_with_parent: Callable[[], None] | None) -> Callable[[], None]:
     """Each node's ``preexec_fn``: die with us, and ignore the terminal's Ctrl-C until its own
     handlers are in (runner.run_node): the SIGINT that reaches the whole process group otherwise
-    interrupted the nodes' imports, printing their tracebacks. We stop them with SIGTERM."""
+    interrupted the nodes' imports, printing their tracebacks. We stop them with SIGTERM. SIGHUP
+    is left as exec leaves it: ignored under `nohup` (and run_node keeps it so), else the default
+    action, which ends a node still in its imports without a word (we stop on it too)."""
 
     def preexec() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -179,7 +181,9 @@ class LocalCluster:
         common += ["--startup-timeout", str(self.startup_timeout), *self.extra_args]
         head = _node_cmd("head", "--metadata-loc", self.metadata_loc, "--data-nodes", str(self.data_nodes))
         head += ["--port", str(self.port), "--health-port", str(self.health_port), *common]
-        self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec)))
+        # The nodes log to stderr; stdout is ours alone, for the one READY line (a node holding it
+        # open also kept `data-cache local ... | head -1`'s pipe open after we were gone).
+        self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec, stdout=subprocess.DEVNULL)))
         # The nodes share this machine's CPUs; each reads with its share of them.
         threads = str(max(1, available_cpus() // self.data_nodes))
         for k in range(self.data_nodes):
@@ -190,7 +194,8 @@ class LocalCluster:
             worker += ["--metadata-loc", self.metadata_loc, "--load-threads", threads]
             if self.memory_limit:
                 worker += ["--memory-limit", self.memory_limit]
-            self.procs.append((f"data node {k}", subprocess.Popen(worker, env=env, preexec_fn=preexec)))
+            node = subprocess.Popen(worker, env=env, preexec_fn=preexec, stdout=subprocess.DEVNULL)
+            self.procs.append((f"data node {k}", node))
 
     def _dead(self) -> str | None:
         for name, proc in self.procs:
@@ -268,8 +273,7 @@ def run_local(cluster: LocalCluster) -> int:
     def on_signal(signum, _frame):
         stopping["signal"] = signum
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    handle_signals(on_signal)
     try:
         cluster.start()  # inside the try: nodes started before a failure are stopped too
         status = cluster.wait_ready(lambda: stopping["signal"] is not None)
@@ -282,7 +286,13 @@ def run_local(cluster: LocalCluster) -> int:
                 node.get("load_seconds"),
             )
         log.info("the head's /ready, /live and /metrics: %s", cluster.health_url)
-        print(f"READY {cluster.location}", flush=True)
+        try:
+            print(f"READY {cluster.location}", flush=True)
+        except OSError as err:  # BrokenPipeError: whoever started us stopped reading
+            # Nothing else is written there; /dev/null keeps the exit's own flush from failing too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            log.error("stdout is closed (%s): the READY line could not be written; stopping the cache", err)
+            return 1
         while stopping["signal"] is None:
             dead = cluster._dead()
             if dead and stopping["signal"] is None:  # not a node that exited on the same Ctrl-C

@@ -17,6 +17,19 @@ import time
 from collections.abc import Callable, Iterable
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# What stops a cache process in order, as SIGTERM does: Ctrl-C, and SIGHUP from a terminal that
+# closed (its default action killed each process on the spot, skipping the nodes' stream grace).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def handle_signals(handler: Callable[[int, object], object], signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """Install ``handler`` for ``signals``, except SIGHUP where it is already ignored: that is
+    `nohup` (or a parent) asking this process to outlive its terminal, and children started
+    from here inherit the ignore through exec, so the whole cache keeps running."""
+    for sig in signals:
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        signal.signal(sig, handler)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:

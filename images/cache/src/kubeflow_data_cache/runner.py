@@ -20,6 +20,7 @@ from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
+from kubeflow_data_cache.processes import handle_signals
 from kubeflow_data_cache.service import STOPPING, HealthServer
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,7 @@ def run_node(cfg: NodeConfig) -> NoReturn:
     # bytecodes, and threading.Event.set() there could wait for ever on the Event's own lock,
     # taken by the very wait() it interrupted.
     signals: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: signals.append(signum))
+    handle_signals(lambda signum, _: signals.append(signum))
 
     def stop_wait(seconds: float) -> bool:
         """Sleep until a stop signal or for ``seconds``; whether a stop was asked for."""
@@ -105,6 +105,8 @@ def run_node(cfg: NodeConfig) -> NoReturn:
     # joins every executor thread, and a read blocked on storage (an object store that never
     # answers; it cannot be cancelled) would hold the process for ever, as would the server's
     # own teardown with streams still open.
+    if signals:  # in the pod's log: why it stopped
+        log.info("%s stopping on %s", cfg.role, signal.Signals(signals[0]).name)
     try:
         # Readiness goes first, so no new reader is sent here; then the Flight server waits for
         # its calls, but a reader that stopped reading mid-stream would hold it for ever: bounded.
