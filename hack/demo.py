@@ -8,7 +8,9 @@
    training loop waited for data.
 
 Every process runs in its own process group and is stopped on the way out, also on Ctrl-C or a
-failure. The exit code is the training job's (non-zero when the exactly-once check fails).
+failure; a cache that exits while training runs fails the demo at once, with its log. The exit
+code is the training job's (non-zero when the exactly-once check fails); 1 when the cache failed;
+128 + the signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from pathlib import Path
 
 import psutil
 
-from kubeflow_data_cache.processes import die_with_parent, stop_processes
+from kubeflow_data_cache.processes import die_with_parent, handle_signals, stop_processes
 from kubeflow_data_cache.sample import create_sample_table
 
 HERE = Path(__file__).resolve().parent
 READY_TIMEOUT_SECONDS = 120.0
 TRAIN_TIMEOUT_SECONDS = 300.0
 STOP_TIMEOUT_SECONDS = 10.0
+# How often the training job and the cache are looked at while training runs.
+WATCH_SECONDS = 0.2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -121,37 +125,71 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
     train_cmd += [str(HERE / "demo_train.py"), "--endpoint", endpoint, "--rows", str(args.rows)]
     train_cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
-    train = subprocess.Popen(train_cmd, env=env, start_new_session=True, preexec_fn=die_with_parent())
+    # The ranks report on stdout; stderr (torchrun's and the ranks' tracebacks and warnings) goes
+    # to a log shown when training fails. Shown always, a stop asked for (Ctrl-C) ended in
+    # torchrun's own traceback of the SIGTERM we send it.
+    train_log = workdir / "train.log"
+    with train_log.open("w") as train_err:
+        train = subprocess.Popen(
+            train_cmd, env=env, stderr=train_err, start_new_session=True, preexec_fn=die_with_parent()
+        )
     procs.append(train)
-    try:
-        code = train.wait(timeout=TRAIN_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        print(f"training did not finish within {TRAIN_TIMEOUT_SECONDS:.0f}s", file=sys.stderr)
+    code = watch(train, cache, TRAIN_TIMEOUT_SECONDS)
+    if code is None:
+        print(f"training did not finish within {TRAIN_TIMEOUT_SECONDS:.0f}s; its log:", file=sys.stderr)
+        print(train_log.read_text()[-4000:], file=sys.stderr)
         return 1
     if cache.poll() is not None:
-        print(f"the cache exited early; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
+        # Watched throughout: the ranks would otherwise retry a cache that is gone until their
+        # own deadline, minutes later.
+        print(f"the cache exited during training; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
         return 1
+    if code != 0:
+        print(f"training failed (exit code {code}); its log:\n{train_log.read_text()[-4000:]}", file=sys.stderr)
     step("demo passed" if code == 0 else f"training failed (exit code {code})", started)
     return code
 
 
+def watch(train: subprocess.Popen, cache: subprocess.Popen, timeout: float) -> int | None:
+    """The training job's exit code once it ends, or as soon as the cache exits (the caller
+    tells which); None when neither happened within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = train.poll()
+        if code is not None or cache.poll() is not None:
+            return code if code is not None else 1
+        time.sleep(WATCH_SECONDS)
+    return None
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, unwinding like Ctrl-C; the exit code says which one (128 + its number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM (e.g. from a CI runner) and SIGHUP (the terminal closed) unwind like Ctrl-C,
-    # through the cleanup below.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    # through the cleanup below; under `nohup` SIGHUP stays ignored, for the whole demo.
+    handle_signals(_interrupt, (signal.SIGTERM, signal.SIGHUP))
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="data-cache-demo-") as tmp:
         try:
             return run(args, Path(tmp), procs)
-        except KeyboardInterrupt:
-            print("interrupted; stopping the cache and the training job", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as stop_signal:
+            signum = getattr(stop_signal, "signum", signal.SIGINT)
+            print(
+                f"interrupted ({signal.Signals(signum).name}); stopping the cache and the training job",
+                file=sys.stderr,
+            )
+            return 128 + signum
         finally:
             # A second Ctrl-C (or SIGTERM) must not cut the cleanup short and leave processes.
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

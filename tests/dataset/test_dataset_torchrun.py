@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -34,15 +35,17 @@ def test_demo_sees_every_row_once_per_shuffled_epoch_and_cleans_up():
         s.connect(("127.0.0.1", port))  # the cache's head is gone
 
 
-def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
-    """SIGKILL (as a closed terminal's SIGHUP once did) skips the demo's own cleanup: its children,
-    each in a session of its own, get SIGTERM from the kernel instead (PR_SET_PDEATHSIG)."""
+@contextlib.contextmanager
+def demo_in_training(rows: int = 200_000) -> Iterator[tuple[subprocess.Popen, list]]:
+    """A demo far longer than the test (50 epochs), once both ranks are up and reading: the demo
+    and its descendants (the cache, its head and 2 data nodes; torchrun and 2 ranks), all killed
+    on the way out."""
     import time
 
     import psutil
 
-    cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", "200000", "--files", "2"]
-    cmd += ["--epochs", "50"]  # far longer than the test: training is under way when the demo dies
+    cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", str(rows), "--files", "2"]
+    cmd += ["--epochs", "50"]
     demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     descendants: list[psutil.Process] = []
     try:
@@ -52,12 +55,8 @@ def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
                 break
         assert line.startswith("training on 2 ranks"), line
         descendants = psutil.Process(demo.pid).children(recursive=True)
-        # The cache (local, its head and 2 data nodes) and the training job (torchrun, 2 ranks).
         assert len(descendants) >= 6, [p.cmdline() for p in descendants]
-        demo.kill()
-        demo.wait(timeout=10)
-        _, alive = psutil.wait_procs(descendants, timeout=60)
-        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+        yield demo, descendants
     finally:
         for process in descendants:
             with contextlib.suppress(psutil.Error):
@@ -65,6 +64,72 @@ def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
         if demo.poll() is None:
             demo.kill()
         demo.stdout.close()
+
+
+def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
+    """SIGKILL (as a closed terminal's SIGHUP once did) skips the demo's own cleanup: its children,
+    each in a session of its own, get SIGTERM from the kernel instead (PR_SET_PDEATHSIG)."""
+    import psutil
+
+    with demo_in_training() as (demo, descendants):
+        demo.kill()
+        demo.wait(timeout=10)
+        _, alive = psutil.wait_procs(descendants, timeout=60)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+
+
+def test_a_demo_whose_cache_dies_during_training_fails_at_once_naming_it():
+    """The ranks would retry a cache that is gone until their own deadline (minutes); the demo
+    watches the cache while training runs, and stops everything with its log."""
+    import time
+
+    import psutil
+
+    with demo_in_training() as (demo, descendants):
+        (cache,) = [p for p in descendants if p.cmdline()[2:4] == ["kubeflow_data_cache", "local"]]
+        cache.kill()
+        killed = time.monotonic()
+        rest = demo.communicate(timeout=60)[0]
+        assert time.monotonic() - killed < 30, "the demo waited on training with its cache gone"
+        assert demo.returncode == 1
+        assert "the cache exited during training; its log:" in rest, rest
+        _, alive = psutil.wait_procs(descendants, timeout=30)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+
+
+def test_a_demo_stopped_during_training_stops_quietly():
+    """Its stop of the training job is asked for: torchrun's own traceback of the SIGTERM (25-40
+    lines after "interrupted; stopping ...") is no news, and is not shown."""
+    import signal
+
+    import psutil
+
+    with demo_in_training() as (demo, descendants):
+        demo.send_signal(signal.SIGINT)  # as Ctrl-C does, to the demo's own group
+        rest = demo.communicate(timeout=60)[0]
+        assert demo.returncode == 128 + signal.SIGINT
+        assert "interrupted (SIGINT); stopping the cache and the training job" in rest
+        assert "Traceback" not in rest and "SignalException" not in rest, rest
+        _, alive = psutil.wait_procs(descendants, timeout=30)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+
+
+def test_a_demo_stopped_by_sigterm_exits_with_the_signals_code():
+    """128 + the signal's number, as a shell reports it: 143 for SIGTERM (it said 130, Ctrl-C's)."""
+    import signal
+
+    cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", "3000000", "--files", "2"]
+    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "writing a sample Iceberg table" in demo.stdout.readline()
+        demo.send_signal(signal.SIGTERM)
+        _, err = demo.communicate(timeout=60)
+        assert demo.returncode == 128 + signal.SIGTERM, err
+        assert "interrupted (SIGTERM); stopping the cache and the training job" in err
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
 
 
 def test_the_check_fails_when_a_row_is_missing(small_cache):
