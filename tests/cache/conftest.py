@@ -161,12 +161,16 @@ def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
         keys = _bootstrap_iam(endpoint)
         yield S3Server(endpoint, *keys["data-cache"], metadata_only=keys["metadata-only"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=MOTO_STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_moto(proc)
+
+
+def stop_moto(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=MOTO_STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass(frozen=True)

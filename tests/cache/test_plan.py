@@ -344,17 +344,46 @@ def test_s3_settings_that_cannot_work_are_refused_naming_the_variable():
     assert s3_properties_from_env({"AWS_ENDPOINT_URL": "HTTPS://store:443"})["s3.endpoint"] == "HTTPS://store:443"
 
 
-def test_aws_ca_bundle_is_trusted_by_the_s3_client():
+def test_aws_ca_bundle_is_trusted_by_the_s3_client(tmp_path):
     """pyarrow's S3 client reads SSL_CERT_FILE, not AWS_CA_BUNDLE (which a review proved was
     ignored against a TLS store with a private CA, where SSL_CERT_FILE worked)."""
     from kubeflow_data_cache.plan import trust_aws_ca_bundle
 
-    environ = {"AWS_CA_BUNDLE": "/etc/ca/ca.pem"}
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("PEM")
+    environ = {"AWS_CA_BUNDLE": str(bundle)}
     trust_aws_ca_bundle(environ)
-    assert environ["SSL_CERT_FILE"] == "/etc/ca/ca.pem"
-    environ = {"AWS_CA_BUNDLE": "/etc/ca/ca.pem", "SSL_CERT_FILE": "/etc/ssl/mine.pem"}
+    assert environ["SSL_CERT_FILE"] == str(bundle)
+    environ = {"AWS_CA_BUNDLE": str(bundle), "SSL_CERT_FILE": "/etc/ssl/mine.pem"}
     trust_aws_ca_bundle(environ)
     assert environ["SSL_CERT_FILE"] == "/etc/ssl/mine.pem"  # one set by hand wins
+
+
+def test_a_missing_aws_ca_bundle_is_refused_naming_it(tmp_path):
+    """Made SSL_CERT_FILE as it was, it failed every TLS handshake with the store, saying nothing of the file."""
+    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+
+    for environ in ({}, {"SSL_CERT_FILE": "/etc/ssl/mine.pem"}):  # also where SSL_CERT_FILE wins
+        with pytest.raises(ConfigError, match=r"AWS_CA_BUNDLE='.*/gone.pem' is not a file: give the path"):
+            trust_aws_ca_bundle({**environ, "AWS_CA_BUNDLE": str(tmp_path / "gone.pem")})
+
+
+def test_the_store_ca_mounted_by_the_initializer_is_trusted_where_the_folder_has_one(tmp_path):
+    """DATA_CACHE_S3_CA_DIR: the optional ConfigMap volume. Empty (no ConfigMap in the namespace),
+    the image's own CAs stay; AWS_CA_BUNDLE, given explicitly, wins over it."""
+    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+
+    environ = {"DATA_CACHE_S3_CA_DIR": str(tmp_path)}
+    trust_aws_ca_bundle(environ)
+    assert "SSL_CERT_FILE" not in environ
+    (tmp_path / "ca.crt").write_text("PEM")
+    trust_aws_ca_bundle(environ)
+    assert environ["SSL_CERT_FILE"] == str(tmp_path / "ca.crt")
+    explicit = tmp_path / "other.pem"
+    explicit.write_text("PEM")
+    environ = {"DATA_CACHE_S3_CA_DIR": str(tmp_path), "AWS_CA_BUNDLE": str(explicit)}
+    trust_aws_ca_bundle(environ)
+    assert environ["SSL_CERT_FILE"] == str(explicit)
 
 
 def test_a_bad_request_on_the_metadata_names_the_session_token_and_region():
@@ -482,8 +511,10 @@ def test_the_head_and_data_nodes_trust_aws_ca_bundle_from_their_start(monkeypatc
 
     seen = []
     monkeypatch.setattr(runner, "run_node", lambda cfg: seen.append(os.environ.get("SSL_CERT_FILE")) or 0)
-    monkeypatch.setenv("AWS_CA_BUNDLE", "/etc/ca/ca.pem")
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("PEM")
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(bundle))
     monkeypatch.setenv("SSL_CERT_FILE", "recorded")  # so the one main() sets is undone after the test
     monkeypatch.delenv("SSL_CERT_FILE")
     assert cli.main(["head", "--metadata-loc", str(tmp_path / "v1.metadata.json"), "--data-nodes", "1"]) == 0
-    assert seen == ["/etc/ca/ca.pem"]
+    assert seen == [str(bundle)]

@@ -322,7 +322,9 @@ def test_cache_pods_mount_the_namespaces_tls_secret_where_it_is():
 
 
 def test_cache_tls_secret_none_mounts_no_secret_and_sets_no_tls_env():
-    lws = build_leader_worker_set(load_config({**FULL, "CACHE_TLS_SECRET": "none"}), [OWNER])
+    lws = build_leader_worker_set(
+        load_config({**FULL, "CACHE_TLS_SECRET": "none", "CACHE_S3_CA_CONFIGMAP": "none"}), [OWNER]
+    )
     for template in ("leaderTemplate", "workerTemplate"):
         pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
         assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}]
@@ -330,6 +332,44 @@ def test_cache_tls_secret_none_mounts_no_secret_and_sets_no_tls_env():
         assert not [name for name in _env(_container(lws, template)) if name.startswith("DATA_CACHE_TLS")]
     assert TLS_DIR not in str(lws) and "data-cache-tls" not in str(lws)
     validate_sent_object(lws)
+
+
+S3_CA_DIR = "/etc/data-cache/s3-ca"
+
+
+def test_cache_pods_mount_the_namespaces_s3_ca_configmap_where_it_is():
+    """The object store's CA, as the TLS Secret: an optional ConfigMap volume the kubelet fills
+    where the ConfigMap exists; `none` mounts none and sets nothing."""
+    for env, configmap in [({}, "data-cache-s3-ca"), ({"CACHE_S3_CA_CONFIGMAP": "minio-ca"}, "minio-ca")]:
+        lws = build_leader_worker_set(load_config({**FULL, **env}), [OWNER])
+        for template in ("leaderTemplate", "workerTemplate"):
+            pod = lws["spec"]["leaderWorkerTemplate"][template]["spec"]
+            volumes = [v for v in pod["volumes"] if v["name"] == "data-cache-s3-ca"]
+            assert volumes == [{"name": "data-cache-s3-ca", "configMap": {"name": configmap, "optional": True}}]
+            container = _container(lws, template)
+            mounts = [m for m in container["volumeMounts"] if m["name"] == "data-cache-s3-ca"]
+            assert mounts == [{"name": "data-cache-s3-ca", "mountPath": S3_CA_DIR, "readOnly": True}]
+            assert _env(container)["DATA_CACHE_S3_CA_DIR"] == S3_CA_DIR
+        validate_sent_object(lws)
+    lws = build_leader_worker_set(load_config({**FULL, "CACHE_S3_CA_CONFIGMAP": "none"}), [OWNER])
+    assert S3_CA_DIR not in str(lws) and "data-cache-s3-ca" not in str(lws)
+
+
+def test_cache_pods_trust_the_store_ca_the_configmap_gives_and_only_then(tmp_path):
+    """The other half: the folder the kubelet mounts (ca.crt where the ConfigMap exists, empty
+    where not) becomes the S3 client's trust, through the cache's own start-up step."""
+    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+    container = _container(lws, "workerTemplate")
+    for files, trusted in [({}, None), ({"ca.crt": b"PEM"}, "ca.crt")]:
+        folder = tmp_path / str(len(files)) / S3_CA_DIR.lstrip("/")
+        folder.mkdir(parents=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        env = {k: (str(folder) if v == S3_CA_DIR else v) for k, v in _env(container).items() if isinstance(v, str)}
+        trust_aws_ca_bundle(env)
+        assert env.get("SSL_CERT_FILE") == (str(folder / trusted) if trusted else None)
 
 
 def test_cache_pods_serve_tls_where_the_namespace_has_the_secret(tmp_path):

@@ -48,6 +48,14 @@ def test_the_tls_secret_is_named_or_turned_off(value, expected):
     assert load_config({**MINIMAL, "CACHE_TLS_SECRET": value}).tls_secret == expected
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("minio-ca", "minio-ca"), ("none", None), ("", "data-cache-s3-ca")],
+)
+def test_the_s3_ca_configmap_is_named_or_turned_off(value, expected):
+    assert load_config({**MINIMAL, "CACHE_S3_CA_CONFIGMAP": value}).s3_ca_configmap == expected
+
+
 def test_the_namespace_comes_from_the_service_account_mount_unless_set(tmp_path: Path):
     mounted = tmp_path / "namespace"
     mounted.write_text("from-mount\n")
@@ -143,6 +151,7 @@ BAD_INPUT = [
     ({"DATA_CACHE_SHARED": "maybe"}, "`DATA_CACHE_SHARED` should be one of true, 1, yes, on, false", "'maybe'"),
     ({"CACHE_TOKEN_SECRET": "Team_Token"}, "`CACHE_TOKEN_SECRET` should be a Secret name", "or none"),
     ({"CACHE_TLS_SECRET": "Team_TLS"}, "`CACHE_TLS_SECRET` should be a Secret name", "or none, got 'Team_TLS'"),
+    ({"CACHE_S3_CA_CONFIGMAP": "My CA"}, "`CACHE_S3_CA_CONFIGMAP` should be a ConfigMap name", "got 'My CA'"),
     ({"CACHE_TLS_SECRET": "t" * 254}, "`CACHE_TLS_SECRET` should be a Secret name (a DNS-1123 subdomain)", "tttt"),
     ({"CACHE_ENV_FROM_SECRET": "S3 Creds"}, "`CACHE_ENV_FROM_SECRET` should be comma-separated Secret names", ""),
     (

@@ -159,12 +159,33 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return props
 
 
+# A folder that may hold the object store's CA as `ca.crt`: where the initializer mounts the
+# namespace's `data-cache-s3-ca` ConfigMap, an optional volume (empty where there is none).
+S3_CA_DIR_ENV = "DATA_CACHE_S3_CA_DIR"
+S3_CA_FILE = "ca.crt"
+
+
 def trust_aws_ca_bundle(environ) -> None:
-    """Make AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting for a private CA, e.g. MinIO or Ceph
-    behind an internal CA) trusted by pyarrow's S3 client, which reads SSL_CERT_FILE instead
-    (pyiceberg passes it no CA of its own). A SSL_CERT_FILE already set wins."""
+    """Make the object store's private CA (MinIO or Ceph behind an internal CA) trusted by
+    pyarrow's S3 client, which reads SSL_CERT_FILE (pyiceberg passes it no CA of its own).
+
+    The CA is AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting), else ``ca.crt`` in
+    DATA_CACHE_S3_CA_DIR where the folder has one. A SSL_CERT_FILE already set wins. A bundle
+    named but missing is refused here: the S3 client would fail every TLS handshake with an
+    error that says nothing of the file.
+    """
     bundle = environ.get("AWS_CA_BUNDLE")
-    if bundle and not environ.get("SSL_CERT_FILE"):
+    if bundle and not os.path.isfile(bundle):  # checked even where SSL_CERT_FILE wins: a mistake either way
+        raise ConfigError(
+            f"AWS_CA_BUNDLE={bundle!r} is not a file: give the path of the store's CA certificate(s) in PEM, "
+            "or unset it to use the image's trusted CAs"
+        )
+    if environ.get("SSL_CERT_FILE"):
+        return
+    if not bundle and environ.get(S3_CA_DIR_ENV):
+        mounted = os.path.join(environ[S3_CA_DIR_ENV], S3_CA_FILE)
+        bundle = mounted if os.path.isfile(mounted) else None
+    if bundle:
         environ["SSL_CERT_FILE"] = bundle
 
 
@@ -246,6 +267,13 @@ def _open_error(metadata_location: str, location: str, err: Exception) -> TableL
         return TableLoadError(
             f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
             f"or the pod's IAM role: {credential_source()}"
+        )
+    # curl's certificate check (curlCode 60): a store behind a CA the image does not trust.
+    if isinstance(err, OSError) and "SSL peer certificate" in str(err):
+        return TableLoadError(
+            f"the object store's certificate is not trusted, reading METADATA_LOC {metadata_location!r} ({err}): "
+            f"give the store's CA: AWS_CA_BUNDLE, or on Kubernetes a ConfigMap `data-cache-s3-ca` with key "
+            f"`{S3_CA_FILE}` in the TrainJob's namespace (mounted at {S3_CA_DIR_ENV})"
         )
     # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
     if isinstance(err, OSError) and "HTTP status 400" in str(err):

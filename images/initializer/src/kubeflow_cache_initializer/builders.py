@@ -158,6 +158,8 @@ def _cache_env(cfg: Config, key_secret: str | None) -> list[dict]:
         env.append(token_env(cfg.token_secret))
     if cfg.tls_secret is not None:
         env += tls_env()
+    if cfg.s3_ca_configmap is not None:
+        env.append({"name": c.S3_CA_DIR_ENV, "value": c.S3_CA_MOUNT_PATH})
     return env + [{"name": name, "value": value} for name, value in cfg.cache_env]
 
 
@@ -212,6 +214,9 @@ def _pod_template(
     if cfg.tls_secret is not None:
         container["volumeMounts"].append(tls_volume_mount())
         volumes.append(tls_volume(cfg.tls_secret))
+    if cfg.s3_ca_configmap is not None:
+        container["volumeMounts"].append({"name": c.S3_CA_VOLUME, "mountPath": c.S3_CA_MOUNT_PATH, "readOnly": True})
+        volumes.append(s3_ca_volume(cfg.s3_ca_configmap))
     if cfg.env_from_secrets:
         container["envFrom"] = [{"secretRef": {"name": secret}} for secret in cfg.env_from_secrets]
     pod = {
@@ -309,6 +314,15 @@ def tls_volume(tls_secret: str) -> dict:
     The initializer never reads the Secret, so it needs no `get` on Secrets for this.
     """
     return {"name": c.TLS_VOLUME, "secret": {"secretName": tls_secret, "optional": True}}
+
+
+def s3_ca_volume(configmap: str) -> dict:
+    """The namespace's ConfigMap of the object store's CA as a pod volume, where it exists.
+
+    Optional, like the TLS Secret: without it the folder is empty and the cache trusts the
+    image's CAs; with it, the cache trusts the ConfigMap's ``ca.crt`` for S3 (DATA_CACHE_S3_CA_DIR).
+    """
+    return {"name": c.S3_CA_VOLUME, "configMap": {"name": configmap, "optional": True}}
 
 
 def tls_volume_mount() -> dict:

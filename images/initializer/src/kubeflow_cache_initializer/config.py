@@ -99,6 +99,7 @@ class Config:
     image_pull_secrets: tuple[str, ...]
     token_secret: str | None  # the namespace's Secret the readers' token is read from, if there
     tls_secret: str | None  # the namespace's TLS Secret the cache pods mount, if there
+    s3_ca_configmap: str | None  # the namespace's ConfigMap of the store's CA the cache pods mount, if there
     node_selector: tuple[tuple[str, str], ...]
     tolerations: tuple[dict[str, Any], ...]
     health_port: int
@@ -235,15 +236,18 @@ def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, .
     return secrets
 
 
-def _optional_secret(r: _Reader, env: Mapping[str, str], var: str, default: str, none: str) -> str | None:
-    """A namespace Secret the cache pods read where it exists (`var`, else ``default``), or None
-    for ``none``: CACHE_TOKEN_SECRET (data key `token`: DATA_CACHE_TOKEN) and CACHE_TLS_SECRET (a
-    `kubernetes.io/tls` Secret, mounted as an optional volume to serve Flight TLS with)."""
+def _optional_secret(
+    r: _Reader, env: Mapping[str, str], var: str, default: str, none: str, kind: str = "Secret"
+) -> str | None:
+    """A namespace Secret (or ConfigMap: ``kind``) the cache pods read where it exists (`var`,
+    else ``default``), or None for ``none``: CACHE_TOKEN_SECRET (data key `token`:
+    DATA_CACHE_TOKEN), CACHE_TLS_SECRET (a `kubernetes.io/tls` Secret, mounted as an optional
+    volume to serve Flight TLS with) and CACHE_S3_CA_CONFIGMAP (the object store's CA)."""
     name = env.get(var, "").strip() or default
     if name == none:
         return None
     if not _is_secret_name(name):
-        r._bad(var, f"a Secret name (a DNS-1123 subdomain), or {none}", name)
+        r._bad(var, f"a {kind} name (a DNS-1123 subdomain), or {none}", name)
     return name
 
 
@@ -292,6 +296,9 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
     token_secret = _optional_secret(r, env, "CACHE_TOKEN_SECRET", c.DEFAULT_TOKEN_SECRET, c.NO_TOKEN_SECRET)
     tls_secret = _optional_secret(r, env, "CACHE_TLS_SECRET", c.DEFAULT_TLS_SECRET, c.NO_TLS_SECRET)
+    s3_ca_configmap = _optional_secret(
+        r, env, "CACHE_S3_CA_CONFIGMAP", c.DEFAULT_S3_CA_CONFIGMAP, c.NO_S3_CA_CONFIGMAP, kind="ConfigMap"
+    )
     node_selector = r.parsed("CACHE_NODE_SELECTOR", parse_node_selector, NODE_SELECTOR_FORM, {})
     tolerations = r.parsed("CACHE_TOLERATIONS", parse_tolerations, TOLERATIONS_FORM, ())
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
@@ -327,6 +334,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         image_pull_secrets=pull_secrets,
         token_secret=token_secret,
         tls_secret=tls_secret,
+        s3_ca_configmap=s3_ca_configmap,
         node_selector=tuple(node_selector.items()),
         tolerations=tolerations,
         health_port=health_port,

@@ -100,6 +100,15 @@ DEFAULT_TLS_SECRET = "data-cache-tls"
 NO_TLS_SECRET = "none"
 TLS_VOLUME = "data-cache-tls"
 TLS_MOUNT_PATH = "/etc/data-cache/tls"
+# The object store's CA (MinIO or Ceph behind an internal CA), like the TLS Secret: a ConfigMap
+# of the namespace (key `ca.crt`; a CA is no secret) mounted as an *optional* volume, so creating
+# it makes the namespace's caches trust the store, without the initializer reading it. The cache
+# uses the folder's ca.crt where there is one (kubeflow_data_cache.plan.trust_aws_ca_bundle).
+S3_CA_DIR_ENV = "DATA_CACHE_S3_CA_DIR"
+DEFAULT_S3_CA_CONFIGMAP = "data-cache-s3-ca"
+NO_S3_CA_CONFIGMAP = "none"
+S3_CA_VOLUME = "data-cache-s3-ca"
+S3_CA_MOUNT_PATH = "/etc/data-cache/s3-ca"
 # The name every client checks the certificate against: pods and Services are reached by IP or
 # per-job names, which no certificate made ahead of time can list, so the Secret's certificate
 # carries this one DNS name (a SAN) and clients check it in place of the address they dial.

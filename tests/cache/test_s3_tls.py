@@ -1,0 +1,138 @@
+"""The cache over an object store that speaks TLS with a private CA (moto server with a
+certificate from a test CA), as MinIO or Ceph behind an internal CA would.
+
+The table is written in a child process: the S3 client reads SSL_CERT_FILE once per process,
+and this one's must stay as the other tests need it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.cache.conftest import (
+    DATA_CACHE_TIMEOUT_SECONDS,
+    MOTO_REGION,
+    _wait_listening,
+    read_path_shards,
+    stop_moto,
+)
+from tests.conftest import LocalCache, free_port
+from tests.tls_certs import tls_secret_pems
+
+ROWS = 3000
+KEYS = {"AWS_ACCESS_KEY_ID": "tls-test", "AWS_SECRET_ACCESS_KEY": "tls-test-secret", "AWS_REGION": MOTO_REGION}
+
+_WRITE_TABLE = """
+import sys
+from pathlib import Path
+from kubeflow_data_cache.sample import create_sample_table
+endpoint, catalog, rows = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+props = {"s3.endpoint": endpoint, "s3.access-key-id": "tls-test", "s3.secret-access-key": "tls-test-secret",
+         "s3.region": "us-east-1"}
+print(create_sample_table("s3://tls-bucket/wh", rows, 2, catalog_db=catalog, properties=props).metadata_location)
+"""
+
+
+@dataclass(frozen=True)
+class TlsStore:
+    endpoint: str
+    ca_dir: Path  # holds ca.crt, as the data-cache-s3-ca ConfigMap's volume does
+    metadata_location: str
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, **KEYS, **extra}
+
+
+@pytest.fixture(scope="module")
+def tls_store(tmp_path_factory) -> Iterator[TlsStore]:
+    import boto3
+
+    folder = tmp_path_factory.mktemp("s3-tls")
+    for name, pem in tls_secret_pems("localhost").items():  # tls.crt names localhost; ca.crt signed it
+        (folder / name).write_bytes(pem)
+    ca_dir = folder / "ca"
+    ca_dir.mkdir()
+    (ca_dir / "ca.crt").write_bytes((folder / "ca.crt").read_bytes())
+    port = free_port()
+    log = folder / "moto.log"
+    moto = Path(sys.executable).with_name("moto_server")
+    cmd = [str(moto), "-H", "127.0.0.1", "-p", str(port), "-c", str(folder / "tls.crt"), "-k", str(folder / "tls.key")]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(port, proc, log)
+        endpoint = f"https://localhost:{port}"
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=MOTO_REGION,
+            aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+            verify=str(ca_dir / "ca.crt"),
+        )
+        s3.create_bucket(Bucket="tls-bucket")
+        env = {**os.environ, "SSL_CERT_FILE": str(ca_dir / "ca.crt")}
+        writer = [sys.executable, "-c", _WRITE_TABLE, endpoint, str(folder / "catalog.db"), str(ROWS)]
+        written = subprocess.run(
+            writer, env=env, capture_output=True, text=True, timeout=DATA_CACHE_TIMEOUT_SECONDS, check=True
+        )
+        yield TlsStore(endpoint, ca_dir, written.stdout.strip())
+    finally:
+        stop_moto(proc)
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_trust(monkeypatch):
+    """Only the CA a test gives reaches the cache (the caches inherit this process's env)."""
+    for name in ("SSL_CERT_FILE", "AWS_CA_BUNDLE", "DATA_CACHE_S3_CA_DIR", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_stores_ca_in_the_mounted_folder_is_trusted(tls_store):
+    """What the initializer mounts from the namespace's data-cache-s3-ca ConfigMap."""
+    cache = LocalCache(tls_store.metadata_location, 1, env=tls_store.env(DATA_CACHE_S3_CA_DIR=str(tls_store.ca_dir)))
+    try:
+        location = cache.wait_ready().split()[1]
+        assert sorted(read_path_shards(location).column("id").to_pylist()) == list(range(ROWS))
+    finally:
+        cache.stop()
+
+
+def test_aws_ca_bundle_is_trusted(tls_store):
+    cache = LocalCache(
+        tls_store.metadata_location, 1, env=tls_store.env(AWS_CA_BUNDLE=str(tls_store.ca_dir / "ca.crt"))
+    )
+    try:
+        location = cache.wait_ready().split()[1]
+        assert read_path_shards(location).num_rows == ROWS
+    finally:
+        cache.stop()
+
+
+def test_an_untrusted_store_fails_naming_the_fix(tls_store, tmp_path):
+    """Without the CA (or with an empty folder: a namespace without the ConfigMap) the load fails
+    with the certificate error and the two ways to give the CA."""
+    cache = LocalCache(tls_store.metadata_location, 1, env=tls_store.env(DATA_CACHE_S3_CA_DIR=str(tmp_path)))
+    try:
+        assert cache.proc.wait(timeout=DATA_CACHE_TIMEOUT_SECONDS) == 1
+        err = cache.read_stderr()
+        assert "the object store's certificate is not trusted" in err, err[-3000:]
+        assert "AWS_CA_BUNDLE, or on Kubernetes a ConfigMap `data-cache-s3-ca` with key `ca.crt`" in err
+    finally:
+        cache.stop()
+
+
+def test_a_missing_aws_ca_bundle_stops_the_cache_at_start(tls_store, tmp_path):
+    cache = LocalCache(tls_store.metadata_location, 1, env=tls_store.env(AWS_CA_BUNDLE=str(tmp_path / "gone.pem")))
+    try:
+        assert cache.proc.wait(timeout=DATA_CACHE_TIMEOUT_SECONDS) == 2
+        assert "is not a file: give the path of the store's CA certificate(s)" in cache.read_stderr()
+    finally:
+        cache.stop()
