@@ -261,8 +261,9 @@ class DataCacheDataset(IterableDataset):
 
     ``even`` makes every shard the same size so every rank yields the same number of batches
     (DDP needs that): ``"drop"`` leaves out up to ``num_shards - 1`` rows per epoch, ``"pad"``
-    repeats as many. ``drop_last=True`` also drops each shard's final partial batch, so every
-    batch has exactly ``batch_size`` rows; it implies ``even="drop"`` unless ``even`` is given.
+    repeats as many (with more shards than rows, a row more than twice). ``drop_last=True`` also
+    drops each shard's final partial batch, so every batch has exactly ``batch_size`` rows; it
+    implies ``even="drop"`` unless ``even`` is given.
     With neither, every row is yielded exactly once per epoch over all ranks and workers.
     """
 

@@ -14,7 +14,8 @@ from kubeflow_data_cache.errors import ConfigError
 
 # The `server` extra of images/cache/pyproject.toml, as the modules it provides.
 SERVER_MODULES = ("pyiceberg", "datafusion", "prometheus_client")
-SERVER_INSTALL = "pip install 'kubeflow-data-cache[server]'"
+# The package is installed from a checkout (it is on no index): the command says so.
+SERVER_INSTALL = 'pip install "./images/cache[server]" (from a checkout of this repository)'
 
 
 def missing_server_modules() -> list[str]:
