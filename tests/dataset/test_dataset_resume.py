@@ -131,7 +131,7 @@ def test_a_state_from_a_finished_epoch_does_not_rewind_a_later_one(cache):
     done.set_epoch(4)
     assert len(ids_of(done._iter_world(world))) == ROWS
     state = done.state_dict()
-    assert (state["epoch"], state["rows"]) == (4, ROWS)
+    assert (state["epoch"], state["rows"]) == (4, 0)  # read to its end: nothing left to resume
 
     reference = make(cache)
     reference.set_epoch(5)
@@ -166,6 +166,28 @@ def test_stateful_dataloader_resumed_after_a_finished_epoch_reads_the_next(cache
     assert np.array_equal(ids, epoch5) and not np.array_equal(ids, epoch4)
 
 
+def test_a_read_run_to_its_end_leaves_nothing_to_resume_and_one_not_ended_its_empty_rest(cache):
+    """A state saved once an epoch's read had ended (an unshuffled loop that never calls
+    set_epoch, say) made the resumed run's next read of that epoch yield nothing: an epoch
+    silently skipped. A read that handed out every row but has not ended yet resumes to its end."""
+    ended = make(cache)
+    assert len(ids_of(ended)) == ROWS
+    state = ended.state_dict()
+    assert (state["epoch"], state["rows"]) == (0, 0)
+    resumed = make(cache)
+    resumed.load_state_dict(state)
+    assert sorted(ids_of(resumed)) == list(range(ROWS))
+
+    handed_out = make(cache)
+    batches = iter(handed_out)
+    assert len(ids_of(next(batches) for _ in range(ROWS // 100))) == ROWS  # batches of 100
+    state = handed_out.state_dict()
+    assert (state["epoch"], state["rows"]) == (0, ROWS)
+    resumed = make(cache)
+    resumed.load_state_dict(state)
+    assert ids_of(resumed) == []
+
+
 def test_stateful_dataloader_without_workers_saves_and_resumes_in_this_process(cache):
     ds = make(cache)
     ds.set_epoch(3)
@@ -190,25 +212,49 @@ def test_stateful_dataloader_without_workers_saves_and_resumes_in_this_process(c
 WORKERS_HOLD_THE_POSITIONS = "positions to save are in the workers"
 
 
-def test_shared_ints_reach_forked_and_spawned_processes_but_a_checkpoint_holds_the_numbers():
+class _WritesShared(torch.utils.data.IterableDataset):
+    """Writes its shared numbers where it is read: in a DataLoader worker."""
+
+    def __init__(self) -> None:
+        self.number, self.slots = SharedInt(1), SharedInts(4)
+
+    def __iter__(self):
+        self.number.value = 7
+        self.slots[2] = -3
+        yield 0
+
+
+def _write_shared(number: SharedInt, slots: SharedInts, out) -> None:
+    number.value = 9
+    slots[1] = 5
+    out.put((number.value, slots.values()))
+
+
+def test_shared_ints_reach_dataloader_workers_only_and_a_checkpoint_holds_the_numbers():
+    for method in ("fork", "spawn", "forkserver"):
+        dataset = _WritesShared()
+        assert list(
+            DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context=method, timeout=60)
+        ) == [0]
+        assert (dataset.number.value, dataset.slots.values()) == (7, [0, 0, -3, 0]), method
+    # Any other process handed them (mp.spawn(train, args=(dataset,)), a forked rank) copies
+    # them at its first use: every rank wrote the same worker slots and the same epoch.
     for method in ("fork", "spawn"):
-        shared = SharedInt(1)
-        child = multiprocessing.get_context(method).Process(target=setattr, args=(shared, "value", 7))
+        context = multiprocessing.get_context(method)
+        shared, slots, out = SharedInt(1), SharedInts(4), context.Queue()
+        child = context.Process(target=_write_shared, args=(shared, slots, out))
         child.start()
+        assert out.get(timeout=60) == (9, [0, 5, 0, 0]), method
         child.join(60)
-        assert child.exitcode == 0 and shared.value == 7, method
+        assert child.exitcode == 0 and (shared.value, slots.values()) == (1, [0, 0, 0, 0]), method
+    shared.value = 7
     # Pickled outside a process start (torch.save, deepcopy): the number alone, then independent.
     assert shared.__getstate__() == {"value": 7}
     for copy in (pickle.loads(pickle.dumps(shared)), deepcopy(shared)):
         assert copy.value == 7
         copy.value = 8
         assert shared.value == 7
-    for method in ("fork", "spawn"):
-        slots = SharedInts(4)
-        child = multiprocessing.get_context(method).Process(target=slots.__setitem__, args=(2, -3))
-        child.start()
-        child.join(60)
-        assert child.exitcode == 0 and slots.values() == [0, 0, -3, 0], method
+    slots[2] = -3
     assert slots.__getstate__() == {"values": [0, 0, -3, 0]}
     copy = deepcopy(slots)
     copy.clear()

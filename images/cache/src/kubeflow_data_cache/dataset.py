@@ -254,6 +254,8 @@ class _Progress:
     # The order the nodes stream a shuffled shard in (protocol.ORDER_VERSION), which a row count
     # means as much as the lengths. None until the head has answered, or unshuffled.
     order: int | None = None
+    # The read ran to its end (the iterator raised StopIteration), not only handed out its rows.
+    done: bool = False
 
 
 class DataCacheDataset(IterableDataset):
@@ -356,7 +358,8 @@ class DataCacheDataset(IterableDataset):
         return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (its shuffle order), like DistributedSampler.set_epoch."""
+        """Select the epoch (its shuffle order), like DistributedSampler.set_epoch: before the
+        epoch's ``iter(loader)`` (DataLoader workers start reading as it returns)."""
         # Shared with the workers as a signed 64-bit integer, which also holds epoch + 1 (a
         # worker's mark while it reads, shared_epoch.py): so at most 2**63 - 2.
         number = int_arg(epoch)
@@ -371,9 +374,10 @@ class DataCacheDataset(IterableDataset):
         """Close the connection kept between epochs (the next iteration opens a new one)."""
         self._connection.close()
 
-    def shard_request(self, world: World) -> ShardRequest:
-        """The request this reader sends for the current epoch."""
-        return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=self.epoch)
+    def shard_request(self, world: World, epoch: int | None = None) -> ShardRequest:
+        """The request this reader sends for ``epoch`` (default: the current epoch)."""
+        epoch = self.epoch if epoch is None else epoch
+        return replace(self._request, shard=world.shard, num_shards=world.num_shards, epoch=epoch)
 
     def batches_per_epoch(self, num_workers: int = 0) -> int:
         """How many batches this rank yields in the current epoch, read with ``num_workers``
@@ -429,31 +433,37 @@ class DataCacheDataset(IterableDataset):
     def _iter_world(self, world: World) -> Iterator[Any]:
         """Set up this reader's epoch at the first ``next()``, then stream.
 
-        A generator, so nothing is fixed at ``iter()``: like DistributedSampler's iterator, one
-        made before ``set_epoch`` (``iter(loader)``, then ``set_epoch(e)``, then the first batch)
-        reads epoch ``e``. Set up at ``iter()``, it read the epoch before, and state_dict()
-        described epoch ``e`` while the rows handed out were the old epoch's. Until the first
-        ``next()`` state_dict() says what it said before the iterator was made (the saved
-        position still to resume, or nothing of this epoch read), which is where it stands."""
-        request = self.shard_request(world)
-        skip, streams, order = self._take_resume(world)
+        A generator, so nothing is fixed at ``iter()``: in this process (``num_workers=0``), like
+        DistributedSampler's iterator, one made before ``set_epoch`` (``iter(loader)``, then
+        ``set_epoch(e)``, then the first batch) reads epoch ``e``. Set up at ``iter()``, it read
+        the epoch before, and state_dict() described epoch ``e`` while the rows handed out were
+        the old epoch's. Until the first ``next()`` state_dict() says what it said before the
+        iterator was made (the saved position still to resume, or nothing of this epoch read),
+        which is where it stands. DataLoader workers start reading as ``iter(loader)`` returns:
+        for them set_epoch comes before it (_stream refuses one that came after).
+
+        The epoch is read once: a worker's parent may change it at any moment, and a request for
+        one epoch recorded as another's was a state naming rows that were not read."""
+        epoch = self.epoch
+        request = self.shard_request(world, epoch)
+        skip, streams, order = self._take_resume(world, epoch)
         slot = None
         if get_worker_info() is not None:
             slot = world.worker_id % WORKER_SLOTS
             # A worker with this id (this one, or its predecessor of a plain DataLoader) read it.
-            read_before = self._worker_reads[slot] == -(self.epoch + 1)
-            self._worker_reads[slot] = self.epoch + 1
+            read_before = self._worker_reads[slot] == -(epoch + 1)
+            self._worker_reads[slot] = epoch + 1
         else:  # this process reads now: what workers read before is no longer the position
-            read_before = self._finished_epoch == self.epoch
+            read_before = self._finished_epoch == epoch
             self._worker_reads.clear()
         if read_before and self.shuffle and not skip:
             self._warn_repeated_epoch()
-        progress = _Progress(self.epoch, world.shard, world.num_shards, skip, streams, order)
+        progress = _Progress(epoch, world.shard, world.num_shards, skip, streams, order)
         current = self._progress
         # The saved position is that of the iterator that last handed out a batch (_stream): a
         # second iterator made beside a reading one (a probe) takes over only when it yields,
         # unless it resumes or nothing of this epoch was handed out yet.
-        if skip or current is None or current.epoch != self.epoch or not current.rows:
+        if skip or current is None or current.epoch != epoch or not current.rows:
             self._progress = progress
         yield from self._stream(request, skip, progress, slot)
 
@@ -468,11 +478,14 @@ class DataCacheDataset(IterableDataset):
                 check_info=self._check_nulls,
             )
             for batch, rows in self._rebatch(record_batches):
+                if slot is not None and self.epoch != progress.epoch:
+                    raise _epoch_changed_error(progress.epoch, self.epoch, slot)
                 # Counted before the yield: state_dict taken after receiving a batch includes it.
                 progress.rows += rows
                 self._progress = progress
                 yield batch
         # Read to the end (not abandoned): this reader's part of the epoch is done.
+        progress.done = True
         if slot is not None:
             self._worker_reads[slot] = -(progress.epoch + 1)
         else:
@@ -606,13 +619,16 @@ class DataCacheDataset(IterableDataset):
 
         In the main process of a plain DataLoader with workers, the workers hold the positions:
         while they are part-way through the epoch this raises, naming the fix; once they have read
-        it to the end, the state says nothing of that epoch (resume with set_epoch(next)).
+        it to the end, the state says nothing of that epoch (resume with set_epoch(next)), as
+        for a read of this process's own that ran to its end.
         """
         if self._read_by_workers():
             return self._empty_state()
         if self._resume is not None:
             return dict(self._resume)
-        if self._progress is None or self._progress.epoch != self.epoch:
+        if self._progress is None or self._progress.epoch != self.epoch or self._progress.done:
+            # A read that ran to its end leaves nothing to resume: the next read of its epoch
+            # reads it whole, resumed or not (its state once made that read yield nothing).
             return self._empty_state()
         return self._state(self._progress)
 
@@ -672,11 +688,11 @@ class DataCacheDataset(IterableDataset):
         self._epoch.value = saved
         self._resume = dict(state) if state["rows"] > 0 else None
 
-    def _take_resume(self, world: World) -> tuple[int, list[int] | None, int | None]:
-        """Rows to leave out of this reader's epoch, and the stream lengths and shuffled order
-        they were counted in (None where the state does not say)."""
+    def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None]:
+        """Rows to leave out of this reader's read of ``epoch``, and the stream lengths and
+        shuffled order they were counted in (None where the state does not say)."""
         state, self._resume = self._resume, None
-        if state is None or state["epoch"] != self.epoch:
+        if state is None or state["epoch"] != epoch:
             return 0, None, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
@@ -686,6 +702,17 @@ class DataCacheDataset(IterableDataset):
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
         order = state.get("order")  # absent in states saved before orders were versioned
         return int(state["rows"]), (list(streams) if streams is not None else None), order
+
+
+def _epoch_changed_error(reading: int, selected: int, worker: int) -> RuntimeError:
+    """set_epoch while a DataLoader worker reads: some workers read one epoch, some the other."""
+    return RuntimeError(
+        f"set_epoch({selected}) was called while DataLoader worker {worker} was reading epoch {reading}: "
+        "workers start reading as iter(loader) returns, so workers that started before the call read "
+        f"epoch {reading} and any that started after read epoch {selected}, repeating some rows and "
+        "leaving out others. Call dataset.set_epoch(epoch) before iter(loader) (before the epoch's "
+        "for loop), as with DistributedSampler"
+    )
 
 
 def _check_streams(

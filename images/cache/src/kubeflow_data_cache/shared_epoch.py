@@ -9,34 +9,64 @@ Kept in shared memory instead, a ``SharedInt`` written on either side reaches th
 the workers were started: forked workers map the same page, and spawn and forkserver workers are
 handed it by multiprocessing as it starts them. Any other pickling (a checkpoint, a deepcopy)
 stores the number alone.
+
+Only DataLoader workers share it. A dataset handed to other processes (``mp.spawn(train,
+args=(dataset,))``, a forked rank) reaches them the same way, and every rank then wrote the
+same worker slots: one rank's finished worker hid another's read in progress from its
+state_dict(). So the first use in a process that is neither the one that made the memory nor a
+DataLoader worker copies the numbers into memory of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import os
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 
-class _Shared:
-    """Pickling for shared memory: handed over as it is while multiprocessing starts a worker,
-    as plain numbers otherwise (``_plain`` / ``_restore``)."""
+def _in_dataloader_worker() -> bool:
+    from torch.utils.data import get_worker_info  # only the dataset (the torch extra) uses this module
 
-    _shared: Any
+    return get_worker_info() is not None
+
+
+class _Shared:
+    """Pickling for shared memory: handed over as it is while multiprocessing starts a process,
+    as plain numbers otherwise (``_plain`` / ``_restore``); kept shared, in the new process,
+    only where that is a DataLoader worker (``_shared``)."""
+
+    _shared_memory: Any
+    _owner: int | None  # the pid that may use _shared_memory without asking; None: ask first
+
+    def _adopt(self, memory: Any) -> None:
+        self._shared_memory, self._owner = memory, os.getpid()
+
+    @property
+    def _shared(self) -> Any:
+        if self._owner != os.getpid():  # a process started with us (forked or handed the memory)
+            if not _in_dataloader_worker():
+                self._restore(self._plain_of(self._shared_memory))  # a copy of its own
+            self._owner = os.getpid()
+        return self._shared_memory
 
     def __getstate__(self) -> dict[str, Any]:
-        if get_spawning_popen() is not None:  # multiprocessing is starting a worker with us
+        if get_spawning_popen() is not None:  # multiprocessing is starting a process with us
             return {"shared": self._shared}
         return self._plain()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "shared" in state:
-            self._shared = state["shared"]
+            self._shared_memory, self._owner = state["shared"], None
         else:
             self._restore(state)
 
     def _plain(self) -> dict[str, Any]:
+        return self._plain_of(self._shared)
+
+    @staticmethod
+    def _plain_of(memory: Any) -> dict[str, Any]:
         raise NotImplementedError
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -47,7 +77,7 @@ class SharedInt(_Shared):
     """A 64-bit integer in shared memory, shared with the processes multiprocessing starts."""
 
     def __init__(self, value: int = 0) -> None:
-        self._shared = multiprocessing.RawValue(ctypes.c_int64, value)
+        self._adopt(multiprocessing.RawValue(ctypes.c_int64, value))
 
     @property
     def value(self) -> int:
@@ -57,8 +87,9 @@ class SharedInt(_Shared):
     def value(self, value: int) -> None:
         self._shared.value = value
 
-    def _plain(self) -> dict[str, Any]:
-        return {"value": self.value}
+    @staticmethod
+    def _plain_of(memory: Any) -> dict[str, Any]:
+        return {"value": int(memory.value)}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.__init__(state["value"])
@@ -69,7 +100,7 @@ class SharedInts(_Shared):
     DataLoader worker lets each write its own without a lock."""
 
     def __init__(self, size: int, values: list[int] | None = None) -> None:
-        self._shared = multiprocessing.RawArray(ctypes.c_int64, values if values is not None else size)
+        self._adopt(multiprocessing.RawArray(ctypes.c_int64, values if values is not None else size))
 
     def __len__(self) -> int:
         return len(self._shared)
@@ -86,8 +117,9 @@ class SharedInts(_Shared):
     def clear(self) -> None:
         ctypes.memset(self._shared, 0, ctypes.sizeof(self._shared))
 
-    def _plain(self) -> dict[str, Any]:
-        return {"values": self.values()}
+    @staticmethod
+    def _plain_of(memory: Any) -> dict[str, Any]:
+        return {"values": list(memory)}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.__init__(len(state["values"]), state["values"])
