@@ -34,7 +34,8 @@ def test_create_twice_is_409_already_exists_and_get_of_nothing_is_404(kube):
     assert missing.value.not_found
 
 
-def test_a_merge_patch_with_a_stale_resource_version_is_409_conflict(kube):
+def test_a_merge_patch_with_a_stale_resource_version_is_409_conflict(fake, kube):
+    fake.allowed = None  # the fake's semantics, not the initializer's Role (which may not patch Services)
     created = kube.create(SERVICES, NAMESPACE, SERVICE)
     kube.patch(SERVICES, NAMESPACE, "svc", {"metadata": {"labels": {"x": "1"}}})
     stale = {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"], "labels": {"x": "2"}}}

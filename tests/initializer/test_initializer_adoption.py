@@ -110,7 +110,9 @@ def test_adopted_objects_that_drifted_are_patched_back(fake, make_sim, run_initi
     sim = make_sim("healthy")
     env = initializer_env(sim)
     assert run_initializer(env)[0] == 0
-    fake.update("services", NAMESPACE, "job-a-cache-service", lambda s: s["spec"].update(selector={"app": "other"}))
+    fake.update(
+        "services", NAMESPACE, "job-a-cache-service", lambda o: o["metadata"]["labels"].pop("app.kubernetes.io/name")
+    )
     containers = [{"name": "cache", "image": "example.com/other:1"}]
     by_hand = {"spec": {"leaderWorkerTemplate": {"workerTemplate": {"spec": {"containers": containers}}}}}
     fake.patch("leaderworkersets", "LeaderWorkerSet", NAMESPACE, "job-a-cache", by_hand, "application/merge-patch+json")
@@ -121,9 +123,10 @@ def test_adopted_objects_that_drifted_are_patched_back(fake, make_sim, run_initi
     code, error = run_initializer(env)
 
     assert (code, error) == (0, "")
-    cfg = load_config(env)
     service = fake.get("services", NAMESPACE, "job-a-cache-service")
-    assert service["spec"]["selector"] == build_service(cfg, [])["spec"]["selector"]
+    # A Service is never patched: a label it lost is left so, and said.
+    assert "app.kubernetes.io/name" not in service["metadata"]["labels"]
+    assert ".metadata.labels.app.kubernetes.io/name differ from this run's, kept as they are" in caplog.text
     lws = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
     assert lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["image"] == env["CACHE_IMAGE"]
     assert lws["metadata"]["generation"] == 3  # created, edited by hand, restored
@@ -131,6 +134,30 @@ def test_adopted_objects_that_drifted_are_patched_back(fake, make_sim, run_initi
     sa = fake.get("serviceaccounts", NAMESPACE, "job-a-cache")
     assert sa["metadata"]["labels"]["app.kubernetes.io/name"] == "data-cache"
     assert "restoring .spec.leaderWorkerTemplate.workerTemplate.spec.containers[0].image" in caplog.text
+    assert fake.rejected == []
+
+
+def test_a_service_whose_spec_drifted_is_refused_naming_it_not_patched(fake, make_sim, run_initializer):
+    """The initializer may not patch Services (its Role would let any pod running as it repoint
+    every Service of the namespace): a cache Service edited between two attempts is named, with
+    the command that deletes it, and the next attempt makes it anew."""
+    add_train_job(fake, "job-a")
+    sim = make_sim("healthy")
+    env = initializer_env(sim)
+    assert run_initializer(env)[0] == 0
+    fake.update("services", NAMESPACE, "job-a-cache-service", lambda s: s["spec"]["selector"].update(app="other"))
+
+    code, output = run_initializer(env)
+
+    assert code == 1
+    assert f"Service {NAMESPACE}/job-a-cache-service, made for this TrainJob by an earlier attempt" in output
+    assert ".spec.selector.app" in output and "may not change Services" in output
+    assert f"kubectl delete service job-a-cache-service -n {NAMESPACE}" in output
+    assert fake.get("services", NAMESPACE, "job-a-cache-service")["spec"]["selector"]["app"] == "other"
+    fake.delete("services", NAMESPACE, "job-a-cache-service")
+    assert run_initializer(env)[0] == 0
+    service = fake.get("services", NAMESPACE, "job-a-cache-service")
+    assert service["spec"]["selector"] == build_service(load_config(env), [])["spec"]["selector"]
     assert fake.rejected == []
 
 

@@ -25,7 +25,7 @@ def test_the_initializer_calls_exactly_the_required_permissions(fake, make_sim, 
     assert run_initializer(env)[0] == 0  # create, wait, re-list after 410
     for plural, name in (("services", "job-a-cache-service"), ("serviceaccounts", "job-a-cache")):
         fake.update(plural, NAMESPACE, name, lambda obj: obj["metadata"]["labels"].clear())
-    assert run_initializer(env)[0] == 0  # adopt and restore by patch
+    assert run_initializer(env)[0] == 0  # adopt; restore the ServiceAccount by patch, keep the Service
     shared = {"DATA_CACHE_SHARED": "true"}
     sim.scenario = "healthy"
     assert run_initializer(initializer_env(sim, "job-b", **shared))[0] == 0
@@ -70,10 +70,11 @@ def test_required_permissions_are_well_formed():
 def test_a_missing_grant_names_the_verb_the_resource_and_how_to_bind_it(fake, make_sim, run_initializer):
     """Each needed grant, taken away in turn, fails the run naming it and the two ways to bind."""
     add_train_job(fake, "job-a")
+    sim = make_sim("healthy")  # one cache simulator: its health port is in the Service each run makes
     for group, plural, verb in [("leaderworkerset.x-k8s.io", "leaderworkersets", "create"),
                                 ("", "pods", "watch"), ("", "secrets", "create")]:  # fmt: skip
         fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS} - {(group, plural, verb)}
-        code, error = run_initializer(initializer_env(make_sim("healthy")))
+        code, error = run_initializer(initializer_env(sim))
         what = f"{plural}.{group}" if group else plural
         assert code == 1, error
         assert f"may not `{verb}` {what} in namespace {NAMESPACE}" in error

@@ -3,7 +3,8 @@
 `ensure` POSTs the desired object. On 409 it reads the existing one and decides:
 
 * being deleted: wait (LeaderWorkerSet, with a watch) until it is gone, then create it again;
-* owned by this TrainJob: adopt it, and patch it back to the desired spec if it drifted;
+* owned by this TrainJob: adopt it, and patch it back to the desired spec if it drifted (a
+  Service is never patched: its spec drifted is refused naming the fix, see NOT_PATCHED);
 * shared cache: check it holds the same table, add this TrainJob as one more owner reference
   (a merge patch guarded by resourceVersion, retried on conflict), and use it as it is;
 * anything else: `ForeignObjectError`, naming the object and its owners.
@@ -41,6 +42,12 @@ def differences(want: Any, have: Any, path: str = "") -> list[str]:
 
 # Maps that must match exactly, not just contain ours: an extra selector key selects no pod.
 EXACT_MAPS = {"Service": (("spec", "selector"),)}
+# Kinds the initializer's Role may create but not patch. `patch` on Services would let any pod
+# running as its ServiceAccount point every Service of the namespace at pods of its choosing
+# (in `default`, the `kubernetes` Service, which the API server does not restore); a Service of
+# ours that drifted is rare (edited by hand between two attempts of one initializer) and is
+# refused naming the object to delete, or, where only labels or annotations differ, kept.
+NOT_PATCHED = {"Service"}
 
 
 def _exact_map_extras(desired: dict, existing: dict) -> dict[tuple[str, ...], list[str]]:
@@ -169,8 +176,24 @@ def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, 
     if not drift:
         log.info("adopted %s, created by an earlier run of this initializer", _describe(existing))
         return existing
+    if desired["kind"] in NOT_PATCHED:
+        return _adopt_unpatched(existing, drift)
     log.info("adopted %s; restoring %s", _describe(existing), ", ".join(drift))
     return _patch_guarded(kube, resource, existing, lambda current: fields)
+
+
+def _adopt_unpatched(existing: dict, drift: list[str]) -> dict:
+    body = [path for path in drift if not path.startswith(".metadata")]
+    if body:
+        meta = existing["metadata"]
+        raise InitializerError(
+            f"{_describe(existing)}, made for this TrainJob by an earlier attempt, differs from what this "
+            f"attempt would create in {', '.join(body)} (edited since?), and the initializer may not change "
+            f"{existing['kind']}s: delete it (kubectl delete {existing['kind'].lower()} {meta['name']} -n "
+            f"{meta['namespace']}); the initializer's retry, or the TrainJob created again, makes it anew"
+        )
+    log.warning("adopted %s; its %s differ from this run's, kept as they are", _describe(existing), ", ".join(drift))
+    return existing
 
 
 def _join_shared(kube: Kube, resource: Resource, desired: dict, existing: dict, owner: dict) -> dict:

@@ -16,10 +16,10 @@ REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "create"),
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "patch"),
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "delete"),
-    # The per-TrainJob Service and the cache pods' ServiceAccount: created or adopted, restored by patch.
+    # The per-TrainJob Service: created or adopted, never patched (apply.NOT_PATCHED).
     ("", "services", "get"),
     ("", "services", "create"),
-    ("", "services", "patch"),
+    # The cache pods' ServiceAccount: created or adopted, restored by patch, joined when shared.
     ("", "serviceaccounts", "get"),
     ("", "serviceaccounts", "create"),
     ("", "serviceaccounts", "patch"),
