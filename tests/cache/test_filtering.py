@@ -44,7 +44,7 @@ def test_predicates_select_their_rows(store, predicate, rows):
 @pytest.mark.parametrize(
     "predicate",
     [
-        "id < 5) UNION ALL SELECT 0 --",  # would serve row 0 twice, and rows that are not there
+        "id < 5) UNION ALL SELECT 0 WHERE (0 = 0",  # would serve row 0 twice, and rows that are not there
         "id < 3) UNION ALL SELECT __dc_row FROM data WHERE (id < 2",
         "id < 2; DROP TABLE data",
         f"{ROW_COLUMN} < 3",  # the internal row number is not a column of the table
@@ -176,6 +176,17 @@ def test_a_node_without_rows_checks_the_filter_all_the_same():
         # Values far larger than the rows: repeat() took a node to 22 GB, then an abort.
         ("length(repeat(name, 100000000)) > 0", "repeat() can make values far larger than the rows"),
         ("length(lpad(name, 1000000000)) > 0", "lpad() can make values far larger"),
+        # Nested, each of these multiplies a value's length: seven regexp_replace of an empty
+        # pattern (a 247-character filter) took 100 rows from 70 to 269 MiB.
+        ("length(regexp_replace(name, '', 'xxxx', 'g')) > 0", "regexp_replace() can make values far larger"),
+        ("length(replace(name, '', 'xxxx')) > 0", "replace() can make values far larger"),
+        ("length(encode(name, 'hex')) > 0", "encode() can make values far larger"),
+        # Comments hid a chain of additions from the count (/* ' */ read as the start of a quote).
+        ("/* ' */ id" + " + id" * 1000 + " > 0 /* ' */", "holds a comment"),
+        ("id = 1 -- and then", "holds a comment"),
+        ("id = $$1$$", "holds a $"),
+        # E'...' escapes its quote with a backslash: read as '...', '\'' hid the ORs between two.
+        ("name = E'\\'' OR " + " OR ".join(f"id = {i}" for i in range(70)) + " OR name = E'\\''", "has 143 operators"),
     ],
 )
 def test_a_filter_too_costly_for_a_node_is_refused(store, predicate, refusal):
@@ -190,8 +201,10 @@ def test_a_filter_too_costly_for_a_node_is_refused(store, predicate, refusal):
     [
         (" OR ".join(f"id = {i}" for i in range(64)), list(range(10))),  # 127 operators: within the cap
         ("id IN (" + ", ".join(map(str, range(0, 10_000, 2))) + ")", [0, 2, 4, 6, 8]),  # long lists are cheap
-        # Operators inside quotes are data and names, not operators.
+        # Operators inside quotes are data and names, not operators; nor are comment marks.
         ("name = '" + "+-*/%=<>" * 40 + "' OR id = 1", [1]),
+        ("name = '--/*$' OR \"id\" = 2", [2]),
+        ("name = E'it\\'s' OR id = 3", [3]),  # E'...' with an escaped quote
     ],
 )
 def test_large_but_cheap_filters_are_served(store, predicate, rows):

@@ -31,6 +31,8 @@ def test_a_well_formed_order_parses():
     assert [(p.path, p.start, p.stop) for p in order.pieces] == [("a.parquet", 0, 5), ("b.parquet", 3, 18)]
     with_counts = {**GOOD, "pieces": [{"path": "a.parquet", "start": 0, "stop": 20, "file_rows": 20}]}
     assert LoadOrder.parse(with_counts).pieces[0].file_rows == 20
+    # The whole table's rows (what a ticket's row space may hold); absent from older heads' orders.
+    assert LoadOrder.parse({**GOOD, "table_rows": 45}).table_rows == 45 and LoadOrder.parse(GOOD).table_rows is None
 
 
 @pytest.mark.parametrize(
@@ -46,6 +48,8 @@ def test_a_well_formed_order_parses():
         ({"global_stop": 31}, "add up"),
         ({"snapshot_id": "7"}, "'snapshot_id'"),
         ({"metadata_location": ""}, "'metadata_location'"),
+        ({"table_rows": 29}, "'table_rows' should be null or an integer >= 'global_stop'"),
+        ({"table_rows": "45"}, "'table_rows'"),
     ],
 )
 def test_a_malformed_order_is_refused_naming_the_field(change, message):

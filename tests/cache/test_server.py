@@ -186,8 +186,15 @@ def test_bad_and_stale_tickets(small_cache):
         ({"order": 7}, "shuffled order 7 is not the one this node streams"),
         ({"v": 1.0}, "ticket protocol version 1.0 is not supported"),
         ({"v": True}, "ticket protocol version True is not supported"),
-        # Too many blocks for a shuffle: refused before the stream, not as an INTERNAL inside it.
-        ({"total": 10**12, "request": {**body["request"], "shuffle": True, "block_size": 1}}, "blocks is refused"),
+        # A row space larger than the table's: it sized the node's shuffle order at will (2**41
+        # rows in blocks of 2**20: 121 MiB and 0.55 s per seed, before any memory guard).
+        (
+            {"total": 2**41, "request": {**body["request"], "shuffle": True, "block_size": 2**20}},
+            f"in a space of {2**41} rows, more than the table's 10000",
+        ),
+        # Past int64: an OverflowError deep in the stream (INTERNAL, a traceback logged) before.
+        ({"offset": 10**30, "total": 10**30 + ticket.node_rows}, "'offset' should be <= 9223372036854775807"),
+        ({"total": 2**63, "node_rows": 0}, "'total' should be <= 9223372036854775807"),
     ):
         with pytest.raises(pa.ArrowInvalid) as refused:
             node.do_get(flight.Ticket(json.dumps({**body, **change}).encode())).read_all()

@@ -119,6 +119,9 @@ class Head(ReadOnlyFlight):
                 "snapshot_id": self.plan.snapshot_id,
                 "global_start": a.global_start,
                 "global_stop": a.global_stop,
+                # The whole table's rows: a node refuses tickets placed in a larger row space,
+                # which no head issues (a hand-made one sized the node's shuffle order at will).
+                "table_rows": max(b.global_stop for b in self.assignments),
                 "pieces": [p.to_dict() for p in a.pieces],
                 **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
             },

@@ -115,6 +115,7 @@ class LoadOrder:
     global_start: int
     global_stop: int
     pieces: tuple[Piece, ...]
+    table_rows: int | None = None  # absent from older heads' orders
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> LoadOrder:
@@ -159,7 +160,12 @@ class LoadOrder:
             sum(p.stop - p.start for p in pieces) == stop - start,
             "the pieces' rows should add up to global_stop - global_start",
         )
-        return cls(generation, location, snapshot, start, stop, tuple(pieces))
+        table_rows = body.get("table_rows")
+        need(
+            table_rows is None or (integer(table_rows) and table_rows >= stop),
+            "'table_rows' should be null or an integer >= 'global_stop'",
+        )
+        return cls(generation, location, snapshot, start, stop, tuple(pieces), table_rows)
 
 
 class DataNode(ReadOnlyFlight):
@@ -170,6 +176,7 @@ class DataNode(ReadOnlyFlight):
         self.lifecycle = Lifecycle()
         self.location = cfg.location(self.port)
         self.store: NodeStore | None = None
+        self.table_rows: int | None = None  # the whole table's, from the head's load order
         self.metrics.follow(
             self.lifecycle,
             lambda: self.store.num_rows if self.store is not None else 0,
@@ -320,7 +327,7 @@ class DataNode(ReadOnlyFlight):
             if self.generation == order.generation:
                 return  # the head re-sent the same assignment: already loading or loaded
             self.generation = order.generation
-            self.store, self.filters = None, None
+            self.store, self.filters, self.table_rows = None, None, None
             previous = self._load_thread
             self.lifecycle.set(LOADING, "reading data files")
             # A newer assignment (a restarted head) supersedes a load still running: that one
@@ -372,6 +379,7 @@ class DataNode(ReadOnlyFlight):
             if not self._current(order):
                 return  # superseded by a newer assignment while loading
             self.store, self.filters = store, FilterCache(store)
+            self.table_rows = order.table_rows
             self.load_seconds = time.monotonic() - started
         self.metrics.load_seconds.set(self.load_seconds)
         self.lifecycle.set(READY, f"{store.num_rows} rows loaded")
@@ -442,11 +450,18 @@ class DataNode(ReadOnlyFlight):
     def do_get(self, context, ticket):
         t = protocol.Ticket.from_json(ticket.ticket)
         self.lifecycle.require_ready()
-        store, filters = self.store, self.filters
+        store, filters, table_rows = self.store, self.filters, self.table_rows
         if t.generation != self.generation or t.node != self.cfg.node_index:
             raise StaleTicketError(
                 f"stale ticket: issued for data node {t.node} load {t.generation}, this is data node {self.cfg.node_index} "
                 f"load {self.generation}: ask the head for a new FlightInfo"
+            )
+        if table_rows is not None and t.total > table_rows:
+            # Heads place a ticket in the table's (or its filter's) rows; the row space sizes
+            # the shuffle order built below, before any memory guard: hundreds of MiB at will.
+            raise BadRequestError(
+                f"the ticket places its rows in a space of {t.total} rows, more than the table's {table_rows}: "
+                "tickets come from the head's GetFlightInfo, unchanged but for their skip"
             )
         req = t.request
         schema = store.project(req.columns)
