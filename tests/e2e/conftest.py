@@ -184,7 +184,7 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
     if os.environ.get("KEEP_CLUSTER") == "1" or request.config.getoption("keep_cluster"):
         print(f"\nkeeping kind cluster {CLUSTER_NAME} (kind delete cluster --name {CLUSTER_NAME})")
         return
-    cluster.delete()
+    cluster.delete_bounded()
 
 
 @pytest.fixture(scope="session")

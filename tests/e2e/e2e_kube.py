@@ -69,6 +69,10 @@ class E2EKindCluster(KindCluster):
             kubeconfig = run([str(self.kind_path), "get", "kubeconfig", f"--name={self.name}"], timeout=60)
             Path(self.kubeconfig_path).write_text(kubeconfig)
 
+    def delete_bounded(self, timeout: float = 300) -> None:
+        """pytest-kind's ``delete`` waits on `kind delete cluster` without a deadline."""
+        run([str(self.kind_path), "delete", "cluster", f"--name={self.name}"], timeout=timeout)
+
 
 # What a failure dump holds, each kind on its own; the cluster-scoped ones say whether the
 # install got as far as its webhooks (and their caBundle), runtimes and CRDs.

@@ -409,6 +409,9 @@ def test_kind_node_image_is_pinned_to_kubernetes_1_31_or_newer() -> None:
     m = re.fullmatch(r"kindest/node:v1\.(\d+)\.\d+@sha256:[0-9a-f]{64}", images.pop())
     assert m and int(m.group(1)) >= 31
     assert f"kind {KIND_VERSION}" in KIND_CONFIG.read_text()
+    # Each node offers the host's CPUs: the kustomize install's controllers and a cached TrainJob
+    # did not fit beside the control plane on one node of a 4-CPU runner.
+    assert [node["role"] for node in config["nodes"]] == ["control-plane", "worker", "worker"]
 
 
 def test_images_script_names_the_images_the_suite_uses() -> None:
