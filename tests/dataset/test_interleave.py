@@ -114,3 +114,43 @@ def test_a_stream_that_goes_past_its_length_is_an_error_not_cut_short():
     assert ended == [3, 6] or sorted(ended) == [3, 6]
     with pytest.raises(DataCacheError, match="stream 0 went past the 4 rows its ticket holds"):
         ids(interleave([stream(0, 6, 4), stream(1000, 4, 4)], [4, 4], 2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 400), min_size=2, max_size=5),
+    unit=st.integers(1, 12),
+    cut=st.integers(1, 90),
+    window=st.integers(1, 64),
+    data=st.data(),
+)
+def test_small_units_taken_a_window_at_a_time_come_in_the_sliced_order(lengths, unit, cut, window, data):
+    """Units below SLICED_UNIT_ROWS are gathered by one take per window (interleave._taken), not
+    sliced one by one: the same rows in the same order, resumed from any point, in windows of any
+    size (a window's edge may fall between two units at the same position)."""
+    from kubeflow_data_cache import interleave as module
+
+    firsts = [1000 * i for i in range(len(lengths))]
+
+    def read(path, point):
+        cursors = [
+            module._Cursor(stream(f + k, n - k, cut)) for f, n, k in zip(firsts, lengths, point.skips, strict=True)
+        ]
+        return ids(path(cursors, list(lengths), unit, point))
+
+    start = data.draw(st.integers(0, sum(lengths)))
+    point = resume_point(lengths, unit, start)
+    sliced = read(module._sliced, point)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "TAKEN_WINDOW_ROWS", window * unit)
+        assert read(module._taken, point) == sliced
+    assert (
+        ids(interleave([stream(f, n, cut) for f, n in zip(firsts, lengths, strict=True)], lengths, unit))[start:]
+        == sliced
+    )
+
+
+def test_a_taken_window_gives_whole_batches_not_a_slice_per_unit():
+    batches = list(interleave([stream(0, 5000, 700), stream(10_000, 3000, 700)], [5000, 3000], 1))
+    assert len(batches) < 10 and sum(b.num_rows for b in batches) == 8000
+    assert sorted(ids(batches)) == [*range(5000), *range(10_000, 13_000)]
