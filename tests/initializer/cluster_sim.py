@@ -29,6 +29,7 @@ SCENARIOS = (
     "invalid_image",
     "oom",
     "unschedulable",
+    "evicted",
     "workers_refused",
     "node_load_error",
     "head_load_error",
@@ -251,6 +252,11 @@ class CacheSim:
             cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
             self.fake.update("pods", pods[1]["metadata"]["namespace"], pods[1]["metadata"]["name"],
                              lambda p: p["status"].update(conditions=[cond]))  # fmt: skip
+            return
+        if self.scenario == "evicted":  # the kubelet under memory pressure; its StatefulSet makes it again
+            evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."}
+            self.fake.update("pods", pods[1]["metadata"]["namespace"], pods[1]["metadata"]["name"],
+                             lambda p: p["status"].update(evicted))  # fmt: skip
             return
         if self.scenario in ("image_pull", "image_pull_passes"):
             waiting = {"waiting": {"reason": "ErrImagePull", "message": "manifest unknown"}}

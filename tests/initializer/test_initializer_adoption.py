@@ -176,6 +176,41 @@ def test_an_object_owned_by_another_train_job_is_refused_and_left_alone(fake, ma
     assert fake.get("services", NAMESPACE, "job-a-cache-service") == foreign
 
 
+def test_a_watch_that_breaks_while_a_cache_is_deleted_is_watched_again(fake, make_sim, run_initializer, monkeypatch):
+    """The wait for a terminating shared cache watches it; a dropped connection there ended the
+    run as 'the initializer failed unexpectedly: ProtocolError' (exit 1), training never started."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"), DATA_CACHE_SHARED="true")
+    cache = load_config(env)
+    name = cache_names(cache).cache
+    dying = build_leader_worker_set(cache, [])
+    dying["metadata"].pop("ownerReferences")
+    dying["metadata"] |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "finalizers": ["example.com/slow"]}
+    fake.put("leaderworkersets", dying)
+    streams, dropped = fake.stream_events, threading.Event()
+
+    def drop_the_first(plural, *args, **kwargs):
+        if plural == "leaderworkersets" and not dropped.is_set():
+            dropped.set()
+            raise OSError("connection reset")  # the fake ends the response without its last chunk
+        return streams(plural, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "stream_events", drop_the_first)
+
+    def finish_deletion() -> None:
+        dropped.wait(30)
+        fake.wait_for_watches(("leaderworkersets",))  # the watch made again
+        fake.delete("leaderworkersets", NAMESPACE, name)
+
+    finisher = threading.Thread(target=finish_deletion, daemon=True)
+    finisher.start()
+    code, error = run_initializer(env)
+    finisher.join(30)
+
+    assert (code, error) == (0, "") and dropped.is_set()
+    assert fake.get("leaderworkersets", NAMESPACE, name)["metadata"].get("deletionTimestamp") is None
+
+
 def test_a_cache_being_deleted_is_waited_for_then_created_again(fake, make_sim, run_initializer, caplog):
     """A shared cache whose last TrainJob just went: the LWS is terminating when the next job comes."""
     add_train_job(fake, "job-a")

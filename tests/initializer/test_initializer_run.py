@@ -78,6 +78,8 @@ HOPELESS = [
     ("invalid_image", "cannot pull image ghcr.io/example/data-cache:0.1.0: InvalidImageName"),
     ("oom", "cache pod job-a-cache-0-2 was OOMKilled: its memory limit is too small (raise WORKER_MEM)"),
     ("unschedulable", "cache pod job-a-cache-0-1 is unschedulable: 0/3 nodes are available: 3 Insufficient memory."),
+    # After CACHE_UNSCHEDULABLE_GRACE_SECONDS (0.3 s in these tests): a StatefulSet makes it again.
+    ("evicted", "cache pod job-a-cache-0-1 failed: Evicted The node was low on resource: memory. (for "),
     ("node_load_error", "cache pod job-a-cache-0-1 exited with code 1: load failed: NoSuchKey data/0.parquet"),
     ("head_load_error", "failed load: AccessDenied reading s3://bucket/data/0.parquet"),
 ]
@@ -182,6 +184,8 @@ def test_a_cluster_without_leader_worker_set_is_named(fake, run_initializer):
     [
         # Room for a cluster autoscaler to add a node.
         ("unschedulable", "CACHE_UNSCHEDULABLE_GRACE_SECONDS", "unschedulable", None),
+        # An evicted pod: its StatefulSet makes it again. It failed the run at once.
+        ("evicted", "CACHE_UNSCHEDULABLE_GRACE_SECONDS", "Evicted", None),
         # Pods not created yet: the timeout names what to check.
         ("workers_refused", "CACHE_UNSCHEDULABLE_GRACE_SECONDS", None, "only 1 of the 3 cache pods exist"),
         # A registry blip: the kubelet pulls again.

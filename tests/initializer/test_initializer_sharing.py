@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from kubeflow_cache_initializer.builders import build_leader_worker_set, key_secret_of, shared_cache_name
 from kubeflow_cache_initializer.config import load_config
@@ -151,6 +152,38 @@ def test_a_job_that_joins_a_failed_shared_cache_is_told_its_settings_do_not_appl
     assert code != 0 and "AccessDenied" in error
     assert f"This TrainJob joined shared cache {CACHE}, made by another TrainJob" in error
     assert f"kubectl delete leaderworkerset -n {NAMESPACE} {CACHE}" in error
+
+    # Job A's retry made the cache, with its settings: not "made by another" (it was, as soon as
+    # any other owner was there), and kept for job B.
+    code, retried = run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))
+    assert code != 0 and "AccessDenied" in retried and "made by another TrainJob" not in retried
+    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-a", False), ("job-b", False)]
+
+
+def test_a_shared_cache_deleted_while_a_joined_job_waits_says_so_not_which_settings(fake, make_sim, run_initializer):
+    """Deleted while job B waits on it (by hand, or its last owner's end): B's error said the
+    cache was another job's settings, to delete and run again; there is nothing left to delete."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true")) == (0, "")
+    fake.update("leaderworkersets", NAMESPACE, CACHE, lambda lws: lws.update(status={"conditions": []}))
+
+    def delete_it() -> None:  # once job B has joined it and waits on it
+        deadline = time.monotonic() + 30
+        while ("job-b", False) not in _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)):
+            assert time.monotonic() < deadline, "job B did not join the cache"
+            time.sleep(0.01)
+        fake.wait_for_watches(("leaderworkersets", "pods"))
+        fake.delete("leaderworkersets", NAMESPACE, CACHE)
+
+    deleter = threading.Thread(target=delete_it, daemon=True)
+    deleter.start()
+    code, error = run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true"))
+    deleter.join(30)
+
+    assert code != 0 and f"LeaderWorkerSet {CACHE} was deleted while waiting for it: run the TrainJob again" in error
+    assert "made by another TrainJob" not in error and "kubectl delete" not in error
 
 
 def test_a_job_joining_a_shared_cache_judges_it_by_the_caches_own_size_and_health_port(

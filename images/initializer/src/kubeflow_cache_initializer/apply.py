@@ -21,7 +21,7 @@ from typing import Any
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.builders import cluster_key_entry, with_cluster_key_entry
 from kubeflow_cache_initializer.errors import CacheTimeoutError, ForeignObjectError, InitializerError, KubeApiError
-from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, Kube, Resource
+from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, TRANSIENT_STATUSES, Kube, Resource
 
 log = logging.getLogger(__name__)
 _MISSING = object()
@@ -240,6 +240,12 @@ def _patch_guarded(kube: Kube, resource: Resource, current: dict, make_patch) ->
     raise InitializerError(f"{_describe(current)} kept changing; gave up after {c.PATCH_CONFLICT_RETRIES} patches")
 
 
+def _watch_broke(err: Exception, remaining: float) -> None:
+    """A watch that broke: read the object again (below) and watch again, after a pause."""
+    log.info("the watch broke (%s); reading it again", err)
+    time.sleep(min(remaining, c.GONE_POLL_SECONDS))
+
+
 def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: float, collected: bool = False) -> None:
     """Wait for an object being deleted to go: a shared cache whose last owner went away, or
     (``collected``) one the garbage collector is to delete, its owner gone. LeaderWorkerSets
@@ -262,13 +268,22 @@ def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: floa
             raise CacheTimeoutError(f"{_describe(existing)} was still there at the deadline; {why}")
         if resource == LEADER_WORKER_SETS:
             seconds = max(1, min(int(remaining), c.MAX_WATCH_SECONDS))
-            with kube.watch(resource, namespace, version, seconds, field_selector=f"metadata.name={name}") as stream:
-                for kind, obj in stream:
-                    if kind == "DELETED":
-                        return
-                    if kind == "ERROR":
-                        break
-                    version = obj["metadata"]["resourceVersion"]
+            try:
+                with kube.watch(
+                    resource, namespace, version, seconds, field_selector=f"metadata.name={name}"
+                ) as stream:
+                    for kind, obj in stream:
+                        if kind == "DELETED":
+                            return
+                        if kind == "ERROR":
+                            break
+                        version = obj["metadata"]["resourceVersion"]
+            except KubeApiError as err:
+                if err.status not in TRANSIENT_STATUSES:
+                    raise
+                _watch_broke(err, remaining)
+            except Exception as err:  # a dropped connection, as the cache's own wait takes it (wait._Watcher)
+                _watch_broke(err, remaining)
         else:
             time.sleep(min(remaining, c.GONE_POLL_SECONDS))
         try:

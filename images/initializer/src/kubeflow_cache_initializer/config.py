@@ -30,6 +30,15 @@ _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i
 # A cache pod's interpreter (pyarrow, pyiceberg, gRPC) takes about 130-200 MiB before any row,
 # and a data node's own memory check keeps 400 MiB aside for it: less is a typo ("500m", "512").
 MIN_MEMORY_BYTES = 400 << 20
+# A CPU amount is cores or millicores: other suffixes are valid quantities but not meant ("500M",
+# 500 million cores, for "500m"; "2Gi"), and left the cache pods unschedulable for minutes.
+_CPU = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)m?")
+MAX_CPUS = 1024  # per pod: past any node's
+# CLUSTER_SIZE: the head and at most the cache's 2^14 data nodes.
+MAX_CLUSTER_SIZE = (1 << 14) + 1
+# Plain decimal digits: int() and float() also take "1_0" (10) and other scripts' digits.
+_DIGITS = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
@@ -132,7 +141,7 @@ class _Reader:
 
     def matching(self, name: str, pattern: re.Pattern[str], expected: str, default: str | None = None) -> str:
         value = self.text(name, expected, default)
-        if value and not pattern.match(value):
+        if value and not pattern.fullmatch(value):
             self._bad(name, expected, value)
         return value
 
@@ -141,11 +150,10 @@ class _Reader:
         if not raw:
             return default
         bounds = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-        try:
-            value = int(raw)
-        except ValueError:
+        if not _DIGITS.fullmatch(raw):
             self._bad(name, bounds, raw)
             return default
+        value = int(raw)
         if value < minimum or (maximum is not None and value > maximum):
             self._bad(name, bounds, raw)
         return value
@@ -154,10 +162,7 @@ class _Reader:
         raw = self.env.get(name, "").strip()
         if not raw:
             return default
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
+        value = float(raw) if _DECIMAL.fullmatch(raw) else -1.0
         if not value > 0 or value == float("inf"):
             self._bad(name, "a number of seconds > 0", raw)
             return default
@@ -183,7 +188,7 @@ class _Reader:
 
 def _check_memory(r: _Reader, name: str, value: str) -> None:
     """Memory quantities that cannot be meant: millibytes, and less than the interpreter needs."""
-    if not _QUANTITY.match(value):
+    if not _QUANTITY.fullmatch(value):
         return  # already named as malformed
     if value[-1:] in ("m", "u", "n"):
         r._bad(name, f"a memory size such as {value[:-1]}Mi ({value[-1]} means a thousandth of a byte)", value)
@@ -192,12 +197,22 @@ def _check_memory(r: _Reader, name: str, value: str) -> None:
         r._bad(name, f"at least {MIN_MEMORY_BYTES >> 20}Mi (a cache pod's interpreter alone needs about that)", value)
 
 
+def _check_cpu(r: _Reader, name: str, value: str) -> None:
+    """CPU amounts that cannot be meant: other suffixes than m, none at all, more than a node."""
+    if not _QUANTITY.fullmatch(value):
+        return  # already named as malformed
+    if not _CPU.fullmatch(value):
+        r._bad(name, "a CPU amount in cores or millicores, such as 2, 1.5 or 500m", value)
+    elif not 0.001 <= parse_quantity(value) <= MAX_CPUS:
+        r._bad(name, f"at least 1m (a thousandth of a core) and at most {MAX_CPUS} cores", value)
+
+
 def parse_storage_uri(uri: str) -> tuple[str, str]:
     """`cache://<schema>/<table>` -> (schema, table); ValueError when it is not of that form."""
     if not uri.startswith(STORAGE_URI_SCHEME):
         raise ValueError("no cache:// scheme")
     parts = uri[len(STORAGE_URI_SCHEME) :].split("/")
-    if len(parts) != 2 or not all(_TABLE_PART.match(p) for p in parts):
+    if len(parts) != 2 or not all(_TABLE_PART.fullmatch(p) for p in parts):
         raise ValueError("not exactly <schema>/<table>")
     return parts[0], parts[1]
 
@@ -224,7 +239,7 @@ def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 def _is_secret_name(name: str) -> bool:
     """A Secret's name: a DNS-1123 subdomain of at most 253 characters."""
-    return bool(_DNS_SUBDOMAIN.match(name)) and len(name) <= 253
+    return bool(_DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253
 
 
 def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, ...]:
@@ -272,7 +287,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     cache_image = r.text("CACHE_IMAGE", "the data cache image, e.g. ghcr.io/org/data-cache:0.1.0")
     if cache_image and any(ch.isspace() for ch in cache_image):
         r._bad("CACHE_IMAGE", "an image reference without spaces", cache_image)
-    cluster_size = r.integer("CLUSTER_SIZE", c.DEFAULT_CLUSTER_SIZE, minimum=2)
+    cluster_size = r.integer("CLUSTER_SIZE", c.DEFAULT_CLUSTER_SIZE, minimum=2, maximum=MAX_CLUSTER_SIZE)
     cpus = "a Kubernetes quantity such as 500m, 2 or 1.5"
     memory = "a Kubernetes quantity such as 512Mi, 4Gi or 8G"
     head_cpu = r.matching("HEAD_CPU", _QUANTITY, cpus, c.DEFAULT_HEAD_CPU)
@@ -281,6 +296,8 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     worker_mem = r.matching("WORKER_MEM", _QUANTITY, memory, c.DEFAULT_WORKER_MEM)
     for name, value in (("HEAD_MEM", head_mem), ("WORKER_MEM", worker_mem)):
         _check_memory(r, name, value)
+    for name, value in (("HEAD_CPU", head_cpu), ("WORKER_CPU", worker_cpu)):
+        _check_cpu(r, name, value)
     iam_role = r.matching("IAM_ROLE", _IAM_ROLE, "an IAM role ARN, arn:aws:iam::<account>:role/<name>", "") or None
     readiness = Probe(
         initial_delay_seconds=r.integer(

@@ -75,3 +75,7 @@ class CacheTimeoutError(InitializerError):
 
 class CacheFailedError(InitializerError):
     """The cache can never become ready: image pull error, OOMKilled, unschedulable, load error."""
+
+
+class CacheDeletedError(CacheFailedError):
+    """The cache's LeaderWorkerSet was deleted while the run waited for it: no settings at fault."""

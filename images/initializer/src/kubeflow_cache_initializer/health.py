@@ -43,8 +43,6 @@ def hopeless_reason(pod: dict) -> str | None:
     """Why this cache pod can never become ready, or None while it still may."""
     name = pod_name(pod)
     status = pod.get("status") or {}
-    if status.get("phase") == "Failed":
-        return f"cache pod {name} failed: {status.get('reason', '')} {status.get('message', '')}".strip()
     for cs in _container_statuses(status):
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason", "") in IMAGE_ERRORS:
@@ -81,6 +79,17 @@ def _start_error(name: str, cs: dict, waiting: dict) -> str:
     if reason in IMAGE_ERRORS | PULL_ERRORS:
         return f"cache pod {name} cannot pull image {cs.get('image', '')}: {reason}: {message}"
     return f"cache pod {name} cannot start container {cs.get('name')}: {reason}: {message}"
+
+
+def failed_reason(pod: dict) -> str | None:
+    """Why this pod failed as a whole (phase Failed). Not hopeless by itself: cache pods restart
+    their containers (restartPolicy Always), so only the kubelet fails a pod, evicting it under
+    node pressure or refusing it at admission (OutOfcpu), and their StatefulSet makes it again
+    (elsewhere, or once the pressure passed); the caller gives it CACHE_UNSCHEDULABLE_GRACE_SECONDS."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Failed":
+        return None
+    return f"cache pod {pod_name(pod)} failed: {status.get('reason', '')} {status.get('message', '')}".strip()
 
 
 def unschedulable_reason(pod: dict) -> str | None:

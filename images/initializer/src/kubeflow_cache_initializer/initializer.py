@@ -22,6 +22,7 @@ from kubeflow_cache_initializer.builders import (
 )
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import (
+    CacheDeletedError,
     CacheFailedError,
     CacheTimeoutError,
     ForeignObjectError,
@@ -167,7 +168,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
             # TrainJob now uses it. Left in place, it held its pods, and every later job for the
             # table joined it and failed the same way.
             _delete_shared_unless_joined(kube, cfg, names.cache, train_job)
-        elif isinstance(err, (CacheFailedError, CacheTimeoutError)):
+        elif isinstance(err, (CacheFailedError, CacheTimeoutError)) and not isinstance(err, CacheDeletedError):
             # Kept for its other owners, so every later job for this table joins it too, and this
             # job's settings do not apply: the usual fix (more memory, another image) won't.
             raise type(err)(
@@ -181,8 +182,16 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
 
 
 def _made_by_another(cache: dict, train_job: dict) -> bool:
-    """Whether a shared cache has an owner other than this TrainJob: this run joined it, rather
-    than made it (or took it up again after an earlier run of its own)."""
+    """Whether another TrainJob made this shared cache, with its settings: its first owner, as
+    joins add theirs after it. Any other owner counted once, and the maker's retry, after a
+    join, was told the settings at fault were another job's. (Once the maker's TrainJob is gone,
+    the garbage collector drops its reference, and the earliest joiner left stands for it.)"""
+    owners = cache["metadata"].get("ownerReferences") or []
+    return bool(owners) and owners[0].get("uid") != train_job["metadata"]["uid"]
+
+
+def _owned_by_another(cache: dict, train_job: dict) -> bool:
+    """Whether a shared cache has an owner other than this TrainJob: another job uses it."""
     ours = train_job["metadata"]["uid"]
     return any(ref.get("uid") != ours for ref in cache["metadata"].get("ownerReferences") or [])
 
@@ -208,7 +217,7 @@ def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: 
     for _ in range(c.PATCH_CONFLICT_RETRIES):
         try:
             current = kube.get(LEADER_WORKER_SETS, cfg.namespace, name)
-            if _made_by_another(current, train_job):
+            if _owned_by_another(current, train_job):
                 log.info("kept shared LeaderWorkerSet %s: another TrainJob uses it now", name)
                 return
             meta = current["metadata"]

@@ -56,7 +56,7 @@ def main(
         log.error("%s", err)
         _write_termination_message(termination_log, str(err))
         return err.exit_code
-    except Exception as err:  # a bug, or an answer no one foresaw (a proxy's HTML page): still one line
+    except Exception as err:  # a bug, or a failure no one foresaw: still one line
         log.exception("the initializer failed unexpectedly")
         _write_termination_message(termination_log, f"the initializer failed unexpectedly: {type(err).__name__}: {err}")
         return 1

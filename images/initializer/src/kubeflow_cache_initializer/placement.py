@@ -32,15 +32,15 @@ EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 def label_key_problem(key: str) -> str | None:
     """Why ``key`` is not a valid label key, or None."""
     prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > _PREFIX_MAX or not _DNS_SUBDOMAIN.match(prefix)):
+    if slash and (not prefix or len(prefix) > _PREFIX_MAX or not _DNS_SUBDOMAIN.fullmatch(prefix)):
         return f"label key {key!r} has a prefix that is not a DNS subdomain"
-    if not name or len(name) > _LABEL_MAX or not _LABEL_NAME.match(name):
+    if not name or len(name) > _LABEL_MAX or not _LABEL_NAME.fullmatch(name):
         return f"label key {key!r} is not a name of at most 63 letters, digits, '-', '_' and '.'"
     return None
 
 
 def label_value_problem(key: str, value: str) -> str | None:
-    if value and (len(value) > _LABEL_MAX or not _LABEL_NAME.match(value)):
+    if value and (len(value) > _LABEL_MAX or not _LABEL_NAME.fullmatch(value)):
         return f"label value {value!r} of {key!r} is not at most 63 letters, digits, '-', '_' and '.'"
     return None
 

@@ -22,7 +22,13 @@ from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer import health
 from kubeflow_cache_initializer.builders import cache_names, group_size_of, health_port_of, pods_selector
 from kubeflow_cache_initializer.config import Config
-from kubeflow_cache_initializer.errors import CacheFailedError, CacheTimeoutError, InitializerError, KubeApiError
+from kubeflow_cache_initializer.errors import (
+    CacheDeletedError,
+    CacheFailedError,
+    CacheTimeoutError,
+    InitializerError,
+    KubeApiError,
+)
 from kubeflow_cache_initializer.kube import (
     LEADER_WORKER_SETS,
     PODS,
@@ -155,6 +161,7 @@ class _Progress:
         self.unreachable_since: float | None = None  # /status failing while the LeaderWorkerSet is Available
         self.logged: dict[str, str] = {}
         self.unschedulable_since: dict[str, float] = {}
+        self.failed_since: dict[str, float] = {}
         self.start_error_since: dict[str, float] = {}
         self.missing_since: dict[str, float] = {}  # the group's, while fewer cache pods exist than it has
 
@@ -246,7 +253,7 @@ class _Progress:
     def check(self) -> None:
         name = cache_names(self.cfg).cache
         if self.lws is None:
-            raise CacheFailedError(f"LeaderWorkerSet {name} was deleted while waiting for it")
+            raise _deleted(name)
         now = time.monotonic()
         for pod in self.group_pods():
             reason = health.hopeless_reason(pod)
@@ -263,6 +270,13 @@ class _Progress:
                 self.unschedulable_since,
                 health.pod_name(pod),
                 health.unschedulable_reason(pod),
+                now,
+                self.cfg.unschedulable_grace_seconds,
+            )
+            self._for_longer_than(
+                self.failed_since,
+                health.pod_name(pod),
+                health.failed_reason(pod),
                 now,
                 self.cfg.unschedulable_grace_seconds,
             )
@@ -307,11 +321,20 @@ class _Progress:
         return False
 
 
+def _deleted(name: str) -> CacheDeletedError:
+    return CacheDeletedError(f"LeaderWorkerSet {name} was deleted while waiting for it: run the TrainJob again")
+
+
 def wait_until_ready(kube: Kube, cfg: Config, deadline: float) -> dict | None:
     """Block until the cache is Available and its head reports ready; return the head's status
     (None when the cache was taken as ready without it: its /status could not be reached)."""
     namespace, name = cfg.namespace, cache_names(cfg).cache
-    lws = kube.get(LEADER_WORKER_SETS, namespace, name)
+    try:
+        lws = kube.get(LEADER_WORKER_SETS, namespace, name)
+    except KubeApiError as err:
+        if err.not_found:  # gone since it was made or joined: as when a watch sees it go
+            raise _deleted(name) from None
+        raise
     pods, pods_version = kube.list(PODS, namespace, label_selector=pods_selector(cfg))
     events: queue.Queue = queue.Queue()
     watchers = [
