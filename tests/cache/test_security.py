@@ -263,6 +263,9 @@ def test_calls_refused_for_the_token_are_counted(small_table):
             sample("data_cache_errors_total", {"method": "GetFlightInfo", "action": "", "code": "UNAUTHENTICATED"}) == 3
         )
         assert sample("data_cache_errors_total", {"method": "DoAction", "action": "", "code": "UNAUTHENTICATED"}) == 1
+        # Requests too: errors / requests is an error rate, never above 1.
+        assert sample("data_cache_requests_total", {"method": "GetFlightInfo", "action": ""}) == 3
+        assert sample("data_cache_requests_total", {"method": "DoAction", "action": ""}) == 1
         client.close()
     finally:
         head.stop()

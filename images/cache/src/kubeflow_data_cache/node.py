@@ -94,7 +94,9 @@ def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
     if cfg.token:
 
         def refused(method: str) -> None:
-            # Refused before the handler, so a DoAction's type is not known: action "".
+            # Refused before the handler, so a DoAction's type is not known: action "". A request
+            # too, so that errors stay a subset of requests (an error rate above 1 otherwise).
+            metrics.requests.labels(method=method, action="").inc()
             metrics.errors.labels(method=method, action="", code="UNAUTHENTICATED").inc()
 
         kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token, on_refused=refused)}
