@@ -31,6 +31,7 @@ from pyiceberg.table.snapshots import Operation
 from pyiceberg.table.update.snapshot import _FastAppendFiles
 from pyiceberg.typedef import Record
 
+from kubeflow_data_cache.errors import UnsupportedTableError
 from kubeflow_data_cache.plan import open_table, plan_table
 from kubeflow_data_cache.sample import create_sample_table, make_catalog
 from tests.cache.conftest import read_path_shards
@@ -239,3 +240,42 @@ def test_equality_deletes_are_refused_with_a_clear_reason(writable_table):
     assert "the table has equality deletes (delete file file://" in cache.stderr
     assert "which the cache cannot apply exactly" in cache.stderr
     assert "compact the table" in cache.stderr
+
+
+@pytest.mark.slow
+def test_a_file_with_every_row_deleted_is_read_to_its_end_and_serves_none(writable_table):
+    """Planned at no rows, the file is one node's empty piece: read, it gives nothing."""
+    first, _, _ = data_files(writable_table)
+    table = add_position_deletes(writable_table, {first: list(range(len(ids_in_file(first))))}, scoped_to_file=True)
+    ids, total = served_ids(table.metadata_location, data_nodes=2)
+    assert sorted(ids) == sorted(pyiceberg_ids(table.metadata_location))
+    assert total == len(ids) == ROWS - len(ids_in_file(first))
+
+
+@pytest.mark.slow
+def test_a_file_planned_at_no_rows_that_holds_more_fails_the_load(writable_table):
+    """A file whose counted rows are all deleted, but which holds more than its manifest counts
+    (rewritten after its commit): readers read the extra rows. Never opened, since no row of it
+    was planned, the cache left them out without a word; it reads it to its end now."""
+    first, middle, _ = data_files(writable_table)
+    counted = len(ids_in_file(first))
+    table = add_position_deletes(writable_table, {first: list(range(counted))}, scoped_to_file=True)
+    local = Path(urlparse(first).path)
+    grown = pa.concat_tables([pq.read_table(local), pq.read_table(urlparse(middle).path)])
+    pq.write_table(grown, local)
+    assert len(pyiceberg_ids(table.metadata_location)) == ROWS  # the rows past the count are read
+
+    cache = LocalCache(table.metadata_location, 2)
+    message = cache.wait_failure(timeout=120)
+    assert f"data file {first} has at least " in message and "live row(s), but the table's metadata counts 0" in message
+
+
+def test_a_data_file_listed_twice_in_the_snapshot_is_refused_naming_it(writable_table):
+    """add_files(..., check_duplicate_files=False) of a file already in the table: readers read its
+    rows twice; the cache, keyed by path, served them once."""
+    first, _, _ = data_files(writable_table)
+    writable_table.add_files([first], check_duplicate_files=False)
+    table = writable_table.refresh()
+    assert len(pyiceberg_ids(table.metadata_location)) == ROWS + len(ids_in_file(first))
+    with pytest.raises(UnsupportedTableError, match=f"data file {first} is listed 2 times in the snapshot"):
+        plan_table(open_table(table.metadata_location), table.metadata_location)

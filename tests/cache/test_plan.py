@@ -19,6 +19,7 @@ from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoad
 from kubeflow_data_cache.memory import LoadMemoryGuard, check_fits, load_guard_threshold, parse_bytes, resident_bytes
 from kubeflow_data_cache.plan import (
     FilePlan,
+    Piece,
     TablePlan,
     _open_error,
     assign_rows,
@@ -470,8 +471,20 @@ def test_property_each_node_gets_its_contiguous_range_cut_into_file_pieces(file_
     assert [(a.global_start, a.global_stop) for a in assignments] == [(n * len(row_of) // nodes, (n + 1) * len(row_of) // nodes)
                                                   for n in range(nodes)]  # fmt: skip
     for a in assignments:
-        assert all(p.start < p.stop for p in a.pieces)
-        assert [(p.path, r) for p in a.pieces for r in range(p.start, p.stop)] == row_of[a.global_start : a.global_stop]
+        rows = [p for p in a.pieces if p.start < p.stop]
+        assert [(p.path, r) for p in rows for r in range(p.start, p.stop)] == row_of[a.global_start : a.global_stop]
+    # A file planned at no rows is one node's empty piece ending the file (read to its end for
+    # rows the plan did not count): the node its position falls in, else the last.
+    empty = [(a.node, p.path) for a in assignments for p in a.pieces if p.start == p.stop]
+    assert all(p == Piece(p.path, 0, 0, 0) for a in assignments for p in a.pieces if p.start == p.stop)
+    starts = dict(zip((f.path for f in files), plan.file_starts, strict=True))
+    expected = []
+    for f in files:
+        if f.rows == 0:
+            at = starts[f.path]
+            owner = next((a.node for a in assignments if a.global_start <= at < a.global_stop), nodes - 1)
+            expected.append((owner, f.path))
+    assert sorted(empty) == sorted(expected)
 
 
 def test_the_load_guard_stops_within_its_margin_and_projects_the_need():

@@ -10,7 +10,8 @@ import bisect
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -432,6 +433,17 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
         raise
     except Exception as err:
         raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
+    listed = Counter(task.file.file_path for task in planned)
+    if twice := sorted(path for path, n in listed.items() if n > 1):
+        # Added again with duplicate checks off (add_files(..., check_duplicate_files=False)):
+        # readers read such a file once per entry, and the cache, keyed by path, served it once.
+        raise UnsupportedTableError(
+            f"data file {twice[0]} is listed {listed[twice[0]]} times in the snapshot"
+            + (f" ({len(twice)} such files)" if len(twice) > 1 else "")
+            + ", so readers read its rows that many times; the cache holds each file once and "
+            "refuses rather than serve other rows: remove the extra entries (rewrite the table's "
+            "data files) and point METADATA_LOC at the new metadata"
+        )
     for task in planned:
         if any(d.content.name == "EQUALITY_DELETES" for d in task.delete_files or set()):
             raise UnsupportedTableError(
@@ -483,7 +495,23 @@ def assign_rows(plan: TablePlan, data_nodes: int) -> list[NodeAssignment]:
             if a < b:
                 pieces.append(Piece(f.path, a - file_start, b - file_start, f.rows))
         assignments.append(NodeAssignment(node, lo, hi, tuple(pieces)))
-    return assignments
+    return _with_empty_files(plan, assignments)
+
+
+def _with_empty_files(plan: TablePlan, assignments: list[NodeAssignment]) -> list[NodeAssignment]:
+    """Give each file planned at no rows (every row deleted, or none counted) to one node as an
+    empty piece that ends the file: the node reads it to its end, as it reads every file's tail,
+    and fails the load on a row the plan did not count. Unread, such a file's uncounted rows
+    (a wrong record_count, a file rewritten after its commit) were left out without a word. The
+    node whose rows the file sits among takes it, else the last."""
+    empty = [(start, f) for f, start in zip(plan.files, plan.file_starts, strict=True) if f.rows == 0]
+    if not empty or not assignments:
+        return assignments
+    extra: dict[int, list[Piece]] = {}
+    for start, f in empty:
+        owner = next((a.node for a in assignments if a.global_start <= start < a.global_stop), assignments[-1].node)
+        extra.setdefault(owner, []).append(Piece(f.path, 0, 0, 0))
+    return [replace(a, pieces=(*a.pieces, *extra.get(a.node, ()))) for a in assignments]
 
 
 def _node_column_bytes(plan: TablePlan, assignment: NodeAssignment) -> list[int]:
