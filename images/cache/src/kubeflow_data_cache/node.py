@@ -31,6 +31,7 @@ from kubeflow_data_cache.errors import (
     BadRequestError,
     ClusterFormationError,
     NodeBusyError,
+    NotReadyError,
     StaleTicketError,
     TableLoadError,
     first_line,
@@ -383,8 +384,10 @@ class DataNode(ReadOnlyFlight):
             self.store, self.filters = store, FilterCache(store)
             self.table_rows = order.table_rows
             self.load_seconds = time.monotonic() - started
+            # Under the lock, as the store: a newer assignment taken just after it (its store
+            # None, LOADING) was otherwise marked READY by this older load, holding no rows.
+            self.lifecycle.set(READY, f"{store.num_rows} rows loaded")
         self.metrics.load_seconds.set(self.load_seconds)
-        self.lifecycle.set(READY, f"{store.num_rows} rows loaded")
         self._wake_register.set()
         log.info(
             "data node %d ready: %d rows, %.1f MiB in %.2fs (resident %.1f MiB)",
@@ -423,6 +426,17 @@ class DataNode(ReadOnlyFlight):
         }
 
     # --- Flight ------------------------------------------------------------------------------
+    def _loaded(self) -> tuple[NodeStore, FilterCache, int | None, str | None]:
+        """The load served now: store, filters, table rows and generation, read together (a
+        reload swaps them under the same lock), or the not-ready error. Read apart, a reload
+        between two reads gave a stream no store (an AttributeError for its reader)."""
+        with self._load_lock:
+            loaded = self.store, self.filters, self.table_rows, self.generation
+        self.lifecycle.require_ready()
+        if loaded[0] is None or loaded[1] is None:
+            raise NotReadyError("the data node is reloading; retry shortly")
+        return loaded  # type: ignore[return-value]
+
     def do_action(self, context, action):
         if action.type == protocol.ACTION_STATUS:
             return [json.dumps(self.status()).encode()]
@@ -433,8 +447,8 @@ class DataNode(ReadOnlyFlight):
             predicate = parse_action_body(action).get("filter")
             if not isinstance(predicate, str) or not predicate.strip():
                 raise BadRequestError('count needs {"filter": "<SQL predicate>"}')
-            self.lifecycle.require_ready()
-            return [json.dumps({"rows": len(self.filters.rows(predicate))}).encode()]
+            _, filters, _, _ = self._loaded()
+            return [json.dumps({"rows": len(filters.rows(predicate))}).encode()]
         raise NotImplementedError(f"action {action.type!r} is not implemented by data nodes")
 
     def list_actions(self, context):
@@ -451,12 +465,11 @@ class DataNode(ReadOnlyFlight):
 
     def do_get(self, context, ticket):
         t = protocol.Ticket.from_json(ticket.ticket)
-        self.lifecycle.require_ready()
-        store, filters, table_rows = self.store, self.filters, self.table_rows
-        if t.generation != self.generation or t.node != self.cfg.node_index:
+        store, filters, table_rows, generation = self._loaded()
+        if t.generation != generation or t.node != self.cfg.node_index:
             raise StaleTicketError(
                 f"stale ticket: issued for data node {t.node} load {t.generation}, this is data node {self.cfg.node_index} "
-                f"load {self.generation}: ask the head for a new FlightInfo"
+                f"load {generation}: ask the head for a new FlightInfo"
             )
         if table_rows is not None and t.total > table_rows:
             # Heads place a ticket in the table's (or its filter's) rows; the row space sizes
