@@ -77,6 +77,7 @@ def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = [
         (f"DoGet, 1 client ({on}), share of loopback TCP", serve, "ratio_to_loopback", ">=", 0.60, "pct"),
         (f"DoGet, 1 client ({on}), share of a bare pyarrow Flight server", serve, "ratio_to_bare_flight", ">=", 0.90, "pct"),
+        ("data node (resident - baseline) / Arrow bytes, peak while loading", mem, "overhead_ratio_peak_loading", "<=", 1.3, "x"),
         ("data node (resident - baseline) / Arrow bytes, at ready", mem, "overhead_ratio", "<=", 1.3, "x"),
         ("data node (resident - baseline) / Arrow bytes, idle after serving", mem, "overhead_ratio_after_serve", "<=", 1.3, "x"),
         ("data node (resident - baseline) / Arrow bytes, peak while serving", mem, "overhead_ratio_peak_serving", "<=", 1.3, "x"),
@@ -169,6 +170,9 @@ def _row(case: dict[str, Any]) -> list[str]:
     elif kind == "memory":
         ratio = f"(RSS - baseline) / Arrow = {_fmt_ratio(med(case, 'overhead_ratio'))}"
         memory = f"{med(case, 'resident_bytes') / MiB:.0f} MiB RSS, {med(case, 'arrow_bytes') / MiB:.0f} MiB Arrow"
+        if med(case, "overhead_ratio_peak_loading") is not None:
+            ratio += f"; peak while loading {_fmt_ratio(med(case, 'overhead_ratio_peak_loading'))}"
+            memory += f", {med(case, 'resident_bytes_peak_loading') / MiB:.0f} MiB peak while loading"
         after = med(case, "resident_bytes_after_serve")
         if after:
             ratio += (

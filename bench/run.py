@@ -29,7 +29,7 @@ def _cluster_cases(
     results: list[CaseResult] = []
     with CacheProcess(table.metadata_location, nodes, table.env) as cache:
         status = cache.status()
-        memory.record(mem, status, memory.baseline_bytes(baseline))
+        memory.record(mem, status, memory.baseline_bytes(baseline), cache)
         memory.reset_peaks(cache)
         for clients in cfg.clients:
             results.append(serve.run(cache, table.rows, nodes, clients, cfg.repeats, cfg.serve_repeat_bytes, progress))
@@ -58,7 +58,7 @@ def _size(cfg: BenchConfig, tables: Tables, rows: int, baseline: CaseResult, pro
             else:
                 with CacheProcess(table.metadata_location, nodes) as cache:
                     status = cache.status()
-                    memory.record(mems[nodes], status, memory.baseline_bytes(baseline))
+                    memory.record(mems[nodes], status, memory.baseline_bytes(baseline), cache)
             load.record_cluster(loads[nodes], cache, status, table)
     results += [load.finish(loads[n], progress) for n in cfg.nodes]
     results += [memory.finish(mems[n], progress) for n in cfg.nodes]

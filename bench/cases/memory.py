@@ -63,9 +63,15 @@ def baseline_bytes(result: CaseResult, after_serve: bool = False) -> float:
     return statistics.median(result.raw["resident_bytes_after_serve" if after_serve else "resident_bytes"])
 
 
-def record(result: CaseResult, status: dict, baseline_bytes: float) -> None:
-    """Per-cluster figures at ready from the head's status (worst node)."""
+def record(result: CaseResult, status: dict, baseline_bytes: float, cache: CacheProcess) -> None:
+    """Per-cluster figures at ready from the head's status (worst node), and each node's peak
+    while loading: its resident high-water mark since its start, read before anything resets it
+    (the target is a node's memory at any time, and a load peaks above what it keeps)."""
     nodes = [n for n in status["nodes"] if n["rows"] > 0]
+    pids = cache.data_node_pids()
+    loading = {n["index"]: max(peak_bytes(pids[n["index"]]), n["resident_bytes"]) for n in nodes}
+    result.add("resident_bytes_peak_loading", max(loading.values()))
+    result.add("overhead_ratio_peak_loading", max((loading[n["index"]] - baseline_bytes) / n["bytes"] for n in nodes))
     result.add("resident_bytes", max(n["resident_bytes"] for n in nodes))
     result.add("arrow_bytes", max(n["bytes"] for n in nodes))
     result.add("baseline_bytes", baseline_bytes)
@@ -141,7 +147,8 @@ def finish(result: CaseResult, progress) -> CaseResult:
     progress(
         f"memory rows={result.rows:,} nodes={result.nodes}: node resident {f['resident_bytes']['median'] / 2**20:.0f} MiB "
         f"for {f['arrow_bytes']['median'] / 2**20:.0f} MiB of Arrow rows (baseline "
-        f"{f['baseline_bytes']['median'] / 2**20:.0f} MiB): overhead {f['overhead_ratio']['median']:.2f}x at ready"
+        f"{f['baseline_bytes']['median'] / 2**20:.0f} MiB): overhead {f['overhead_ratio']['median']:.2f}x at ready, "
+        f"{f['overhead_ratio_peak_loading']['median']:.2f}x at its peak while loading"
         + (f", {after:.2f}x idle after serving, {peak:.2f}x at its peak while serving" if after is not None else "")
     )
     return result
