@@ -228,7 +228,8 @@ def _taken(cursors: list[_Cursor], lengths: list[int], unit: int, point: ResumeP
     bound = Fraction(0)
     while not all(done):
         bound += step
-        keys, streams, starts, sizes = [], [], [], []
+        keys, streams, firsts, sizes, pieces = [], [], [], [], []
+        offset = 0  # the window's rows read so far, stream after stream
         for j, u in enumerate(units):
             if done[j]:
                 continue
@@ -236,35 +237,31 @@ def _taken(cursors: list[_Cursor], lengths: list[int], unit: int, point: ResumeP
             if hi <= first[j]:
                 continue
             k = np.arange(first[j], hi, dtype=np.int64)
-            keys.append((2 * k + 1) / u)
-            streams.append(np.full(len(k), j, dtype=np.int64))
-            # Rows of each unit in stream j, from the first the node sends (after its skip).
-            starts.append(np.maximum(k * unit, point.skips[j]) - point.skips[j])
-            sizes.append(np.minimum((k + 1) * unit, lengths[j]) - np.maximum(k * unit, point.skips[j]))
             first[j] = hi
-        if not keys:
-            continue
-        key, stream, start, size = (np.concatenate(a) for a in (keys, streams, starts, sizes))
-        order = np.lexsort((stream, key))  # by position; a tie goes to the lower stream
-        # Each stream's rows of the window are one stretch of it: read them, then take the units.
-        pieces, base = [], {}
-        offset = 0
-        for j in sorted(set(stream.tolist())):
-            mine = stream == j
-            lo, hi_row = int(start[mine][0]), int(start[mine][-1] + size[mine][-1])
-            base[j] = offset - lo
-            got = cursors[j].take_rows(hi_row - lo)
-            if sum(b.num_rows for b in got) != hi_row - lo:
+            # Rows of each unit in stream j, from the first the node sends (after its skip): one
+            # stretch of the stream, read now and placed at ``offset`` among the window's rows.
+            start = np.maximum(k * unit, point.skips[j]) - point.skips[j]
+            size = np.minimum((k + 1) * unit, lengths[j]) - point.skips[j] - start
+            stretch = int(start[-1] + size[-1] - start[0])
+            got = cursors[j].take_rows(stretch)
+            if sum(b.num_rows for b in got) != stretch:
                 raise DataCacheError(f"stream {j} ended before the {lengths[j]} rows its ticket holds")
             pieces += got
-            offset += hi_row - lo
-            if first[j] >= units[j]:
+            keys.append((2 * k + 1) / u)
+            streams.append(np.full(len(k), j, dtype=np.int64))
+            firsts.append(start - start[0] + offset)
+            sizes.append(size)
+            offset += stretch
+            if hi >= u:
                 done[j] = True
                 _check_ended(cursors[j], j, lengths[j])
-        start, size, stream = start[order], size[order], stream[order]
-        firsts = start + np.array([base[j] for j in stream.tolist()], dtype=np.int64)
+        if not keys:
+            continue
+        key, stream, first_row, size = (np.concatenate(a) for a in (keys, streams, firsts, sizes))
+        order = np.lexsort((stream, key))  # by position; a tie goes to the lower stream
+        first_row, size = first_row[order], size[order]
         ends = np.cumsum(size)
-        rows = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(firsts - (ends - size), size)
+        rows = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(first_row - (ends - size), size)
         window = pa.Table.from_batches(pieces).take(pa.array(rows))
         yield from window.combine_chunks().to_batches()
 
