@@ -67,6 +67,8 @@ MAX_COLUMNS = 1 << 14
 # overflowed the parser's stack and killed the node. Long IN lists stay cheap (10,000 values: 0.07 s).
 MAX_FILTER_CHARS = 1 << 16
 MAX_FILTER_OPERATORS = 128
+# Characters that start none of quoted text, a comment or a $ (checked one by one above them).
+_PLAIN = re.compile(r"[^'\"`$/-]+")
 _OPERATOR = re.compile(r"\b(?:AND|OR|NOT|LIKE|ILIKE|BETWEEN)\b|<=|>=|<>|!=|\|\||<<|>>|[-+*/%=<>&|^]", re.IGNORECASE)
 
 # Actions served by the head and the data nodes (DoAction types).
@@ -111,8 +113,10 @@ def _unquoted(predicate: str) -> str:
             raise BadRequestError("'filter' holds a comment (-- or /*): a filter is one predicate, without comments")
         if c == "$":
             raise BadRequestError("'filter' holds a $ (dollar-quoted text or a placeholder): quote text with '...'")
-        kept.append(c)
-        i += 1
+        plain = _PLAIN.match(predicate, i)  # a run of nothing the cases above look at, taken whole
+        stop = plain.end() if plain else i + 1
+        kept.append(predicate[i:stop])
+        i = stop
     return "".join(kept)
 
 
