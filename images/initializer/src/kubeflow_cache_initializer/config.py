@@ -25,20 +25,22 @@ from kubeflow_cache_initializer.placement import (
 
 STORAGE_URI_SCHEME = "cache://"
 METADATA_LOC_SCHEMES = ("s3://", "s3a://", "file://")
+# A plain decimal number ("2", "1.5", ".5"), the start of every number form below.
+_NUMBER = r"([0-9]+(\.[0-9]*)?|\.[0-9]+)"
 # A Kubernetes resource.Quantity ("1", "500m", "2Gi", "1.5e3").
-_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+_QUANTITY = re.compile(_NUMBER + r"([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?")
 # A cache pod's interpreter (pyarrow, pyiceberg, gRPC) takes about 130-200 MiB before any row,
 # and a data node's own memory check keeps 400 MiB aside for it: less is a typo ("500m", "512").
 MIN_MEMORY_BYTES = 400 << 20
 # A CPU amount is cores or millicores: other suffixes are valid quantities but not meant ("500M",
 # 500 million cores, for "500m"; "2Gi"), and left the cache pods unschedulable for minutes.
-_CPU = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)m?")
+_CPU = re.compile(_NUMBER + "m?")
 MAX_CPUS = 1024  # per pod: past any node's
 # CLUSTER_SIZE: the head and at most the cache's 2^14 data nodes.
 MAX_CLUSTER_SIZE = (1 << 14) + 1
 # Plain decimal digits: int() and float() also take "1_0" (10) and other scripts' digits.
 _DIGITS = re.compile(r"[0-9]+")
-_DECIMAL = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_DECIMAL = re.compile(_NUMBER + r"([eE][+-]?[0-9]+)?")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
