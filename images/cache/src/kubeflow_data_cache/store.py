@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kubeflow_data_cache.allocator import serve_pool
+from kubeflow_data_cache.column_concat import concat_releasing
 from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches
@@ -34,8 +35,9 @@ def _variable_bytes(batch: pa.RecordBatch) -> int:
 
 
 def _merge(group: list[pa.RecordBatch], schema: pa.Schema, on_column: Callable[[], None]) -> pa.RecordBatch:
-    """One batch from ``group``, merged a column at a time: each source column is released as
-    soon as its copy exists, so the extra memory is one column, not a second copy of the rows."""
+    """One batch from ``group``, merged a column at a time, each source chunk released as soon as
+    it is copied (column_concat): the extra memory is one chunk, not a second copy of the rows
+    or of a column."""
     if len(group) == 1:
         return group.pop()
     table = pa.Table.from_batches(group, schema=schema)
@@ -44,8 +46,9 @@ def _merge(group: list[pa.RecordBatch], schema: pa.Schema, on_column: Callable[[
     del table
     merged = []
     for i in range(len(sources)):
-        merged.append(sources[i].combine_chunks())
-        sources[i] = None  # the last reference to the source chunks of this column
+        chunks = sources[i].chunks
+        sources[i] = None  # ``chunks`` now holds the column's only references
+        merged.append(concat_releasing(chunks))
         on_column()
     return pa.RecordBatch.from_arrays(merged, schema=schema)
 
