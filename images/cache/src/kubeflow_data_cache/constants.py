@@ -48,6 +48,10 @@ BASELINE_MEMORY_BYTES = 400 << 20
 # shuffled reads fast); a chunk's variable-width columns (strings, lists) stay under this many
 # bytes each, far from the 2 GiB their 32-bit offsets allow.
 STORE_CHUNK_VARIABLE_BYTES = 1 << 30
+# A data node's load decodes whole files while their scratch fits beside its rows within this share
+# of them, and column groups of at least READ_GROUP_MIN_BYTES estimated bytes beyond (decode_budget).
+READ_SCRATCH_SHARE = 0.15
+READ_GROUP_MIN_BYTES = 4 << 20
 # Filters whose per-node match counts the head keeps (least recently used dropped): a few per
 # job; the bound keeps clients that send ever-new predicates from growing the head for ever.
 CACHED_FILTER_COUNTS = 256

@@ -40,19 +40,36 @@ def _warn_public_path() -> None:
     )
 
 
-def task_batches(table, task) -> Iterator[pa.RecordBatch]:
+def task_deletes(table, task):
+    """The positional deletes of one data file, read once for all of its column groups; None
+    where this pyiceberg reads them inside its public path."""
+    read_deletes = _delete_reader()
+    return None if read_deletes is None else read_deletes(table.io, [task])
+
+
+def task_batches(table, task, field_ids=None, deletes=None) -> Iterator[pa.RecordBatch]:
     """One data file's batches in file order, positional deletes applied, decoded as consumed
     (pyarrow's scanner reads a window ahead). pyiceberg's reader also handles schema evolution
     by field id and partition values that are not in the file. Close the generator to stop
-    early: that closes the file."""
+    early: that closes the file.
+
+    ``field_ids`` (top-level Iceberg field ids) reads only those columns: a reader decodes a
+    row group's columns together, so fewer columns at a time is less in decode at once.
+    ``deletes`` is ``task_deletes``' result, to read the delete files once per data file."""
     from pyiceberg.expressions import AlwaysTrue
     from pyiceberg.io.pyarrow import ArrowScan
+    from pyiceberg.schema import Schema
 
-    scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
-    read_deletes = _delete_reader()
-    if read_deletes is None:
+    schema = table.schema()
+    if field_ids is not None:
+        wanted = set(field_ids)
+        schema = Schema(*[f for f in schema.fields if f.field_id in wanted], schema_id=schema.schema_id)
+    scan = ArrowScan(table.metadata, table.io, schema, AlwaysTrue())
+    if deletes is None:
+        deletes = task_deletes(table, task)
+    if deletes is None:
         return scan.to_record_batches([task])
-    return scan._record_batches_from_scan_tasks_and_deletes([task], read_deletes(table.io, [task]))
+    return scan._record_batches_from_scan_tasks_and_deletes([task], deletes)
 
 
 def rows_after_deletes(table, task) -> int:

@@ -17,7 +17,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from kubeflow_data_cache.constants import INTERNAL_COLUMN_PREFIX, STORE_CHUNK_VARIABLE_BYTES
+from kubeflow_data_cache.constants import (
+    INTERNAL_COLUMN_PREFIX,
+    READ_GROUP_MIN_BYTES,
+    READ_SCRATCH_SHARE,
+)
 from kubeflow_data_cache.errors import ConfigError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.iceberg_reader import rows_after_deletes
 
@@ -530,24 +534,30 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
 
     - reading: each of ``load_threads`` readers decodes one piece, a row group or a read-ahead
       window at a time, holding compressed chunks and page buffers beside the rows it yields
-      (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES);
-    - merging the read batches into one chunk copies a column at a time (store.compact), so the
-      largest column (or, for a non-primitive one, its largest chunk: STORE_CHUNK_VARIABLE_BYTES)
-      exists twice.
+      (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES). The load's DecodeBudget keeps what is in decode
+      at once within READ_SCRATCH_SHARE of the node's rows, or one column group per reader of
+      at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less): whichever of
+      the two models is smaller bounds it;
+    - merging the read batches copies a column at a time into its merged buffers, releasing each
+      source chunk once copied (column_concat): one read batch's column exists twice, at most
+      the largest column of a file.
     """
     columns = _node_column_bytes(plan, assignment)
-    in_flight = [
-        nbytes if pa.types.is_primitive(field.type) else min(nbytes, STORE_CHUNK_VARIABLE_BYTES)
-        for field, nbytes in zip(plan.schema, columns, strict=True)
-    ]
     by_path = plan.files_by_path
     in_decode = []  # per piece: the most of its file in decode at once
+    largest_chunk = largest_group = 0
     for p in assignment.pieces:
         # The reader decodes its file from the start and a window ahead of the rows it hands
         # out, however few of them the piece keeps: the file's size bounds it, not the piece's.
         f = by_path[p.path]
         in_decode.append(min(f.estimated_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
+        largest_chunk = max(largest_chunk, *f.column_bytes, 0)
+        # A column is never split: one larger than the group limit is a group of its own.
+        largest_group = max(largest_group, min(in_decode[-1], max(READ_GROUP_MIN_BYTES, *f.column_bytes, 0)))
     in_decode.sort(reverse=True)
-    reading = int(READ_SCRATCH_FACTOR * sum(in_decode[: max(1, load_threads)]))
+    threads = max(1, load_threads)
     loaded = sum(columns)
-    return loaded, loaded + max(max(in_flight, default=0), reading)
+    whole_files = sum(in_decode[:threads])
+    group_floor = threads * largest_group
+    reading = int(READ_SCRATCH_FACTOR * min(whole_files, max(READ_SCRATCH_SHARE * loaded, group_floor)))
+    return loaded, loaded + max(largest_chunk, reading)
