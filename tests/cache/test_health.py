@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pyarrow as pa
 import pytest
@@ -187,6 +188,41 @@ def test_a_connection_that_never_sends_its_request_is_closed(monkeypatch):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as idle:
                 idle.sendall(sent)
                 assert idle.recv(1024) == b"", "the server closes the connection"  # not a socket timeout
+        assert get(server.port, "/live") == (200, "ok\n")
+    finally:
+        server.stop()
+
+
+def test_a_client_that_trickles_its_request_is_closed_at_the_request_deadline(monkeypatch):
+    """A byte every 0.2 s passes every per-read timeout (0.5 s): the whole request has the same
+    bound, so such a client cannot hold a server thread for ever either."""
+    import socket
+
+    from kubeflow_data_cache import service
+
+    monkeypatch.setattr(service, "HEALTH_REQUEST_TIMEOUT_SECONDS", 0.5)
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), dict).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as slow:
+            started = time.monotonic()
+            closed = False
+            for byte in b"GET /live HTTP/1.0\r\nX-Slow: " + b"a" * 200:
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:  # the server shut the connection: a reset on send
+                    closed = True
+                    break
+                time.sleep(0.2)
+                if time.monotonic() - started > 5:
+                    break
+            if not closed:
+                slow.settimeout(5)
+                try:
+                    closed = slow.recv(1024) == b""
+                except OSError:
+                    closed = True
+            assert closed, "the connection outlived its request deadline"
+            assert time.monotonic() - started < 3
         assert get(server.port, "/live") == (200, "ok\n")
     finally:
         server.stop()

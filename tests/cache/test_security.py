@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
@@ -312,3 +313,82 @@ def test_every_channel_to_a_cache_process_caps_the_reconnect_backoff(monkeypatch
     options = [dict(kwargs["generic_options"]) for kwargs in made]
     assert RECONNECT_BACKOFF_MAX_MS <= 5000
     assert [o["grpc.max_reconnect_backoff_ms"] for o in options] == [RECONNECT_BACKOFF_MAX_MS] * 2 + [9000]
+
+
+def test_a_tls_head_refuses_a_data_node_registering_at_a_plain_location(self_signed_cert, small_table):
+    """The head sends its load (token and cluster key) and every reader's DoGet to where a node
+    registered: a plain location beside a TLS head would carry them, and the rows, in clear (a
+    node pod started before the TLS Secret existed, say)."""
+    from kubeflow_data_cache.config import build_config
+    from kubeflow_data_cache.head import Head
+    from tests.cache.inprocess import FLAGS
+
+    flags = {
+        **FLAGS,
+        "metadata_loc": small_table.metadata_location,
+        "data_nodes": 1,
+        "tls_cert": str(self_signed_cert.cert_file),
+        "tls_key": str(self_signed_cert.key_file),
+    }
+    head = Head(build_config("head", flags, env={"DATA_CACHE_CLUSTER_KEY": "k3y-Zq"}))
+    head.start()
+    try:
+        client = flight.FlightClient(head.location, tls_root_certs=self_signed_cert.pem)
+        body = {"index": 0, "location": "grpc://127.0.0.1:1", "cluster_key": "k3y-Zq"}
+        with pytest.raises(pa.ArrowInvalid, match=r"this head serves TLS .* registered at 'grpc://127\.0\.0\.1:1'"):
+            list(client.do_action(flight.Action("register", json.dumps(body).encode()), bearer(None)))
+        assert head.registered == {}
+    finally:
+        head.stop()
+
+
+def test_a_tls_reader_refuses_a_plain_data_node_location_before_dialing_it():
+    """Whatever the head's answer says, a reader that asked for TLS never sends its token or
+    reads rows in clear."""
+    from kubeflow_data_cache.errors import DataCacheError
+    from kubeflow_data_cache.protocol import ShardRequest
+
+    client = CacheClient("grpc+tls://127.0.0.1:1", token=TOKEN)
+    endpoint = flight.FlightEndpoint(b"ticket", ["grpc://127.0.0.1:2"])
+    with pytest.raises(DataCacheError, match="sent data node location grpc://127.0.0.1:2, which is not TLS") as refused:
+        next(client.read_endpoint(ShardRequest(), endpoint))
+    assert TOKEN not in str(refused.value)
+    client.close()
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfes3cr3t", b"tok\x80en"])
+def test_a_token_file_that_is_not_text_is_refused_without_quoting_it(tmp_path, content):
+    from kubeflow_data_cache.dataset import default_token
+    from kubeflow_data_cache.errors import ConfigError
+    from kubeflow_data_cache.security import load_token
+
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content)
+    for load in (
+        lambda: load_token(None, str(token_file)),
+        lambda: default_token({"DATA_CACHE_TOKEN_FILE": str(token_file)}),
+    ):
+        with pytest.raises(ConfigError, match="is not text: a token is printable ASCII") as refused:
+            load()
+        assert "0xff" not in str(refused.value) and "0x80" not in str(refused.value)
+
+
+def test_a_token_file_setting_that_is_empty_is_refused_not_taken_as_no_auth():
+    from kubeflow_data_cache.dataset import default_token
+    from kubeflow_data_cache.errors import ConfigError
+    from kubeflow_data_cache.security import load_token
+
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN_FILE is set but empty"):
+            load_token(None, empty)
+        with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN_FILE is set but empty"):
+            default_token({"DATA_CACHE_TOKEN_FILE": empty})
+    assert load_token(None, None) is None and default_token({}) is None
+
+
+def test_a_cluster_key_that_cannot_be_encoded_is_a_wrong_key_not_a_server_error():
+    from kubeflow_data_cache.security import key_matches
+
+    assert key_matches("k3y", "\ud800") is False
+    assert key_matches("k3y", "k3y") is True
+    assert key_matches("k3y", None) is False

@@ -41,7 +41,7 @@ from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential
 from kubeflow_data_cache.interleave import interleave as interleave_streams
 from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_order, ticket_rows, with_skip
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import channel_options, check_token, server_name_problem
+from kubeflow_data_cache.security import channel_options, check_token, is_tls, server_name_problem
 from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
@@ -223,6 +223,14 @@ class CacheClient:
     # -- connections -------------------------------------------------------------------------
 
     def _client(self, location: str) -> flight.FlightClient:
+        if is_tls(self.endpoint) and not is_tls(location):
+            # The head's answer names where to read: a plain location would carry the token and
+            # the rows in clear, however the reader asked for TLS.
+            raise DataCacheError(
+                f"the cache at {self.endpoint} (TLS) sent data node location {location}, which is not TLS: "
+                "refused, so the token and rows are not sent in clear. Every pod of the cache must serve TLS: "
+                "give them all the same TLS Secret (DATA_CACHE_TLS_DIR) and restart the cache"
+            )
         with self._lock:  # endpoint streams open connections from their readahead threads
             client = self._clients.get(location)
             if client is None:

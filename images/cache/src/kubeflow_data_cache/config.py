@@ -21,6 +21,7 @@ from kubeflow_data_cache.memory import available_cpus, container_memory_limit, p
 from kubeflow_data_cache.security import (
     CLUSTER_KEY_ENV,
     TLS_DIR_ENV,
+    TLS_SCHEME,
     TLS_SECRET_CERT,
     TLS_SECRET_KEY,
     TLS_SERVER_NAME_ENV,
@@ -78,7 +79,7 @@ class TlsSetting:
 
     @property
     def scheme(self) -> str:
-        return "grpc+tls" if self.certificates else "grpc"
+        return TLS_SCHEME if self.certificates else "grpc"
 
     @property
     def root_certs(self) -> bytes | None:

@@ -45,7 +45,7 @@ from kubeflow_data_cache.plan import (
     plan_table,
     s3_properties_from_env,
 )
-from kubeflow_data_cache.security import call_options, key_matches
+from kubeflow_data_cache.security import TLS_SCHEME, call_options, is_tls, key_matches
 from kubeflow_data_cache.service import (
     DEGRADED,
     FAILED,
@@ -551,6 +551,15 @@ class Head(ReadOnlyFlight):
             raise BadRequestError(
                 "register needs 'index' (an integer) and 'location' (a grpc:// or grpc+tls:// URI with a host and "
                 f"a port), got index {index!r} and location {location!r}"
+            )
+        if is_tls(location) != (self.cfg.scheme == TLS_SCHEME):
+            # The head's load (with the token and cluster key) and every reader's DoGet would go
+            # to this location: a plain one beside a TLS head would send them, and the rows, in clear.
+            ours = "serves TLS (grpc+tls://)" if self.cfg.scheme == TLS_SCHEME else "serves plain grpc://"
+            raise BadRequestError(
+                f"register: this head {ours} and data node {index} registered at {location!r}: every pod of "
+                "a cache serves TLS or none does; give them all the same TLS Secret (DATA_CACHE_TLS_DIR) and "
+                "restart the ones started without it"
             )
         if not 0 <= index < self.cfg.data_nodes:
             raise BadRequestError(

@@ -25,6 +25,14 @@ TLS_SECRET_CERT, TLS_SECRET_KEY, TLS_SECRET_CA = "tls.crt", "tls.key", "ca.crt"
 _SERVER_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
+TLS_SCHEME = "grpc+tls"
+
+
+def is_tls(location: str) -> bool:
+    """Whether a Flight location is dialed over TLS (grpc+tls://)."""
+    return location.lower().startswith(f"{TLS_SCHEME}://")
+
+
 def load_token(token: str | None, token_file: str | None) -> str | None:
     """The token from ``DATA_CACHE_TOKEN`` or the file ``DATA_CACHE_TOKEN_FILE`` (a mounted Secret).
 
@@ -34,12 +42,21 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     """
     if token and token_file:
         raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
-    if token_file:
+    if token_file is not None:
+        if not token_file.strip():
+            # Set from a manifest whose value went missing: without a word, auth would be off.
+            raise ConfigError(
+                "DATA_CACHE_TOKEN_FILE is set but empty: give the path of the mounted token file, or unset it "
+                "to run without a token"
+            )
         source = f"DATA_CACHE_TOKEN_FILE {token_file!r}"
         try:
             token = Path(token_file).read_text().strip()
         except OSError as err:
             raise ConfigError(f"cannot read {source}: {err.strerror}") from None
+        except UnicodeDecodeError:
+            # Not the decoder's message: it quotes a byte of the secret and where it sits.
+            raise ConfigError(f"{source} is not text: a token is printable ASCII") from None
         if not token:
             raise ConfigError(f"{source} is empty")
         return checked_token(token, source)
@@ -83,7 +100,10 @@ def key_matches(expected: str | None, given: object) -> bool:
     """Whether an action body's ``cluster_key`` is the expected one (anything, where none is set)."""
     if expected is None:
         return True
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+    if not isinstance(given, str):
+        return False
+    # A lone surrogate (JSON allows "\ud800") cannot be encoded: a wrong key, not a server error.
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
 
 
 def check_token(token: object, source: str = "token") -> None:

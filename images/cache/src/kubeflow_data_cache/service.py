@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -307,6 +308,23 @@ class HealthServer:
             # The health port takes no token and the per-job Service exposes it: a client that
             # connects and sends nothing (or half a request) would hold its thread for ever.
             timeout = HEALTH_REQUEST_TIMEOUT_SECONDS
+
+            def setup(self) -> None:
+                super().setup()
+                # ``timeout`` bounds each read, which a client sending a byte every few seconds
+                # passes every time: the whole connection (one request: HTTP/1.0) gets the same
+                # bound, after which its socket is shut and its thread ends.
+                self._deadline = threading.Timer(HEALTH_REQUEST_TIMEOUT_SECONDS, self._expire)
+                self._deadline.daemon = True
+                self._deadline.start()
+
+            def _expire(self) -> None:
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
+            def finish(self) -> None:
+                self._deadline.cancel()
+                super().finish()
 
             def do_GET(self) -> None:
                 path = self.path.split("?")[0]
