@@ -43,6 +43,14 @@ def _array(layout: str, kind: str, n: int, start: int, nulls: bool) -> pa.Array:
     if layout == "fixed_list":
         rows = [None if nulls and (start + i) % 5 == 2 else _values(kind, 2, start + i, nulls) for i in range(n)]
         return pa.array(rows, type=pa.list_(scalar_type, 2))
+    if layout == "map":
+        rows = [
+            None
+            if nulls and (start + i) % 5 == 2
+            else [(f"k{j}", v) for j, v in enumerate(_values(kind, (start + i) % 3, start + i, nulls))]
+            for i in range(n)
+        ]
+        return pa.array(rows, type=pa.map_(pa.string(), scalar_type))
     if layout == "struct":
         values = _values(kind, n, start, nulls)
         rows = [None if nulls and (start + i) % 6 == 3 else {"a": v, "b": start + i} for i, v in enumerate(values)]
@@ -52,7 +60,7 @@ def _array(layout: str, kind: str, n: int, start: int, nulls: bool) -> pa.Array:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    layout=st.sampled_from(["flat", "list", "fixed_list", "struct"]),
+    layout=st.sampled_from(["flat", "list", "fixed_list", "map", "struct"]),
     kind=st.sampled_from(sorted(SCALARS)),
     nulls=st.booleans(),
     cuts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 13), st.integers(0, 30)), min_size=1, max_size=6),
@@ -74,6 +82,13 @@ def test_a_merge_equals_pyarrows_concatenation_whatever_the_slices(layout, kind,
     assert merged.type == expected.type
     assert merged.null_count == expected.null_count
     assert merged.equals(expected)
+
+
+def test_empty_chunks_and_chunks_without_buffers_are_merged_as_pyarrow_does():
+    empty = pa.Array.from_buffers(pa.int64(), 0, [None, None])
+    chunks = [empty, pa.array([1, 2], pa.int64()), empty.slice(0, 0), pa.array([3], pa.int64())]
+    assert concat_releasing(list(chunks)).equals(pa.concat_arrays(chunks))
+    assert concat_releasing([empty, empty]).equals(pa.concat_arrays([empty, empty]))
 
 
 def test_types_it_does_not_copy_go_through_pyarrows_concatenation():

@@ -531,3 +531,22 @@ def test_the_head_and_data_nodes_trust_aws_ca_bundle_from_their_start(monkeypatc
     monkeypatch.delenv("SSL_CERT_FILE")
     assert cli.main(["head", "--metadata-loc", str(tmp_path / "v1.metadata.json"), "--data-nodes", "1"]) == 0
     assert seen == [str(bundle)]
+
+
+def test_a_column_merged_by_pyarrow_counts_twice_whole_in_the_peak_while_copied_ones_count_a_file():
+    """column_concat copies every type an Iceberg table reads as, releasing chunks as it goes (one
+    file's column at most exists twice); a type it hands to pyarrow (a dictionary) is held twice
+    whole while merged, and the head's model must say so."""
+    from kubeflow_data_cache.plan import FilePlan, NodeAssignment, Piece, TablePlan
+
+    def peak(kind: pa.DataType) -> int:
+        schema = pa.schema([pa.field("id", pa.int64()), pa.field("c", kind)])
+        files = tuple(FilePlan(f"f{i}", 1000, (8_000, 40 << 20), False) for i in range(10))
+        plan = TablePlan("file:///t/metadata.json", 1, schema, files)
+        pieces = tuple(Piece(f.path, 0, f.rows, f.rows) for f in files)
+        loaded, most = estimated_node_memory(plan, NodeAssignment(0, 0, 10_000, pieces), load_threads=1)
+        assert loaded == 10 * (8_000 + (40 << 20))
+        return most - loaded
+
+    assert peak(pa.dictionary(pa.int32(), pa.string())) >= 400 << 20  # the whole column again
+    assert peak(pa.string()) < 200 << 20  # a file's column and the decode scratch, not the column

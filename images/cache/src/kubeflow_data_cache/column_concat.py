@@ -9,8 +9,8 @@ released as soon as it is copied: the extra memory is one chunk, not one column.
 
 Types whose layout this copies: fixed-width values (numbers, temporals, decimals,
 fixed-size binaries, booleans), strings and binaries (32- and 64-bit offsets), lists, large
-lists, fixed-size lists and structs of those. Anything else (dictionaries, maps, unions, view
-types) goes through ``pa.concat_arrays``, as before.
+lists, fixed-size lists, maps and structs of those: every type an Iceberg table reads as.
+Anything else (dictionaries, unions, view types) goes through ``pa.concat_arrays``, as before.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def concat_releasing(chunks: list[pa.Array], memory_pool: pa.MemoryPool | None =
         raise ValueError("concat_releasing needs at least one chunk")
     pool = memory_pool or pa.default_memory_pool()
     kind = chunks[0].type
-    if not _copyable(kind):
+    # Empty chunks add nothing, and one built without buffers has none to read from.
+    chunks[:] = [chunk for chunk in chunks if len(chunk)] or chunks[:1]
+    if not copies(kind) or not len(chunks[0]):
         merged = pa.concat_arrays(chunks, memory_pool=pool)
         chunks.clear()
         return merged
@@ -44,15 +46,19 @@ def _fixed_bytes(kind: pa.DataType) -> int | None:
     return width // 8 if width and width % 8 == 0 else None
 
 
-def _copyable(kind: pa.DataType) -> bool:
+def copies(kind: pa.DataType) -> bool:
+    """Whether ``concat_releasing`` copies this type itself (else: pa.concat_arrays, which holds
+    the column twice; the head's memory model counts that)."""
     if pa.types.is_boolean(kind) or _fixed_bytes(kind) is not None:
         return True
     if _offsets_type(kind) is not None:
         return True
+    if pa.types.is_map(kind):
+        return copies(kind.key_type) and copies(kind.item_type)
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return _copyable(kind.value_type)
+        return copies(kind.value_type)
     if pa.types.is_struct(kind):
-        return all(_copyable(kind.field(i).type) for i in range(kind.num_fields))
+        return all(copies(kind.field(i).type) for i in range(kind.num_fields))
     return False
 
 
@@ -107,7 +113,7 @@ def _concat(chunks: list[pa.Array], kind: pa.DataType, pool: pa.MemoryPool) -> p
         chunks.clear()
         child = concat_releasing(children, pool)
         return pa.Array.from_buffers(kind, rows, [validity], null_count=nulls, children=[child])
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
         return _concat_list(chunks, kind, rows, validity, nulls, pool)
     # A struct: each field's chunks, sliced to their parent's rows by StructArray.field.
     fields = [[chunk.field(f) for chunk in chunks] for f in range(kind.num_fields)]
@@ -147,7 +153,11 @@ def _concat_binary(chunks, kind, rows, validity, nulls, offset_type, pool) -> pa
 
 
 def _concat_list(chunks, kind, rows, validity, nulls, pool) -> pa.Array:
-    offset_type = np.int32 if pa.types.is_list(kind) else np.int64
+    """Lists, large lists and maps (a list of key-value structs, with the same offsets)."""
+    offset_type = np.int64 if pa.types.is_large_list(kind) else np.int32
+    values = sum(_value_span(chunk, offset_type) for chunk in chunks)
+    if offset_type is np.int32 and values > np.iinfo(np.int32).max:
+        raise ValueError(f"{values} list values overflow 32-bit offsets; merge fewer chunks")
     offsets_buffer = pa.allocate_buffer((rows + 1) * np.dtype(offset_type).itemsize, memory_pool=pool)
     out_offsets = np.frombuffer(offsets_buffer, dtype=offset_type)
     out_offsets[0] = 0
@@ -164,10 +174,14 @@ def _concat_list(chunks, kind, rows, validity, nulls, pool) -> pa.Array:
         base += stop - start
         chunks[i] = chunk = offsets = None
     chunks.clear()
-    if offset_type is np.int32 and base > np.iinfo(np.int32).max:
-        raise ValueError(f"{base} list values overflow 32-bit offsets; merge fewer chunks")
     child = concat_releasing(children, pool)
     return pa.Array.from_buffers(kind, rows, [validity, offsets_buffer], null_count=nulls, children=[child])
+
+
+def _value_span(chunk: pa.Array, offset_type) -> int:
+    """How many child values a list chunk's rows span."""
+    offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset : chunk.offset + len(chunk) + 1]
+    return int(offsets[-1]) - int(offsets[0])
 
 
 def _validity(chunks: list[pa.Array], rows: int, pool: pa.MemoryPool) -> pa.Buffer | None:

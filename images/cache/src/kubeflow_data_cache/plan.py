@@ -17,10 +17,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from kubeflow_data_cache.column_concat import copies
 from kubeflow_data_cache.constants import (
     INTERNAL_COLUMN_PREFIX,
     READ_GROUP_MIN_BYTES,
     READ_SCRATCH_SHARE,
+    STORE_CHUNK_VARIABLE_BYTES,
 )
 from kubeflow_data_cache.errors import ConfigError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.iceberg_reader import rows_after_deletes
@@ -535,12 +537,13 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     - reading: each of ``load_threads`` readers decodes one piece, a row group or a read-ahead
       window at a time, holding compressed chunks and page buffers beside the rows it yields
       (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES). The load's DecodeBudget keeps what is in decode
-      at once within READ_SCRATCH_SHARE of the node's rows, or one column group per reader of
-      at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less): whichever of
-      the two models is smaller bounds it;
+      at once within READ_SCRATCH_SHARE of the node's rows, plus one column group per reader
+      of at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less) once that
+      share is spent: whichever of the two models is smaller bounds it;
     - merging the read batches copies a column at a time into its merged buffers, releasing each
       source chunk once copied (column_concat): one read batch's column exists twice, at most
-      the largest column of a file.
+      the largest column of a file; a type column_concat does not copy (a dictionary, say) is
+      merged by pyarrow and exists twice whole (capped at 1 GiB where chunks are split).
     """
     columns = _node_column_bytes(plan, assignment)
     by_path = plan.files_by_path
@@ -554,10 +557,15 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         largest_chunk = max(largest_chunk, *f.column_bytes, 0)
         # A column is never split: one larger than the group limit is a group of its own.
         largest_group = max(largest_group, min(in_decode[-1], max(READ_GROUP_MIN_BYTES, *f.column_bytes, 0)))
+    merged_whole = [
+        min(nbytes, STORE_CHUNK_VARIABLE_BYTES)
+        for field, nbytes in zip(plan.schema, columns, strict=True)
+        if not copies(field.type)
+    ]
     in_decode.sort(reverse=True)
     threads = max(1, load_threads)
     loaded = sum(columns)
     whole_files = sum(in_decode[:threads])
-    group_floor = threads * largest_group
-    reading = int(READ_SCRATCH_FACTOR * min(whole_files, max(READ_SCRATCH_SHARE * loaded, group_floor)))
-    return loaded, loaded + max(largest_chunk, reading)
+    budgeted = READ_SCRATCH_SHARE * loaded + threads * largest_group
+    reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted))
+    return loaded, loaded + max(largest_chunk, *merged_whole, reading)
