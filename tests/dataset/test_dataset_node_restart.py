@@ -137,6 +137,27 @@ def test_restarted_head_reloads_the_nodes_and_old_tickets_are_renewed(cluster, c
     assert len(renewed) == node1 and len(np.unique(renewed)) == node1
 
 
+def test_a_stream_open_when_its_node_reloads_ends_as_stale_and_the_read_resumes_exactly(cluster, caplog):
+    """A stream open on a node that takes a newer load (a restarted head) would keep the old
+    rows in memory beside the new load's until it ended: it ends at its next batch as a stale
+    ticket instead, and the reader resumes after the rows it has, with a ticket from the new head."""
+    caplog.set_level(logging.INFO, logger="kubeflow_data_cache.client")
+    client = CacheClient(cluster.endpoint, deadline_seconds=60, generic_options=[("grpc.http2.bdp_probe", 0)])
+    # Shuffled, all columns, small batches: each stream has many batches still on its node,
+    # beyond what gRPC's window (no BDP probing) lets this process buffer.
+    request = ShardRequest(columns=None, batch_size=200, shuffle=True, seed=3)
+    batches = client.read_shard(request, interleave=False)
+    ids = [next(batches).column("id").to_numpy() for _ in range(3)]
+    cluster.restart_head()
+    cluster.wait_ready()
+    ids += [b.column("id").to_numpy() for b in batches]
+    got = np.concatenate(ids)
+    assert len(got) == ROWS and np.array_equal(np.sort(got), np.arange(ROWS))
+    ended = [r.getMessage() for r in caplog.records if "while this stream of load" in r.getMessage()]
+    assert ended, "no open stream was ended by the reload"
+    assert all(re.search(r"after [1-9][0-9]* rows", m) for m in ended), ended  # mid-stream, not at its start
+
+
 @contextlib.contextmanager
 def node_frozen_mid_stream(cluster, deadline_seconds: float) -> Iterator[tuple[str, Iterator]]:
     """A read of the shard under way on node 0's stream, then node 0 stopped (SIGSTOP: a hung pod,

@@ -499,7 +499,9 @@ class DataNode(ReadOnlyFlight):
                 slices = map(rebaser(schema), slices)
             # Zero-copy slices, a window at a time (constants.SERVE_WINDOW_BYTES), each sent by
             # Flight's C++ writer and counted as served when the writer takes it.
-            return flight.GeneratorStream(schema, self._served(windows(slices, window_rows(row_bytes))))
+            return flight.GeneratorStream(
+                schema, self._served(windows(slices, window_rows(row_bytes)), generation=generation)
+            )
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
         batch_bytes = int(batch_rows * row_bytes)
@@ -519,7 +521,10 @@ class DataNode(ReadOnlyFlight):
         # where they are small (constants.GATHER_AHEAD_BYTES).
         gathered = store.iter_rows(parts, batch_rows, req.columns)
         return flight.GeneratorStream(
-            schema, self._served(gathered, gathering=True, ahead=gather_ahead(batch_bytes), admitted=admitted)
+            schema,
+            self._served(
+                gathered, gathering=True, ahead=gather_ahead(batch_bytes), admitted=admitted, generation=generation
+            ),
         )
 
     def _served(
@@ -528,9 +533,15 @@ class DataNode(ReadOnlyFlight):
         gathering: bool = False,
         ahead: int = 0,
         admitted: tuple[float, int] | None = None,
+        generation: str | None = None,
     ) -> Iterator[pa.RecordBatch] | Iterator[pa.Table]:
         """``batches`` (or windows of them) as Flight's writer pulls them: counted, and a failure
         named for the client.
+
+        A stream of load ``generation`` ends as a stale ticket at its next batch once the node
+        has taken a newer assignment (a restarted head): it would otherwise keep the replaced
+        rows in memory beside the new load's until it ended, and the load's memory guard counts
+        what is resident. The reader resumes after the rows it has, with a ticket from the head.
 
         A gathering stream counts as open (GatherReclaim) from its first batch until it ends;
         ``ahead`` batches are gathered ahead of the writer, in a Readahead thread started here,
@@ -546,6 +557,11 @@ class DataNode(ReadOnlyFlight):
             if ahead:
                 source = Readahead(batches, ahead, "gather", count_in_progress=True)
             for batch in source:
+                if generation is not None and self.generation != generation:
+                    raise StaleTicketError(
+                        f"stale ticket: data node {self.cfg.node_index} took load {self.generation} while this stream "
+                        f"of load {generation} was open, after {sent} rows: ask the head for a new FlightInfo"
+                    )
                 self.metrics.rows_served.inc(batch.num_rows)
                 self.metrics.bytes_served.inc(batch.nbytes)
                 sent += batch.num_rows
@@ -553,6 +569,10 @@ class DataNode(ReadOnlyFlight):
                 # Flight has written it: let it go while the next one is awaited, which for a
                 # gathering stream is while the next one is gathered.
                 del batch
+        except StaleTicketError as err:
+            self.metrics.errors.labels(method="DoGet", action="", code="INVALID_ARGUMENT").inc()
+            log.info("%s", err)
+            raise pa.ArrowInvalid(str(err)) from None
         except Exception as err:
             # Raised here, Python's error would reach the client as its whole traceback with no
             # status; this says which node failed and where, and the node's log has the rest.
