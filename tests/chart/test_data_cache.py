@@ -83,7 +83,7 @@ def test_renders_custom_images_and_service_account_into_the_runtime():
     init = container(pod, "dataset-initializer")
     assert init["image"] == "registry.example/init:v9"
     assert env_of(init)["CACHE_IMAGE"]["value"] == "registry.example/cache:v8"
-    binding = one(objects, "RoleBinding", "cache-init")
+    binding = one(objects, "RoleBinding", "kubeflow-trainer-cache-initializer")  # named after its ClusterRole
     assert binding["subjects"][0]["name"] == "cache-init"
     one(objects, "ServiceAccount", "cache-init")
 
@@ -231,7 +231,13 @@ def test_notes_give_the_next_steps():
     assert "kubectl apply -n team-a" in notes
     assert "kind: TrainJob" in notes and "storageUri: cache://" in notes
     assert "patch serviceaccount" not in notes and "PodMonitor" not in notes
-    assert "dataCache.enabled=true" in render_notes()
+    # Off: the upgrade that turns it on keeps the release's other values (without --reuse-values,
+    # Helm would reset them: jobset.install=false back to true, a second JobSet installed).
+    off = render_notes()
+    assert "--reuse-values \\\n    --set dataCache.enabled=true" in off
+    assert "rollout restart deployment" in off
+    # On: turning it off later would delete LWS's CRD and every LeaderWorkerSet; the notes say so.
+    assert "dataCache.lws.allowCrdRemoval=true" in notes and "dataCache.lws.allowCrdRemoval" not in off
     # The namespace's reader token (docs/install.md#securing-the-cache), under the name the runtime reads.
     assert "kubectl create secret generic data-cache-token -n <namespace>" in notes
     # The namespace's TLS Secret, under the name the runtime and the initializer's default mount.
@@ -320,3 +326,21 @@ def test_initializer_pull_secrets_go_on_each_namespace_service_account():
         o for o in render_chart(DATA_CACHE) if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == ACCOUNT
     ]
     assert default and all("imagePullSecrets" not in a for a in default)
+
+
+def test_a_namespace_rolebinding_is_named_after_its_cluster_role_whatever_the_service_account():
+    """A RoleBinding's roleRef cannot change: named after the ServiceAccount, an upgrade with a new
+    fullnameOverride (a new ClusterRole name) failed patching it; named after the ClusterRole,
+    it is replaced instead."""
+    for overrides in ({}, {"fullnameOverride": "trainer"}):
+        values = {
+            **overrides,
+            "dataCache": {"enabled": True, "namespaces": ["team-a"], "serviceAccount": {"name": "sa"}},
+        }
+        objects = render_chart(values)
+        (cluster_role,) = [
+            o for o in select(objects, "ClusterRole") if o["metadata"]["name"].endswith("cache-initializer")
+        ]
+        (binding,) = [o for o in select(objects, "RoleBinding") if o["metadata"]["namespace"] == "team-a"]
+        assert binding["metadata"]["name"] == binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sa", "namespace": "team-a"}]

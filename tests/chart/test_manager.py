@@ -129,7 +129,7 @@ def test_names_follow_the_release_name():
     objects = render_chart(copy.deepcopy(DATA_CACHE), name="trainer")
     one(objects, "Deployment", "trainer-kubeflow-trainer-controller-manager")
     role = one(objects, "ClusterRole", "trainer-kubeflow-trainer-cache-initializer")
-    binding = one(objects, "RoleBinding", "kubeflow-trainer-cache-initializer")
+    binding = one(objects, "RoleBinding", "trainer-kubeflow-trainer-cache-initializer")  # named after its roleRef
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
 
 

@@ -16,6 +16,9 @@ def helm_cli():
     return module
 
 
+SPREAD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -56,6 +59,12 @@ def helm_cli():
         # The API server would refuse every object of the release.
         ({"commonLabels": {"bad key!": "ml"}}, r"invalid propertyName 'bad key!'"),
         ({"commonLabels": {"team": "machine learning"}}, r"/commonLabels/team"),
+        # A misspelt field of a Pod topologySpreadConstraint was passed to the Deployment as is.
+        (
+            {"manager": {"topologySpreadConstraints": [{**SPREAD, "labelselector": {}}]}},
+            r"'labelselector' not allowed",
+        ),
+        ({"dataCache": {"lws": {"allowCrdRemoval": "yes"}}}, r"/dataCache/lws/allowCrdRemoval"),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_value(values, message):
@@ -101,3 +110,27 @@ def test_schema_allows_the_default_values():
         chart.validate_schema({})
         chart.validate_schema({"dataCache": {"enabled": True, "lws": {"install": False}, "namespaces": []}})
         chart.validate_schema({"manager": {"logLevel": "debug"}, "commonLabels": {"example.com/team": "ml-1"}})
+
+
+def test_a_pod_topology_spread_constraint_keeps_every_field_of_the_pod_spec():
+    spread = {
+        **SPREAD,
+        "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "manager"}},
+        "matchLabelKeys": ["pod-template-hash"],
+        "minDomains": 2,
+        "nodeAffinityPolicy": "Honor",
+        "nodeTaintsPolicy": "Ignore",
+    }
+    objects = render_chart({"manager": {"topologySpreadConstraints": [spread]}})
+    (deployment,) = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("controller-manager")
+    ]
+    assert deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] == [spread]
+
+
+def test_a_large_burst_renders_as_an_integer_the_controller_can_read():
+    """Helm reads numbers as floats: 2000000 rendered as 2e+06, which the manager's int32 field refuses."""
+    objects = render_chart({"manager": {"config": {"burst": 2_000_000}}})
+    configs = [v for o in objects if o["kind"] == "ConfigMap" for v in o.get("data", {}).values() if "burst:" in v]
+    assert any("burst: 2000000" in text for text in configs)
+    assert not any("e+06" in text for text in configs)

@@ -125,3 +125,17 @@ def test_two_trainjobs_share_one_cache(kube, distribution, metadata_loc, trainjo
     shared = [c for c in caches if c.startswith("data-cache-")]
     assert len(shared) == 1, f"expected one shared cache, found LeaderWorkerSets {caches}"
     assert not {f"{n}-cache" for n in names} & set(caches), f"a per-job cache was made: {caches}"
+
+
+def test_turning_lws_off_is_refused_while_the_release_owns_its_crd(kube, distribution) -> None:
+    """Uninstalling the LWS subchart deletes its CRD, and with it every LeaderWorkerSet in the
+    cluster: the chart looks the CRD up and refuses, naming the value that allows it."""
+    from tests.e2e.conftest import CHART, HELM_RELEASE, SYSTEM_NAMESPACE
+    from tests.e2e.e2e_kube import CommandError
+
+    if distribution.method != "helm":
+        pytest.skip("the guard is the Helm chart's: kustomize prunes nothing")
+    argv = ["upgrade", HELM_RELEASE, str(CHART), "-n", SYSTEM_NAMESPACE, "--reuse-values"]
+    with pytest.raises(CommandError, match=r"dataCache\.lws\.allowCrdRemoval=true"):
+        kube.helm(*argv, "--set", "dataCache.enabled=false", timeout=300)
+    assert kube.get("crd", "leaderworkersets.leaderworkerset.x-k8s.io") is not None

@@ -86,6 +86,18 @@ seccompProfile:
 {{- fail (printf "manager.podDisruptionBudget.minAvailable=%v keeps all %d replicas, so no replica may ever be evicted and every drain of their nodes would block; set minAvailable below the replicas" $budget.minAvailable $replicas) }}
 {{- end }}
 {{- end }}
+{{- /* LeaderWorkerSet's CRD comes with its subchart's templates, so turning LWS off deletes
+it and with it every LeaderWorkerSet in the cluster. Seen only against a cluster (lookup is
+empty in `helm template`); refused where this release installed the CRD. */}}
+{{- $lwsOn := and .Values.dataCache.enabled (or (not (hasKey .Values.dataCache.lws "install")) .Values.dataCache.lws.install) }}
+{{- if and (not $lwsOn) (not .Values.dataCache.lws.allowCrdRemoval) }}
+{{- $crd := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" "leaderworkersets.leaderworkerset.x-k8s.io" }}
+{{- $owner := dig "metadata" "annotations" "meta.helm.sh/release-name" "" ($crd | default dict) }}
+{{- $ownerNamespace := dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" ($crd | default dict) }}
+{{- if and (eq $owner .Release.Name) (eq $ownerNamespace .Release.Namespace) }}
+{{- fail (printf "this upgrade turns LeaderWorkerSet off (dataCache.enabled=false or dataCache.lws.install=false), which would delete its CRD, installed by release %s, and with it every LeaderWorkerSet in the cluster (running caches, and any other team's); keep dataCache.enabled=true, or set dataCache.lws.allowCrdRemoval=true to remove them anyway" .Release.Name) }}
+{{- end }}
+{{- end }}
 {{- if not (.Files.Glob "crds/*.yaml") }}
 {{- fail "the chart's crds/ folder holds no CRDs, so the Trainer CRDs would not be installed: run `make sync-crds` (or hack/sync-crds.sh) in the source tree first; `helm dependency build` fetches the subcharts only" }}
 {{- end }}
