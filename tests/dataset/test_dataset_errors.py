@@ -93,3 +93,35 @@ def test_a_data_nodes_address_given_for_the_heads_is_named_as_such(small_cache):
     with pytest.raises(BadRequestError, match=rf"GetFlightInfo is not served by {node}: .*goes to the head") as err:
         next(iter(DataCacheDataset(node)))
     assert "Traceback" not in str(err.value)
+
+
+def test_a_conversion_error_kept_by_the_caller_leaves_no_stream_open(cache_factory):
+    """The error a training loop (or a notebook, as its last exception) keeps holds the reading
+    frames: the streams are closed as the error leaves the dataset, not when it is dropped."""
+    import gc
+    import threading
+
+    class FailingDataset(DataCacheDataset):
+        calls = 0
+
+        def from_arrow_rb_to_tensor(self, batch):
+            FailingDataset.calls += 1
+            if FailingDataset.calls == 2:
+                raise ValueError("the tokenizer failed on a bad row")
+            return super().from_arrow_rb_to_tensor(batch)
+
+    cache = cache_factory(400_000, 4)
+    ds = FailingDataset(cache.endpoint, batch_size=64, shuffle=True, block_size=16)
+    kept = None
+    try:
+        for _ in ds:
+            pass
+    except ValueError as err:
+        kept = err
+    assert kept is not None
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [t for t in threading.enumerate() if t.name.startswith("cache-stream")]:
+        time.sleep(0.1)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("cache-stream")] == []
+    assert kept.__traceback__ is not None  # still held: the streams ended without its release

@@ -216,7 +216,9 @@ class CacheClient:
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, flight.FlightClient] = {}
         self._lock = threading.Lock()
-        self._stall_watch = StallWatch(min(self.deadline_seconds, STREAM_STALL_SECONDS))
+        # At most half the deadline: a stalled read is cancelled and retried within it (at the
+        # full deadline, the first stall used it all up and was never retried).
+        self._stall_watch = StallWatch(min(self.deadline_seconds / 2, STREAM_STALL_SECONDS))
         self._head_answered = False  # a head that answered once is at the right address
         tune_glibc_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
@@ -526,6 +528,9 @@ class CacheClient:
                     # A head that answered (degraded: this very node is down) is not in trouble.
                     answered = answered_not_ready(lookup)
                     head_trouble = "" if answered else server_message(lookup)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as lookup:
+                    # The head refused the request itself: named as the head's, not a raw error.
+                    raise self._translate(lookup, self.endpoint, "GetFlightInfo") from lookup
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err
@@ -533,8 +538,22 @@ class CacheClient:
                 log.info(
                     "the ticket for %s is stale (%s); asking the head for a new one", location, server_message(err)
                 )
-                endpoint = self._fresh_endpoint(request, endpoint, location)
-                continue
+                if failing_since is None:
+                    endpoint = self._fresh_endpoint(request, endpoint, location)
+                    continue
+                # Already retrying: the lookup gets what is left of that deadline, not one of its own.
+                try:
+                    endpoint = self._fresh_endpoint(
+                        request, endpoint, location, within=failing_since + self.deadline_seconds - time.monotonic()
+                    )
+                    continue
+                except flight.FlightError as lookup:
+                    if time.monotonic() - failing_since >= self.deadline_seconds:
+                        raise self._unavailable(
+                            lookup, self.endpoint, "GetFlightInfo for a stale ticket", time.monotonic() - failing_since
+                        ) from lookup
+                    head_trouble = "" if answered_not_ready(lookup) else server_message(lookup)
+                    replans -= 1  # no new ticket came of it: the next try asks again
             except (flight.FlightError, pa.ArrowNotImplementedError) as err:
                 raise self._translate(err, location, "DoGet") from err
             finally:

@@ -9,6 +9,7 @@ See docs/dataset.md. torch is the package's optional ``torch`` extra: only this 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -481,13 +482,17 @@ class DataCacheDataset(IterableDataset):
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
                 check_info=self._check_nulls,
             )
-            for batch, rows in self._rebatch(record_batches):
-                if slot is not None and self.epoch != progress.epoch:
-                    raise _epoch_changed_error(progress.epoch, self.epoch, slot)
-                # Counted before the yield: state_dict taken after receiving a batch includes it.
-                progress.rows += rows
-                self._progress = progress
-                yield batch
+            # Closed here, not left to the garbage collector: an error raised in this loop (a
+            # conversion hook that fails, say) and kept by the caller (a notebook keeps the last
+            # one) holds these frames, and with them the streams' threads and gRPC streams open.
+            with contextlib.closing(record_batches), contextlib.closing(self._rebatch(record_batches)) as batches:
+                for batch, rows in batches:
+                    if slot is not None and self.epoch != progress.epoch:
+                        raise _epoch_changed_error(progress.epoch, self.epoch, slot)
+                    # Counted before the yield: state_dict taken after receiving a batch includes it.
+                    progress.rows += rows
+                    self._progress = progress
+                    yield batch
         # Read to the end (not abandoned): this reader's part of the epoch is done.
         progress.done = True
         if slot is not None:
