@@ -140,3 +140,26 @@ def test_a_stale_ticket_while_retrying_keeps_to_the_deadline_already_running():
                 pass
         gave_up_after = time.monotonic() - server.first_failure
     assert gave_up_after < deadline + 2.5, gave_up_after
+
+
+def test_a_stream_retrying_a_node_stops_when_its_read_is_closed():
+    """Node 1 never answers; the caller takes one batch (node 0's) and stops. Node 1's stream
+    thread went on retrying for the rest of its deadline, reconnecting the closed client."""
+
+    def restarting(server, t):
+        raise flight.FlightUnavailableError("data node 1 restarting")
+
+    with serving(TwoNodeCache(node1=restarting)) as server:
+        client = CacheClient(server.location, deadline_seconds=30)
+        batches = client.read_shard(ShardRequest(), interleave=False)
+        next(batches)
+        time.sleep(1)  # node 1's thread is retrying by now
+        assert server.node1_calls >= 1
+        batches.close()
+        client.close()
+        time.sleep(0.5)  # a try already under way may still end
+        calls = server.node1_calls
+        time.sleep(4)  # several backoff periods
+        assert server.node1_calls == calls
+        assert [t for t in threading.enumerate() if t.name.startswith("cache-stream") and t.is_alive()] == []
+        assert client._clients == {}  # nothing reconnected the closed client

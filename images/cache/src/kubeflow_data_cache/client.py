@@ -438,8 +438,12 @@ class CacheClient:
             point = resume_point(lengths, request.block_size, served)
         else:
             point = sequential_point(lengths, served)
+        # Set when this read ends: a stream's thread retrying a node (or waiting out its backoff)
+        # stops at once, where it went on retrying for the rest of its deadline, reconnecting a
+        # client its owner had closed.
+        stop = threading.Event()
         streams: list[Iterator[pa.RecordBatch]] = [
-            self.read_endpoint(request, e, skip) for e, skip in zip(endpoints, point.skips, strict=True)
+            self.read_endpoint(request, e, skip, stop) for e, skip in zip(endpoints, point.skips, strict=True)
         ]
         if len(streams) > 1:  # one stream alone has nothing to overlap with; the thread hop costs ~10%
             streams = [Readahead(s, STREAM_READAHEAD_BATCHES, f"cache-stream-{i}") for i, s in enumerate(streams)]
@@ -452,11 +456,16 @@ class CacheClient:
                 batches = (batch for stream in streams for batch in stream)
             yield from batches if nodes_skip else drop_rows(batches, start)
         finally:
+            stop.set()
             for stream in streams:
                 stream.close()  # a generator or a Readahead: both stop their stream
 
     def read_endpoint(
-        self, request: ShardRequest, endpoint: flight.FlightEndpoint, start: int = 0
+        self,
+        request: ShardRequest,
+        endpoint: flight.FlightEndpoint,
+        start: int = 0,
+        stop: threading.Event | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """One endpoint of ``get_flight_info(request)``, read in this thread: its batches (all
         but the first ``start`` rows); a broken stream is reopened after the rows already seen.
@@ -465,7 +474,8 @@ class CacheClient:
         out the rows received (an older cache sends them and they are dropped here): nothing is
         repeated or lost. A data node that restarted (and reloaded the same table) rejects the
         old ticket as stale: the head is asked for a fresh one. A stream that ends short of the
-        rows its ticket promises, or goes past them, is an error, not another shard.
+        rows its ticket promises, or goes past them, is an error, not another shard. ``stop``,
+        once set, ends the retries at their next pause (read_shard sets it when its read ends).
         """
         received = _row_count(start)  # rows of the stream before the next one to yield
         if received and ticket_rows(endpoint.ticket.ticket) == received:
@@ -562,7 +572,11 @@ class CacheClient:
                     with suppress(flight.FlightError, pa.ArrowException):
                         reader.cancel()
                     self._stall_watch.forget(reader)
-            time.sleep(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None))
+            pause = _backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None)
+            if stop is not None and stop.wait(pause):
+                return  # the read this stream belongs to ended: nobody waits for its rows
+            if stop is None:
+                time.sleep(pause)
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
     def _wait_limit(self, until: float | None) -> float:
