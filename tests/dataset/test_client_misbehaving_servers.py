@@ -163,3 +163,27 @@ def test_a_stream_retrying_a_node_stops_when_its_read_is_closed():
         assert server.node1_calls == calls
         assert [t for t in threading.enumerate() if t.name.startswith("cache-stream") and t.is_alive()] == []
         assert client._clients == {}  # nothing reconnected the closed client
+
+
+def test_a_head_that_refuses_the_token_while_a_node_is_retried_fails_at_once():
+    """A token rotated under a read: the head's refusal is final, not retried to the deadline as
+    though the head were down."""
+    from kubeflow_data_cache.errors import CacheAuthError
+
+    def restarting(server, t):
+        raise flight.FlightUnavailableError("data node 1 restarting")
+
+    def refuses_after_the_first(server):
+        if server.node1_calls:
+            raise flight.FlightUnauthenticatedError("missing or wrong bearer token")
+
+    server = TwoNodeCache(node1=restarting, head=refuses_after_the_first)
+    started = time.monotonic()
+    with (
+        serving(server),
+        CacheClient(server.location, deadline_seconds=30) as client,
+        pytest.raises(CacheAuthError),
+    ):
+        for _ in client.read_shard(ShardRequest(), interleave=False):
+            pass
+    assert time.monotonic() - started < 10

@@ -534,6 +534,9 @@ class CacheClient:
                 try:
                     endpoint = self._fresh_endpoint(request, endpoint, location, within=within)
                     head_trouble = ""
+                except _AUTH as lookup:
+                    # Refused, not unavailable (a token rotated under the read): no retry mends it.
+                    raise self._translate(lookup, self.endpoint, "GetFlightInfo") from lookup
                 except flight.FlightError as lookup:
                     # A head that answered (degraded: this very node is down) is not in trouble.
                     answered = answered_not_ready(lookup)

@@ -538,7 +538,7 @@ class Head(ReadOnlyFlight):
         if not key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
             # Who registers decides where readers are sent: only a node holding our key may.
             log.warning(
-                "refused a data node registration without this head's cluster key (index %r)", body.get("index")
+                "refused a data node registration without this head's cluster key (index %.40r)", body.get("index")
             )
             raise BadRequestError(
                 "register: the cluster key is missing or wrong: give the head and every data node the same "
