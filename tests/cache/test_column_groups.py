@@ -35,10 +35,30 @@ def _assert_groups_read_the_same(table, deleted: int = 0) -> None:
             if piece.file_rows != live:
                 piece = Piece(piece.path, piece.start, min(piece.stop, live), live)
             counted: list[tuple[int, int]] = []
+            settled: list[tuple[int, int]] = []
             grouped = read_piece(
-                table, task, piece, lambda rows, nbytes, c=counted: c.append((rows, nbytes)), schema, 1
+                table,
+                task,
+                piece,
+                lambda rows, nbytes, c=counted: c.append((rows, nbytes)),
+                schema,
+                1,
+                lambda rows, nbytes, c=settled: c.append((rows, nbytes)),
             )
-            whole = read_piece(table, task, piece, schema=schema)
+            # The memory guard projects from settled counts: a grouped read's come once, whole,
+            # when every group is in, with the bytes actually read (not the estimated shares).
+            assert settled == [(piece.stop - piece.start, sum(n for _, n in counted))]
+            whole_settled: list[tuple[int, int]] = []
+            whole_counted: list[tuple[int, int]] = []
+            whole = read_piece(
+                table,
+                task,
+                piece,
+                lambda rows, nbytes, c=whole_counted: c.append((rows, nbytes)),
+                schema,
+                on_settled=lambda rows, nbytes, c=whole_settled: c.append((rows, nbytes)),
+            )
+            assert whole_settled == whole_counted  # whole rows settle batch by batch
             got = pa.Table.from_batches(grouped, schema=schema)
             assert got.equals(pa.Table.from_batches(whole, schema=schema))
             assert got.num_rows == piece.stop - piece.start
@@ -129,4 +149,5 @@ def test_a_load_with_a_tight_budget_holds_the_same_rows(tmp_path, monkeypatch):
     tight = NodeStore.load(table, tasks, plan.schema, pieces, 1, progress)
     assert sorted(seen) == list(range(len(pieces)))
     assert pa.Table.from_batches(tight.batches).equals(pa.Table.from_batches(default.batches))
-    assert progress.rows == sample.rows
+    assert progress.rows == progress.settled_rows == sample.rows
+    assert progress.bytes == progress.settled_bytes

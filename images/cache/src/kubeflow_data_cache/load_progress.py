@@ -32,6 +32,12 @@ class LoadProgress:
         self._on_batch = on_batch  # after each batch decoded (and each column merged); may raise
         self.rows = 0  # decoded and kept, finished reads or not
         self.bytes = 0
+        # The part of those whose bytes per row is known: every batch of a read of whole rows, a
+        # read in column groups (store.column_groups) once all its groups are in. Rows of a
+        # grouped read count above by each group's estimated share, which is all a display
+        # needs, but would skew the memory guard's projection where the estimates are off.
+        self.settled_rows = 0
+        self.settled_bytes = 0
         self._waiting: dict[int, list] = {}  # token -> [what, since the start or its last batch]
         self._next = 0
 
@@ -53,13 +59,25 @@ class LoadProgress:
         if self._on_read:
             self._on_read()
 
-    def batch(self, rows: int = 0, nbytes: int = 0, token: int | None = None) -> None:
-        """A batch decoded (``rows`` kept of it, ``nbytes`` their size) by read ``token``."""
+    def batch(self, rows: int = 0, nbytes: int = 0, token: int | None = None, settled: bool = True) -> None:
+        """A batch decoded (``rows`` kept of it, ``nbytes`` their size) by read ``token``;
+        ``settled=False`` for a column group's batch (counted in ``rows``/``bytes`` only)."""
         with self._lock:
             self.rows += rows
             self.bytes += nbytes
+            if settled:
+                self.settled_rows += rows
+                self.settled_bytes += nbytes
             if token in self._waiting:
                 self._waiting[token][1] = time.monotonic()
+        if self._on_batch:
+            self._on_batch()
+
+    def settle(self, rows: int, nbytes: int) -> None:
+        """A read in column groups is in: its rows and their bytes, for the memory guard."""
+        with self._lock:
+            self.settled_rows += rows
+            self.settled_bytes += nbytes
         if self._on_batch:
             self._on_batch()
 

@@ -355,7 +355,9 @@ class DataNode(ReadOnlyFlight):
 
         rows = order.global_stop - order.global_start
         guard = LoadMemoryGuard(self.cfg.memory_limit, rows)
-        progress = LoadProgress(still_current, on_batch=lambda: guard.check(progress.rows, progress.bytes))
+        progress = LoadProgress(
+            still_current, on_batch=lambda: guard.check(progress.settled_rows, progress.settled_bytes)
+        )
         self._progress = progress
         self.lifecycle.live_detail = progress.describe  # /ready and /status say what it waits on
         try:

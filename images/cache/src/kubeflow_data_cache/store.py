@@ -147,6 +147,7 @@ def read_piece(
     on_batch: Callable[[int, int], None] = lambda rows, nbytes: None,
     schema: pa.Schema | None = None,
     group_bytes: int | None = None,
+    on_settled: Callable[[int, int], None] | None = None,
 ) -> list[pa.RecordBatch]:
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
     (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs
@@ -156,17 +157,21 @@ def read_piece(
     file stored with view types (string_view, binary_view) decodes to them, and pyarrow has no
     take kernel for those, so copying part of such a batch failed the load. With ``schema`` and
     ``group_bytes``, the columns are read in groups (column_groups) and put side by side; each
-    group's rows count toward ``on_batch`` by its share of the bytes, so rows and bytes grow
-    together as the memory guard's projection assumes."""
+    group's rows count toward ``on_batch`` by its share of the estimated bytes, so rows and
+    bytes grow together, and ``on_settled(rows, bytes)`` is called once all groups are in; a
+    read of whole rows calls ``on_settled`` with each batch, as ``on_batch``."""
     groups = column_groups(table, task, schema, group_bytes) if piece.stop > piece.start else [(None, 1.0)]
-    credit, reported = 0.0, 0
+    credit, reported, read_bytes = 0.0, 0, 0
 
     def count(rows: int, nbytes: int, share: float) -> None:
-        nonlocal credit, reported
+        nonlocal credit, reported, read_bytes
         credit += rows * share
         step = min(int(credit), piece.stop - piece.start) - reported
         reported += step
+        read_bytes += nbytes
         on_batch(step, nbytes)
+        if on_settled is not None and len(groups) == 1:
+            on_settled(step, nbytes)
 
     try:
         deletes = task_deletes(table, task) if len(groups) > 1 else None
@@ -187,6 +192,10 @@ def read_piece(
         raise TableLoadError(f"cannot read data file {piece.path}: {err}{denied}") from err
     if reported < piece.stop - piece.start:
         on_batch(piece.stop - piece.start - reported, 0)
+        if on_settled is not None and len(groups) == 1:
+            on_settled(piece.stop - piece.start - reported, 0)
+    if on_settled is not None and len(groups) > 1:
+        on_settled(piece.stop - piece.start, read_bytes)
     return parts[0] if len(groups) == 1 else _side_by_side(parts, schema)
 
 
@@ -301,9 +310,10 @@ class NodeStore:
                     table,
                     tasks[piece.path],
                     piece,
-                    lambda rows, nbytes: progress.batch(rows, nbytes, token),
+                    lambda rows, nbytes: progress.batch(rows, nbytes, token, settled=False),
                     schema,
                     group_bytes,
+                    progress.settle,
                 )
             progress.read()
             return batches
