@@ -187,3 +187,9 @@ def test_a_head_that_refuses_the_token_while_a_node_is_retried_fails_at_once():
         for _ in client.read_shard(ShardRequest(), interleave=False):
             pass
     assert time.monotonic() - started < 10
+
+
+def test_a_short_stall_limit_is_named_in_tenths_not_as_zero_seconds():
+    from kubeflow_data_cache.client import _secs
+
+    assert (_secs(0.5), _secs(2.25), _secs(10), _secs(60.4)) == ("0.5s", "2.2s", "10s", "60s")

@@ -600,7 +600,7 @@ class CacheClient:
         """
         opening = _Opening(self._client(location), ticket, self._options(None))
         if not opening.done.wait(limit) and opening.abandon():
-            raise StreamStalledError(f"data node {location} did not start its stream within {limit:.0f}s (stalled)")
+            raise StreamStalledError(f"data node {location} did not start its stream within {_secs(limit)} (stalled)")
         return opening.result()
 
     def _not_whole(self, location: str, what: str) -> DataCacheError:
@@ -627,7 +627,7 @@ class CacheClient:
             return None
         except (flight.FlightError, pa.ArrowException) as err:
             if self._stall_watch.stalled(reader):
-                raise StreamStalledError(f"data node {location} sent nothing for {limit:.0f}s (stalled)") from err
+                raise StreamStalledError(f"data node {location} sent nothing for {_secs(limit)} (stalled)") from err
             raise
         finally:
             self._stall_watch.disarm(reader)
@@ -801,6 +801,12 @@ class KeptClient:
 # Clients a forked child inherited: kept referenced so that the child never runs their
 # destructors on its parent's gRPC channels.
 _INHERITED: list[CacheClient] = []
+
+
+def _secs(seconds: float) -> str:
+    """A wait as a reader reads it: whole seconds, tenths under ten (a last try's 0.5 s wait
+    read "sent nothing for 0s")."""
+    return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
 
 
 def _is_stale(err: BaseException) -> bool:
