@@ -5,15 +5,18 @@ reads early files whole and late ones in groups."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pyarrow as pa
 import pytest
 
 import kubeflow_data_cache.decode_budget as decode_budget_module
+import kubeflow_data_cache.store as store_module
 from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.plan import Piece, arrow_schema, assign_rows, open_table, plan_table
 from kubeflow_data_cache.sample import create_sample_table
-from kubeflow_data_cache.store import NodeStore, column_groups, read_piece
+from kubeflow_data_cache.store import NodeStore, column_groups, decode_budget, read_piece
 from tests.cache.test_deletes import add_position_deletes, data_files, writable_table  # noqa: F401 (a fixture)
 from tests.cache.test_table_shapes import _evolved_table, _partitioned_table, catalog  # noqa: F401 (a fixture)
 
@@ -135,19 +138,41 @@ def test_a_load_with_a_tight_budget_holds_the_same_rows(tmp_path, monkeypatch):
     (assignment,) = assign_rows(plan, 1)
     pieces = list(assignment.pieces)
     default = NodeStore.load(table, tasks, plan.schema, pieces, 2)
-    monkeypatch.setattr(decode_budget_module, "READ_GROUP_MIN_BYTES", 1)
-    monkeypatch.setattr(DecodeBudget.__init__, "__defaults__", (0.0,))
-    seen = []
+    monkeypatch.setattr(store_module, "READ_GROUP_MIN_BYTES", 1)
+    monkeypatch.setattr(DecodeBudget.__init__, "__defaults__", (0.0, None))
+    seen: list[tuple[int, int]] = []
     real = DecodeBudget.reading
 
+    @contextlib.contextmanager
     def reading(self, index):
-        seen.append(index)
-        return real(self, index)
+        with real(self, index) as limit:
+            seen.append((index, limit))
+            yield limit
 
     monkeypatch.setattr(DecodeBudget, "reading", reading)
     progress = LoadProgress()
     tight = NodeStore.load(table, tasks, plan.schema, pieces, 1, progress)
-    assert sorted(seen) == list(range(len(pieces)))
+    assert sorted(index for index, _ in seen) == list(range(len(pieces)))
+    assert seen[-1][1] == 1  # the last read had nothing left: one column at a time
     assert pa.Table.from_batches(tight.batches).equals(pa.Table.from_batches(default.batches))
     assert progress.rows == progress.settled_rows == sample.rows
     assert progress.bytes == progress.settled_bytes
+
+
+def test_reads_from_an_object_store_group_no_smaller_than_its_larger_minimum(tmp_path):
+    """Each group reopens its file: a few requests on an object store, so groups there are at
+    least READ_GROUP_MIN_REMOTE_BYTES, where local files go down to READ_GROUP_MIN_BYTES."""
+    from kubeflow_data_cache.constants import READ_GROUP_MIN_BYTES, READ_GROUP_MIN_REMOTE_BYTES
+
+    sample = create_sample_table(str(tmp_path / "wh"), 40_000, 2)
+    table = open_table(sample.metadata_location)
+    plan, tasks = plan_table(table, sample.metadata_location)
+    pieces = list(assign_rows(plan, 1)[0].pieces)
+    # The budget reads only the manifests' statistics of each piece's file: the same file named
+    # as an object store's shows which minimum each location gets.
+    remote_tasks = {"s3://bucket/" + p.path.split("/")[-1]: tasks[p.path] for p in pieces}
+    remote = [Piece("s3://bucket/" + p.path.split("/")[-1], p.start, p.stop, p.file_rows) for p in pieces]
+    for given, expected in ((pieces, READ_GROUP_MIN_BYTES), (remote, READ_GROUP_MIN_REMOTE_BYTES)):
+        budget = decode_budget(table, tasks if given is pieces else remote_tasks, plan.schema, given)
+        with budget.reading(0), budget.reading(1) as last:  # nothing left for the last: its minimum
+            assert last == expected

@@ -52,6 +52,8 @@ STORE_CHUNK_VARIABLE_BYTES = 1 << 30
 # of them, and column groups of at least READ_GROUP_MIN_BYTES estimated bytes beyond (decode_budget).
 READ_SCRATCH_SHARE = 0.15
 READ_GROUP_MIN_BYTES = 4 << 20
+# The same from an object store (s3://, s3a://): each group's reopening is a few requests there.
+READ_GROUP_MIN_REMOTE_BYTES = 32 << 20
 # Filters whose per-node match counts the head keeps (least recently used dropped): a few per
 # job; the bound keeps clients that send ever-new predicates from growing the head for ever.
 CACHED_FILTER_COUNTS = 256

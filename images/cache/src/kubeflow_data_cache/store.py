@@ -19,7 +19,12 @@ import pyarrow.compute as pc
 
 from kubeflow_data_cache.allocator import serve_pool
 from kubeflow_data_cache.column_concat import concat_releasing
-from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES, STORE_CHUNK_VARIABLE_BYTES
+from kubeflow_data_cache.constants import (
+    READ_GROUP_MIN_BYTES,
+    READ_GROUP_MIN_REMOTE_BYTES,
+    SERVED_BATCH_MAX_BYTES,
+    STORE_CHUNK_VARIABLE_BYTES,
+)
 from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
@@ -263,13 +268,15 @@ def decode_budget(table, tasks: dict, schema: pa.Schema, pieces: list[Piece]) ->
     fields = [by_name.get(name) for name in schema.names]
     if any(f is None for f in fields):
         return None
-    kept, unit = [], []
+    kept, unit, minimum = [], [], []
     for piece in pieces:
         data_file = tasks[piece.path].file
         whole = sum(estimate_column_bytes(data_file, schema, fields, data_file.record_count))
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
-    return DecodeBudget(kept, unit)
+        remote = "://" in piece.path and not piece.path.startswith("file:")
+        minimum.append(READ_GROUP_MIN_REMOTE_BYTES if remote else READ_GROUP_MIN_BYTES)
+    return DecodeBudget(kept, unit, minimum=minimum)
 
 
 class NodeStore:
