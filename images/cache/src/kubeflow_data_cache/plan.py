@@ -21,6 +21,7 @@ from kubeflow_data_cache.column_concat import copies
 from kubeflow_data_cache.constants import (
     INTERNAL_COLUMN_PREFIX,
     READ_GROUP_MIN_BYTES,
+    READ_GROUP_MIN_REMOTE_BYTES,
     READ_SCRATCH_SHARE,
     STORE_CHUNK_VARIABLE_BYTES,
 )
@@ -530,6 +531,11 @@ def _node_column_bytes(plan: TablePlan, assignment: NodeAssignment) -> list[int]
     return columns
 
 
+def is_remote(path: str) -> bool:
+    """Whether a data file lives in an object store (s3://, s3a://), not on a local path."""
+    return "://" in path and not path.startswith("file:")
+
+
 def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_threads: int = 1) -> tuple[int, int]:
     """The node's rows in memory once loaded, and the most it holds while loading. Two moments
     can make the peak, one after the other (store.NodeStore.load):
@@ -556,7 +562,8 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         in_decode.append(min(f.estimated_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
         largest_chunk = max(largest_chunk, *f.column_bytes, 0)
         # A column is never split: one larger than the group limit is a group of its own.
-        largest_group = max(largest_group, min(in_decode[-1], max(READ_GROUP_MIN_BYTES, *f.column_bytes, 0)))
+        least = READ_GROUP_MIN_REMOTE_BYTES if is_remote(p.path) else READ_GROUP_MIN_BYTES
+        largest_group = max(largest_group, min(in_decode[-1], max(least, *f.column_bytes, 0)))
     merged_whole = [
         min(nbytes, STORE_CHUNK_VARIABLE_BYTES)
         for field, nbytes in zip(plan.schema, columns, strict=True)

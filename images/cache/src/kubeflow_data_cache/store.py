@@ -29,7 +29,7 @@ from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.plan import Piece, credential_source
+from kubeflow_data_cache.plan import Piece, credential_source, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +274,7 @@ def decode_budget(table, tasks: dict, schema: pa.Schema, pieces: list[Piece]) ->
         whole = sum(estimate_column_bytes(data_file, schema, fields, data_file.record_count))
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
-        remote = "://" in piece.path and not piece.path.startswith("file:")
-        minimum.append(READ_GROUP_MIN_REMOTE_BYTES if remote else READ_GROUP_MIN_BYTES)
+        minimum.append(READ_GROUP_MIN_REMOTE_BYTES if is_remote(piece.path) else READ_GROUP_MIN_BYTES)
     return DecodeBudget(kept, unit, minimum=minimum)
 
 
