@@ -75,6 +75,21 @@ def serving(server: TwoNodeCache) -> Iterator[TwoNodeCache]:
         thread.join(10)
 
 
+def restarting(server, t):
+    """Node 1's DoGet while it restarts: unavailable, every time."""
+    raise flight.FlightUnavailableError("data node 1 restarting")
+
+
+def refusing_once_node1_failed(error: Exception) -> Callable:
+    """A head that answers until node 1 has been tried, then raises ``error``."""
+
+    def head(server):
+        if server.node1_calls:
+            raise error
+
+    return head
+
+
 def test_a_node_that_freezes_once_is_retried_within_a_short_deadline():
     """A stall used to be given up on at min(deadline, 60 s), which at a deadline under a minute
     was the whole deadline: the stream was never reopened, though the docs say it is retried."""
@@ -97,14 +112,7 @@ def test_a_node_that_freezes_once_is_retried_within_a_short_deadline():
 
 
 def test_a_head_that_refuses_the_lookup_while_a_node_is_retried_is_named_not_a_raw_arrow_error():
-    def restarting(server, t):
-        raise flight.FlightUnavailableError("data node 1 restarting")
-
-    def refuses_after_the_first(server):
-        if server.node1_calls:
-            raise pa.ArrowInvalid("unknown column 'x'")
-
-    server = TwoNodeCache(node1=restarting, head=refuses_after_the_first)
+    server = TwoNodeCache(node1=restarting, head=refusing_once_node1_failed(pa.ArrowInvalid("unknown column 'x'")))
     with (
         serving(server),
         CacheClient(server.location, deadline_seconds=5) as client,
@@ -146,9 +154,6 @@ def test_a_stream_retrying_a_node_stops_when_its_read_is_closed():
     """Node 1 never answers; the caller takes one batch (node 0's) and stops. Node 1's stream
     thread went on retrying for the rest of its deadline, reconnecting the closed client."""
 
-    def restarting(server, t):
-        raise flight.FlightUnavailableError("data node 1 restarting")
-
     with serving(TwoNodeCache(node1=restarting)) as server:
         client = CacheClient(server.location, deadline_seconds=30)
         batches = client.read_shard(ShardRequest(), interleave=False)
@@ -170,14 +175,8 @@ def test_a_head_that_refuses_the_token_while_a_node_is_retried_fails_at_once():
     though the head were down."""
     from kubeflow_data_cache.errors import CacheAuthError
 
-    def restarting(server, t):
-        raise flight.FlightUnavailableError("data node 1 restarting")
-
-    def refuses_after_the_first(server):
-        if server.node1_calls:
-            raise flight.FlightUnauthenticatedError("missing or wrong bearer token")
-
-    server = TwoNodeCache(node1=restarting, head=refuses_after_the_first)
+    refusal = flight.FlightUnauthenticatedError("missing or wrong bearer token")
+    server = TwoNodeCache(node1=restarting, head=refusing_once_node1_failed(refusal))
     started = time.monotonic()
     with (
         serving(server),
