@@ -10,7 +10,6 @@ import contextlib
 import pyarrow as pa
 import pytest
 
-import kubeflow_data_cache.decode_budget as decode_budget_module
 import kubeflow_data_cache.store as store_module
 from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.load_progress import LoadProgress
@@ -107,12 +106,11 @@ def test_columns_are_grouped_in_schema_order_up_to_the_limit(tmp_path):
     assert sum(share for _, share in groups) == pytest.approx(1.0)
 
 
-def test_the_budget_reads_early_files_whole_and_late_ones_in_groups(monkeypatch):
+def test_the_budget_reads_early_files_whole_and_late_ones_in_groups():
     """Two load threads over four 14 MiB files (15 MiB each read whole): the first two read
     whole; the third starts beside the second, with 42 MiB of rows started, and gets the rest
     of the budget; the fourth, beside the third, only the smallest group."""
-    monkeypatch.setattr(decode_budget_module, "READ_GROUP_MIN_BYTES", 1 * MiB)
-    budget = DecodeBudget(kept=[14 * MiB] * 4, unit=[15 * MiB] * 4, share=0.15)
+    budget = DecodeBudget(kept=[14 * MiB] * 4, unit=[15 * MiB] * 4, minimum=[1 * MiB] * 4, share=0.15)
     assert budget.budget == int(1.15 * 56 * MiB)
     reads = [budget.reading(i) for i in range(4)]
     first, second = reads[0].__enter__(), reads[1].__enter__()
@@ -139,7 +137,7 @@ def test_a_load_with_a_tight_budget_holds_the_same_rows(tmp_path, monkeypatch):
     pieces = list(assignment.pieces)
     default = NodeStore.load(table, tasks, plan.schema, pieces, 2)
     monkeypatch.setattr(store_module, "READ_GROUP_MIN_BYTES", 1)
-    monkeypatch.setattr(DecodeBudget.__init__, "__defaults__", (0.0, None))
+    monkeypatch.setattr(DecodeBudget.__init__, "__defaults__", (0.0,))
     seen: list[tuple[int, int]] = []
     real = DecodeBudget.reading
 

@@ -123,31 +123,16 @@ def _concat(chunks: list[pa.Array], kind: pa.DataType, pool: pa.MemoryPool) -> p
 
 
 def _concat_binary(chunks, kind, rows, validity, nulls, offset_type, pool) -> pa.Array:
-    width = np.dtype(offset_type).itemsize
-    starts = []
-    for chunk in chunks:
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset : chunk.offset + len(chunk) + 1]
-        starts.append((int(offsets[0]), int(offsets[-1])))
-    total = sum(stop - start for start, stop in starts)
-    if offset_type is np.int32 and total > np.iinfo(np.int32).max:
-        raise ValueError(f"{total} bytes of {kind} values overflow 32-bit offsets; merge fewer chunks")
-    offsets_buffer = pa.allocate_buffer((rows + 1) * width, memory_pool=pool)
-    data_buffer = pa.allocate_buffer(total, memory_pool=pool)
-    out_offsets = np.frombuffer(offsets_buffer, dtype=offset_type)
+    offsets_buffer, spans = _merged_offsets(chunks, offset_type, rows, pool, f"bytes of {kind} values")
+    data_buffer = pa.allocate_buffer(sum(stop - start for start, stop in spans), memory_pool=pool)
     out_data = np.frombuffer(data_buffer, dtype=np.uint8)
-    pos, base = 0, 0
-    out_offsets[0] = 0
+    base = 0
     for i in range(len(chunks)):
-        chunk = chunks[i]
-        n = len(chunk)
-        start, stop = starts[i]
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset : chunk.offset + n + 1]
-        out_offsets[pos + 1 : pos + n + 1] = offsets[1:] - start + base
+        start, stop = spans[i]
         if stop > start:
-            out_data[base : base + stop - start] = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[start:stop]
-        pos += n
+            out_data[base : base + stop - start] = np.frombuffer(chunks[i].buffers()[2], dtype=np.uint8)[start:stop]
         base += stop - start
-        chunks[i] = chunk = offsets = None
+        chunks[i] = None
     chunks.clear()
     return pa.Array.from_buffers(kind, rows, [validity, offsets_buffer, data_buffer], null_count=nulls)
 
@@ -155,33 +140,36 @@ def _concat_binary(chunks, kind, rows, validity, nulls, offset_type, pool) -> pa
 def _concat_list(chunks, kind, rows, validity, nulls, pool) -> pa.Array:
     """Lists, large lists and maps (a list of key-value structs, with the same offsets)."""
     offset_type = np.int64 if pa.types.is_large_list(kind) else np.int32
-    values = sum(_value_span(chunk, offset_type) for chunk in chunks)
-    if offset_type is np.int32 and values > np.iinfo(np.int32).max:
-        raise ValueError(f"{values} list values overflow 32-bit offsets; merge fewer chunks")
-    offsets_buffer = pa.allocate_buffer((rows + 1) * np.dtype(offset_type).itemsize, memory_pool=pool)
-    out_offsets = np.frombuffer(offsets_buffer, dtype=offset_type)
-    out_offsets[0] = 0
-    children, pos, base = [], 0, 0
+    offsets_buffer, spans = _merged_offsets(chunks, offset_type, rows, pool, "list values")
+    children = []
     for i in range(len(chunks)):
-        chunk = chunks[i]
-        n = len(chunk)
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset : chunk.offset + n + 1]
-        start, stop = int(offsets[0]), int(offsets[-1])
-        out_offsets[pos + 1 : pos + n + 1] = offsets[1:] - start + base
+        start, stop = spans[i]
         # The values this chunk's rows span (``values`` is the whole child, not the slice).
-        children.append(chunk.values.slice(start, stop - start))
-        pos += n
-        base += stop - start
-        chunks[i] = chunk = offsets = None
+        children.append(chunks[i].values.slice(start, stop - start))
+        chunks[i] = None
     chunks.clear()
     child = concat_releasing(children, pool)
     return pa.Array.from_buffers(kind, rows, [validity, offsets_buffer], null_count=nulls, children=[child])
 
 
-def _value_span(chunk: pa.Array, offset_type) -> int:
-    """How many child values a list chunk's rows span."""
-    offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset : chunk.offset + len(chunk) + 1]
-    return int(offsets[-1]) - int(offsets[0])
+def _merged_offsets(chunks, offset_type, rows: int, pool, what: str) -> tuple[pa.Buffer, list[tuple[int, int]]]:
+    """The merged offsets of variable-width chunks (strings, lists), each chunk's rebased to
+    where its values land, and each chunk's (first, end) value position in its own buffers.
+    Refused before any chunk is dropped where 32-bit offsets would overflow."""
+    own = [np.frombuffer(c.buffers()[1], dtype=offset_type)[c.offset : c.offset + len(c) + 1] for c in chunks]
+    spans = [(int(offsets[0]), int(offsets[-1])) for offsets in own]
+    total = sum(stop - start for start, stop in spans)
+    if offset_type is np.int32 and total > np.iinfo(np.int32).max:
+        raise ValueError(f"{total} {what} overflow 32-bit offsets; merge fewer chunks")
+    buffer = pa.allocate_buffer((rows + 1) * np.dtype(offset_type).itemsize, memory_pool=pool)
+    out = np.frombuffer(buffer, dtype=offset_type)
+    out[0] = 0
+    pos, base = 0, 0
+    for offsets, (start, stop) in zip(own, spans, strict=True):
+        out[pos + 1 : pos + len(offsets)] = offsets[1:] - start + base
+        pos += len(offsets) - 1
+        base += stop - start
+    return buffer, spans
 
 
 def _validity(chunks: list[pa.Array], rows: int, pool: pa.MemoryPool) -> pa.Buffer | None:

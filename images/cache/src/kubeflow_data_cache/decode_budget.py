@@ -22,22 +22,19 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from kubeflow_data_cache.constants import READ_GROUP_MIN_BYTES, READ_SCRATCH_SHARE
+from kubeflow_data_cache.constants import READ_SCRATCH_SHARE
 
 
 class DecodeBudget:
     """Group limits for the reads of one load (thread-safe).
 
     ``kept[i]`` is read ``i``'s estimated rows' bytes; ``unit[i]`` the most of its file it
-    decodes at once read whole (a row group's worth of every column, estimated)."""
+    decodes at once read whole (a row group's worth of every column, estimated); ``minimum[i]``
+    the smallest group worth a reopening of its file (READ_GROUP_MIN_BYTES, or
+    READ_GROUP_MIN_REMOTE_BYTES from an object store)."""
 
-    def __init__(
-        self, kept: list[int], unit: list[int], share: float = READ_SCRATCH_SHARE, minimum: list[int] | None = None
-    ):
-        self._kept, self._unit = kept, unit
-        # Per read, the smallest group worth a reopening of its file (READ_GROUP_MIN_BYTES, more
-        # for an object store); the module's value where not given.
-        self._minimum = minimum
+    def __init__(self, kept: list[int], unit: list[int], minimum: list[int], share: float = READ_SCRATCH_SHARE):
+        self._kept, self._unit, self._minimum = kept, unit, minimum
         self.budget = int((1 + share) * sum(kept))
         self._lock = threading.Lock()
         self._started = 0  # the rows of every read started, in flight or done
@@ -49,8 +46,7 @@ class DecodeBudget:
         with self._lock:
             self._started += self._kept[index]
             left = self.budget - self._started - sum(self._scratch.values())
-            floor = READ_GROUP_MIN_BYTES if self._minimum is None else self._minimum[index]
-            limit = max(floor, left)
+            limit = max(self._minimum[index], left)
             self._scratch[index] = min(limit, self._unit[index])
         try:
             yield limit

@@ -29,7 +29,7 @@ from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.plan import Piece, credential_source, is_remote
+from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,9 @@ def column_groups(
     request on S3), hence groups of several MiB, not one per column."""
     if limit is None or schema is None:
         return [(None, 1.0)]
-    from kubeflow_data_cache.plan import estimate_column_bytes
-
-    by_name = {f.name: f for f in table.schema().fields}
-    if any(name not in by_name for name in schema.names):
+    fields = _iceberg_fields(table, schema)
+    if fields is None:
         return [(None, 1.0)]
-    fields = [by_name[name] for name in schema.names]
     sizes = estimate_column_bytes(task.file, schema, fields, task.file.record_count)
     groups: list[tuple[list[int], int]] = []
     for field, size in zip(fields, sizes, strict=True):
@@ -204,6 +201,15 @@ def read_piece(
     return parts[0] if len(groups) == 1 else _side_by_side(parts, schema)
 
 
+def _iceberg_fields(table, schema: pa.Schema) -> list | None:
+    """The table's top-level Iceberg fields in the order of the cache's ``schema`` (what
+    estimate_column_bytes takes), or None where a name of it is not the table's."""
+    by_name = {f.name: f for f in table.schema().fields}
+    if any(name not in by_name for name in schema.names):
+        return None
+    return [by_name[name] for name in schema.names]
+
+
 def _group_names(table, field_ids: tuple[int, ...]) -> list[str]:
     wanted = set(field_ids)
     return [f.name for f in table.schema().fields if f.field_id in wanted]
@@ -262,11 +268,8 @@ def _more_rows_than_planned(piece: Piece, at_least: int) -> None:
 def decode_budget(table, tasks: dict, schema: pa.Schema, pieces: list[Piece]) -> DecodeBudget | None:
     """The load's DecodeBudget from manifest estimates; None (read every file whole) where the
     cache's schema does not name the table's columns one to one."""
-    from kubeflow_data_cache.plan import estimate_column_bytes
-
-    by_name = {f.name: f for f in table.schema().fields}
-    fields = [by_name.get(name) for name in schema.names]
-    if any(f is None for f in fields):
+    fields = _iceberg_fields(table, schema)
+    if fields is None:
         return None
     kept, unit, minimum = [], [], []
     for piece in pieces:
@@ -275,7 +278,7 @@ def decode_budget(table, tasks: dict, schema: pa.Schema, pieces: list[Piece]) ->
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
         minimum.append(READ_GROUP_MIN_REMOTE_BYTES if is_remote(piece.path) else READ_GROUP_MIN_BYTES)
-    return DecodeBudget(kept, unit, minimum=minimum)
+    return DecodeBudget(kept, unit, minimum)
 
 
 class NodeStore:
