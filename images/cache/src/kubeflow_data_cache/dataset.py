@@ -52,6 +52,7 @@ from kubeflow_data_cache.security import (
     TLS_SERVER_NAME_ENV,
     checked_server_name,
     checked_token,
+    read_token_file,
     tls_folder,
 )
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
@@ -141,19 +142,7 @@ def default_token(env: dict[str, str] | None = None) -> str | None:
             raise ConfigError("DATA_CACHE_TOKEN is set but empty: put the cache's token in it, or unset it")
         return checked_token(env["DATA_CACHE_TOKEN"], "DATA_CACHE_TOKEN")
     path = env.get("DATA_CACHE_TOKEN_FILE")
-    if path is None:
-        return None
-    if not path.strip():  # as the cache refuses it: sending none would read as "no token"
-        raise ConfigError("DATA_CACHE_TOKEN_FILE is set but empty: give the token file's path, or unset it")
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as err:
-        raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} could not be read: {err.strerror}") from None
-    except UnicodeDecodeError:  # not the decoder's message: it quotes a byte of the secret
-        raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} is not text: a token is printable ASCII") from None
-    if not token:  # as the cache itself refuses an empty token file
-        raise ConfigError(f"DATA_CACHE_TOKEN_FILE {path!r} is empty: mount the Secret holding the cache's token")
-    return checked_token(token, f"DATA_CACHE_TOKEN_FILE {path!r}")
+    return None if path is None else read_token_file(path)
 
 
 def _env_int(env: dict[str, str], name: str, default: int) -> int:

@@ -43,26 +43,33 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     if token and token_file:
         raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
     if token_file is not None:
-        if not token_file.strip():
-            # Set from a manifest whose value went missing: without a word, auth would be off.
-            raise ConfigError(
-                "DATA_CACHE_TOKEN_FILE is set but empty: give the path of the mounted token file, or unset it "
-                "to run without a token"
-            )
-        source = f"DATA_CACHE_TOKEN_FILE {token_file!r}"
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as err:
-            raise ConfigError(f"cannot read {source}: {err.strerror}") from None
-        except UnicodeDecodeError:
-            # Not the decoder's message: it quotes a byte of the secret and where it sits.
-            raise ConfigError(f"{source} is not text: a token is printable ASCII") from None
-        if not token:
-            raise ConfigError(f"{source} is empty")
-        return checked_token(token, source)
+        return read_token_file(token_file)
     if token is None:
         return None
     return _checked_secret(token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one")
+
+
+def read_token_file(token_file: str) -> str:
+    """The token in ``DATA_CACHE_TOKEN_FILE`` (a mounted Secret), stripped of surrounding
+    whitespace; a ConfigError naming the fix where the setting, the file or its token is not one
+    (the cache and its readers alike)."""
+    if not token_file.strip():
+        # Set from a manifest whose value went missing: without a word, auth would be off.
+        raise ConfigError(
+            "DATA_CACHE_TOKEN_FILE is set but empty: give the path of the mounted token file, or unset it "
+            "to run without a token"
+        )
+    source = f"DATA_CACHE_TOKEN_FILE {token_file!r}"
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as err:
+        raise ConfigError(f"cannot read {source}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        # Not the decoder's message: it quotes a byte of the secret and where it sits.
+        raise ConfigError(f"{source} is not text: a token is printable ASCII") from None
+    if not token:
+        raise ConfigError(f"{source} is empty: mount the Secret holding the cache's token")
+    return checked_token(token, source)
 
 
 def load_cluster_key(key: str | None) -> str | None:
