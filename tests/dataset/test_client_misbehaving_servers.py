@@ -192,3 +192,31 @@ def test_a_short_stall_limit_is_named_in_tenths_not_as_zero_seconds():
     from kubeflow_data_cache.client import _secs
 
     assert (_secs(0.5), _secs(2.25), _secs(10), _secs(60.4)) == ("0.5s", "2.2s", "10s", "60s")
+
+
+def test_a_head_that_refuses_the_token_when_a_stale_ticket_is_renewed_fails_at_once():
+    """The same rule on the stale-ticket path: node 1 fails once, then says its ticket is stale,
+    and by then the head refuses the token. Final at once, as on the unavailable path."""
+    from kubeflow_data_cache.errors import CacheAuthError
+
+    def unavailable_then_stale(server, t):
+        if server.node1_calls == 1:
+            raise flight.FlightUnavailableError("data node 1 restarting")
+        server.first_failure = time.monotonic()  # the head refuses from now on
+        raise pa.ArrowInvalid("stale ticket: issued for data node 1 load gen-1, this is load gen-2")
+
+    def refuses_once_stale(server):
+        if server.first_failure is not None:
+            raise flight.FlightUnauthenticatedError("missing or wrong bearer token")
+
+    server = TwoNodeCache(node1=unavailable_then_stale, head=refuses_once_stale)
+    started = time.monotonic()
+    with (
+        serving(server),
+        CacheClient(server.location, deadline_seconds=30) as client,
+        pytest.raises(CacheAuthError),
+    ):
+        for _ in client.read_shard(ShardRequest(), interleave=False):
+            pass
+    assert server.node1_calls == 2
+    assert time.monotonic() - started < 10

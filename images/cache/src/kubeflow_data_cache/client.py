@@ -477,6 +477,8 @@ class CacheClient:
         rows its ticket promises, or goes past them, is an error, not another shard. ``stop``,
         once set, ends the retries at their next pause (read_shard sets it when its read ends).
         """
+        if stop is None:
+            stop = threading.Event()  # never set: retries end only at the deadline
         received = _row_count(start)  # rows of the stream before the next one to yield
         if received and ticket_rows(endpoint.ticket.ticket) == received:
             return  # a resumed read that had all of this stream: nothing to ask for
@@ -530,20 +532,8 @@ class CacheClient:
                 notice.failed(failing_since, failing_since + self.deadline_seconds, "DoGet", location, reason)
                 # A restarted data node may listen elsewhere now; the head knows where. Asked once,
                 # within what is left of the deadline: a frozen head must not hold the read past it.
-                within = failing_since + self.deadline_seconds - now
-                try:
-                    endpoint = self._fresh_endpoint(request, endpoint, location, within=within)
-                    head_trouble = ""
-                except _AUTH as lookup:
-                    # Refused, not unavailable (a token rotated under the read): no retry mends it.
-                    raise self._translate(lookup, self.endpoint, "GetFlightInfo") from lookup
-                except flight.FlightError as lookup:
-                    # A head that answered (degraded: this very node is down) is not in trouble.
-                    answered = answered_not_ready(lookup)
-                    head_trouble = "" if answered else server_message(lookup)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as lookup:
-                    # The head refused the request itself: named as the head's, not a raw error.
-                    raise self._translate(lookup, self.endpoint, "GetFlightInfo") from lookup
+                fresh, lookup = self._lookup_while_retrying(request, endpoint, location, failing_since)
+                endpoint, head_trouble = fresh or endpoint, _head_trouble(lookup)
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
                     raise self._translate(err, location, "DoGet") from err
@@ -555,18 +545,16 @@ class CacheClient:
                     endpoint = self._fresh_endpoint(request, endpoint, location)
                     continue
                 # Already retrying: the lookup gets what is left of that deadline, not one of its own.
-                try:
-                    endpoint = self._fresh_endpoint(
-                        request, endpoint, location, within=failing_since + self.deadline_seconds - time.monotonic()
-                    )
+                fresh, lookup = self._lookup_while_retrying(request, endpoint, location, failing_since)
+                if fresh is not None:
+                    endpoint = fresh
                     continue
-                except flight.FlightError as lookup:
-                    if time.monotonic() - failing_since >= self.deadline_seconds:
-                        raise self._unavailable(
-                            lookup, self.endpoint, "GetFlightInfo for a stale ticket", time.monotonic() - failing_since
-                        ) from lookup
-                    head_trouble = "" if answered_not_ready(lookup) else server_message(lookup)
-                    replans -= 1  # no new ticket came of it: the next try asks again
+                if time.monotonic() - failing_since >= self.deadline_seconds:
+                    raise self._unavailable(
+                        lookup, self.endpoint, "GetFlightInfo for a stale ticket", time.monotonic() - failing_since
+                    ) from lookup
+                head_trouble = _head_trouble(lookup)
+                replans -= 1  # no new ticket came of it: the next try asks again
             except (flight.FlightError, pa.ArrowNotImplementedError) as err:
                 raise self._translate(err, location, "DoGet") from err
             finally:
@@ -575,12 +563,25 @@ class CacheClient:
                     with suppress(flight.FlightError, pa.ArrowException):
                         reader.cancel()
                     self._stall_watch.forget(reader)
-            pause = _backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None)
-            if stop is not None and stop.wait(pause):
+            if stop.wait(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None)):
                 return  # the read this stream belongs to ended: nobody waits for its rows
-            if stop is None:
-                time.sleep(pause)
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
+
+    def _lookup_while_retrying(
+        self, request: ShardRequest, endpoint: flight.FlightEndpoint, location: str, failing_since: float
+    ) -> tuple[flight.FlightEndpoint | None, flight.FlightError | None]:
+        """The head's current endpoint for a node being retried (it may have moved or reloaded),
+        asked once within what is left of the retry's deadline (a frozen head must not hold the
+        read past it): (the endpoint, None), or (None, the head's error) where it did not say.
+        A refusal (the token, after a rotation; the request itself) is final: raised, named as
+        the head's, not retried to the deadline nor passed on as a raw pyarrow error."""
+        within = failing_since + self.deadline_seconds - time.monotonic()
+        try:
+            return self._fresh_endpoint(request, endpoint, location, within=within), None
+        except (*_AUTH, pa.ArrowInvalid, pa.ArrowNotImplementedError) as lookup:
+            raise self._translate(lookup, self.endpoint, "GetFlightInfo") from lookup
+        except flight.FlightError as lookup:
+            return None, lookup
 
     def _wait_limit(self, until: float | None) -> float:
         """How long a read may wait on a node: the stall limit, or while retrying (``until``: the
@@ -801,6 +802,12 @@ class KeptClient:
 # Clients a forked child inherited: kept referenced so that the child never runs their
 # destructors on its parent's gRPC channels.
 _INHERITED: list[CacheClient] = []
+
+
+def _head_trouble(lookup: flight.FlightError | None) -> str:
+    """Why the head did not say where a node is now, for the error at the deadline; "" where
+    it answered (degraded: this very node is down), which is not trouble of the head's."""
+    return "" if lookup is None or answered_not_ready(lookup) else server_message(lookup)
 
 
 def _secs(seconds: float) -> str:
