@@ -59,6 +59,12 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/* "true" where this release installs LeaderWorkerSet (the subchart's condition: an explicit
+dataCache.lws.install wins, else dataCache.enabled decides), "" otherwise. */}}
+{{- define "trainer.dataCache.lwsInstalled" -}}
+{{- if and .Values.dataCache.enabled (or (not (hasKey .Values.dataCache.lws "install")) .Values.dataCache.lws.install) }}true{{ end }}
+{{- end }}
+
 {{/* Chart-wide rules the schema cannot express; each message names the fix. */}}
 {{- define "trainer.checks" -}}
 {{- range $key := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" }}
@@ -89,8 +95,7 @@ seccompProfile:
 {{- /* LeaderWorkerSet's CRD comes with its subchart's templates, so turning LWS off deletes
 it and with it every LeaderWorkerSet in the cluster. Seen only against a cluster (lookup is
 empty in `helm template`); refused where this release installed the CRD. */}}
-{{- $lwsOn := and .Values.dataCache.enabled (or (not (hasKey .Values.dataCache.lws "install")) .Values.dataCache.lws.install) }}
-{{- if and (not $lwsOn) (not .Values.dataCache.lws.allowCrdRemoval) }}
+{{- if and (not (include "trainer.dataCache.lwsInstalled" .)) (not .Values.dataCache.lws.allowCrdRemoval) }}
 {{- $crd := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" "leaderworkersets.leaderworkerset.x-k8s.io" }}
 {{- $owner := dig "metadata" "annotations" "meta.helm.sh/release-name" "" ($crd | default dict) }}
 {{- $ownerNamespace := dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" ($crd | default dict) }}
