@@ -65,6 +65,12 @@ SPREAD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfia
             r"'labelselector' not allowed",
         ),
         ({"dataCache": {"lws": {"allowCrdRemoval": "yes"}}}, r"/dataCache/lws/allowCrdRemoval"),
+        # A misspelt affinity kind or rule list: helm template went on, and the pod had no affinity.
+        ({"manager": {"affinity": {"nodeAfinity": {}}}}, r"'nodeAfinity' not allowed"),
+        (
+            {"manager": {"affinity": {"podAntiAffinity": {"requiredDuringScheduling": []}}}},
+            r"'requiredDuringScheduling' not allowed",
+        ),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_the_value(values, message):
@@ -126,6 +132,25 @@ def test_a_pod_topology_spread_constraint_keeps_every_field_of_the_pod_spec():
         o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("controller-manager")
     ]
     assert deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] == [spread]
+
+
+def test_a_manager_affinity_is_passed_to_the_deployment_as_given():
+    term = {"labelSelector": {"matchLabels": {"app.kubernetes.io/component": "manager"}}, "topologyKey": "zone"}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]
+            }
+        },
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]
+        },
+    }
+    objects = render_chart({"manager": {"affinity": affinity}})
+    (deployment,) = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("controller-manager")
+    ]
+    assert deployment["spec"]["template"]["spec"]["affinity"] == affinity
 
 
 def test_a_large_burst_renders_as_an_integer_the_controller_can_read():
