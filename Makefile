@@ -93,7 +93,6 @@ sync-crds: $(if $(HELM_CLI),,$(STAMP)) ## Fill the chart's crds/ and charts/ (ne
 
 .PHONY: package
 package: $(STAMP) ## Package the Helm chart (CRDs and subcharts filled first) into dist/
-	bash hack/sync-crds.sh
 	$(PY) hack/helm.py package charts/kubeflow-trainer --destination dist
 
 .PHONY: test-e2e

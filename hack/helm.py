@@ -136,11 +136,12 @@ def template(chart: Path, values: dict, name: str, namespace: str) -> str:
 
 
 def package(chart: Path, destination: Path) -> str:
-    if not any((chart / "crds").glob("*.yaml")):
-        # The CRDs are never committed: the sync script fetches (or copies) the pinned ones.
-        subprocess.run(
-            ["bash", str(REPO_ROOT / "hack" / "sync-crds.sh")], check=True, env={**os.environ, "CHART_DIR": str(chart)}
-        )
+    # The CRDs are never committed: the sync script fetches (or copies) the pinned ones and checks
+    # their sums. Run every time, not only into an empty crds/: CRDs left there by an earlier
+    # appVersion would otherwise ship inside a chart that names the new one.
+    subprocess.run(
+        ["bash", str(REPO_ROOT / "hack" / "sync-crds.sh")], check=True, env={**os.environ, "CHART_DIR": str(chart)}
+    )
     fill_subcharts(chart)
     destination.mkdir(parents=True, exist_ok=True)
     return _helm().package(chart, destination=destination)

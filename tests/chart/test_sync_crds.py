@@ -3,6 +3,7 @@
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from tests.chart.render import CHART_DIR, REPO_ROOT, shared_dir
@@ -128,3 +129,32 @@ def test_without_the_venv_helm_or_pinned_subcharts_the_error_names_the_ways_out(
     assert result.returncode == 1
     assert "subchart jobset-0.10.1.tgz is in neither" in result.stderr
     assert "helm CLI" in result.stderr and "make setup" in result.stderr
+
+
+def test_package_replaces_crds_left_by_an_earlier_version(tmp_path):
+    """`hack/helm.py package` syncs every time: CRDs already in crds/ (an earlier appVersion's, or
+    a file edited by hand) never ship in a chart that names another version."""
+    chart = fresh_chart(tmp_path, with_subcharts=True)
+    # The chart's runtime file links into the repo's runtimes/: packaged, the copy needs the file.
+    for link in [p for p in chart.rglob("*") if p.is_symlink()]:
+        target = (CHART_DIR / link.relative_to(chart)).resolve()
+        link.unlink()
+        shutil.copy2(target, link)
+    (chart / "crds").mkdir()
+    (chart / "crds" / CRD_FILES[0]).write_text("# the CRD of an earlier Trainer version\n")
+    (chart / "crds" / "trainer.kubeflow.org_retired.yaml").write_text("# a CRD that release dropped\n")
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "package", str(chart), "--destination", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PY": sys.executable, "SHARED_DIR": str(shared_dir()), "OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (packaged,) = (tmp_path / "dist").glob("kubeflow-trainer-*.tgz")
+    with tarfile.open(packaged) as archive:
+        crds = {
+            Path(m.name).name: archive.extractfile(m).read()
+            for m in archive
+            if m.name.startswith("kubeflow-trainer/crds/") and m.isfile()
+        }
+    pinned = shared_dir() / "crds" / "trainer-v2.1.0"
+    assert crds == {name: (pinned / name).read_bytes() for name in CRD_FILES}
