@@ -101,6 +101,17 @@ def test_a_token_flag_overrides_the_env_token_file_and_the_other_way_round(tmp_p
         build_config("head", HEAD, env={"DATA_CACHE_TOKEN": "a", "DATA_CACHE_TOKEN_FILE": str(token_file)})
 
 
+def test_a_token_flag_is_warned_about_without_its_value(caplog, tmp_path):
+    """Any local user reads a process's arguments (ps): the env or a file keeps the token out."""
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    build_config("head", {**HEAD, "token_file": str(token_file)}, env={"DATA_CACHE_TOKEN": "from-the-env"})
+    assert "process list" not in caplog.text
+    build_config("head", {**HEAD, "token": "s3cr3t-flag"}, env={})
+    assert "--token is visible to every user of this machine in the process list" in caplog.text
+    assert "DATA_CACHE_TOKEN or --token-file" in caplog.text and "s3cr3t-flag" not in caplog.text
+
+
 def test_a_memory_limit_below_one_byte_is_refused_but_0_means_the_cgroup_limit():
     with pytest.raises(ConfigError, match="`MEMORY_LIMIT` '0.5' is less than one byte: give a size such as 4Gi"):
         build_config("head", HEAD, env={"MEMORY_LIMIT": "0.5"})

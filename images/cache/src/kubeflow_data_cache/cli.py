@@ -22,7 +22,11 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-port", type=int, help="HTTP /ready /live /metrics port (env HEALTH_PORT, default 8080)")
     p.add_argument("--advertise-host", help="address others reach this node at (env POD_IP, default hostname)")
     p.add_argument("--memory-limit", help="memory budget, e.g. 4Gi (env MEMORY_LIMIT, default the cgroup limit)")
-    p.add_argument("--token", help="bearer token every call must carry (env DATA_CACHE_TOKEN)")
+    p.add_argument(
+        "--token",
+        help="bearer token every call must carry (env DATA_CACHE_TOKEN); shows in the process list, so "
+        "prefer the env or --token-file",
+    )
     p.add_argument("--token-file", help="file holding the token (env DATA_CACHE_TOKEN_FILE)")
     p.add_argument("--tls-cert", help="TLS certificate file (env DATA_CACHE_TLS_CERT)")
     p.add_argument("--tls-key", help="TLS private key file (env DATA_CACHE_TLS_KEY)")

@@ -397,6 +397,10 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     if memory_limit == 0:  # resourceFieldRef gives 0 when no limit is set on the container
         memory_limit = container_memory_limit()
 
+    if flags.get("token") is not None:
+        # Every local user can read a process's arguments (ps, /proc/PID/cmdline); not the value.
+        log.warning("--token is visible to every user of this machine in the process list: prefer "
+                    "DATA_CACHE_TOKEN or --token-file")  # fmt: skip
     return NodeConfig(
         role=role,
         metadata_loc=metadata_loc or "",
