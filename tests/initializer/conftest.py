@@ -11,7 +11,7 @@ from kubernetes import client
 
 from kubeflow_cache_initializer.kube import with_bounded_retries
 from kubeflow_cache_initializer.main import main
-from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS
+from kubeflow_cache_initializer.rbac import REQUIRED_PERMISSIONS
 
 from .cluster_sim import CacheSim
 from .fake_k8s import TOKEN, FakeKube
@@ -20,7 +20,8 @@ from .object_schemas import validate_sent_object
 
 @pytest.fixture
 def fake() -> Iterator[FakeKube]:
-    with FakeKube(validate=validate_sent_object, allowed={*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS}) as server:
+    # The Role as installed by default, on a cluster without OwnerReferencesPermissionEnforcement.
+    with FakeKube(validate=validate_sent_object, allowed=set(REQUIRED_PERMISSIONS)) as server:
         yield server
 
 

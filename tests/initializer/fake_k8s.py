@@ -7,9 +7,10 @@ does not implement, 422 for bodies that fail validation (the schemas, names, own
 with more than one controller), one global resourceVersion, watches streaming
 ADDED/MODIFIED/DELETED from a resourceVersion (410 Gone once compacted), label and field
 selectors, and garbage collection by ownerReferences when an owner is deleted. Optionally it
-answers 403 to calls outside a set of (group, resource, verb), and then also to a patch that
-changes an object's ownerReferences without `delete` on it in that set, as the
-OwnerReferencesPermissionEnforcement admission plugin does.
+answers 403 to calls outside a set of (group, resource, verb) (``allowed``), and, with
+``owner_admission`` too, to a create of an object with ownerReferences or a patch that changes
+them without `delete` on that object in that set, as the OwnerReferencesPermissionEnforcement
+admission plugin does (OpenShift turns it on).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class FakeKube:
 
     def __init__(self, validate: Callable[[dict], None] | None = None, allowed: set | None = None):
         self.validate, self.allowed = validate, allowed
+        self.owner_admission = False  # OwnerReferencesPermissionEnforcement: off, as upstream ships it
         self.kinds = dict(KINDS)  # drop one to play a cluster without that CRD
         self.fail_next: dict[tuple[str, str], list[int]] = {}  # (plural, verb) -> statuses to answer first
         self.slow: dict[tuple[str, str], float] = {}  # (plural, verb) -> seconds before each answer
@@ -185,10 +187,12 @@ class FakeKube:
             name = (obj.get("metadata") or {}).get("name", "")
             raise ApiFailure(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(problems))
 
-    def create(self, plural: str, kind: str, ns: str, body: dict) -> dict:
+    def create(self, plural: str, kind: str, ns: str, body: dict, group: str = "") -> dict:
         if "generateName" in (body.get("metadata") or {}):
             raise ApiFailure(422, "Invalid", "this fake does not implement generateName")
         self._check(plural, kind, body, ns)
+        if body["metadata"].get("ownerReferences"):
+            self._check_owner_admission(plural, body["metadata"]["name"], group)
         with self.cond:
             name = body["metadata"]["name"]
             if (plural, ns, name) in self.objects:
@@ -205,6 +209,15 @@ class FakeKube:
             callback(created)
         return created
 
+    def _check_owner_admission(self, plural: str, name: str, group: str) -> None:
+        """As the OwnerReferencesPermissionEnforcement admission plugin answers, where it runs."""
+        if self.owner_admission and self.allowed is not None and (group, plural, "delete") not in self.allowed:
+            raise ApiFailure(
+                403,
+                "Forbidden",
+                f'{plural} "{name}" is forbidden: cannot set an ownerRef on a resource you can\'t delete',
+            )
+
     def patch(
         self, plural: str, kind: str, ns: str, name: str, patch: dict, content_type: str, group: str = ""
     ) -> dict:
@@ -220,13 +233,8 @@ class FakeKube:
                                  "the object has been modified; please apply your changes to the latest version")  # fmt: skip
             updated = merge_patch(current, patch)
             owners_changed = updated["metadata"].get("ownerReferences") != current["metadata"].get("ownerReferences")
-            if owners_changed and self.allowed is not None and (group, plural, "delete") not in self.allowed:
-                # As the OwnerReferencesPermissionEnforcement admission plugin answers (OpenShift).
-                raise ApiFailure(
-                    403,
-                    "Forbidden",
-                    f'{plural} "{name}" is forbidden: cannot set an ownerRef on a resource you can\'t delete',
-                )
+            if owners_changed:
+                self._check_owner_admission(plural, name, group)
             for field in ("name", "namespace", "uid", "creationTimestamp"):
                 if updated["metadata"].get(field) != current["metadata"].get(field):
                     raise ApiFailure(422, "Invalid", f"metadata.{field}: field is immutable")
@@ -355,7 +363,7 @@ class FakeKube:
             return 200, None, {"plural": plural, "ns": ns, "version": query.get("resourceVersion", [None])[0],
                                "labels": labels, "fields": fields, "timeout": seconds}  # fmt: skip
         if verb == "create":
-            return 201, self.create(plural, kind, ns, payload or {}), {}
+            return 201, self.create(plural, kind, ns, payload or {}, group), {}
         if verb == "patch":
             return 200, self.patch(plural, kind, ns, name, payload or {}, headers.get("Content-Type", ""), group), {}
         if verb == "delete":

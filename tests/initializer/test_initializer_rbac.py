@@ -39,23 +39,37 @@ def test_the_initializer_calls_exactly_the_required_permissions(fake, make_sim, 
     assert sorted(set(fake.calls)) == sorted(REQUIRED_PERMISSIONS)
 
 
-def test_joining_a_shared_cache_needs_delete_on_the_service_account_where_owners_are_enforced(
-    fake, make_sim, run_initializer
-):
-    """OwnerReferencesPermissionEnforcement asks `delete` of a patch that adds an owner: without
-    ADMISSION_PERMISSIONS the second TrainJob cannot join the shared cache."""
+def test_where_owners_are_enforced_the_admission_grants_are_needed_and_enough(fake, make_sim, run_initializer):
+    """OwnerReferencesPermissionEnforcement (OpenShift) asks `delete` of a create that sets owners
+    and of a patch that changes them: without ADMISSION_PERMISSIONS the first such create fails
+    naming the grant; with them a cache is made and a second TrainJob joins it when shared."""
+    fake.owner_admission = True
+    add_train_job(fake, "job-a")
     add_train_job(fake, "job-b")
     add_train_job(fake, "job-c")
     sim = make_sim("healthy")
+    code, output = run_initializer(initializer_env(sim, "job-a"))
+    assert code != 0
+    assert "cannot set an ownerRef on a resource you can't delete" in output
+    assert "OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) needs `delete` on" in output
+    assert "dataCache.ownerReferencePermissions=true" in output and "overlays/data-cache-openshift" in output
+    fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS}
+    assert run_initializer(initializer_env(sim, "job-a"))[0] == 0
     shared = {"DATA_CACHE_SHARED": "true"}
     assert run_initializer(initializer_env(sim, "job-b", **shared))[0] == 0
-    fake.allowed = set(REQUIRED_PERMISSIONS)
-    code, output = run_initializer(initializer_env(sim, "job-c", **shared))
-    assert code != 0
-    assert "can't delete" in output
-    assert "needs `delete` on serviceaccounts besides `patch`" in output and "upgrade the chart" in output
-    fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS}
-    assert run_initializer(initializer_env(sim, "job-c", **shared))[0] == 0
+    assert run_initializer(initializer_env(sim, "job-c", **shared))[0] == 0  # join: owners patched
+    assert fake.rejected == []
+    # Each admission grant is asked for: taken away, some create or join is refused.
+    for grant in ADMISSION_PERMISSIONS:
+        fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS} - {grant}
+        add_train_job(fake, "job-d")
+        add_train_job(fake, "job-e")
+        codes = [run_initializer(initializer_env(sim, job, **env))[0] for job, env in
+                 (("job-d", {}), ("job-e", shared))]  # fmt: skip
+        assert any(code != 0 for code in codes), grant
+        for job in ("job-d", "job-e"):
+            fake.delete("trainjobs", NAMESPACE, job)
+        fake.collect_garbage()
 
 
 def test_required_permissions_are_well_formed():
@@ -73,7 +87,7 @@ def test_a_missing_grant_names_the_verb_the_resource_and_how_to_bind_it(fake, ma
     sim = make_sim("healthy")  # one cache simulator: its health port is in the Service each run makes
     for group, plural, verb in [("leaderworkerset.x-k8s.io", "leaderworkersets", "create"),
                                 ("", "pods", "watch"), ("", "secrets", "create")]:  # fmt: skip
-        fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS} - {(group, plural, verb)}
+        fake.allowed = set(REQUIRED_PERMISSIONS) - {(group, plural, verb)}
         code, error = run_initializer(initializer_env(sim))
         what = f"{plural}.{group}" if group else plural
         assert code == 1, error
@@ -86,7 +100,7 @@ def test_a_refused_watch_fails_the_run_even_when_the_cache_is_ready_before_the_r
     """The cache comes up before the API answers the pods watch with 403: the run still fails,
     or a missing grant would pass unseen until the day a cache starts slowly."""
     add_train_job(fake, "job-a")
-    fake.allowed = {*REQUIRED_PERMISSIONS, *ADMISSION_PERMISSIONS} - {("", "pods", "watch")}
+    fake.allowed = set(REQUIRED_PERMISSIONS) - {("", "pods", "watch")}
     fake.slow[("pods", "watch")] = 1.0
     code, error = run_initializer(initializer_env(make_sim("healthy")))
     assert code == 1, error

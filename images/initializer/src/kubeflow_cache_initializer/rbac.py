@@ -1,8 +1,9 @@
-"""What the initializer's Role must grant: every (API group, resource, verb) it calls, plus the
-verbs admission control asks of those calls.
+"""What the initializer's Role must grant: every (API group, resource, verb) it calls, plus,
+where an admission plugin asks for them, the verbs it never calls.
 
-The chart's and the kustomize manifests' cache-initializer roles are checked against both lists,
-and the initializer's tests check that the calls it makes are exactly REQUIRED_PERMISSIONS.
+The chart's and the kustomize manifests' cache-initializer roles are checked against both lists
+(the second only where the install turns it on), and the initializer's tests check that the calls
+it makes are exactly REQUIRED_PERMISSIONS.
 """
 
 REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
@@ -31,13 +32,23 @@ REQUIRED_PERMISSIONS: list[tuple[str, str, str]] = [
     ("", "pods", "watch"),
 ]
 
-# Not called, but required of the calls above where the OwnerReferencesPermissionEnforcement
-# admission plugin runs (OpenShift enables it): an update that changes an object's
-# ownerReferences needs `delete` on that object. Joining a shared cache adds the TrainJob to
-# the owners of the LeaderWorkerSet (delete is granted above) and of the ServiceAccount.
+# Not called, but asked of the calls above by the OwnerReferencesPermissionEnforcement admission
+# plugin where it runs (OpenShift turns it on; upstream Kubernetes leaves it off): creating an
+# object with ownerReferences, or changing its ownerReferences, needs `delete` on that object.
+# The initializer creates the cache pods' ServiceAccount and the Service owned by the TrainJob and
+# the key Secret owned by the cache (the LeaderWorkerSet's `delete` is a call of its own), and adds
+# a TrainJob to the owners of a shared cache's ServiceAccount. Granted only where asked for
+# (OWNER_REFERENCE_GRANT): `delete` on every Secret and Service of a namespace is a wide right.
 ADMISSION_PERMISSIONS: list[tuple[str, str, str]] = [
     ("", "serviceaccounts", "delete"),
+    ("", "services", "delete"),
+    ("", "secrets", "delete"),
 ]
+OWNER_REFERENCE_GRANT = (
+    "grant it with `--set dataCache.ownerReferencePermissions=true` (Helm), or apply the kustomize overlay "
+    "manifests/overlays/data-cache-openshift (the component manifests/components/owner-reference-permissions "
+    "in an overlay of your own)"
+)
 
 
 def forbidden_hint(group: str, plural: str, verb: str, namespace: str, message: str) -> str | None:
@@ -48,10 +59,10 @@ def forbidden_hint(group: str, plural: str, verb: str, namespace: str, message: 
     if "exceeded quota" in message:
         return f"the ResourceQuota of namespace {namespace} does not admit it: raise the quota, or free what it counts"
     if "ownerRef" in message or "blockOwnerDeletion" in message:
-        # OwnerReferencesPermissionEnforcement (OpenShift): a change of owners needs `delete`.
+        # OwnerReferencesPermissionEnforcement (OpenShift): setting owners needs `delete`.
         return (
-            f"the owner-reference admission check needs `delete` on {what} besides `{verb}`: "
-            "upgrade the chart, or apply the manifests again, to grant it"
+            f"the OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) needs `delete` on {what} "
+            f"besides `{verb}` for an object with owners: {OWNER_REFERENCE_GRANT}"
         )
     if f"cannot {verb} resource" not in message:
         return None
