@@ -185,6 +185,10 @@ def test_bad_values_exit_2_with_one_line(args, env, fragments):
         # Planning would only have failed at its deadline.
         (["head", "--data-nodes", "1", "--metadata-loc", "gs://b/t/metadata/1.json"], ["gs:// store is not supported"]),
         (["local", "--metadata-loc", "abfs://c@a/t/metadata/1.json"], ["abfs:// store is not supported"]),
+        # A scheme or a bucket alone: a load error once the cluster had formed.
+        (["head", "--data-nodes", "1", "--metadata-loc", "s3://"], ["'s3://' names no file", "s3://bucket/path/to"]),
+        (["local", "--metadata-loc", "s3a://warehouse/"], ["names no file", "s3a://bucket/path/to/metadata.json"]),
+        (["local", "--metadata-loc", "file://"], ["'file://' names no file", "file:///path/to/metadata.json"]),
         # A data node that could not dial its head waited for ever.
         (["worker", "--index", "0", "--head", "127.0.0.1:50051"], ["grpc:// (or grpc+tls://) URI with a port"]),
         (["worker", "--index", "0", "--head", "grpc://head"], ["URI with a port", "'grpc://head'"]),

@@ -120,6 +120,14 @@ def test_tolerations_are_checked_as_the_api_server_checks_them(tolerations, why)
     assert why in str(err.value)
 
 
+def test_the_smallest_cpu_amount_is_taken_and_metadata_locations_naming_a_file_are():
+    """1m is the least Kubernetes schedules: as a float, 0.001 is larger than the Decimal 1m."""
+    for cpu in ("1m", "0.001"):
+        assert load_config({**MINIMAL, "HEAD_CPU": cpu, "WORKER_CPU": cpu}).head_cpu == cpu
+    for location in ("s3://b/warehouse/t/metadata/v1.metadata.json", "s3a://b/m.json", "file:///w/m.json"):
+        assert load_config({**MINIMAL, "METADATA_LOC": location}).metadata_loc == location
+
+
 def test_storage_uri_parsing():
     assert parse_storage_uri("cache://my_schema/my-table.v2") == ("my_schema", "my-table.v2")
     for bad in ("s3://a/b", "cache://a", "cache://a/b/c", "cache:///b", "cache://a/"):
@@ -132,7 +140,11 @@ BAD_INPUT = [
     ({"STORAGE_URI": "cache://only-schema"}, "`STORAGE_URI` should be cache://<schema>/<table>", "only-schema"),
     ({"STORAGE_URI": ""}, "`STORAGE_URI` is required: cache://<schema>/<table>", ""),
     ({"METADATA_LOC": ""}, "`METADATA_LOC` is required: the table's metadata.json", "s3://"),
-    ({"METADATA_LOC": "http://x/m.json"}, "`METADATA_LOC` should be an s3://, s3a:// or file:// URI", "http://x"),
+    ({"METADATA_LOC": "http://x/m.json"}, "`METADATA_LOC` should be an s3://bucket/key, s3a://bucket/key", "http://x"),
+    # A scheme alone, or a bucket without a key, only failed in the cache pods after they started.
+    ({"METADATA_LOC": "s3://"}, "`METADATA_LOC` should be an s3://bucket/key, s3a://bucket/key or file:///path", ""),
+    ({"METADATA_LOC": "s3a://bucket/"}, "`METADATA_LOC` should be an s3://bucket/key", "got 's3a://bucket/'"),
+    ({"METADATA_LOC": "file://"}, "`METADATA_LOC` should be an s3://bucket/key", "got 'file://'"),
     ({"TRAIN_JOB_NAME": ""}, "`TRAIN_JOB_NAME` is required: the TrainJob's name", "DNS-1035"),
     ({"TRAIN_JOB_NAME": "Job_A"}, "`TRAIN_JOB_NAME` should be the TrainJob's name (a DNS-1035 label", "'Job_A'"),
     ({"TRAIN_JOB_NAME": "j" * 45}, "`TRAIN_JOB_NAME` should be at most 44 characters long", "jjjj"),

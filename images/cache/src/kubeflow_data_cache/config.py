@@ -175,6 +175,16 @@ def check_metadata_location(location: str) -> None:
             f"{label('METADATA_LOC', '--metadata-loc')} {location!r}: the {scheme}:// store is not supported; "
             "use s3:// or s3a:// (any S3-compatible store, with AWS_ENDPOINT_URL), file:// or a local path"
         )
+    # A scheme alone (a template whose variable went missing) names no file: said now, not as a
+    # load error once the cluster has formed.
+    rest = location.split("://", 1)[1] if scheme else location
+    bucket, _, key = rest.partition("/")
+    if (scheme == "file" and not rest.strip("/")) or (scheme in ("s3", "s3a") and not (bucket and key.strip("/"))):
+        form = "file:///path/to/metadata.json" if scheme == "file" else f"{scheme}://bucket/path/to/metadata.json"
+        raise ConfigError(
+            f"{label('METADATA_LOC', '--metadata-loc')} {location!r} names no file: give the table's metadata.json "
+            f"as {form}"
+        )
 
 
 def same_table_location(a: str, b: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -205,8 +206,21 @@ def _check_cpu(r: _Reader, name: str, value: str) -> None:
         return  # already named as malformed
     if not _CPU.fullmatch(value):
         r._bad(name, "a CPU amount in cores or millicores, such as 2, 1.5 or 500m", value)
-    elif not 0.001 <= parse_quantity(value) <= MAX_CPUS:
+    elif not Decimal("0.001") <= parse_quantity(value) <= MAX_CPUS:  # a Decimal: 0.001 as a float is more
         r._bad(name, f"at least 1m (a thousandth of a core) and at most {MAX_CPUS} cores", value)
+
+
+def _names_a_file(location: str) -> bool:
+    """Whether an s3://, s3a:// or file:// URI names a file (a bucket and a key; a path): `s3://`
+    alone would only fail in the cache pods, after they started."""
+    scheme = next((s for s in METADATA_LOC_SCHEMES if location.startswith(s)), None)
+    if scheme is None:
+        return False
+    rest = location[len(scheme) :]
+    if scheme == "file://":
+        return rest.strip("/") != ""
+    bucket, _, key = rest.partition("/")
+    return bucket != "" and key.strip("/") != ""
 
 
 def parse_storage_uri(uri: str) -> tuple[str, str]:
@@ -279,8 +293,9 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         except ValueError:
             r._bad("STORAGE_URI", "cache://<schema>/<table> (letters, digits, _ . -)", storage_uri)
     metadata_loc = r.text("METADATA_LOC", "the table's metadata.json as an s3://, s3a:// or file:// URI")
-    if metadata_loc and not metadata_loc.startswith(METADATA_LOC_SCHEMES):
-        r._bad("METADATA_LOC", "an s3://, s3a:// or file:// URI of the table's metadata.json", metadata_loc)
+    if metadata_loc and not _names_a_file(metadata_loc):
+        r._bad("METADATA_LOC", "an s3://bucket/key, s3a://bucket/key or file:///path URI of the table's metadata.json",
+               metadata_loc)  # fmt: skip
     train_job_name = r.matching(
         "TRAIN_JOB_NAME", _DNS_LABEL, f"the TrainJob's name (a DNS-1035 label of at most {MAX_TRAIN_JOB_NAME} chars)"
     )
