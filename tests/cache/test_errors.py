@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from kubeflow_data_cache.errors import first_line, server_message
+from kubeflow_data_cache.errors import MAX_ERROR_CHARS, bounded_message, first_line, server_message, shown
 
 
 class _Failing(flight.FlightServerBase):
@@ -57,3 +57,22 @@ def test_an_empty_message_names_the_error_type():
 def test_grpc_client_debug_context_is_dropped():
     err = flight.FlightUnavailableError('node 2 is down. gRPC client debug context: UNKNOWN:{"created_time": "..."}')
     assert server_message(err) == "node 2 is down"
+
+
+def test_a_long_message_keeps_its_start_and_its_end_within_the_limit():
+    """A message past what gRPC's trailers carry keeps what failed (its start) and the fix (its end)."""
+    message = "invalid filter 'id IN (" + "1, " * 5000 + "...)': No field named lable. Name a column of the table"
+    bounded = bounded_message(message)
+    assert len(bounded) <= MAX_ERROR_CHARS
+    assert bounded.startswith("invalid filter 'id IN (1, 1, ")
+    assert bounded.endswith("No field named lable. Name a column of the table")
+    assert f"[... {len(message) - MAX_ERROR_CHARS + 60} characters left out ...]" in bounded
+    assert bounded_message("short") == "short"
+    assert shown("x" * 10) == "'xxxxxxxxxx'"
+    assert shown("x" * 500) == "'" + "x" * 199 + f"... ({len('x' * 500) + 2} characters)"
+
+
+def test_a_long_message_reaches_a_flight_client_with_its_reason(failing_client):
+    """Past 16 KiB of trailers the client got "Stream removed", not the message."""
+    err = _raised(failing_client, "value", bounded_message("no such column: " + "c" * 30_000 + " (see docs)"))
+    assert server_message(err).endswith("(see docs)")

@@ -171,7 +171,10 @@ def test_a_node_without_rows_checks_the_filter_all_the_same():
         # 12,000 ORs overflowed DataFusion's stack: the node died (SIGSEGV) on a count.
         (" OR ".join(f"id = {i}" for i in range(12_000)), "characters, more than 65536"),
         # Planning grows with the chain: 512 additions took 1.5 s, 5,000 did not finish in 2 min.
-        ("id" + " + id" * 1000 + " > 0", "has 1001 operators, more than 128"),
+        (
+            "id" + " + id" * 1000 + " > 0",
+            "has 1001 operators (keywords such as IS, IN, WHEN and CAST count too), more than 128",
+        ),
         (" OR ".join(f"id = {i}" for i in range(70)), "has 139 operators"),
         # Values far larger than the rows: repeat() took a node to 22 GB, then an abort.
         ("length(repeat(name, 100000000)) > 0", "repeat() can make values far larger than the rows"),
@@ -187,6 +190,14 @@ def test_a_node_without_rows_checks_the_filter_all_the_same():
         ("id = $$1$$", "holds a $"),
         # E'...' escapes its quote with a backslash: read as '...', '\'' hid the ORs between two.
         ("name = E'\\'' OR " + " OR ".join(f"id = {i}" for i in range(70)) + " OR name = E'\\''", "has 143 operators"),
+        # Keywords are operators too: 1,500 IS TRUE (no symbol at all) killed the node (SIGSEGV);
+        # a CASE of 1,000 arms held every node for 35 s, 600 took 10 s to plan.
+        ("id > 1" + " IS TRUE" * 1500, "has 1501 operators (keywords such as IS, IN, WHEN and CAST count too)"),
+        ("CASE " + " ".join(f"WHEN id IN ({i}) THEN true" for i in range(600)) + " ELSE false END", "has 1201"),
+        ("id" + "::BIGINT" * 200 + " > 1", "has 201 operators"),
+        # At the parser's recursion limit, 50 nested CAST(...) (800 characters) backtracked for minutes.
+        ("CAST(" * 50 + "id" + " AS BIGINT)" * 50 + " > 1", "nests parentheses 50 deep, more than 32"),
+        ("(" * 5000 + "id > 1" + ")" * 5000, "nests parentheses 5000 deep"),
     ],
 )
 def test_a_filter_too_costly_for_a_node_is_refused(store, predicate, refusal):
@@ -200,6 +211,8 @@ def test_a_filter_too_costly_for_a_node_is_refused(store, predicate, refusal):
     ("predicate", "rows"),
     [
         (" OR ".join(f"id = {i}" for i in range(64)), list(range(10))),  # 127 operators: within the cap
+        ("CAST(" * 32 + "id" + " AS BIGINT)" * 32 + " < 2", [0, 1]),  # 32 levels: within the cap
+        ("greatest(" + ", ".join(["id"] * 5000) + ") < 2", [0, 1]),  # a call's many arguments are cheap
         ("id IN (" + ", ".join(map(str, range(0, 10_000, 2))) + ")", [0, 2, 4, 6, 8]),  # long lists are cheap
         # Operators inside quotes are data and names, not operators; nor are comment marks.
         ("name = '" + "+-*/%=<>" * 40 + "' OR id = 1", [1]),

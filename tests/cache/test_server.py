@@ -170,6 +170,26 @@ def test_a_refused_filter_reaches_the_client_whole_and_once(small_cache, predica
     assert str(err.value).count("Traceback") == 1, str(err.value)  # the head's, not the node's too
 
 
+@pytest.mark.parametrize(
+    ("request_body", "reason"),
+    [
+        # gRPC refuses trailers past 16 KiB and Flight sends the message twice: an 8 KiB filter
+        # quoted back whole reached the client as "Stream removed", without the reason.
+        ({"filter": "id IN (" + ", ".join(map(str, range(2000))) + ") AND lable = 3"}, "No field named lable"),
+        ({"columns": [f"no_such_column_{i:04}" * 4 for i in range(200)]}, "unknown column(s) ['no_such_column_0000"),
+        ({"shard": "9" * 9000}, "'shard' should be an integer, got '99999"),
+    ],
+)  # fmt: skip
+def test_a_refusal_of_a_long_request_says_why_in_a_few_lines(small_cache, request_body, reason):
+    descriptor = flight.FlightDescriptor.for_command(json.dumps(request_body).encode())
+    assert len(descriptor.command) > 8000
+    with pytest.raises(pa.ArrowInvalid) as err:
+        flight.FlightClient(small_cache.endpoint).get_flight_info(descriptor)
+    message = server_message(err.value)
+    assert reason in message and "characters)" in message  # the value, cut, with its length
+    assert len(message) < 1000
+
+
 def test_bad_and_stale_tickets(small_cache):
     info, _ = read_path_shard(small_cache.endpoint, 0, 1)
     node = flight.FlightClient(info.endpoints[0].locations[0].uri.decode())
@@ -246,6 +266,11 @@ def test_status_list_flights_and_schema(small_cache, small_table):
     assert listed.total_records == small_table.rows
     schema = client.get_schema(flight.FlightDescriptor.for_command(b'{"columns": ["id"]}')).schema
     assert schema.names == ["id"]
+    filtered = flight.FlightDescriptor.for_command(b'{"columns": ["id"], "filter": "id < 3"}')
+    assert client.get_schema(filtered).schema.names == ["id"]
+    # What GetFlightInfo refuses, GetSchema refuses too: the schema of a request that cannot be read.
+    with pytest.raises(pa.ArrowInvalid, match="invalid filter 'nope > 1': .*No field named nope"):
+        client.get_schema(flight.FlightDescriptor.for_command(b'{"filter": "nope > 1"}'))
 
 
 def test_more_nodes_than_files_and_more_shards_than_rows(table_factory):

@@ -72,6 +72,30 @@ NOT_READY_INFO = b"kubeflow-data-cache/not-ready"
 LOAD_FAILED_INFO = b"kubeflow-data-cache/load-failed"
 
 
+# gRPC refuses a call's trailers past 16 KiB, and Flight carries an error's message in them twice:
+# a longer message (a 64 KiB filter quoted back) reached the client as "Stream removed" instead.
+MAX_ERROR_CHARS = 4000
+# How much of a client's value an error quotes back.
+SHOWN_VALUE_CHARS = 200
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to SHOWN_VALUE_CHARS with its length said."""
+    text = repr(value)
+    if len(text) <= SHOWN_VALUE_CHARS:
+        return text
+    return f"{text[:SHOWN_VALUE_CHARS]}... ({len(text)} characters)"
+
+
+def bounded_message(message: str) -> str:
+    """``message`` within MAX_ERROR_CHARS: its middle left out, so that both the start (what
+    failed) and the end (the fix) reach the client."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    keep = (MAX_ERROR_CHARS - 60) // 2
+    return f"{message[:keep]} [... {len(message) - 2 * keep} characters left out ...] {message[-keep:]}"
+
+
 def answered_not_ready(err: BaseException) -> bool:
     """Whether a cache process answered ``err``, saying that it is not ready yet (loading, or a
     head whose data node is down), as opposed to not answering at all."""

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
-from kubeflow_data_cache.errors import BadRequestError, server_message
+from kubeflow_data_cache.errors import BadRequestError, server_message, shown
 from kubeflow_data_cache.protocol import check_filter
 from kubeflow_data_cache.store import NodeStore, indices
 
@@ -88,18 +88,18 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
         calls = STRING_LITERAL.sub("''", condition.canonical_name())
         if VOLATILE_CALL.search(calls):
             raise BadRequestError(
-                f"invalid filter {predicate!r}: it calls a function whose value changes between calls, so "
+                f"invalid filter {shown(predicate)}: it calls a function whose value changes between calls, so "
                 'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
             )
         if grows := GROWING_CALL.search(calls):
             raise BadRequestError(
-                f"invalid filter {predicate!r}: {grows.group(1)}() can make values far larger than the rows "
+                f"invalid filter {shown(predicate)}: {grows.group(1)}() can make values far larger than the rows "
                 "(and the data node's memory); a filter compares a row's own values"
             )
         selected = table.filter(condition).select(_column(ROW_COLUMN))
         if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:
             raise BadRequestError(
-                f"invalid filter {predicate!r}: subqueries (IN (SELECT ...), EXISTS) are not allowed; "
+                f"invalid filter {shown(predicate)}: subqueries (IN (SELECT ...), EXISTS) are not allowed; "
                 "a filter is a predicate over one row's columns"
             )
         result = selected.to_arrow_table()
@@ -111,7 +111,7 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
     # (an overflow) comes as pyo3's PanicException, a BaseException.
     except BaseException as err:
         raise BadRequestError(
-            f"invalid filter {predicate!r}: {_reason(err)}. A filter is one SQL predicate over the table's "
+            f"invalid filter {shown(predicate)}: {_reason(err)}. A filter is one SQL predicate over the table's "
             f'columns {store.schema.names} (double-quote names with capitals or spaces: "Score" > 3), '
             'e.g. "label = 3 AND feature_a > 0.5"'
         ) from None

@@ -33,6 +33,7 @@ from kubeflow_data_cache.errors import (
     NotReadyError,
     first_line,
     server_message,
+    shown,
 )
 from kubeflow_data_cache.load_progress import waiting_reads
 from kubeflow_data_cache.memory import check_fits
@@ -420,7 +421,7 @@ class Head(ReadOnlyFlight):
             return schema
         unknown = [c for c in columns if c not in schema.names]
         if unknown:
-            raise BadRequestError(f"unknown column(s) {unknown}; the table has {schema.names}")
+            raise BadRequestError(f"unknown column(s) {shown(unknown)}; the table has {schema.names}")
         return pa.schema([schema.field(c) for c in columns])
 
     def _node_rows(self, predicate: str | None) -> list[int]:
@@ -509,7 +510,11 @@ class Head(ReadOnlyFlight):
     def get_schema(self, context, descriptor):
         req = self._request(descriptor)
         self._ready()
-        return flight.SchemaResult(self._projected_schema(req.columns))
+        schema = self._projected_schema(req.columns)
+        # The schema does not depend on the filter, but a request GetFlightInfo would refuse is
+        # refused here too: the nodes judge it (and keep its counts for the GetFlightInfo to come).
+        self._node_rows(req.filter)
+        return flight.SchemaResult(schema)
 
     def list_flights(self, context, criteria):
         # Not a generator: errors must rise here, inside the status mapping, not while streaming.

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kubeflow_data_cache.errors import BadRequestError, first_line
+from kubeflow_data_cache.errors import BadRequestError, first_line, shown
 
 PROTOCOL_VERSION = 1
 # Tickets that carry a skip say so in their version: a node from before skipping (which accepts
@@ -65,11 +65,21 @@ MAX_COLUMNS = 1 << 14
 # A filter is parsed, planned and evaluated by DataFusion on every data node, and its cost grows
 # with its size, not with the rows: a chain of 512 additions took 1.5 s to plan here, 12,000 ORs
 # overflowed the parser's stack and killed the node. Long IN lists stay cheap (10,000 values: 0.07 s).
+# Keywords count as operators too: 1,500 postfix IS TRUE (no symbol, 12 KiB) overflowed the
+# stack evaluating them and killed the node; a CASE of 600 WHEN arms took 10 s to plan, 1,000 arms
+# held every node for 35 s, and each WHEN, IN or CAST is one more step.
 MAX_FILTER_CHARS = 1 << 16
 MAX_FILTER_OPERATORS = 128
+# Parentheses (a call's included) nested past this: at the parser's recursion limit (50), 50 nested
+# CAST(...) made it backtrack for minutes on an 800-character filter.
+MAX_FILTER_DEPTH = 32
 # Characters that start none of quoted text, a comment or a $ (checked one by one above them).
 _PLAIN = re.compile(r"[^'\"`$/-]+")
-_OPERATOR = re.compile(r"\b(?:AND|OR|NOT|LIKE|ILIKE|BETWEEN)\b|<=|>=|<>|!=|\|\||<<|>>|[-+*/%=<>&|^]", re.IGNORECASE)
+_OPERATOR = re.compile(
+    r"\b(?:AND|OR|NOT|LIKE|ILIKE|SIMILAR|BETWEEN|IS|IN|CASE|WHEN|CAST|TRY_CAST)\b"
+    r"|::|<=|>=|<>|!=|\|\||<<|>>|[-+*/%=<>&|^]",
+    re.IGNORECASE,
+)
 
 # Actions served by the head and the data nodes (DoAction types).
 ACTION_STATUS = "status"
@@ -87,12 +97,31 @@ def check_filter(predicate: str) -> None:
         f"'filter' is {len(predicate)} characters, more than {MAX_FILTER_CHARS}: a filter is one predicate "
         "over a row's columns; for a long list of values, keep a column that marks the rows to read",
     )
-    operators = len(_OPERATOR.findall(_unquoted(predicate)))
+    unquoted = _unquoted(predicate)
+    operators = len(_OPERATOR.findall(unquoted))
     _require(
         operators <= MAX_FILTER_OPERATORS,
-        f"'filter' has {operators} operators, more than {MAX_FILTER_OPERATORS}: write a long chain of "
-        'comparisons as one IN list ("id IN (1, 2, 3)"), or keep a column that marks the rows to read',
+        f"'filter' has {operators} operators (keywords such as IS, IN, WHEN and CAST count too), more than "
+        f'{MAX_FILTER_OPERATORS}: write a long chain of comparisons as one IN list ("id IN (1, 2, 3)"), or keep '
+        "a column that marks the rows to read",
     )
+    depth = _deepest_parentheses(unquoted)
+    _require(
+        depth <= MAX_FILTER_DEPTH,
+        f"'filter' nests parentheses {depth} deep, more than {MAX_FILTER_DEPTH}: a filter over a row's "
+        "columns needs a few levels; keep a column that marks the rows to read for anything deeper",
+    )
+
+
+def _deepest_parentheses(text: str) -> int:
+    depth = deepest = 0
+    for char in text:
+        if char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def _unquoted(predicate: str) -> str:
@@ -149,7 +178,7 @@ def _require(cond: bool, message: str) -> None:
 
 def _as_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequestError(f"'{name}' should be an integer, got {value!r}")
+        raise BadRequestError(f"'{name}' should be an integer, got {shown(value)}")
     _require(value >= minimum, f"'{name}' should be >= {minimum}, got {value}")
     if maximum is not None:
         _require(value <= maximum, f"'{name}' should be <= {maximum}, got {value}")
@@ -185,27 +214,27 @@ class ShardRequest:
         )
         _as_int("epoch", self.epoch, 0, UINT64_MAX)
         _as_int("seed", self.seed, 0, UINT64_MAX)
-        _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {self.shuffle!r}")
+        _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {shown(self.shuffle)}")
         _as_int("batch_size", self.batch_size, 1)
         _require(self.batch_size <= MAX_BATCH_SIZE, f"'batch_size' should be <= {MAX_BATCH_SIZE}")
         _as_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         _require(
             self.even is None or self.even in EVEN_MODES,
-            f"'even' should be one of {EVEN_MODES} or null, got {self.even!r}",
+            f"'even' should be one of {EVEN_MODES} or null, got {shown(self.even)}",
         )
         if self.columns is not None:
             _require(
                 isinstance(self.columns, (list, tuple)) and all(isinstance(c, str) for c in self.columns),
-                f"'columns' should be a list of column names, got {self.columns!r}",
+                f"'columns' should be a list of column names, got {shown(self.columns)}",
             )
             _require(len(self.columns) > 0, "'columns' should name at least one column (or be null for all of them)")
             _require(len(self.columns) <= MAX_COLUMNS, f"'columns' names more than {MAX_COLUMNS} columns")
             twice = sorted(c for c, n in Counter(self.columns).items() if n > 1)
-            _require(not twice, f"'columns' names {twice} more than once")
+            _require(not twice, f"'columns' names {shown(twice)} more than once")
             object.__setattr__(self, "columns", tuple(self.columns))
         _require(
             self.filter is None or (isinstance(self.filter, str) and self.filter.strip() != ""),
-            f"'filter' should be a non-empty SQL predicate string, got {self.filter!r}",
+            f"'filter' should be a non-empty SQL predicate string, got {shown(self.filter)}",
         )
         if self.filter is not None:
             check_filter(self.filter)
@@ -223,7 +252,7 @@ class ShardRequest:
         _require(isinstance(data, dict), f"a shard request should be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
-        _require(not unknown, f"unknown shard request field(s) {unknown}; known fields: {sorted(known)}")
+        _require(not unknown, f"unknown shard request field(s) {shown(unknown)}; known fields: {sorted(known)}")
         return cls(**data)
 
     @classmethod
@@ -316,7 +345,7 @@ class Ticket:
         version = data.get("v")
         _require(
             type(version) is int and version in (PROTOCOL_VERSION, SKIP_VERSION),  # not 1.0 or true
-            f"ticket protocol version {version!r} is not supported (this node speaks "
+            f"ticket protocol version {shown(version)} is not supported (this node speaks "
             f"{PROTOCOL_VERSION} and {SKIP_VERSION})",
         )
         skip = data.get("skip", 0)

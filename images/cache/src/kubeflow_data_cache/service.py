@@ -29,6 +29,7 @@ from kubeflow_data_cache.errors import (
     NodeBusyError,
     NotReadyError,
     StaleTicketError,
+    bounded_message,
     first_line,
 )
 from kubeflow_data_cache.memory import resident_bytes
@@ -184,25 +185,27 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
                 return fn(*args, **kwargs)
             except (BadRequestError, StaleTicketError) as err:
                 metrics.errors.labels(**labels, code="INVALID_ARGUMENT").inc()
-                raise pa.ArrowInvalid(str(err)) from None
+                raise pa.ArrowInvalid(bounded_message(str(err))) from None
             except (NotReadyError, NodeBusyError) as err:
                 metrics.errors.labels(**labels, code="UNAVAILABLE").inc()
                 info = NOT_READY_INFO if isinstance(err, NotReadyError) else b""
-                raise flight.FlightUnavailableError(str(err), info) from None
+                raise flight.FlightUnavailableError(bounded_message(str(err)), info) from None
             except NotImplementedError as err:
                 metrics.errors.labels(**labels, code="UNIMPLEMENTED").inc()
-                raise NotImplementedError(str(err)) from None
+                raise NotImplementedError(bounded_message(str(err))) from None
             except DataCacheError as err:
                 metrics.errors.labels(**labels, code="INTERNAL").inc()
                 info = LOAD_FAILED_INFO if isinstance(err, LoadFailedError) else b""
-                raise flight.FlightInternalError(str(err), info) from None
+                raise flight.FlightInternalError(bounded_message(str(err)), info) from None
             except flight.FlightError as err:
                 metrics.errors.labels(**labels, code=flight_status(err)).inc()
                 raise
             except Exception as err:
                 metrics.errors.labels(**labels, code="INTERNAL").inc()
                 log.exception("%s failed", method)
-                raise flight.FlightInternalError(f"{method} failed: {type(err).__name__}: {err}") from None
+                raise flight.FlightInternalError(
+                    bounded_message(f"{method} failed: {type(err).__name__}: {err}")
+                ) from None
             finally:
                 metrics.request_seconds.labels(**labels).observe(time.perf_counter() - started)
 
