@@ -13,7 +13,7 @@ import time
 import psutil
 
 from kubeflow_data_cache.client import CacheClient
-from kubeflow_data_cache.runner import DUMP_STACKS_SIGNAL
+from kubeflow_data_cache.processes import DUMP_STACKS_SIGNAL
 from tests.cache.conftest import read_path_shards
 from tests.cache.test_config_errors import assert_one_line_error
 from tests.conftest import LocalCache
@@ -150,6 +150,14 @@ def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(table_factory):
         dump = cache.read_stderr()
         assert "Current thread" in dump and "Thread 0x" in dump, dump[-3000:]
         assert "run_node" in dump  # the main thread's Python stack, waiting for a signal to stop
+        assert read_path_shards(location).num_rows == 2000
+        # `local` itself too: USR1's default action ended it, and it stopped the whole cache.
+        cache.proc.send_signal(DUMP_STACKS_SIGNAL)
+        deadline = time.monotonic() + DEADLINE
+        while "run_local" not in cache.read_stderr() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "run_local" in cache.read_stderr()
+        assert cache.proc.poll() is None
         assert read_path_shards(location).num_rows == 2000
     finally:
         cache.stop()

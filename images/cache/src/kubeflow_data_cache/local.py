@@ -29,7 +29,7 @@ from kubeflow_data_cache.config import (
 from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
-from kubeflow_data_cache.processes import die_with_parent, handle_signals, stop_processes
+from kubeflow_data_cache.processes import die_with_parent, dump_stacks_on_signal, handle_signals, stop_processes
 from kubeflow_data_cache.security import (
     CLUSTER_KEY_ENV,
     TLS_DIR_ENV,
@@ -274,6 +274,7 @@ def run_local(cluster: LocalCluster) -> int:
         stopping["signal"] = signum
 
     handle_signals(on_signal)
+    dump_stacks_on_signal()  # as each node does: USR1's default action would end `local`, and the cache
     try:
         cluster.start()  # inside the try: nodes started before a failure are stopped too
         status = cluster.wait_ready(lambda: stopping["signal"] is not None)

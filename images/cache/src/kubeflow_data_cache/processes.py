@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import subprocess
@@ -20,6 +21,17 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # What stops a cache process in order, as SIGTERM does: Ctrl-C, and SIGHUP from a terminal that
 # closed (its default action killed each process on the spot, skipping the nodes' stream grace).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# `kill -USR1 <pid>` writes every thread's Python stack to stderr (the pod's log): what a process
+# that seems stuck is doing, without stopping it.
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on_signal() -> None:
+    """Dump every thread's stack on DUMP_STACKS_SIGNAL, from the signal handler itself, so it
+    works even when no thread gives up the interpreter (its default action ends the process)."""
+    faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
 
 
 def handle_signals(handler: Callable[[int, object], object], signals: Iterable[int] = STOP_SIGNALS) -> None:

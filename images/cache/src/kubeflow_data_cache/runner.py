@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
 import signal
@@ -20,12 +19,11 @@ from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
-from kubeflow_data_cache.processes import handle_signals
+from kubeflow_data_cache.processes import dump_stacks_on_signal, handle_signals
 from kubeflow_data_cache.service import STOPPING, HealthServer
 
 log = logging.getLogger(__name__)
 
-DUMP_STACKS_SIGNAL = signal.SIGUSR1
 # How often the main thread looks for a stop signal or a failed load.
 STOP_POLL_SECONDS = 0.2
 
@@ -84,10 +82,7 @@ def run_node(cfg: NodeConfig) -> NoReturn:
             time.sleep(min(STOP_POLL_SECONDS, left))
         return bool(signals)
 
-    # `kill -USR1 <pid>` writes every thread's Python stack to stderr (the pod's log): what a
-    # process that seems stuck is doing, without stopping it. Dumped from the signal handler
-    # itself, so it works even when no thread gives up the interpreter.
-    faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
+    dump_stacks_on_signal()
     if cfg.role == "head":
         server.start()
     else:
