@@ -226,3 +226,23 @@ def test_a_client_that_trickles_its_request_is_closed_at_the_request_deadline(mo
         assert get(server.port, "/live") == (200, "ok\n")
     finally:
         server.stop()
+
+
+def test_head_requests_get_the_status_and_headers_without_a_body():
+    """`curl -I` and uptime checkers send HEAD: it was answered 501."""
+    import http.client
+
+    lifecycle = Lifecycle()
+    server = HealthServer("127.0.0.1", 0, lifecycle, Metrics("head"), dict).start()
+    try:
+        for path, status in (("/live", 200), ("/ready", 503), ("/metrics", 200), ("/nope", 404)):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.request("HEAD", path)
+            response = conn.getresponse()
+            assert response.status == status, path
+            assert int(response.getheader("Content-Length")) > 0 and response.read() == b""
+            conn.close()
+        lifecycle.set(READY, "")
+        assert get(server.port, "/ready") == (200, "ready\n")  # GET still has its body
+    finally:
+        server.stop()

@@ -262,6 +262,10 @@ def parse_action_body(action: flight.Action) -> dict[str, Any]:
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
+    # socketserver's default of 5 pending connections: a burst of 200 scrapes and probes on a busy
+    # node left some waiting for the kernel's SYN retries (7 s), past a probe's timeout.
+    request_queue_size = 128
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A probe that timed out and hung up is routine on a busy node: not worth a traceback.
         if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
@@ -330,6 +334,13 @@ class HealthServer:
                 super().finish()
 
             def do_GET(self) -> None:
+                self._respond(with_body=True)
+
+            def do_HEAD(self) -> None:  # `curl -I`, uptime checkers: the same status and headers
+                self._respond(with_body=False)
+
+            def _respond(self, with_body: bool) -> None:
+                self._with_body = with_body
                 path = self.path.split("?")[0]
                 if path == "/live":
                     self._send(200, "text/plain", b"ok\n")
@@ -349,7 +360,8 @@ class HealthServer:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if self._with_body:
+                    self.wfile.write(body)
 
             def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
                 pass
