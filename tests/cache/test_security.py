@@ -13,6 +13,7 @@ import pyarrow.flight as flight
 import pytest
 
 from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.errors import CacheUnavailableError
 from kubeflow_data_cache.security import TokenAuthFactory
 from tests.cache.conftest import Certificate, make_cert, read_path_shards, run_data_cache
@@ -392,3 +393,29 @@ def test_a_cluster_key_that_cannot_be_encoded_is_a_wrong_key_not_a_server_error(
     assert key_matches("k3y", "\ud800") is False
     assert key_matches("k3y", "k3y") is True
     assert key_matches("k3y", None) is False
+
+
+def test_a_head_without_the_token_its_data_nodes_require_says_so(small_table):
+    """Data nodes that require a token the head lacks (they register with a head that takes any):
+    the head failed naming neither the node nor that the token missing was its own. (A head with
+    another token refuses the nodes' registration, and the nodes say so.)"""
+    from kubeflow_data_cache.head import Head
+    from kubeflow_data_cache.node import DataNode
+    from tests.cache.inprocess import FLAGS, wait_for
+
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}
+    head = Head(build_config("head", flags, env={}))
+    head.start()
+    node = None
+    try:
+        flags = {**FLAGS, "index": 0, "head": head.location}
+        node = DataNode(build_config("worker", flags, env={"DATA_CACHE_TOKEN": "the-nodes-token"}))
+        node.start_registering()
+        detail = wait_for(lambda: "refused the head's token" in head.lifecycle.detail and head.lifecycle.detail)
+        assert f"data node 0 at {node.location} refused the head's token (this head has none)" in detail
+        assert "give the head and every data node the same DATA_CACHE_TOKEN" in detail
+        assert "the-nodes-token" not in detail
+    finally:
+        head.stop()
+        if node is not None:
+            node.stop()

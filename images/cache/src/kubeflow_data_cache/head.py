@@ -139,6 +139,13 @@ class Head(ReadOnlyFlight):
                 raise ClusterFormationError(
                     f"data node {node} at {self._location(node)} refused its assignment: {server_message(err)}"
                 ) from None
+            except flight.FlightUnauthenticatedError:
+                # A node that takes no token accepts any: this head has none, or another one.
+                sent = "this head has none" if self.cfg.token is None else "this head's is another one"
+                raise ClusterFormationError(
+                    f"data node {node} at {self._location(node)} refused the head's token ({sent}): give the head "
+                    "and every data node the same DATA_CACHE_TOKEN (or DATA_CACHE_TOKEN_FILE)"
+                ) from None
             except flight.FlightUnavailableError as err:
                 if attempt == LOAD_SEND_ATTEMPTS:
                     raise ClusterFormationError(
