@@ -223,3 +223,59 @@ def test_ctrl_c_while_the_cache_loads_exits_0_though_the_nodes_exit_first(small_
     assert "READY" not in stdout, "the cache must still be loading when Ctrl-C comes"
     assert proc.returncode == 0 and "stopped by a signal before the cache was ready" in stderr, stderr
     assert " ERROR " not in stderr and "cache failed" not in stderr, stderr
+
+
+def _pid1(args: list[str]) -> subprocess.Popen:
+    """``data-cache ARGS`` as PID 1 of a new PID namespace, as in its container, or a skip where
+    this machine lets no such namespace be made."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-fp", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("no PID namespace can be made here (`unshare -fp` is missing or not permitted)")
+    return subprocess.Popen(
+        [unshare, "-fp", "--mount-proc", sys.executable, "-m", "kubeflow_data_cache", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_sigterm_as_pid_1_while_starting_stops_the_process(small_table):
+    """The kernel drops a signal PID 1 has no handler for: a SIGTERM during the second of imports
+    before the runner installed its own was lost, and the pod ran on until the kubelet's SIGKILL."""
+    import psutil
+
+    args = ["head", "--metadata-loc", small_table.metadata_location, "--data-nodes", "1", "--host", "127.0.0.1",
+            "--port", "0", "--health-port", "0", "--startup-timeout", "60"]  # fmt: skip
+    outer = _pid1(args)
+    try:
+        deadline = time.monotonic() + 10
+        while not (children := psutil.Process(outer.pid).children()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (cache,) = children
+        # Caught once its command line is parsed, before pyarrow (Arrow's C++ library) is loaded:
+        # it used to be caught only after the servers had started, a second later.
+        while not _catches(cache.pid, signal.SIGTERM):
+            assert time.monotonic() < deadline, "SIGTERM never got a handler"
+            time.sleep(0.002)
+        with open(f"/proc/{cache.pid}/maps") as maps:
+            assert "libarrow" not in maps.read(), "SIGTERM is handled only after the imports"
+        cache.send_signal(signal.SIGTERM)
+        assert outer.wait(timeout=20) == 0, outer.stderr.read()[-2000:]
+        assert "head stopping on SIGTERM" in outer.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            outer.kill()
+        outer.wait()
+
+
+def _signal_masks(pid: int) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        return status.read()
+    return ""
+
+
+def _catches(pid: int, sig: int) -> bool:
+    line = next((row for row in _signal_masks(pid).splitlines() if row.startswith("SigCgt:")), "SigCgt: 0")
+    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)

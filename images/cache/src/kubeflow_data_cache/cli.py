@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("head", "worker", "local"):
+        from kubeflow_data_cache.processes import keep_early_stop_signals
+
+        keep_early_stop_signals()  # until run_node / run_local handle them: their imports take a second
     role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
     try:
         _setup_logging(_log_level(args.log_level), role)

@@ -34,14 +34,29 @@ def dump_stacks_on_signal() -> None:
     faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
 
 
+# Stop signals that came before the command installed its handlers, for handle_signals to hand on.
+_early_signals: list[int] = []
+
+
+def keep_early_stop_signals() -> None:
+    """Record SIGTERM and SIGHUP from now until the command's own handle_signals, which replays
+    them. A long-running command imports for a second before it gets there, and the kernel drops
+    a signal PID 1 (the cache in its container) has no handler for: a pod deleted as it started
+    ran on until the kubelet's SIGKILL. (SIGINT already raises KeyboardInterrupt.)"""
+    handle_signals(lambda signum, _frame: _early_signals.append(signum), (signal.SIGTERM, signal.SIGHUP))
+
+
 def handle_signals(handler: Callable[[int, object], object], signals: Iterable[int] = STOP_SIGNALS) -> None:
     """Install ``handler`` for ``signals``, except SIGHUP where it is already ignored: that is
     `nohup` (or a parent) asking this process to outlive its terminal, and children started
-    from here inherit the ignore through exec, so the whole cache keeps running."""
+    from here inherit the ignore through exec, so the whole cache keeps running. Signals kept
+    since keep_early_stop_signals are handed to ``handler`` now."""
     for sig in signals:
         if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
             continue
         signal.signal(sig, handler)
+    while _early_signals:
+        handler(_early_signals.pop(0), None)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
