@@ -343,6 +343,44 @@ def test_a_tls_head_refuses_a_data_node_registering_at_a_plain_location(self_sig
         head.stop()
 
 
+@pytest.mark.parametrize("tls_side", ["head", "node"])
+def test_a_data_node_whose_head_speaks_the_other_protocol_says_so_at_once(self_signed_cert, small_table, tls_side):
+    """Head and node dial each other with their own scheme: a pod group whose TLS Secret reached
+    only some pods failed every handshake, and the node retried to its deadline (600 s) saying
+    "Socket closed" or "wrong version number", and nothing of TLS."""
+    from kubeflow_data_cache.config import build_config
+    from kubeflow_data_cache.head import Head
+    from kubeflow_data_cache.node import DataNode
+    from kubeflow_data_cache.service import FAILED
+    from tests.cache.inprocess import FLAGS, wait_for
+
+    tls = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
+    head_flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}
+    head = Head(build_config("head", {**head_flags, **(tls if tls_side == "head" else {})}, env={}))
+    head.start()
+    node = None
+    try:
+        port = head.location.rsplit(":", 1)[1]
+        scheme = "grpc+tls" if tls_side == "node" else "grpc"  # the node dials with its own scheme
+        node_flags = {**FLAGS, "index": 0, "head": f"{scheme}://127.0.0.1:{port}", "startup_timeout": 600}
+        node = DataNode(build_config("worker", {**node_flags, **(tls if tls_side == "node" else {})}, env={}))
+        started = time.monotonic()
+        node.start_registering()
+        wait_for(lambda: node.lifecycle.state == FAILED, timeout=30)
+        assert time.monotonic() - started < 30
+        head_says, node_says = ("serves TLS", "does not") if tls_side == "head" else ("does not serve TLS", "does")
+        assert (
+            f"the head at {scheme}://127.0.0.1:{port} {head_says} and this data node {node_says}"
+            in node.lifecycle.detail
+        )
+        assert "every pod of a cache serves TLS or none does" in node.lifecycle.detail
+        assert head.registered == {}
+    finally:
+        head.stop()
+        if node is not None:
+            node.stop()
+
+
 def test_a_tls_reader_refuses_a_plain_data_node_location_before_dialing_it():
     """Whatever the head's answer says, a reader that asked for TLS never sends its token or
     reads rows in clear."""

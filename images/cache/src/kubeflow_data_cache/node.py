@@ -42,7 +42,7 @@ from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, reside
 from kubeflow_data_cache.offsets import has_offsets, rebaser
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import TokenAuthFactory, call_options, key_matches
+from kubeflow_data_cache.security import TLS_SCHEME, TokenAuthFactory, call_options, key_matches, speaks_tls
 from kubeflow_data_cache.service import (
     LOADING,
     READY,
@@ -230,6 +230,22 @@ class DataNode(ReadOnlyFlight):
             threading.Thread(target=warm_reader, args=args, name="warm-reader", daemon=True).start()
         return table, arrow_schema(table), tasks
 
+    def _tls_mismatch(self) -> str | None:
+        """Why the head cannot be registered with, where it speaks TLS and this node not, or the
+        other way round (a TLS Secret that reached only some of a group's pods): every call failed
+        the handshake, and the node retried to its deadline saying "Socket closed"."""
+        ours = self.cfg.tls.scheme == TLS_SCHEME
+        theirs = speaks_tls(self.cfg.head_location)
+        if theirs is None or theirs == ours:
+            return None
+        head, node = ("serves TLS", "does not") if theirs else ("does not serve TLS", "does")
+        return (
+            f"data node {self.cfg.node_index}: the head at {self.cfg.head_location} {head} and this data node "
+            f"{node}: every pod of a cache serves TLS or none does. On Kubernetes its pods read the same TLS "
+            "Secret (DATA_CACHE_TLS_DIR); one created or deleted after some of them started reaches only the "
+            "later ones: delete the cache's pods (or its TrainJob) so that they all start again"
+        )
+
     def _register_loop(self) -> None:
         """Register with the head, then keep re-registering so a restarted head finds us again."""
         client = self.cfg.tls.client_for(self.cfg.head_location)
@@ -267,6 +283,9 @@ class DataNode(ReadOnlyFlight):
                 return
             except Exception as err:  # head not up yet, or restarting: retry with backoff
                 last_error = first_line(err)
+                if (mismatch := self._tls_mismatch()) is not None:
+                    self.lifecycle.fail(mismatch)
+                    return
                 # /ready says why (a TLS name mismatch shows here), also for a node the head
                 # registered and then went away from before sending it rows.
                 self.lifecycle.waiting_detail(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hmac
 import re
+import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pyarrow.flight as flight
 
@@ -31,6 +34,28 @@ TLS_SCHEME = "grpc+tls"
 def is_tls(location: str) -> bool:
     """Whether a Flight location is dialed over TLS (grpc+tls://)."""
     return location.lower().startswith(f"{TLS_SCHEME}://")
+
+
+def speaks_tls(location: str, timeout: float = 2.0) -> bool | None:
+    """Whether the server at a Flight location completes a TLS handshake (its certificate is not
+    checked: only the protocol is asked), False where it connects but does not, None where it
+    does not connect. A data node and its head dial each other with their own scheme, so a pod
+    group whose TLS Secret reached only some pods failed every call in a way that named no TLS."""
+    parts = urlsplit(location)
+    if parts.hostname is None or parts.port is None:
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])  # as gRPC offers it
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as raw:
+            try:
+                with context.wrap_socket(raw, server_hostname=parts.hostname):
+                    return True
+            except (ssl.SSLError, ConnectionResetError, BrokenPipeError):  # answered, not in TLS
+                return False
+    except OSError:  # refused, unreachable or too slow: nothing learnt
+        return None
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:
