@@ -162,6 +162,26 @@ def test_a_node_that_cannot_register_says_why_on_ready():
         health.stop()
 
 
+def test_a_node_pointed_at_a_flight_server_that_is_no_head_fails_at_once():
+    """Another data node's port, say: "action 'register' is not implemented" was retried to the
+    startup deadline (600 s) and then reported as a head it "could not reach"."""
+    import pyarrow.flight as flight
+
+    from kubeflow_data_cache.service import FAILED
+
+    other = flight.FlightServerBase("grpc://127.0.0.1:0")
+    head = f"grpc://127.0.0.1:{other.port}"
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head, "startup_timeout": 600}, env={}))
+    try:
+        node.start_registering()
+        wait_for(lambda: node.lifecycle.state == FAILED, timeout=30)
+        assert f"data node 0: {head} answers Flight but is not a data cache head" in node.lifecycle.detail
+        assert "point --head (or LWS_LEADER_ADDRESS and FLIGHT_PORT) at the head's Flight port" in node.lifecycle.detail
+    finally:
+        node.stop()
+        other.shutdown()
+
+
 def test_a_load_that_ends_during_shutdown_leaves_the_node_stopping():
     """SIGTERM sets `stopping` (/ready 503) while a load may still be running: its end must not
     turn the node back to ready for the rest of the shutdown's grace."""

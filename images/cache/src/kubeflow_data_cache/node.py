@@ -275,6 +275,13 @@ class DataNode(ReadOnlyFlight):
             except flight.FlightUnauthenticatedError as err:
                 self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
                 return
+            except pa.ArrowNotImplementedError as err:  # a Flight server, but no head: final too
+                self.lifecycle.fail(
+                    f"data node {self.cfg.node_index}: {self.cfg.head_location} answers Flight but is not a data "
+                    f"cache head ({first_line(err)}): point --head (or LWS_LEADER_ADDRESS and FLIGHT_PORT) at the "
+                    "head's Flight port"
+                )
+                return
             except pa.ArrowInvalid as err:  # the head answered and refused (a wrong index): final
                 self.lifecycle.fail(
                     f"data node {self.cfg.node_index}: the head at {self.cfg.head_location} refused to register "
