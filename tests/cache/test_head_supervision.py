@@ -319,3 +319,51 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
         for node in nodes:
             node.stop()
         head.stop()
+
+
+def test_a_node_gone_between_registering_and_its_assignment_is_followed_to_its_replacement(small_table):
+    """A data node that registered and then died before the head sent its rows failed the whole
+    load 3 s later, blamed on a wrong advertised address; its replacement, registering elsewhere a
+    moment after, now gets the assignment."""
+    from kubeflow_data_cache.head import Head
+    from tests.conftest import free_port
+
+    head = Head(build_config("head", {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}, env={}))
+    head.start()
+    replacement = None
+    try:
+        gone = f"grpc://127.0.0.1:{free_port()}"  # registered there, and nothing answers any more
+        body = json.dumps({"index": 0, "location": gone}).encode()
+        list(flight.FlightClient(head.location).do_action(flight.Action("register", body)))
+        wait_for(lambda: head.plan is not None, timeout=30)  # planned: sending the assignment now
+        time.sleep(5)  # past the old 3 s of tries
+        assert head.lifecycle.state != "failed", head.lifecycle.detail
+        replacement = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+        replacement.start_registering()
+        wait_for(lambda: head.lifecycle.state == "ready", timeout=30)
+        assert total_records(head) == small_table.rows
+    finally:
+        head.stop()
+        if replacement is not None:
+            replacement.stop()
+
+
+def test_a_node_that_never_answers_where_it_registered_fails_the_load_naming_both_causes(small_table, monkeypatch):
+    from kubeflow_data_cache.head import Head
+    from tests.conftest import free_port
+
+    monkeypatch.setattr(head_module, "LOAD_UNREACHABLE_SECONDS", 2.0)
+    head = Head(build_config("head", {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}, env={}))
+    head.start()
+    try:
+        gone = f"grpc://127.0.0.1:{free_port()}"
+        list(
+            flight.FlightClient(head.location).do_action(
+                flight.Action("register", json.dumps({"index": 0, "location": gone}).encode())
+            )
+        )
+        wait_for(lambda: head.lifecycle.state == "failed", timeout=30)
+        assert f"data node 0 registered at {gone} but has not answered there for 2s" in head.lifecycle.detail
+        assert "must be reachable from the head, or the node stopped and did not come back" in head.lifecycle.detail
+    finally:
+        head.stop()

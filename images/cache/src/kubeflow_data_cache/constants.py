@@ -31,9 +31,10 @@ REGISTER_PROBE_SECONDS = 3.0
 # answers UNAVAILABLE (retry) rather than the reader timing out; the node goes on counting and
 # the retry waits for that same count (filtering.FilterCache).
 COUNT_TIMEOUT_SECONDS = 25.0
-# Tries of the head's `load` call to one data node before the load fails (a node that just
-# registered may not answer yet); the message then points at its advertised address.
-LOAD_SEND_ATTEMPTS = 3
+# How long the head keeps sending `load` to a data node that registered but does not answer at
+# its location, following it if it registers again elsewhere (a node that crashed after
+# registering, and its replacement); then the load fails, pointing at its advertised address.
+LOAD_UNREACHABLE_SECONDS = 30.0
 # After a failed load a node keeps answering /ready and /status with the reason this long
 # (so the initializer and `kubectl logs` can read it), then exits non-zero.
 FAILURE_GRACE_SECONDS = 30.0

@@ -21,7 +21,7 @@ from kubeflow_data_cache.constants import (
     CACHED_FILTER_COUNTS,
     COUNT_TIMEOUT_SECONDS,
     LOAD_POLL_SECONDS,
-    LOAD_SEND_ATTEMPTS,
+    LOAD_UNREACHABLE_SECONDS,
     REGISTER_PROBE_SECONDS,
     RPC_TIMEOUT_SECONDS,
     SUPERVISE_POLL_SECONDS,
@@ -129,36 +129,45 @@ class Head(ReadOnlyFlight):
         )
 
     def _send_load_or_explain(self, node: int) -> None:
-        """Send a node its assignment, a few tries; a node that registered but cannot be reached
-        at the address it gave is almost always a wrong advertised address."""
-        for attempt in range(1, LOAD_SEND_ATTEMPTS + 1):
+        """Send a node its assignment. One that registered but does not answer where it said is
+        tried for LOAD_UNREACHABLE_SECONDS, at its latest location: it may have crashed and come
+        back elsewhere (its replacement registers again). Past that, its advertised address is the
+        likelier cause."""
+        unreachable_since, delay = time.monotonic(), 0.5
+        while True:
+            location = self._location(node)
             try:
                 self._send_load(node)
                 return
             except pa.ArrowInvalid as err:  # the node refused its assignment: say why, not a traceback
                 raise ClusterFormationError(
-                    f"data node {node} at {self._location(node)} refused its assignment: {server_message(err)}"
+                    f"data node {node} at {location} refused its assignment: {server_message(err)}"
                 ) from None
             except flight.FlightUnauthenticatedError:
                 # A node that takes no token accepts any: this head has none, or another one.
                 sent = "this head has none" if self.cfg.token is None else "this head's is another one"
                 raise ClusterFormationError(
-                    f"data node {node} at {self._location(node)} refused the head's token ({sent}): give the head "
+                    f"data node {node} at {location} refused the head's token ({sent}): give the head "
                     "and every data node the same DATA_CACHE_TOKEN (or DATA_CACHE_TOKEN_FILE)"
                 ) from None
             except flight.FlightUnavailableError as err:
-                if attempt == LOAD_SEND_ATTEMPTS:
+                if self._stop.is_set():
+                    raise
+                if time.monotonic() - unreachable_since >= LOAD_UNREACHABLE_SECONDS:
                     raise ClusterFormationError(
-                        f"data node {node} registered at {self._location(node)} but does not answer there "
-                        f"({first_line(err)}); the address it advertises (POD_IP, or --advertise-host) "
-                        "must be reachable from the head"
+                        f"data node {node} registered at {location} but has not answered there for "
+                        f"{LOAD_UNREACHABLE_SECONDS:.0f}s ({first_line(err)}): the address it advertises (POD_IP, "
+                        "or --advertise-host) must be reachable from the head, or the node stopped and did not "
+                        "come back (check that pod)"
                     ) from None
-                time.sleep(attempt)
+                self._nodes_changed.wait(delay)  # woken by a registration: perhaps its new location
+                self._nodes_changed.clear()
+                delay = min(delay * 2, 4.0)
             except flight.FlightTimedOutError:
                 # Connected, and no answer: not a wrong address but a node that is frozen (a
                 # stopped process, a hung pod) or far too busy. Retrying would not unfreeze it.
                 raise ClusterFormationError(
-                    f"data node {node} at {self._location(node)} did not answer its assignment within "
+                    f"data node {node} at {location} did not answer its assignment within "
                     f"{RPC_TIMEOUT_SECONDS:.0f}s: it is frozen or overloaded; check that pod (its log, its CPU)"
                 ) from None
 
