@@ -27,11 +27,25 @@ list() {
   printf '%s\n' "$CACHE" "$INITIALIZER" "$TRAINER"
 }
 
+# A buildx builder of the docker-container driver (`docker buildx use ...`) keeps what it builds
+# to itself unless told to load it: the trainer image's FROM the cache image then went to a
+# registry that does not exist, and `kind load` found nothing. Said at once instead.
+in_local_store() {
+  if ! "$DOCKER" image inspect "$1" >/dev/null 2>&1; then
+    echo "error: $1 was built but is not in Docker's local image store: the active buildx builder" \
+      "keeps its images (see \`docker buildx ls\`); run \`docker buildx use default\` and build again" >&2
+    exit 1
+  fi
+}
+
 build() {
   "$DOCKER" build --tag "$CACHE" images/cache
+  in_local_store "$CACHE"
   "$DOCKER" build --tag "$INITIALIZER" images/initializer
+  in_local_store "$INITIALIZER"
   # The trainer image starts from the cache image just built (its venv, its lock).
   "$DOCKER" build --tag "$TRAINER" --build-arg "CACHE_IMAGE=$CACHE" images/trainer-e2e
+  in_local_store "$TRAINER"
 }
 
 load() {

@@ -179,7 +179,8 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
             kind_path=kind,
             kubectl_path=kubectl,
         )
-    cluster.create_bounded(KIND_CONFIG, CLUSTER_CREATE_TIMEOUT)
+    nodes = len(yaml.safe_load(KIND_CONFIG.read_text())["nodes"])
+    cluster.create_bounded(KIND_CONFIG, CLUSTER_CREATE_TIMEOUT, nodes)
     yield cluster
     if os.environ.get("KEEP_CLUSTER") == "1" or request.config.getoption("keep_cluster"):
         print(f"\nkeeping kind cluster {CLUSTER_NAME} (kind delete cluster --name {CLUSTER_NAME})")
@@ -317,16 +318,23 @@ def distribution(request, kube, e2e_images, artifacts, tmp_path_factory) -> Iter
 
 
 def _uninstall(kube: Kube, method: str, namespace: str, rendered: list[dict]) -> None:
-    """The test namespace, then what the install method put in the cluster."""
-    kube(
-        "delete",
-        "namespace",
-        namespace,
-        "--ignore-not-found",
-        "--wait=true",
-        f"--timeout={UNINSTALL_TIMEOUT}s",
-        timeout=UNINSTALL_TIMEOUT + 30,
-    )
+    """The test namespace, then what the install method put in the cluster, that too when the
+    namespace's delete fails: a release left behind fails the other method's install next."""
+    try:
+        kube(
+            "delete",
+            "namespace",
+            namespace,
+            "--ignore-not-found",
+            "--wait=true",
+            f"--timeout={UNINSTALL_TIMEOUT}s",
+            timeout=UNINSTALL_TIMEOUT + 30,
+        )
+    finally:
+        _uninstall_method(kube, method, rendered)
+
+
+def _uninstall_method(kube: Kube, method: str, rendered: list[dict]) -> None:
     if method == "helm":
         _uninstall_helm(kube)
     elif rendered:

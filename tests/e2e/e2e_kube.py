@@ -6,7 +6,10 @@ pytest-kind's ``KindCluster`` holds the cluster's paths and deletes it; creation
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -29,13 +32,28 @@ class CommandError(RuntimeError):
 
 
 def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, input: str | None = None) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, input=input)
-    except subprocess.TimeoutExpired as e:
-        raise CommandError(f"{' '.join(argv[:4])} ... did not finish within {timeout:.0f}s") from e
-    if done.returncode != 0:
-        raise CommandError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stderr.strip()[-4000:]}")
-    return done.stdout
+    """``argv``'s stdout; a CommandError when it fails or outlasts ``timeout``, after which its whole
+    process group is killed: subprocess.run's timeout kills only the child, and the `docker build`
+    a script started, or kind's node containers' setup, went on behind the next step."""
+    with subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise CommandError(f"{' '.join(argv[:4])} ... did not finish within {timeout:.0f}s") from e
+    if proc.returncode != 0:
+        raise CommandError(f"{' '.join(argv)} exited {proc.returncode}:\n{stderr.strip()[-4000:]}")
+    return stdout
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = POLL_SECONDS) -> T:
@@ -57,17 +75,28 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval:
 class E2EKindCluster(KindCluster):
     """pytest-kind's cluster with tool paths given, a config file, and a bounded ``create``."""
 
-    def create_bounded(self, config_file: Path, timeout: float) -> None:
+    def create_bounded(self, config_file: Path, timeout: float, nodes: int) -> None:
+        """Create the cluster, or reuse one of this name that has its ``nodes`` nodes. A creation
+        that fails or times out deletes what it left: the next run would reuse half a cluster."""
         existing = run([str(self.kind_path), "get", "clusters"], timeout=60).split()
-        if self.name not in existing:
-            argv = [str(self.kind_path), "create", "cluster", f"--name={self.name}"]
-            argv += [f"--kubeconfig={self.kubeconfig_path}", f"--config={config_file}", f"--wait={int(timeout)}s"]
-            if self.image:
-                argv.append(f"--image={self.image}")
+        if self.name in existing:
+            found = run([str(self.kind_path), "get", "nodes", f"--name={self.name}"], timeout=60).split()
+            if len(found) == nodes:
+                kubeconfig = run([str(self.kind_path), "get", "kubeconfig", f"--name={self.name}"], timeout=60)
+                Path(self.kubeconfig_path).write_text(kubeconfig)
+                return
+            print(f"\nkind cluster {self.name} has {len(found)} node(s), not {nodes}: deleting it to start again")
+            self.delete_bounded()
+        argv = [str(self.kind_path), "create", "cluster", f"--name={self.name}"]
+        argv += [f"--kubeconfig={self.kubeconfig_path}", f"--config={config_file}", f"--wait={int(timeout)}s"]
+        if self.image:
+            argv.append(f"--image={self.image}")
+        try:
             run(argv, timeout=timeout + 60)
-        else:
-            kubeconfig = run([str(self.kind_path), "get", "kubeconfig", f"--name={self.name}"], timeout=60)
-            Path(self.kubeconfig_path).write_text(kubeconfig)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.delete_bounded()
+            raise
 
     def delete_bounded(self, timeout: float = 300) -> None:
         """pytest-kind's ``delete`` waits on `kind delete cluster` without a deadline."""

@@ -463,6 +463,31 @@ def test_images_load_through_a_single_platform_archive_where_kind_load_fails(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "docker", "kind"]  # archives removed
 
 
+@pytest.mark.parametrize("builder_keeps_images", [False, True])
+def test_an_image_the_builder_kept_to_itself_fails_the_build_naming_the_builder(tmp_path, builder_keeps_images) -> None:
+    """A docker-container buildx builder does not load what it builds: the trainer image's FROM
+    then went to a registry that does not exist, and `kind load` found nothing to load."""
+    docker = tmp_path / "docker"
+    inspect = "exit 1" if builder_keeps_images else "exit 0"
+    docker.write_text(
+        f'#!/bin/bash\necho "docker $*" >> "$CALLS"\n[ "$1 $2" = "image inspect" ] && {inspect}\nexit 0\n'
+    )
+    docker.chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "DOCKER": str(docker), "CALLS": str(calls)}
+    done = subprocess.run(["bash", str(REPO / "hack" / "e2e-images.sh"), "build"], env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    builds = [line.split()[3] for line in calls.read_text().splitlines() if line.startswith("docker build")]
+    if not builder_keeps_images:
+        assert done.returncode == 0, done.stderr
+        assert builds == [CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE]
+        return
+    assert done.returncode == 1
+    assert f"error: {CACHE_IMAGE} was built but is not in Docker's local image store" in done.stderr
+    assert "docker buildx use default" in done.stderr
+    assert builds == [CACHE_IMAGE]  # stopped before the trainer image tried to pull it
+
+
 def test_workflows_call_the_makefile_and_pin_their_tools() -> None:
     ci = yaml.safe_load((WORKFLOWS / "ci.yaml").read_text())
     e2e = yaml.safe_load((WORKFLOWS / "e2e.yaml").read_text())
@@ -511,3 +536,68 @@ def test_kind_and_kubectl_are_downloaded_for_the_machine_they_run_on(system, mac
     from tests.e2e.conftest import download_platform
 
     assert download_platform(system, machine) == expected
+
+
+def test_a_command_past_its_timeout_is_stopped_with_everything_it_started(tmp_path) -> None:
+    """subprocess.run's timeout killed only the child: a script's `docker build` ran on behind."""
+    import time
+
+    from tests.e2e.e2e_kube import CommandError, run
+
+    pid_file = tmp_path / "grandchild"
+    with pytest.raises(CommandError, match="did not finish within 1s"):
+        run(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=1)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "zombie" not in _proc_state(grandchild):
+        assert time.monotonic() < deadline, "the command's own child outlived its timeout"
+        time.sleep(0.05)
+    assert run(["bash", "-c", "cat; echo done"], timeout=10, input="in ") == "in done\n"
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"  # gone meanwhile
+
+
+def _fake_kind(tmp_path: Path, script: str) -> tuple[Path, Path]:
+    """A `kind` that logs each call and answers as ``script`` (bash, given "$@") says."""
+    calls = tmp_path / "calls"
+    kind = tmp_path / "kind"
+    kind.write_text(f'#!/bin/bash\necho "$*" >> {calls}\n{script}\n')
+    kind.chmod(0o755)
+    return kind, calls
+
+
+def test_a_cluster_creation_that_fails_deletes_what_it_left(tmp_path) -> None:
+    from tests.e2e.e2e_kube import CommandError, E2EKindCluster
+
+    kind, calls = _fake_kind(tmp_path, 'case "$1 $2" in "get clusters") ;; "create cluster") exit 1 ;; esac')
+    cluster = E2EKindCluster("e2e", kubeconfig=tmp_path / "kubeconfig", kind_path=kind, kubectl_path=kind)
+    with pytest.raises(CommandError, match="create cluster"):
+        cluster.create_bounded(tmp_path / "kind-config.yaml", 30, nodes=3)
+    assert calls.read_text().splitlines()[-1] == "delete cluster --name=e2e"
+
+
+@pytest.mark.parametrize(("nodes_found", "recreated"), [(3, False), (1, True)])
+def test_an_existing_cluster_is_reused_only_whole(tmp_path, nodes_found: int, recreated: bool) -> None:
+    """A leftover of a creation that died half-way was reused, failing far from its cause."""
+    from tests.e2e.e2e_kube import E2EKindCluster
+
+    node_names = " ".join(f"e2e-node-{i}" for i in range(nodes_found))
+    kind, calls = _fake_kind(
+        tmp_path,
+        f"""case "$1 $2" in
+  "get clusters") echo e2e ;;
+  "get nodes") printf '%s\\n' {node_names} ;;
+  "get kubeconfig") echo "apiVersion: v1" ;;
+esac""",
+    )
+    cluster = E2EKindCluster("e2e", kubeconfig=tmp_path / "kubeconfig", kind_path=kind, kubectl_path=kind)
+    cluster.create_bounded(tmp_path / "kind-config.yaml", 30, nodes=3)
+    made = [line.split()[:2] for line in calls.read_text().splitlines()]
+    assert (["delete", "cluster"] in made, ["create", "cluster"] in made) == (recreated, recreated)
+    if not recreated:
+        assert (tmp_path / "kubeconfig").read_text() == "apiVersion: v1\n"
