@@ -49,9 +49,13 @@ build() {
 }
 
 load() {
-  local image archive arch
+  local image archive arch workers
+  # The workers only: the control plane is tainted, and each copy there is a GB of disk for nothing.
+  workers="$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, - || true)"
+  local where=(--name "$CLUSTER")
+  [[ -n "$workers" ]] && where+=(--nodes "$workers")
   for image in $(list); do
-    if "$KIND" load docker-image --name "$CLUSTER" "$image"; then
+    if "$KIND" load docker-image "${where[@]}" "$image"; then
       continue
     fi
     # Docker 29's containerd image store can make `kind load docker-image` fail with "content
@@ -61,7 +65,7 @@ load() {
     arch="$("$DOCKER" version --format '{{.Server.Arch}}')"
     archive="$(mktemp "${TMPDIR:-/tmp}/e2e-image.XXXXXX")"
     "$DOCKER" image save --platform "linux/$arch" --output "$archive" "$image"
-    "$KIND" load image-archive --name "$CLUSTER" "$archive"
+    "$KIND" load image-archive "${where[@]}" "$archive"
     rm -f "$archive"
   done
 }

@@ -425,6 +425,10 @@ def test_images_script_names_the_images_the_suite_uses() -> None:
 
 FAKE_KIND = """#!/bin/bash
 echo "kind $*" >> "$CALLS"
+if [ "$1 $2" = "get nodes" ]; then
+  printf '%s\\n' kubeflow-data-cache-e2e-control-plane kubeflow-data-cache-e2e-worker kubeflow-data-cache-e2e-worker2
+  exit 0
+fi
 if [ "$2" = docker-image ]; then
   [ -n "$DIGEST_BUG" ] && { echo "ctr: content digest sha256:0: not found" >&2; exit 1; }
   exit 0
@@ -453,7 +457,9 @@ def test_images_load_through_a_single_platform_archive_where_kind_load_fails(tmp
     lines = calls.read_text().splitlines()
     loaded = [line for line in lines if line.startswith("kind load")]
     if not digest_bug:
-        assert loaded == [f"kind load docker-image --name kubeflow-data-cache-e2e {i}"
+        # Onto the two workers only: the control plane is tainted.
+        workers = "--nodes kubeflow-data-cache-e2e-worker,kubeflow-data-cache-e2e-worker2"
+        assert loaded == [f"kind load docker-image --name kubeflow-data-cache-e2e {workers} {i}"
                           for i in (CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE)]  # fmt: skip
         return
     saves = [line for line in lines if line.startswith("docker image save")]
