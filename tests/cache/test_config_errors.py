@@ -257,3 +257,17 @@ def test_ctrl_c_before_a_commands_handlers_are_in_exits_130_without_a_traceback(
 
     monkeypatch.setattr(cli, "_main", interrupted)
     assert cli.main(["local", "--metadata-loc", "x"]) == 130
+
+
+def test_the_cli_run_in_a_process_leaves_its_signal_handlers_as_they_were(monkeypatch, capsys):
+    """head, worker and local keep a SIGTERM that comes while they import; a caller that goes on
+    (a test, an embedding program) would otherwise keep that handler and never stop on SIGTERM."""
+    import signal
+
+    from kubeflow_data_cache import cli
+
+    monkeypatch.delenv("METADATA_LOC", raising=False)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    assert cli.main(["head", "--data-nodes", "1"]) == 2  # no METADATA_LOC: refused after the handlers went in
+    assert "`METADATA_LOC` is required" in capsys.readouterr().err
+    assert {sig: signal.getsignal(sig) for sig in before} == before

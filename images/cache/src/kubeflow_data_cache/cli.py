@@ -147,20 +147,25 @@ def _reopen_closed_standard_streams() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _reopen_closed_standard_streams()
+    restore_signals = None
     try:
-        return _main(argv)
+        args = build_parser().parse_args(argv)
+        if args.command in ("head", "worker", "local"):
+            from kubeflow_data_cache.processes import keep_early_stop_signals
+
+            # Until run_node / run_local handle them: their imports take a second.
+            restore_signals = keep_early_stop_signals()
+        return _main(args)
     except KeyboardInterrupt:
         # Ctrl-C before a command's own handlers are in (its imports take a while): a stop asked
         # for, not a traceback. Nothing was started yet.
         return 130
+    finally:
+        if restore_signals is not None:
+            restore_signals()
 
 
-def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command in ("head", "worker", "local"):
-        from kubeflow_data_cache.processes import keep_early_stop_signals
-
-        keep_early_stop_signals()  # until run_node / run_local handle them: their imports take a second
+def _main(args: argparse.Namespace) -> int:
     role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
     try:
         _setup_logging(_log_level(args.log_level), role)

@@ -38,12 +38,25 @@ def dump_stacks_on_signal() -> None:
 _early_signals: list[int] = []
 
 
-def keep_early_stop_signals() -> None:
+def keep_early_stop_signals() -> Callable[[], None]:
     """Record SIGTERM and SIGHUP from now until the command's own handle_signals, which replays
     them. A long-running command imports for a second before it gets there, and the kernel drops
     a signal PID 1 (the cache in its container) has no handler for: a pod deleted as it started
-    ran on until the kubelet's SIGKILL. (SIGINT already raises KeyboardInterrupt.)"""
-    handle_signals(lambda signum, _frame: _early_signals.append(signum), (signal.SIGTERM, signal.SIGHUP))
+    ran on until the kubelet's SIGKILL. (SIGINT already raises KeyboardInterrupt.)
+
+    Returns what puts the handlers back as they were, for the command's end: run in a process
+    that goes on (a test calling the CLI), a SIGTERM would otherwise be kept for ever."""
+    kept = (signal.SIGTERM, signal.SIGHUP)
+    before = {sig: signal.getsignal(sig) for sig in kept}
+    handle_signals(lambda signum, _frame: _early_signals.append(signum), kept)
+
+    def restore() -> None:
+        for sig, handler in before.items():
+            if handler is not None:  # None: set from outside Python, which cannot be put back
+                signal.signal(sig, handler)
+        _early_signals.clear()
+
+    return restore
 
 
 def handle_signals(handler: Callable[[int, object], object], signals: Iterable[int] = STOP_SIGNALS) -> None:
