@@ -87,7 +87,7 @@ def _targets(ax, heads: list[dict[str, Any]]) -> None:
         ge = h["target"].startswith(">=")
         scores.append(h["measured"] / target if ge else target / h["measured"])
         names.append(h["figure"])
-        colors.append({True: "tab:green", "noise": "tab:orange"}.get(h["met"], "tab:red"))
+        colors.append("tab:green" if h["met"] else "tab:red")
     ax.barh(range(len(names)), scores, color=colors)
     ax.axvline(1.0, color="black", lw=1)
     ax.set_yticks(range(len(names)), names, fontsize=6)

@@ -45,14 +45,25 @@ def _buffer(nbytes: int) -> memoryview:
     return memoryview(bytearray(b"\x01" * nbytes))
 
 
-def _pump(conn: socket.socket, nbytes: int, payload: memoryview) -> None:
-    left, at = nbytes, 0
-    while left > 0:
-        n = min(left, CHUNK_BYTES, SPAN_BYTES - at)
-        conn.sendall(payload[at : at + n])
-        left -= n
-        at = (at + n) % SPAN_BYTES
-    conn.shutdown(socket.SHUT_WR)
+# One loopback sender, a process of its own as a data node is (in the client's process, the two
+# sides' threads shared one interpreter, and the ceiling read ~4% lower than the pair of processes
+# DoGet runs between): it backs its buffer's pages, connects (saying it is ready), waits for one
+# byte (the start), sends ``nbytes`` from a SPAN_BYTES buffer in CHUNK_BYTES sends and closes.
+_SENDER = """
+import socket, sys
+port, nbytes, span, chunk = map(int, sys.argv[1:])
+payload = memoryview(bytearray(b"\\x01" * span))
+conn = socket.create_connection(("127.0.0.1", port))
+conn.recv(1)
+left, at = nbytes, 0
+while left > 0:
+    n = min(left, chunk, span - at)
+    conn.sendall(payload[at : at + n])
+    left -= n
+    at = (at + n) % span
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+"""
 
 
 def _drain(conn: socket.socket, nbytes: int, got: list[int], buf: memoryview) -> None:
@@ -66,28 +77,34 @@ def _drain(conn: socket.socket, nbytes: int, got: list[int], buf: memoryview) ->
 
 
 def loopback_seconds(nbytes: int, streams: int = 1, timeout: float = CHILD_TIMEOUT_SECONDS) -> float:
-    """Seconds for ``streams`` loopback TCP connections to each move ``nbytes`` (GIL-free syscalls)."""
+    """Seconds for ``streams`` loopback TCP connections, each from a sender process of its own to
+    this one, to each move ``nbytes`` (GIL-free syscalls on both sides)."""
     with ExitStack() as stack:
         server = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
         server.listen(streams)
+        server.settimeout(timeout)
         port = server.getsockname()[1]
-        pairs = []
-        for _ in range(streams):
-            client = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
-            accepted = stack.enter_context(server.accept()[0])
-            pairs.append((client, accepted))
+        argv = [sys.executable, "-c", _SENDER, str(port), str(nbytes), str(SPAN_BYTES), str(CHUNK_BYTES)]
+        senders = [subprocess.Popen(argv) for _ in range(streams)]
+        stack.callback(stop_processes, senders, 5)
+        conns = [stack.enter_context(server.accept()[0]) for _ in range(streams)]  # each ready
         got: list[int] = []
-        threads = [threading.Thread(target=_pump, args=(a, nbytes, _buffer(SPAN_BYTES)), daemon=True) for a, _ in pairs]
-        threads += [
-            threading.Thread(target=_drain, args=(b, nbytes, got, _buffer(CHUNK_BYTES)), daemon=True) for _, b in pairs
+        threads = [
+            threading.Thread(target=_drain, args=(conn, nbytes, got, _buffer(CHUNK_BYTES)), daemon=True)
+            for conn in conns
         ]
-        start = time.perf_counter()
         for t in threads:
             t.start()
+        start = time.perf_counter()
+        for conn in conns:
+            conn.sendall(b"g")
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         elapsed = time.perf_counter() - start
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sendall(b"x")  # let the sender exit
         if any(t.is_alive() for t in threads) or sum(got) != nbytes * streams:
             raise RuntimeError(f"loopback TCP moved {sum(got)} of {nbytes * streams} bytes within {timeout:.0f}s")
         return elapsed

@@ -176,21 +176,24 @@ def test_serve_repeats_read_the_table_enough_times_to_move_the_asked_bytes():
 
 
 @pytest.mark.parametrize(
-    ("values", "op", "met"),
+    ("values", "op", "target", "met"),
     [
-        ([0.7, 0.65, 0.8, 0.62, 0.9], ">=", True),
-        ([0.7, 0.55, 0.8, 0.62, 0.9], ">=", True),  # 4 of 5 meet it
-        ([0.7, 0.55, 0.58, 0.62, 0.9], ">=", "noise"),  # 3 of 5: the repeats straddle it
-        ([0.5, 0.55, 0.58, 0.62, 0.4], ">=", False),
-        ([1.1], "<=", True),
-        ([1.4], "<=", False),
-        ([], "<=", None),
+        ([0.7, 0.65, 0.8, 0.62, 0.9], ">=", 0.6, True),
+        ([0.7, 0.55, 0.58, 0.62, 0.9], ">=", 0.6, True),  # median 0.62: met, by 3 of 5 repeats
+        ([0.5, 0.55, 0.58, 0.62, 0.4], ">=", 0.6, False),
+        # A median far from the target is a miss however the repeats spread (74.8% of a bare
+        # Flight server against 90% read "within noise" when the verdict went by a share of them).
+        ([0.92, 0.73, 0.75, 0.68, 1.02], ">=", 0.9, False),
+        ([1.1], "<=", 1.3, True),
+        ([1.4], "<=", 1.3, False),
+        ([1.95, 1.2, 1.25], "<=", 1.3, True),
+        ([], "<=", 1.3, None),
         # A memory ratio below zero (a baseline above the node) is a broken measurement, not met.
-        ([0.9, -9.49, 1.0], "<=", None),
+        ([0.9, -9.49, 1.0], "<=", 1.3, None),
     ],
 )
-def test_a_verdict_needs_most_repeats_on_one_side_of_the_target(values, op, met):
-    assert report.verdict(values, op, 0.6 if op == ">=" else 1.3) == met
+def test_a_verdict_goes_by_the_median_of_the_repeats(values, op, target, met):
+    assert report.verdict(values, op, target) == met
 
 
 _PEAK_SCRIPT = """
