@@ -98,6 +98,7 @@ def headline(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "measured": med(case, figure),
                 "target": f"{op} {target:.0%}" if unit == "pct" else f"{op} {target:g}x",
                 "met": met,
+                "target_value": target,
                 "repeats_met": repeats_met(values, op, target),
                 "repeats": len(values),
                 "unit": unit,
@@ -110,6 +111,20 @@ def verdict_text(head: dict[str, Any]) -> str:
     """`yes (5/5)`, `no (2/5)`: the verdict on the median and how many repeats met the target."""
     text = VERDICTS[head["met"]]
     return text if head["met"] is None else f"{text} ({head['repeats_met']}/{head['repeats']})"
+
+
+def _fmt_measured(head: dict[str, Any]) -> str:
+    """A headline median, with a digit more where its rounding lands on the target it missed or
+    met by less (1.497x shown as 1.50x beside `no` against >= 1.5x)."""
+    text = _fmt_ratio(head["measured"], head["unit"])
+    if head["measured"] is None or head["met"] is None:
+        return text
+    target = head["target_value"]
+    shown = float(text.rstrip("x%")) / (100 if head["unit"] == "pct" else 1)
+    if abs(shown - target) < 1e-12:
+        value = head["measured"]
+        return f"{value:.2%}" if head["unit"] == "pct" else f"{value:.3f}x"
+    return text
 
 
 def _fmt_ratio(value: float | None, unit: str = "x") -> str:
@@ -217,7 +232,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
     heads = [
         [
             h["figure"],
-            _fmt_ratio(h["measured"], h["unit"]),
+            _fmt_measured(h),
             h["target"],
             verdict_text(h),
         ]
