@@ -116,15 +116,10 @@ def verdict_text(head: dict[str, Any]) -> str:
 def _fmt_measured(head: dict[str, Any]) -> str:
     """A headline median, with a digit more where its rounding lands on the target it missed or
     met by less (1.497x shown as 1.50x beside `no` against >= 1.5x)."""
-    text = _fmt_ratio(head["measured"], head["unit"])
-    if head["measured"] is None or head["met"] is None:
-        return text
-    target = head["target_value"]
-    shown = float(text.rstrip("x%")) / (100 if head["unit"] == "pct" else 1)
-    if abs(shown - target) < 1e-12:
-        value = head["measured"]
-        return f"{value:.2%}" if head["unit"] == "pct" else f"{value:.3f}x"
-    return text
+    value, pct = head["measured"], head["unit"] == "pct"
+    if value is None or head["met"] is None or round(value, 3 if pct else 2) != head["target_value"]:
+        return _fmt_ratio(value, head["unit"])
+    return f"{value:.2%}" if pct else f"{value:.3f}x"
 
 
 def _fmt_ratio(value: float | None, unit: str = "x") -> str:

@@ -160,8 +160,7 @@ class Head(ReadOnlyFlight):
                         "or --advertise-host) must be reachable from the head, or the node stopped and did not "
                         "come back (check that pod)"
                     ) from None
-                self._nodes_changed.wait(delay)  # woken by a registration: perhaps its new location
-                self._nodes_changed.clear()
+                self._wait_for_news(delay)  # woken by a registration: perhaps its new location
                 delay = min(delay * 2, 4.0)
             except flight.FlightTimedOutError:
                 # Connected, and no answer: not a wrong address but a node that is frozen (a
@@ -284,10 +283,10 @@ class Head(ReadOnlyFlight):
         shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         return f"data node{'s' if len(missing) > 1 else ''} {shown} not registered"
 
-    def _wait_for_news(self) -> None:
-        """Until a node registers or reports its load done, or LOAD_POLL_SECONDS pass (the poll
-        stays the fallback: a lost registration costs a poll interval, not the load)."""
-        self._nodes_changed.wait(LOAD_POLL_SECONDS)
+    def _wait_for_news(self, seconds: float = LOAD_POLL_SECONDS) -> None:
+        """Until a node registers or reports its load done, or ``seconds`` pass (the poll stays
+        the fallback: a lost registration costs a poll interval, not the load)."""
+        self._nodes_changed.wait(seconds)
         self._nodes_changed.clear()
 
     def _poll_nodes(self) -> None:
