@@ -6,7 +6,8 @@ import helm_python
 import pytest
 import yaml
 
-from tests.chart.render import DATA_CACHE, prepared_chart, render_chart, render_chart_files
+from tests.chart.rbac_rules import grants
+from tests.chart.render import DATA_CACHE, one, prepared_chart, render_chart, render_chart_files
 
 SELECTED = {"Deployment", "Service"}
 
@@ -26,6 +27,21 @@ def test_the_initializer_may_not_run_as_the_namespaces_default_account(enabled):
         helm_python.HelmRenderError, match="dataCache.serviceAccount.name cannot be `default`: every pod"
     ):
         render_chart(values)
+
+
+def test_the_refusal_of_the_default_account_names_the_rights_the_role_grants():
+    """The message says which rights every pod would get: the role's writes, as they are (it named
+    `patch Services`, which the role leaves out on purpose, and not the ServiceAccount patch)."""
+    with pytest.raises(helm_python.HelmRenderError) as refused:
+        render_chart({"dataCache": {"enabled": True, "serviceAccount": {"name": "default"}}})
+    rights = str(refused.value).split("the initializer's rights (", 1)[1].split(")", 1)[0]
+    named = set()
+    for clause in rights.split("; "):
+        verb, _, kinds = clause.partition(" ")
+        named |= {(verb, kind.lower()) for kind in kinds.replace(" and ", ", ").split(", ")}
+    role = one(render_chart(DATA_CACHE), "ClusterRole", "kubeflow-trainer-cache-initializer")
+    writes = {(verb, resource) for _, resource, verb in grants(role["rules"]) if verb in {"create", "patch", "delete"}}
+    assert named == writes
 
 
 def test_common_labels_replace_the_other_chart_labels_once():

@@ -73,7 +73,7 @@ dataCache.lws.install wins, else dataCache.enabled decides), "" otherwise. */}}
 {{- end }}
 {{- end }}
 {{- if eq .Values.dataCache.serviceAccount.name "default" }}
-{{- fail "dataCache.serviceAccount.name cannot be `default`: every pod of a namespace that names no ServiceAccount runs as `default`, and each would get the initializer's rights (create LeaderWorkerSets and Secrets, patch Services); keep kubeflow-trainer-cache-initializer or choose a name of its own" }}
+{{- fail "dataCache.serviceAccount.name cannot be `default`: every pod of a namespace that names no ServiceAccount runs as `default`, and each would get the initializer's rights (create LeaderWorkerSets, Services, ServiceAccounts and Secrets; patch LeaderWorkerSets and ServiceAccounts; delete LeaderWorkerSets); keep kubeflow-trainer-cache-initializer or choose a name of its own" }}
 {{- end }}
 {{- if hasKey .Values.lws "install" }}
 {{- fail "lws.install is not a value of this chart (lws.* goes to the LeaderWorkerSet subchart as is): LeaderWorkerSet is installed with dataCache.enabled=true; to skip it, set dataCache.lws.install=false" }}
