@@ -212,3 +212,71 @@ def test_the_cert_manager_certificate_fills_the_secret_the_pods_mount():
     assert certificate["spec"]["secretName"] == c.DEFAULT_TLS_SECRET == runtime_tls_secret()
     assert certificate["spec"]["dnsNames"] == [c.TLS_SERVER_NAME]
     assert set(certificate["spec"]["issuerRef"]) == {"name", "kind"}
+
+
+# kubectl's resource names in the migration recipe, and the kinds they name.
+KUBECTL_KINDS = {
+    "configmap": "ConfigMap", "secret": "Secret", "service": "Service", "serviceaccount": "ServiceAccount",
+    "deployment": "Deployment", "rolebinding": "RoleBinding", "clusterrole": "ClusterRole",
+    "clusterrolebinding": "ClusterRoleBinding", "validatingwebhookconfiguration": "ValidatingWebhookConfiguration",
+    "clustertrainingruntime": "ClusterTrainingRuntime",
+}  # fmt: skip
+NAMESPACED = {"ConfigMap", "Secret", "Service", "ServiceAccount", "Deployment", "RoleBinding"}
+
+
+def _named_objects(words: list[str]) -> set[tuple[str, str, str]]:
+    """(kind, namespace, name) of the ``type/name`` words of one kubectl command line."""
+    namespace = words[words.index("-n") + 1] if "-n" in words else ""
+    found = set()
+    for word in words:
+        kind, slash, name = word.partition("/")
+        if slash and kind in KUBECTL_KINDS:
+            kind = KUBECTL_KINDS[kind]
+            found.add((kind, namespace if kind in NAMESPACED else "", name))
+    return found
+
+
+def _objects_by_key(objects: list[dict], namespace: str) -> set[tuple[str, str, str]]:
+    """Every object but CRDs (kept on a move), namespaced ones placed in ``namespace`` when unset."""
+    return {
+        (o["kind"], o["metadata"].get("namespace", namespace) if o["kind"] in NAMESPACED else "", o["metadata"]["name"])
+        for o in objects
+        if o["kind"] != "CustomResourceDefinition"
+    }
+
+
+def test_the_move_to_the_chart_hands_over_every_object_the_chart_and_the_earlier_install_share():
+    """Helm refuses to install over any object without its ownership metadata: the recipe must
+    adopt every object the chart renders that upstream's manifests or the overlays already made
+    (it named two, and `helm install` stopped on the other eight), and delete the Deployment,
+    whose selector cannot change."""
+    import shlex
+    import sys
+
+    from tests.chart.render import build_kustomize, shared_dir
+
+    block = doc_bash_block("adopt() {")
+    lines = [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()]
+    lines = [words for words in lines if words]
+    adopted = set().union(*(_named_objects(w) for w in lines if w[0] == "adopt"))
+    deleted = set().union(*(_named_objects(w) for w in lines if w[:2] == ["kubectl", "delete"]))
+    (install,) = [w for w in lines if w[:2] == ["helm", "install"]]
+    at = install.index("-n")
+    release, namespace, flags = install[2], install[at + 1], install[4:at] + install[at + 2 :]
+    rendered = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "template", str(prepared_chart()),
+         "--name", release, "--namespace", namespace, *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    chart = _objects_by_key(_parse(rendered.stdout), namespace)
+
+    upstream = (shared_dir() / "third-party" / "trainer-v2.1.0-manager-manifests.yaml").read_text()
+    earlier = _objects_by_key([o for o in yaml.safe_load_all(upstream) if o], "")
+    for overlay in ("overlays/manager", "overlays/data-cache"):
+        earlier |= _objects_by_key(build_kustomize(overlay), "")
+    # namespace-rbac, applied in the namespace the chart binds by default.
+    earlier |= _objects_by_key(build_kustomize("overlays/data-cache/namespace-rbac"), "default")
+    shared = chart & earlier
+    assert {o for o in shared if o[0] == "Deployment"} == deleted
+    assert shared - deleted == adopted
