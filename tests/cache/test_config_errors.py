@@ -57,6 +57,8 @@ def listening():
         # int() reads any script's digits: an Arabic-Indic three was port 3.
         ({"port": None}, {"FLIGHT_PORT": "\u0663"}, "`FLIGHT_PORT` (--port) should be an integer"),
         ({"metadata_loc": "s3://[bucket/t/metadata/1.json"}, {}, "is not a valid URI: Invalid IPv6 URL"),
+        # Named as the env variable alone, it sent a user who had passed the flag looking for an env.
+        ({"memory_limit": "2GB"}, {}, "`MEMORY_LIMIT` (--memory-limit) should be a byte count"),
     ],
 )
 def test_out_of_range_settings_are_refused(flags, env, message):
@@ -113,7 +115,9 @@ def test_a_token_flag_is_warned_about_without_its_value(caplog, tmp_path):
 
 
 def test_a_memory_limit_below_one_byte_is_refused_but_0_means_the_cgroup_limit():
-    with pytest.raises(ConfigError, match="`MEMORY_LIMIT` '0.5' is less than one byte: give a size such as 4Gi"):
+    with pytest.raises(
+        ConfigError, match=r"`MEMORY_LIMIT` \(--memory-limit\) '0.5' is less than one byte: give a size such as 4Gi"
+    ):
         build_config("head", HEAD, env={"MEMORY_LIMIT": "0.5"})
     # Kubernetes' resourceFieldRef gives 0 when the container has no limit: not an error.
     assert build_config("head", HEAD, env={"MEMORY_LIMIT": "0"}).memory_limit != 0
@@ -242,9 +246,11 @@ def test_local_help_describes_every_flag():
 def test_local_exits_2_when_its_nodes_refuse_their_settings():
     """A setting only the nodes read (MEMORY_LIMIT from the environment) is still a settings
     error: local exits 2 as its nodes did, after their error line, not 1 as for a failed load."""
-    result = data_cache("local", "--metadata-loc", "/nonexistent/metadata.json", env={"MEMORY_LIMIT": "lots"})
+    result = data_cache(
+        "local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env={"MEMORY_LIMIT": "lots"}
+    )
     assert result.returncode == 2, result.stderr
-    assert "error: `MEMORY_LIMIT` should be a byte count" in result.stderr
+    assert "error: `MEMORY_LIMIT` (--memory-limit) should be a byte count" in result.stderr
     assert "exited with code 2" in result.stderr
 
 

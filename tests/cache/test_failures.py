@@ -87,7 +87,10 @@ def test_rows_that_decode_far_past_their_estimate_stop_the_load_before_an_oom_ki
         (["head", "--metadata-loc", "x"], "the head needs the number of data nodes"),
         (["worker"], "a data node needs its index"),
         (["worker", "--index", "0"], "a data node needs the head's address"),
-        (["head", "--metadata-loc", "x", "--data-nodes", "1", "--memory-limit", "lots"], "`MEMORY_LIMIT` should be"),
+        (
+            ["head", "--metadata-loc", "x", "--data-nodes", "1", "--memory-limit", "lots"],
+            "`MEMORY_LIMIT` (--memory-limit) should be",
+        ),
         (["local", "--metadata-loc", "x", "--data-nodes", "0"], "--data-nodes should be from 1 to 256"),
     ],
 )

@@ -403,7 +403,9 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         check_head_location(head_location)
 
     raw_limit = pick("memory_limit", "MEMORY_LIMIT")
-    memory_limit = parse_bytes(raw_limit) if raw_limit else container_memory_limit()
+    memory_limit = (
+        parse_bytes(raw_limit, label("MEMORY_LIMIT", "--memory-limit")) if raw_limit else container_memory_limit()
+    )
     if memory_limit == 0:  # resourceFieldRef gives 0 when no limit is set on the container
         memory_limit = container_memory_limit()
 

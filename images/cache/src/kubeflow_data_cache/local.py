@@ -110,7 +110,7 @@ class LocalCluster:
         self.health_port = port_setting(label("--health-port"), health_port, 0)
         self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
         if memory_limit:
-            parse_bytes(memory_limit, "--memory-limit")
+            parse_bytes(memory_limit, "`--memory-limit`")
         if not metadata_loc.strip():
             raise ConfigError(
                 "--metadata-loc is empty: give the table's metadata.json (s3://, s3a://, file:// or a path)"

@@ -41,7 +41,7 @@ _FRACTIONS = {"m": "a thousandth", "u": "a millionth", "n": "a billionth"}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([eE][+-]?[0-9]+)|([KMGTPE]i|[numkMGTPE]))?$")
 
 
-def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
+def parse_bytes(text: str, name: str = "`MEMORY_LIMIT`") -> int:
     """A Kubernetes memory quantity in bytes: ``4Gi``, ``512Mi``, ``2G``, ``1e9``, ``1073741824``.
 
     As Kubernetes reads it (the container's limit reaches a pod as a byte count): ``m`` is a
@@ -52,22 +52,22 @@ def parse_bytes(text: str, name: str = "MEMORY_LIMIT") -> int:
     match = _QUANTITY.match(raw)
     if not match:
         raise ConfigError(
-            f"`{name}` should be a byte count or a Kubernetes quantity such as 4Gi, 512Mi or 2G "
+            f"{name} should be a byte count or a Kubernetes quantity such as 4Gi, 512Mi or 2G "
             f"(suffixes are case-sensitive, with no B), got {text!r}"
         )
     number, exponent, suffix = match.groups()
     if suffix in ("n", "u", "m"):
         raise ConfigError(
-            f"`{name}` {text!r} is a fraction of a byte ({suffix} means {_FRACTIONS[suffix]}): "
+            f"{name} {text!r} is a fraction of a byte ({suffix} means {_FRACTIONS[suffix]}): "
             f"write {number}Mi or {number}M"
         )
     try:
         value = int(float(number + exponent)) if exponent else int(float(number) * _UNITS[suffix or ""])
     except OverflowError:
-        raise ConfigError(f"`{name}` {text!r} is too large to be a memory size") from None
+        raise ConfigError(f"{name} {text!r} is too large to be a memory size") from None
     # 0 means "no limit given" (the cgroup limit applies); a fraction of a byte is a typo, not that.
     if value == 0 and float(number) > 0:
-        raise ConfigError(f"`{name}` {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
+        raise ConfigError(f"{name} {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
     return value
 
 
