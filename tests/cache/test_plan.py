@@ -342,7 +342,7 @@ def test_s3_settings_that_cannot_work_are_refused_naming_the_variable():
     assert s3_properties_from_env({"AWS_SESSION_TOKEN": "stray", "AWS_PROFILE": "team"}) == {}
     pair = s3_properties_from_env({"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t"})
     assert pair == {"s3.access-key-id": "a", "s3.secret-access-key": "s", "s3.session-token": "t"}
-    assert s3_properties_from_env({"AWS_ENDPOINT_URL": "HTTPS://store:443"})["s3.endpoint"] == "HTTPS://store:443"
+    assert s3_properties_from_env({"AWS_ENDPOINT_URL": "HTTPS://store:443"})["s3.endpoint"] == "https://store:443"
 
 
 def test_aws_ca_bundle_is_trusted_by_the_s3_client(tmp_path):

@@ -5,6 +5,10 @@ Every setting reaches the nodes the way it does in a pod: through the standard A
 
 from __future__ import annotations
 
+import http.server
+import socket
+import threading
+
 import pyarrow.compute as pc
 import pytest
 
@@ -93,6 +97,49 @@ def test_an_s3_compatible_store_needs_no_region(moto_s3, s3_tables):
         assert_every_row_once(read_path_shards(cache.endpoint, total=1), ROWS)
         log = cache.read_stderr()
     assert "resolve region" not in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_an_endpoint_scheme_in_capitals_is_read_as_written(moto_s3, s3_tables):
+    """`HTTP://host:port` passed the scheme check, but the S3 client took "HTTP" for a host."""
+    env = {**moto_s3.env(), "AWS_ENDPOINT_URL": moto_s3.endpoint.replace("http://", "HTTP://")}
+    with running_cache(s3_tables["events"].metadata_location, data_nodes=1, env=env) as cache:
+        assert_every_row_once(read_path_shards(cache.endpoint, total=1), ROWS)
+
+
+@pytest.fixture
+def plain_http_port():
+    """A plain-HTTP server that answers nothing useful: a store reached with the wrong scheme."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_https_endpoint_of_a_plain_http_store_is_named_with_the_fix(plain_http_port):
+    """curl's "SSL connect error ... wrong version number" named neither the endpoint nor its setting."""
+    endpoint = f"https://127.0.0.1:{plain_http_port}"
+    env = {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
+    code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
+    assert code != 0
+    assert f"cannot reach the object store at {endpoint} (AWS_ENDPOINT_URL_S3)" in stderr
+    assert f"the store answered in plain HTTP: write AWS_ENDPOINT_URL_S3=http://127.0.0.1:{plain_http_port}" in stderr
+
+
+def test_an_endpoint_nothing_listens_on_is_named_with_its_setting():
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
+    code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
+    assert code != 0
+    assert f"cannot reach the object store at {endpoint} (AWS_ENDPOINT_URL)" in stderr
+    assert "check that AWS_ENDPOINT_URL names the store's host and port" in stderr
 
 
 def test_wrong_bucket_fails_with_the_location_it_tried(moto_s3):

@@ -126,6 +126,12 @@ class TablePlan:
 ENDPOINT_DEFAULT_REGION = "us-east-1"
 
 
+def endpoint_variable(env: dict[str, str] | None = None) -> str:
+    """The variable the S3 endpoint is taken from: the service-specific one wins, as in the AWS SDKs."""
+    env = os.environ if env is None else env
+    return "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+
+
 def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """pyiceberg FileIO properties from the standard AWS settings.
 
@@ -135,14 +141,16 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """
     env = dict(os.environ if env is None else env)
     props: dict[str, str] = {}
-    name = "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+    name = endpoint_variable(env)
     endpoint = env.get(name)
     if endpoint:
         if not endpoint.lower().startswith(("http://", "https://")):
             # Without a scheme the S3 client assumes https: a plain-HTTP MinIO at minio:9000
             # then fails with "SSL connect error ... wrong version number", naming no setting.
             raise ConfigError(f"{name}={endpoint!r} has no scheme: write http://{endpoint} or https://{endpoint}")
-        props["s3.endpoint"] = endpoint
+        # The S3 client takes a lower-case scheme only: HTTP://minio:9000 resolved "HTTP" as a host.
+        scheme, rest = endpoint.split("://", 1)
+        props["s3.endpoint"] = f"{scheme.lower()}://{rest}"
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
     if not region and endpoint:
         # Without a region pyiceberg asks public AWS where the bucket lives: seconds per process
@@ -237,7 +245,7 @@ def open_table(metadata_location: str, properties: dict[str, str] | None = None)
     try:
         return StaticTable.from_metadata(location, properties or {})
     except Exception as err:  # pyiceberg/pyarrow raise many types for unreadable or malformed metadata
-        known = _open_error(metadata_location, location, err)
+        known = _open_error(metadata_location, location, err, (properties or {}).get("s3.endpoint"))
         if known is not None:
             raise known from None
         raise TableLoadError(f"cannot read table metadata at {metadata_location!r}: {err}") from err
@@ -252,9 +260,11 @@ def _not_a_metadata_file(metadata_location: str) -> TableLoadError:
     )
 
 
-def _open_error(metadata_location: str, location: str, err: Exception) -> TableLoadError | None:
-    """The fix for a metadata location that is missing, a folder, not a metadata file, or denied;
-    None for other errors."""
+def _open_error(
+    metadata_location: str, location: str, err: Exception, endpoint: str | None = None
+) -> TableLoadError | None:
+    """The fix for a metadata location that is missing, a folder, not a metadata file, denied, or
+    on a store that cannot be reached; None for other errors."""
     is_dir = os.path.isdir(location.removeprefix("file://"))
     if not location.endswith(".metadata.json") and "version-hint" in str(err) and not is_dir:
         return _not_a_metadata_file(metadata_location)
@@ -283,6 +293,10 @@ def _open_error(metadata_location: str, location: str, err: Exception) -> TableL
             f"give the store's CA: AWS_CA_BUNDLE, or on Kubernetes a ConfigMap `data-cache-s3-ca` with key "
             f"`{S3_CA_FILE}` in the TrainJob's namespace (mounted at {S3_CA_DIR_ENV})"
         )
+    # curl could not talk to the store (refused, silent, TLS to a plain-HTTP port): its text names
+    # neither the endpoint nor the setting it came from.
+    if isinstance(err, OSError) and "NETWORK_CONNECTION" in str(err):
+        return _unreachable_store(metadata_location, endpoint, err)
     # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
     if isinstance(err, OSError) and "HTTP status 400" in str(err):
         return TableLoadError(
@@ -291,6 +305,18 @@ def _open_error(metadata_location: str, location: str, err: Exception) -> TableL
             "check the AWS credentials and the region"
         )
     return None
+
+
+def _unreachable_store(metadata_location: str, endpoint: str | None, err: Exception) -> TableLoadError:
+    if endpoint:
+        store = f"the object store at {endpoint} ({endpoint_variable()})"
+        fix = f"check that {endpoint_variable()} names the store's host and port, reachable from here"
+        if "wrong version number" in str(err) and endpoint.lower().startswith("https://"):
+            fix = f"the store answered in plain HTTP: write {endpoint_variable()}=http://{endpoint.split('://', 1)[1]}"
+    else:
+        store = "AWS S3 (no AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL is set)"
+        fix = "for an S3-compatible store (MinIO, Ceph) set AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL to its URL"
+    return TableLoadError(f"cannot reach {store}, reading METADATA_LOC {metadata_location!r}: {fix} ({err})")
 
 
 def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:
