@@ -231,6 +231,21 @@ def test_the_head_counts_live_rows_from_the_delete_files_alone(writable_table):
     assert plan.rows == live
 
 
+def test_equality_deletes_older_than_every_data_file_are_ignored(writable_table):
+    """After the data files are rewritten (the refusal's own advice), an equality delete applies
+    to no row (Iceberg: only to data files with a lower sequence number). Spark's rewrite keeps
+    it in the snapshot by default, and the cache refused the table for it."""
+    import pyarrow.compute as pc
+
+    before = writable_table.scan().to_arrow()
+    table = add_equality_deletes(writable_table, [7, 8, 9])
+    table.overwrite(before.filter(pc.invert(pc.is_in(before["id"], pa.array([7, 8, 9])))))
+    table = table.refresh()
+    plan, tasks = plan_table(open_table(table.metadata_location), table.metadata_location)
+    assert plan.rows == ROWS - 3 == table.scan().to_arrow().num_rows
+    assert not any(task.delete_files for task in tasks.values())
+
+
 @pytest.mark.slow
 def test_equality_deletes_are_refused_with_a_clear_reason(writable_table):
     table = add_equality_deletes(writable_table, [7, 8, 9])

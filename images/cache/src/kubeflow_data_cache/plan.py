@@ -403,19 +403,31 @@ def estimate_column_bytes(data_file, schema: pa.Schema, iceberg_fields: list, ro
 
 
 def _refuse_equality_deletes(table, snapshot) -> None:
-    """pyiceberg's planner fails on equality deletes with a bare ValueError; find them first."""
+    """Refuse equality deletes that may apply to a live row; pyiceberg's planner fails on them
+    with a bare ValueError.
+
+    An equality delete applies only to data files with a lower data sequence number (the Iceberg
+    spec), so one no newer than the oldest live data file deletes nothing: what a rewrite of the
+    data files leaves behind (Spark's rewrite_data_files keeps such deletes in the snapshot unless
+    told to remove them). Those are skipped, as pyiceberg's own scan skips them."""
     from pyiceberg.manifest import DataFileContent, ManifestContent
 
-    for manifest in snapshot.manifests(table.io):
+    manifests = snapshot.manifests(table.io)
+    data = [m.min_sequence_number or 0 for m in manifests if m.content == ManifestContent.DATA]
+    oldest_data = min(data, default=0)
+    for manifest in manifests:
         if manifest.content != ManifestContent.DELETES:
             continue
         for entry in manifest.fetch_manifest_entry(table.io):
-            if entry.data_file.content == DataFileContent.EQUALITY_DELETES:
-                raise UnsupportedTableError(
-                    f"the table has equality deletes (delete file {entry.data_file.file_path}), which the cache "
-                    "cannot apply exactly; compact the table (rewrite data files) and point METADATA_LOC at the "
-                    "new metadata"
-                )
+            if entry.data_file.content != DataFileContent.EQUALITY_DELETES:
+                continue
+            if entry.sequence_number is not None and entry.sequence_number <= oldest_data:
+                continue  # older than every live data file: it deletes nothing
+            raise UnsupportedTableError(
+                f"the table has equality deletes (delete file {entry.data_file.file_path}), which the cache "
+                "cannot apply exactly; compact the table (rewrite data files) and point METADATA_LOC at the "
+                "new metadata"
+            )
 
 
 def _reader_type(t: pa.DataType) -> pa.DataType:
@@ -464,6 +476,17 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
         planned = sorted(table.scan().plan_files(), key=lambda t: t.file.file_path)
     except UnsupportedTableError:
         raise
+    except ValueError as err:
+        if "equality deletes" not in str(err):
+            raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
+        # Only equality deletes that apply to nothing got here (above), in a delete manifest that
+        # pyiceberg still reads (one rewritten after the data was): its planner refuses them all.
+        raise UnsupportedTableError(
+            "the table's equality delete files apply to no live row (every data file is newer), but pyiceberg, "
+            "which plans the cache's scan, refuses to plan a snapshot that lists them: remove them (Spark: "
+            "rewrite_data_files with the option remove-dangling-deletes=true) and point METADATA_LOC at the new "
+            "metadata"
+        ) from err
     except Exception as err:
         raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
     listed = Counter(task.file.file_path for task in planned)
