@@ -43,6 +43,7 @@ from kubeflow_data_cache.offsets import has_offsets, rebaser
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TLS_SCHEME, TokenAuthFactory, call_options, key_matches, speaks_tls
+from kubeflow_data_cache.sent_bytes import sent_nbytes
 from kubeflow_data_cache.service import (
     LOADING,
     READY,
@@ -591,7 +592,7 @@ class DataNode(ReadOnlyFlight):
                         f"of load {generation} was open, after {sent} rows: ask the head for a new FlightInfo"
                     )
                 self.metrics.rows_served.inc(batch.num_rows)
-                self.metrics.bytes_served.inc(batch.nbytes)
+                self.metrics.bytes_served.inc(sent_nbytes(batch))
                 sent += batch.num_rows
                 yield batch
                 # Flight has written it: let it go while the next one is awaited, which for a
