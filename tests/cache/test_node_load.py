@@ -33,6 +33,9 @@ def test_a_well_formed_order_parses():
     assert LoadOrder.parse(with_counts).pieces[0].file_rows == 20
     # The whole table's rows (what a ticket's row space may hold); absent from older heads' orders.
     assert LoadOrder.parse({**GOOD, "table_rows": 45}).table_rows == 45 and LoadOrder.parse(GOOD).table_rows is None
+    # The head's measured string/binary expansions (JSON keys: field ids as text); absent: none.
+    assert LoadOrder.parse({**GOOD, "expansions": {"6": 1.25}}).expansions == {6: 1.25}
+    assert LoadOrder.parse(GOOD).expansions == {}
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,11 @@ def test_a_well_formed_order_parses():
         ({"metadata_location": ""}, "'metadata_location'"),
         ({"table_rows": 29}, "'table_rows' should be null or an integer >= 'global_stop'"),
         ({"table_rows": "45"}, "'table_rows'"),
+        ({"expansions": [1.5]}, "'expansions' should be an object"),
+        ({"expansions": {"x": 1.5}}, "'expansions' entry 'x'"),
+        ({"expansions": {"6": 0}}, "should be a number > 0"),
+        ({"expansions": {"6": float("nan")}}, "should be a number > 0"),
+        ({"expansions": {"6": True}}, "should be a number > 0"),
     ],
 )
 def test_a_malformed_order_is_refused_naming_the_field(change, message):
@@ -87,7 +95,7 @@ def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_tabl
 
     gate = threading.Event()  # holds the first load's reads until the new assignment is in
 
-    def held_load(table, tasks, schema, pieces, threads, progress):
+    def held_load(table, tasks, schema, pieces, threads, progress, expansions=None):
         real_read = progress.read
 
         def held():
@@ -95,7 +103,7 @@ def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_tabl
             real_read()
 
         progress.read = held
-        return timed_load(table, tasks, schema, pieces, threads, progress)
+        return timed_load(table, tasks, schema, pieces, threads, progress, expansions)
 
     monkeypatch.setattr(NodeStore, "load", staticmethod(held_load))
     head, _, node, node_health = cluster(small_table.metadata_location)

@@ -124,6 +124,8 @@ class Head(ReadOnlyFlight):
                 # which no head issues (a hand-made one sized the node's shuffle order at will).
                 "table_rows": max(b.global_stop for b in self.assignments),
                 "pieces": [p.to_dict() for p in a.pieces],
+                # JSON keys are strings: the field ids as text.
+                "expansions": {str(k): v for k, v in self.plan.expansions.items()},
                 **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
             },
         )

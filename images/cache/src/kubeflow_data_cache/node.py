@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import numpy as np
@@ -120,6 +122,8 @@ class LoadOrder:
     global_stop: int
     pieces: tuple[Piece, ...]
     table_rows: int | None = None  # absent from older heads' orders
+    # Measured string/binary expansions by field id (plan.TablePlan.expansions); absent: none.
+    expansions: dict[int, float] = dataclass_field(default_factory=dict)
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> LoadOrder:
@@ -169,7 +173,22 @@ class LoadOrder:
             table_rows is None or (integer(table_rows) and table_rows >= stop),
             "'table_rows' should be null or an integer >= 'global_stop'",
         )
-        return cls(generation, location, snapshot, start, stop, tuple(pieces), table_rows)
+        raw_expansions = body.get("expansions") or {}
+        need(isinstance(raw_expansions, dict), "'expansions' should be an object of field id -> number")
+        expansions = {}
+        for key, value in raw_expansions.items():
+            ok = (
+                isinstance(key, str)
+                and key.isdigit()
+                and isinstance(value, int | float)
+                and not isinstance(value, bool)
+            )
+            need(
+                ok and math.isfinite(value) and value > 0,
+                f"'expansions' entry {key!r}: {value!r} should be a number > 0",
+            )
+            expansions[int(key)] = float(value)
+        return cls(generation, location, snapshot, start, stop, tuple(pieces), table_rows, expansions)
 
 
 class DataNode(ReadOnlyFlight):
@@ -396,7 +415,9 @@ class DataNode(ReadOnlyFlight):
             missing = [p.path for p in order.pieces if p.path not in tasks]
             if missing:
                 raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
-            store = NodeStore.load(table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress)
+            store = NodeStore.load(
+                table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress, order.expansions
+            )
             if store.num_rows != rows:
                 raise TableLoadError(f"read {store.num_rows} rows, expected {rows}")
         except LoadSuperseded:

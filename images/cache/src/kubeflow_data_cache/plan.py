@@ -12,6 +12,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from functools import cached_property
 from typing import Any
 
@@ -26,6 +27,7 @@ from kubeflow_data_cache.constants import (
     STORE_CHUNK_VARIABLE_BYTES,
 )
 from kubeflow_data_cache.errors import ConfigError, TableLoadError, UnsupportedTableError
+from kubeflow_data_cache.expansion import measure_expansions
 from kubeflow_data_cache.iceberg_reader import rows_after_deletes
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,9 @@ class TablePlan:
     snapshot_id: int | None
     schema: pa.Schema
     files: tuple[FilePlan, ...]
+    # Measured decoded bytes per on-disk byte of string/binary columns, by Iceberg field id
+    # (expansion.py); sent to the data nodes with their load, so their budgets agree.
+    expansions: dict[int, float] = dataclass_field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -384,11 +389,16 @@ def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale
     return total
 
 
-def estimate_column_bytes(data_file, schema: pa.Schema, iceberg_fields: list, rows: int) -> tuple[int, ...]:
+def estimate_column_bytes(
+    data_file, schema: pa.Schema, iceberg_fields: list, rows: int, expansions: dict[int, float] | None = None
+) -> tuple[int, ...]:
     """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read).
 
     ``rows`` may be fewer than the file holds (positional deletes); per-file statistics are scaled.
+    ``expansions``: measured decoded bytes per on-disk byte by field id (expansion.py), for
+    the string and binary columns it covers, in place of VARIABLE_WIDTH_EXPANSION.
     """
+    expansions = expansions or {}
     sizes = data_file.column_sizes or {}
     scale = rows / data_file.record_count if data_file.record_count else 1.0
     estimates = []
@@ -397,7 +407,11 @@ def estimate_column_bytes(data_file, schema: pa.Schema, iceberg_fields: list, ro
             estimate = _nested_estimate(field, iceberg_field, rows, data_file, scale)
         else:
             disk = sizes.get(iceberg_field.field_id)
-            estimate = _field_estimate(field, rows, int(disk * scale) if disk else None)
+            measured = expansions.get(iceberg_field.field_id)
+            if disk and measured is not None:  # offsets and validity are in the measured bytes
+                estimate = int(disk * scale * measured)
+            else:
+                estimate = _field_estimate(field, rows, int(disk * scale) if disk else None)
         estimates.append(int(estimate * ARROW_OVERHEAD))
     return tuple(estimates)
 
@@ -515,6 +529,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     schema = arrow_schema(table)
     iceberg_fields = list(table.schema().fields)
     tasks = scan_tasks(table, metadata_location)
+    expansions = measure_expansions(table, tasks, schema, iceberg_fields)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
@@ -523,13 +538,13 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
             FilePlan(
                 path,
                 rows,
-                estimate_column_bytes(task.file, schema, iceberg_fields, rows),
+                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions),
                 bool(deletes),
                 max(1, len(task.file.split_offsets or ())),
             )
         )
     snapshot = table.current_snapshot()
-    plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files))
+    plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files), expansions)
     log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)
     return plan, tasks
 

@@ -112,7 +112,7 @@ def warm_reader(table, task) -> None:
 
 
 def column_groups(
-    table, task, schema: pa.Schema | None, limit: int | None
+    table, task, schema: pa.Schema | None, limit: int | None, expansions: dict[int, float] | None = None
 ) -> list[tuple[tuple[int, ...] | None, float]]:
     """The columns of one data file in read groups, as (top-level Iceberg field ids, the group's
     share of the file's estimated Arrow bytes); ``[(None, 1.0)]`` for one read of every column.
@@ -128,7 +128,7 @@ def column_groups(
     fields = _iceberg_fields(table, schema)
     if fields is None:
         return [(None, 1.0)]
-    sizes = estimate_column_bytes(task.file, schema, fields, task.file.record_count)
+    sizes = estimate_column_bytes(task.file, schema, fields, task.file.record_count, expansions)
     groups: list[tuple[list[int], int]] = []
     for field, size in zip(fields, sizes, strict=True):
         if groups and groups[-1][1] + size <= limit:
@@ -150,6 +150,7 @@ def read_piece(
     schema: pa.Schema | None = None,
     group_bytes: int | None = None,
     on_settled: Callable[[int, int], None] | None = None,
+    expansions: dict[int, float] | None = None,
 ) -> list[pa.RecordBatch]:
     """Rows ``[piece.start, piece.stop)`` of one file, deletes applied, via pyiceberg's reader
     (which also handles schema evolution by field id). ``on_batch(rows kept, their bytes)`` runs
@@ -162,7 +163,7 @@ def read_piece(
     group's rows count toward ``on_batch`` by its share of the estimated bytes, so rows and
     bytes grow together, and ``on_settled(rows, bytes)`` is called once all groups are in; a
     read of whole rows calls ``on_settled`` with each batch, as ``on_batch``."""
-    groups = column_groups(table, task, schema, group_bytes) if piece.stop > piece.start else [(None, 1.0)]
+    groups = column_groups(table, task, schema, group_bytes, expansions) if piece.stop > piece.start else [(None, 1.0)]
     credit, reported, read_bytes = 0.0, 0, 0
 
     def count(rows: int, nbytes: int, share: float) -> None:
@@ -265,7 +266,9 @@ def _more_rows_than_planned(piece: Piece, at_least: int) -> None:
     )
 
 
-def decode_budget(table, tasks: dict, schema: pa.Schema, pieces: list[Piece]) -> DecodeBudget | None:
+def decode_budget(
+    table, tasks: dict, schema: pa.Schema, pieces: list[Piece], expansions: dict[int, float] | None = None
+) -> DecodeBudget | None:
     """The load's DecodeBudget from manifest estimates; None (read every file whole) where the
     cache's schema does not name the table's columns one to one."""
     fields = _iceberg_fields(table, schema)
@@ -274,7 +277,7 @@ def decode_budget(table, tasks: dict, schema: pa.Schema, pieces: list[Piece]) ->
     kept, unit, minimum = [], [], []
     for piece in pieces:
         data_file = tasks[piece.path].file
-        whole = sum(estimate_column_bytes(data_file, schema, fields, data_file.record_count))
+        whole = sum(estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions))
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
         minimum.append(READ_GROUP_MIN_REMOTE_BYTES if is_remote(piece.path) else READ_GROUP_MIN_BYTES)
@@ -307,10 +310,12 @@ class NodeStore:
         pieces: list[Piece],
         threads: int,
         progress: LoadProgress | None = None,
+        expansions: dict[int, float] | None = None,
     ) -> NodeStore:
-        """Read every piece in parallel (pyarrow releases the GIL), keeping piece order."""
+        """Read every piece in parallel (pyarrow releases the GIL), keeping piece order.
+        ``expansions``: the head's measured column expansions, for the same estimates as its plan."""
         progress = progress or LoadProgress()
-        budget = decode_budget(table, tasks, schema, pieces)
+        budget = decode_budget(table, tasks, schema, pieces, expansions)
 
         def read(index: int) -> list[pa.RecordBatch]:
             piece = pieces[index]
@@ -323,6 +328,7 @@ class NodeStore:
                     schema,
                     group_bytes,
                     progress.settle,
+                    expansions,
                 )
             progress.read()
             return batches
