@@ -224,6 +224,28 @@ def test_health_port_in_use_names_the_port(listening):
     assert_one_line_error(worker, f"127.0.0.1:{listening}", "`HEALTH_PORT` (--health-port)")
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--files", "0"], "argument --files: should be >= 1, got 0"),
+        (["--rows", "-5"], "argument --rows: should be >= 0, got -5"),
+    ],
+)
+def test_sample_table_refuses_counts_that_cannot_work(tmp_path, args, says):
+    """They ended in a traceback (ValueError) and exit 1."""
+    result = data_cache("sample-table", "--warehouse", str(tmp_path / "wh"), *args)
+    assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sample_table_names_a_warehouse_it_cannot_write(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_one_line_error(
+        data_cache("sample-table", "--warehouse", str(blocker)),
+        f"cannot write the sample table under --warehouse '{blocker}'",
+    )
+
+
 def test_local_help_describes_every_flag():
     result = subprocess.run(
         [sys.executable, "-m", "kubeflow_data_cache", "local", "--help"],

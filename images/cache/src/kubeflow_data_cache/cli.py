@@ -51,6 +51,23 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-threads", type=int, help="parallel file reads (env LOAD_THREADS, default the CPU count)")
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``, refused at parsing (exit 2, naming the flag)
+    rather than as a traceback from deep inside the command (also used by hack/demo.py, where
+    --epochs 0 ended, after the table, the cache and torchrun had started, in a ZeroDivisionError)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"should be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"should be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="data-cache", description=__doc__)
     parser.add_argument(
@@ -100,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = sub.add_parser("sample-table", help="write a sample Iceberg table and print its metadata location")
     sample.add_argument("--warehouse", required=True, help="warehouse folder (or s3://bucket/prefix)")
-    sample.add_argument("--rows", type=int, default=100_000)
-    sample.add_argument("--files", type=int, default=4)
+    sample.add_argument("--rows", type=at_least(0), default=100_000)
+    sample.add_argument("--files", type=at_least(1), default=4)
     sample.add_argument("--schema-name", default="demo")
     sample.add_argument("--table-name", default="events")
     return parser
@@ -217,7 +234,11 @@ def _main(args: argparse.Namespace) -> int:
             )
         from kubeflow_data_cache.sample import create_sample_table
 
-        table = create_sample_table(args.warehouse, args.rows, args.files, args.schema_name, args.table_name)
+        try:
+            table = create_sample_table(args.warehouse, args.rows, args.files, args.schema_name, args.table_name)
+        except OSError as err:  # a warehouse path that is a file, or under one that cannot be written
+            print(f"error: cannot write the sample table under --warehouse {args.warehouse!r}: {err}", file=sys.stderr)
+            return 2
         print(table.metadata_location)
         return 0
     except DataCacheError as err:
