@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from kubeflow_data_cache.cli import at_least
 from kubeflow_data_cache.processes import die_with_parent, handle_signals, stop_processes
 from kubeflow_data_cache.sample import create_sample_table
 
@@ -41,15 +42,15 @@ WATCH_SECONDS = 0.2
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=300_000)
-    p.add_argument("--files", type=int, default=6)
-    p.add_argument("--data-nodes", type=int, default=2)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--rows", type=at_least(1), default=300_000)
+    p.add_argument("--files", type=at_least(1), default=6)
+    p.add_argument("--data-nodes", type=at_least(1), default=2)
+    p.add_argument("--ranks", type=at_least(1), default=2)
+    p.add_argument("--epochs", type=at_least(1), default=2)
+    p.add_argument("--batch-size", type=at_least(1), default=1024)
     # 0: each rank reads in its own process, as docs/dataset.md recommends where the step needs
     # no worker processes; torch's hand-off of every batch from a worker costs more than it saves.
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank (0: read in the rank)")
+    p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader workers per rank (0: read in the rank)")
     return p.parse_args(argv)
 
 
@@ -122,6 +123,9 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
 
     step(f"torchrun: {args.ranks} ranks (gloo, CPU), {args.epochs} shuffled epochs", started)
     train_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
+    # torchrun's own logs go in the demo's folder, removed with it; by default every run left a
+    # /tmp/torchelastic_* folder behind.
+    train_cmd += ["--log-dir", str(workdir / "torchrun")]
     train_cmd += [str(HERE / "demo_train.py"), "--endpoint", endpoint, "--rows", str(args.rows)]
     train_cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}

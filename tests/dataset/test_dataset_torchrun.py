@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -19,11 +21,18 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT_SECONDS = 240
 
 
+def _torchrun_log_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*")))
+
+
 def test_demo_sees_every_row_once_per_shuffled_epoch_and_cleans_up():
     cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", "20001", "--files", "3"]
     cmd += ["--batch-size", "512", "--workers", "1"]  # ranks x loader workers (the demo's default is 0)
+    before = _torchrun_log_dirs()
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)
     assert run.returncode == 0, run.stdout + run.stderr
+    # torchrun's logs went in the demo's own folder: every run left a torchelastic_* folder.
+    assert _torchrun_log_dirs() <= before
     epochs = re.findall(r"epoch (\d): ([\d,]+) rows .* exactly once: yes", run.stdout)
     assert epochs == [("0", "20,001"), ("1", "20,001")], run.stdout
     assert "training on 2 ranks x 1 loader workers = 2 shards" in run.stdout
@@ -33,6 +42,23 @@ def test_demo_sees_every_row_once_per_shuffled_epoch_and_cleans_up():
     port = int(re.search(r"cache ready at grpc://127\.0\.0\.1:(\d+)", run.stdout).group(1))
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))  # the cache's head is gone
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--epochs", "0"], "argument --epochs: should be >= 1, got 0"),
+        (["--workers", "-1"], "argument --workers: should be >= 0, got -1"),
+        (["--batch-size", "x"], "argument --batch-size: should be an integer, got 'x'"),
+    ],
+)
+def test_demo_settings_that_cannot_work_are_refused_before_anything_starts(args, says):
+    """--epochs 0 started the table, the cache and torchrun, then a rank died dividing by zero."""
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), *args], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2 and says in run.stderr, run.stderr
+    assert "writing a sample Iceberg table" not in run.stdout
 
 
 @contextlib.contextmanager
@@ -132,11 +158,12 @@ def test_a_demo_stopped_by_sigterm_exits_with_the_signals_code():
             demo.communicate()
 
 
-def test_the_check_fails_when_a_row_is_missing(small_cache):
+def test_the_check_fails_when_a_row_is_missing(small_cache, tmp_path):
     # The table has 10,000 rows; claiming 10,001 means id 10,000 is never seen. One rank is
     # enough for the check's verdict (the demo test runs the 2-rank all-gather), and each rank
     # is an interpreter importing torch.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    cmd += ["--log-dir", str(tmp_path / "torchrun")]
     cmd += [str(REPO_ROOT / "hack" / "demo_train.py"), "--endpoint", small_cache.endpoint, "--rows", "10001"]
     cmd += ["--epochs", "1", "--workers", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
