@@ -46,3 +46,34 @@ def test_every_env_variable_read_is_documented_with_its_real_flag():
 
 def test_health_port_row_lists_status():
     assert "`/status`" in row_of("HEALTH_PORT")
+
+
+def _documented_refusals_of_empty_values() -> set[str]:
+    text = " ".join((REPO_ROOT / "docs" / "protocol.md").read_text().split())
+    sentence = text.split("An empty env value counts as unset, except ", 1)[1].split(", which are refused", 1)[0]
+    return set(re.findall(r"`([A-Z][A-Z0-9_]+)`", sentence))
+
+
+def test_empty_env_values_count_as_unset_except_the_documented_secrets(tmp_path):
+    """Each variable the cache reads, set to "": the same settings as unset, or refused naming it
+    as set but empty, and the refused ones are exactly those docs/protocol.md lists (it left
+    DATA_CACHE_TOKEN_FILE out)."""
+    import dataclasses
+
+    from kubeflow_data_cache.errors import ConfigError
+
+    source = Path(config.__file__).read_text()
+    variables = {var for _, var in re.findall(r'pick\("(\w+)", "([A-Z][A-Z0-9_]+)"\)', source)}
+    variables |= {"DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE", "DATA_CACHE_CLUSTER_KEY"}
+    flags = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "health_port": 0}
+    unset = dataclasses.asdict(config.build_config("head", flags, env={}))
+    refused = set()
+    for var in sorted(variables):
+        try:
+            empty = dataclasses.asdict(config.build_config("head", flags, env={var: ""}))
+        except ConfigError as err:
+            assert f"{var} is set but empty" in str(err), (var, str(err))
+            refused.add(var)
+            continue
+        assert empty == unset, var
+    assert refused == _documented_refusals_of_empty_values()
