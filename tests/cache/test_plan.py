@@ -533,6 +533,16 @@ def test_the_head_and_data_nodes_trust_aws_ca_bundle_from_their_start(monkeypatc
     assert seen == [str(bundle)]
 
 
+def test_the_modules_a_process_starts_with_leave_pyarrows_s3_client_unloaded():
+    """pyarrow's S3 client reads SSL_CERT_FILE once, when pyarrow._s3fs is imported (pyarrow.fs
+    and pyarrow.parquet import it); trust_aws_ca_bundle sets it after these modules load, so an
+    import of either at their top made every store behind a private CA untrusted."""
+    modules = "cli, head, node, plan, store, local, runner, expansion, dataset, client"
+    code = f"import sys\nfrom kubeflow_data_cache import {modules}\nprint('pyarrow._s3fs' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+
+
 def test_a_column_merged_by_pyarrow_counts_twice_whole_in_the_peak_while_copied_ones_count_a_file():
     """column_concat copies every type an Iceberg table reads as, releasing chunks as it goes (one
     file's column at most exists twice); a type it hands to pyarrow (a dictionary) is held twice

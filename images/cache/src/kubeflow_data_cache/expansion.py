@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,10 @@ def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: li
 
 
 def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
+    # Imported here: pyarrow.parquet brings in pyarrow.fs, whose S3 client reads SSL_CERT_FILE once,
+    # when first imported, and plan.py is imported before plan.trust_aws_ca_bundle sets it.
+    import pyarrow.parquet as pq
+
     with table.io.new_input(path).open() as raw:
         parquet = pq.ParquetFile(raw, buffer_size=SAMPLE_BUFFER_BYTES, pre_buffer=False)
         by_id = _columns_by_field_id(parquet.schema_arrow, wanted)
