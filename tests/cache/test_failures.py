@@ -9,7 +9,7 @@ import pytest
 
 from kubeflow_data_cache.sample import create_sample_table
 from tests.cache.conftest import run_data_cache
-from tests.conftest import LocalCache
+from tests.conftest import LocalCache, running_cache
 
 DEADLINE = 90
 
@@ -168,3 +168,26 @@ def test_a_data_file_changed_after_its_commit_fails_the_load(tmp_path, extra, me
     code, stderr = failed_local(table.metadata_location)
     assert code == 1
     assert message in stderr and victim.name in stderr
+
+
+def test_the_advised_node_count_under_local_is_the_fewest_that_loads(tmp_path):
+    """`data-cache local` splits this machine's CPUs among its nodes (fewer load threads, less read
+    scratch, per node as nodes are added); the advice sized every count with the running nodes'
+    threads, and named 4 data nodes where 3 loaded."""
+    from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
+    from kubeflow_data_cache.memory import local_load_threads
+    from kubeflow_data_cache.plan import assign_rows, estimated_node_memory, open_table, plan_table
+
+    table = create_sample_table(str(tmp_path / "wh"), 1_000_000, 8)
+    plan, _ = plan_table(open_table(table.metadata_location), table.metadata_location)
+
+    def peak(nodes: int) -> int:
+        return max(estimated_node_memory(plan, a, local_load_threads(nodes))[1] for a in assign_rows(plan, nodes))
+
+    limit = BASELINE_MEMORY_BYTES + peak(2) + (1 << 20)  # two nodes fit, with a MiB to spare
+    assert peak(1) > limit - BASELINE_MEMORY_BYTES
+    cache = LocalCache(table.metadata_location, 1, args=("--memory-limit", str(limit)))
+    message = cache.wait_failure(timeout=DEADLINE)
+    assert "use at least 2 data nodes (--data-nodes 2)" in message, message
+    with running_cache(table.metadata_location, 2, args=("--memory-limit", str(limit))) as loaded:
+        assert loaded.endpoint.startswith("grpc://")

@@ -36,7 +36,7 @@ from kubeflow_data_cache.errors import (
     shown,
 )
 from kubeflow_data_cache.load_progress import waiting_reads
-from kubeflow_data_cache.memory import check_fits
+from kubeflow_data_cache.memory import check_fits, local_load_threads, under_local
 from kubeflow_data_cache.node import server_kwargs
 from kubeflow_data_cache.plan import (
     TablePlan,
@@ -202,11 +202,16 @@ class Head(ReadOnlyFlight):
                 estimated_node_memory(plan, a, self.registered[a.node].get("load_threads", 1)) for a in assignments
             ]
             threads = max(self.registered[k].get("load_threads", 1) for k in range(self.cfg.data_nodes))
+
+            def threads_for(nodes: int) -> int:
+                # A pod keeps its CPUs whatever the group's size; local's nodes share this machine's.
+                return local_load_threads(nodes) if under_local() else threads
+
             check_fits(
                 [loaded for loaded, _ in memory],
                 [peak for _, peak in memory],
                 [self.registered[k].get("memory_limit") for k in range(self.cfg.data_nodes)],
-                peaks_for=lambda n: [estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, n)],
+                peaks_for=lambda n: [estimated_node_memory(plan, a, threads_for(n))[1] for a in assign_rows(plan, n)],
             )
             self.plan, self.assignments = plan, assignments
             for node in range(self.cfg.data_nodes):

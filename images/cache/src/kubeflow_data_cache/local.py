@@ -28,7 +28,7 @@ from kubeflow_data_cache.config import (
 )
 from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
-from kubeflow_data_cache.memory import LOCAL_ENV, available_cpus, parse_bytes
+from kubeflow_data_cache.memory import LOCAL_ENV, local_load_threads, parse_bytes
 from kubeflow_data_cache.processes import die_with_parent, dump_stacks_on_signal, handle_signals, stop_processes
 from kubeflow_data_cache.security import (
     CLUSTER_KEY_ENV,
@@ -185,7 +185,7 @@ class LocalCluster:
         # open also kept `data-cache local ... | head -1`'s pipe open after we were gone).
         self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec, stdout=subprocess.DEVNULL)))
         # The nodes share this machine's CPUs; each reads with its share of them.
-        threads = str(max(1, available_cpus() // self.data_nodes))
+        threads = str(local_load_threads(self.data_nodes))
         for k in range(self.data_nodes):
             worker = _node_cmd(
                 "worker", "--index", str(k), "--head", self.head_location, "--port", str(flight_ports[k])

@@ -118,6 +118,12 @@ def under_local() -> bool:
     return os.environ.get(LOCAL_ENV) == "1"
 
 
+def local_load_threads(data_nodes: int) -> int:
+    """Load threads of each of ``data_nodes`` nodes under `data-cache local`: they share this
+    machine's CPUs, so fewer nodes read with more threads each (and more read scratch)."""
+    return max(1, available_cpus() // max(1, data_nodes))
+
+
 MAX_ADVISED_NODES = MAX_DATA_NODES
 
 
