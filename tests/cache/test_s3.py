@@ -107,6 +107,19 @@ def test_an_endpoint_scheme_in_capitals_is_read_as_written(moto_s3, s3_tables):
         assert_every_row_once(read_path_shards(cache.endpoint, total=1), ROWS)
 
 
+def test_the_string_sample_is_read_from_s3(moto_s3, s3_tables):
+    """The head sizes string columns by a decoded sample: read from the store like any data file
+    (page by page), not left to the fixed factor."""
+    from kubeflow_data_cache.plan import open_table, plan_table
+
+    location = s3_tables["events"].metadata_location
+    plan, _ = plan_table(open_table(location, moto_s3.iceberg_properties()), location)
+    text_id = next(
+        f.field_id for f in open_table(location, moto_s3.iceberg_properties()).schema().fields if f.name == "text"
+    )
+    assert set(plan.expansions) == {text_id} and plan.expansions[text_id] > 1
+
+
 @pytest.fixture
 def plain_http_port():
     """A plain-HTTP server that answers nothing useful: a store reached with the wrong scheme."""

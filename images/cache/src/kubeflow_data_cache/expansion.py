@@ -3,9 +3,10 @@
 Manifests hold each column's compressed size, not its decoded one, and no fixed factor fits:
 random bytes (UUIDs, hashes, JPEGs) decode to about their size on disk, so a factor of 4 refused a
 30 MiB table of them ("use at least 41 data nodes"), while dictionary-encoded labels decode to 8x
-and more. So the head and each data node decode the first SAMPLE_ROWS rows of those columns from
-one data file, the first in path order that holds rows: every process reads the same rows and
-gets the same figures, so the head's fit check and the nodes' decode budgets agree.
+and more. So the head decodes the first SAMPLE_ROWS rows of those columns from one data file, the
+first in path order that holds rows, and sizes every file's column by the ratio it finds. The
+ratios go to the data nodes with their load (node.LoadOrder.expansions), so the head's fit check
+and the nodes' decode budgets use the same estimates.
 
 Only top-level string and binary columns are measured: their Arrow size is what the sample
 shows. Nested columns keep the manifest-based guess (plan._nested_estimate). Where the sample
