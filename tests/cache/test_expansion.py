@@ -1,5 +1,5 @@
-"""Measured string/binary expansion: estimates close to what a node holds, for values that do not
-compress (random bytes, UUIDs) and for ones that compress very well (a few labels)."""
+"""Measured string/binary expansion: estimates close to what a node holds for values that do not
+compress (random bytes, UUIDs), and never above the fixed factor's, whatever the sampled file holds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import pyarrow as pa
 import pytest
 
 from kubeflow_data_cache.expansion import measure_expansions
-from kubeflow_data_cache.plan import VARIABLE_WIDTH_EXPANSION, assign_rows, open_table, plan_table
+from kubeflow_data_cache.plan import (
+    VARIABLE_WIDTH_EXPANSION,
+    assign_rows,
+    estimate_column_bytes,
+    open_table,
+    plan_table,
+)
 from kubeflow_data_cache.sample import make_catalog
 from kubeflow_data_cache.store import NodeStore
 
@@ -39,27 +45,76 @@ def _table(tmp_path, kind: str, rows: int = ROWS, files: int = 2) -> str:
     return catalog.load_table("s.t").metadata_location
 
 
-@pytest.mark.parametrize("kind", ["random bytes", "uuids", "labels"])
-def test_string_and_binary_estimates_come_close_to_what_a_node_holds(tmp_path, kind):
-    """A fixed factor of 4 over the compressed size put random bytes at 4x their size (a 30 MiB
-    table was refused, "use at least 41 data nodes") and labels at a fraction of theirs."""
-    location = _table(tmp_path, kind)
+def _estimate_and_held(location: str) -> tuple[int, int, int]:
+    """The plan's estimate of the ``value`` column, the fixed factor's, and what a node holds."""
     table = open_table(location)
     plan, tasks = plan_table(table, location)
     (assignment,) = assign_rows(plan, 1)
     held = NodeStore.load(table, tasks, plan.schema, list(assignment.pieces), 1, None, plan.expansions).column_bytes
-    estimated = sum(f.column_bytes[plan.schema.get_field_index("value")] for f in plan.files)
-    assert 0.8 * held["value"] <= estimated <= 1.3 * held["value"], (estimated, held["value"])
+    index = plan.schema.get_field_index("value")
+    fields = list(table.schema().fields)
+    fixed = sum(estimate_column_bytes(t.file, plan.schema, fields, t.file.record_count)[index] for t in tasks.values())
+    return sum(f.column_bytes[index] for f in plan.files), fixed, held["value"]
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "uuids"])
+def test_values_that_do_not_compress_are_estimated_close_to_what_a_node_holds(tmp_path, kind):
+    """The fixed factor of 4 over the compressed size put random bytes at 4x their size: a 30 MiB
+    table was refused, "use at least 41 data nodes"."""
+    estimated, fixed, held = _estimate_and_held(_table(tmp_path, kind))
+    assert 0.8 * held <= estimated <= 1.3 * held, (estimated, held)
+    assert estimated < fixed  # the fixed factor alone said more
+
+
+def test_the_sample_never_raises_the_estimate_past_the_fixed_factor(tmp_path):
+    """Labels decode to 30x their compressed size; a sampled file of them among files of other
+    values measured that and refused the table. The measured ratio only lowers the fixed factor
+    (an estimate too low is the load guard's to catch, one too high refuses a table that fits)."""
+    estimated, fixed, held = _estimate_and_held(_table(tmp_path, "labels"))
+    assert estimated == fixed < held
+
+
+def _skewed_table(tmp_path, largest: pa.Array, rest: pa.Array) -> str:
+    """Two files: ``largest`` (the file sampled) and ``rest``."""
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    schema = pa.schema([("id", pa.int64()), ("value", pa.string())])
+    table = catalog.create_table("s.t", schema=schema)
+    for values in (largest, rest):
+        table.append(pa.table({"id": pa.array(range(len(values)), pa.int64()), "value": values}, schema=schema))
+    return catalog.load_table("s.t").metadata_location
+
+
+@pytest.mark.parametrize("sampled", ["nulls", "one label"])
+def test_a_sampled_file_unlike_the_others_cannot_make_the_table_look_larger(tmp_path, sampled):
+    """Nulls decode to 4 bytes of offsets a row from almost nothing on disk, one repeated label to
+    more: measured alone, 500x and 2700x, and a 100 MiB table was estimated at 55 GiB."""
+    rows = 200_000
+    if sampled == "nulls":
+        largest = pa.array([None] * rows, pa.string())
+    else:
+        largest = pa.array(["the same label, on every row of this file"] * rows)
+    estimated, fixed, held = _estimate_and_held(_skewed_table(tmp_path, largest, _values("uuids", rows // 4)))
+    assert estimated <= fixed, (estimated, fixed, held)
+
+
+def test_a_sample_too_small_to_say_anything_leaves_the_fixed_factor(tmp_path):
+    """A few rows on disk are mostly page headers and dictionary: no ratio is taken from them."""
+    location = _table(tmp_path, "uuids", rows=200, files=1)
+    table = open_table(location)
+    plan, _ = plan_table(table, location)
+    assert plan.expansions == {}
 
 
 def test_an_unreadable_sample_leaves_the_fixed_factor(tmp_path, caplog):
     location = _table(tmp_path, "uuids", rows=2000)
     table = open_table(location)
     plan, tasks = plan_table(table, location)
-    first = sorted(tasks)[0]
-    os.remove(first.removeprefix("file://"))
+    for path in tasks:  # whichever file the sample would read
+        os.remove(path.removeprefix("file://"))
     with caplog.at_level("INFO"):
-        assert measure_expansions(table, tasks, plan.schema, list(table.schema().fields)) == {}
+        fields = list(table.schema().fields)
+        assert measure_expansions(table, tasks, plan.schema, fields, ceiling=VARIABLE_WIDTH_EXPANSION) == {}
     assert "could not sample" in caplog.text and "estimating them from the manifests" in caplog.text
     assert VARIABLE_WIDTH_EXPANSION == 4.0  # what applies instead (plan._field_estimate)
 

@@ -58,6 +58,8 @@ def test_a_well_formed_order_parses():
         ({"expansions": {"6": 0}}, "should be a number > 0"),
         ({"expansions": {"6": float("nan")}}, "should be a number > 0"),
         ({"expansions": {"6": True}}, "should be a number > 0"),
+        ({"expansions": {"\u00b2": 1.5}}, "'expansions' entry"),  # a digit to str.isdigit, not to int()
+        ({"expansions": {"6": 1e308}}, r"should be a number > 0 and <= 1e\+06"),
     ],
 )
 def test_a_malformed_order_is_refused_naming_the_field(change, message):

@@ -1,17 +1,23 @@
 """How many decoded Arrow bytes a table's string and binary columns take per byte on disk, measured.
 
-Manifests hold each column's compressed size, not its decoded one, and no fixed factor fits:
-random bytes (UUIDs, hashes, JPEGs) decode to about their size on disk, so a factor of 4 refused a
-30 MiB table of them ("use at least 41 data nodes"), while dictionary-encoded labels decode to 8x
-and more. So the head decodes the first SAMPLE_ROWS rows of those columns from one data file, the
-first in path order that holds rows, and sizes every file's column by the ratio it finds. The
-ratios go to the data nodes with their load (node.LoadOrder.expansions), so the head's fit check
-and the nodes' decode budgets use the same estimates.
+Manifests hold each column's compressed size, not its decoded one. The fixed factor the estimate
+used alone (plan.VARIABLE_WIDTH_EXPANSION, 4) put random bytes (UUIDs, hashes, JPEGs), which
+decode to about their size on disk, at 4x: a 30 MiB table of them was refused ("use at least 41
+data nodes"). So the head decodes the first SAMPLE_ROWS rows of those columns from one data file,
+the largest, and sizes every file's column by the ratio it finds. The ratios go to the data nodes
+with their load (node.LoadOrder.expansions), so the head's fit check and the nodes' decode
+budgets use the same estimates.
+
+A measured ratio only lowers the fixed factor, never raises it. One file does not speak for
+every file: a sampled file of one repeated label, or of nulls (whose offsets decode to 4 bytes a
+row from almost nothing), measured 500-2700x, and an estimate that high refuses a table that
+fits, with no way past it; an estimate too low is caught by the load's memory guard, which stops
+a load that decodes larger than it fits, with the reason. A sample of under MIN_SAMPLE_BYTES on
+disk (page headers and the dictionary weigh too much in it) measures nothing.
 
 Only top-level string and binary columns are measured: their Arrow size is what the sample
-shows. Nested columns keep the manifest-based guess (plan._nested_estimate). Where the sample
-cannot be read the fixed factor applies, and the load's memory guard still stops a load that
-decodes larger than it fits.
+shows. Nested columns keep the manifest-based guess (plan._nested_estimate), as does every
+column where the sample cannot be read.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ SAMPLE_ROWS = 8192
 # Read the sampled pages as they are needed, not the whole row group's column chunks (on S3 a
 # row group can be hundreds of MiB).
 SAMPLE_BUFFER_BYTES = 1 << 20
-# A decoded string column is not smaller than its compressed pages; below this the sample held
-# almost nothing (all nulls, say) and says nothing.
+# Compressed bytes the sampled rows of a column must span to say anything (see above).
+MIN_SAMPLE_BYTES = 16 << 10
+# A decoded string column is not smaller than its compressed pages.
 MIN_EXPANSION = 1.0
 
 
@@ -38,16 +45,18 @@ def measured(field: pa.Field) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
-def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: list) -> dict[int, float]:
-    """Iceberg field id -> decoded Arrow bytes per compressed byte, for the measured columns of
-    ``schema`` (with their ``iceberg_fields``); empty where there is nothing to measure or the
-    sample cannot be read."""
+def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: list, ceiling: float) -> dict[int, float]:
+    """Iceberg field id -> decoded Arrow bytes per compressed byte, at most ``ceiling`` (the fixed
+    factor), for the measured columns of ``schema`` (with their ``iceberg_fields``); a column is
+    left out where its sample is too small, and all are where the sample cannot be read."""
     wanted = {f.field_id: field.name for field, f in zip(schema, iceberg_fields, strict=True) if measured(field)}
-    sample = next((t for _, t in sorted(tasks.items()) if t.file.record_count > 0), None)
+    # The largest file (the first by path among equals): the most rows behind its first pages.
+    candidates = [t for t in tasks.values() if t.file.record_count > 0]
+    sample = min(candidates, key=lambda t: (-t.file.file_size_in_bytes, t.file.file_path), default=None)
     if not wanted or sample is None:
         return {}
     try:
-        return _measure(table, sample.file.file_path, wanted)
+        return {k: min(ceiling, v) for k, v in _measure(table, sample.file.file_path, wanted).items()}
     except Exception as err:  # a sample is an estimate's input: the fixed factor applies instead
         log.info(
             "could not sample %s for column sizes (%s); estimating them from the manifests", sample.file.file_path, err
@@ -75,7 +84,7 @@ def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
     for field_id, name in by_id.items():
         chunk = chunks.get(name)
         on_disk = chunk.total_compressed_size * batch.num_rows / group.num_rows if chunk is not None else 0
-        if on_disk > 0:
+        if on_disk >= MIN_SAMPLE_BYTES:
             ratios[field_id] = max(MIN_EXPANSION, batch.column(name).nbytes / on_disk)
     return ratios
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -111,6 +112,11 @@ class LoadSuperseded(Exception):
     """A newer assignment arrived while loading: this load stops."""
 
 
+# The largest ratio a load order's ``expansions`` may hold: far above what a head sends (the fixed
+# factor), far below what would overflow an estimate.
+MAX_EXPANSION = 1e6
+
+
 @dataclass(frozen=True)
 class LoadOrder:
     """The head's `load` action body, checked whole before the node acts on any of it."""
@@ -177,15 +183,13 @@ class LoadOrder:
         need(isinstance(raw_expansions, dict), "'expansions' should be an object of field id -> number")
         expansions = {}
         for key, value in raw_expansions.items():
-            ok = (
-                isinstance(key, str)
-                and key.isdigit()
-                and isinstance(value, int | float)
-                and not isinstance(value, bool)
-            )
+            # ASCII digits only ("²" is a digit to str.isdigit, not to int()); a ratio no estimate
+            # could hold (1e308 overflowed the int of one) is no head's.
+            ok = isinstance(key, str) and re.fullmatch(r"[0-9]{1,9}", key) is not None
+            ok = ok and isinstance(value, int | float) and not isinstance(value, bool)
             need(
-                ok and math.isfinite(value) and value > 0,
-                f"'expansions' entry {key!r}: {value!r} should be a number > 0",
+                ok and math.isfinite(value) and 0 < value <= MAX_EXPANSION,
+                f"'expansions' entry {key!r}: {value!r} should be a number > 0 and <= {MAX_EXPANSION:g}",
             )
             expansions[int(key)] = float(value)
         return cls(generation, location, snapshot, start, stop, tuple(pieces), table_rows, expansions)

@@ -529,7 +529,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     schema = arrow_schema(table)
     iceberg_fields = list(table.schema().fields)
     tasks = scan_tasks(table, metadata_location)
-    expansions = measure_expansions(table, tasks, schema, iceberg_fields)
+    expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
