@@ -246,6 +246,57 @@ def test_equality_deletes_older_than_every_data_file_are_ignored(writable_table)
     assert not any(task.delete_files for task in tasks.values())
 
 
+class _RewriteAtSequence(_FastAppendFiles):
+    """A rewrite of every data file committed at a given data sequence number, keeping the delete
+    manifests: what Spark's rewrite_data_files commits by default (its starting snapshot's number)."""
+
+    def __init__(self, files: list[DataFile], sequence_number: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._files, self._sequence_number = files, sequence_number
+
+    def _existing_manifests(self):
+        snapshot = self._transaction.table_metadata.current_snapshot()
+        return [m for m in snapshot.manifests(self._io) if m.content == ManifestContent.DELETES]
+
+    def _process_manifests(self, manifests):
+        metadata = self._transaction.table_metadata
+        writer = ManifestWriterV2(
+            metadata.spec(), metadata.schema(), self.new_manifest_output(), self._snapshot_id, self._compression
+        )
+        with writer:
+            for data_file in self._files:
+                writer.add(
+                    ManifestEntry.from_args(
+                        status=ManifestEntryStatus.ADDED,
+                        snapshot_id=self._snapshot_id,
+                        sequence_number=self._sequence_number,
+                        file_sequence_number=None,
+                        data_file=data_file,
+                    )
+                )
+        return [writer.to_manifest_file(), *manifests]
+
+
+def test_equality_deletes_as_old_as_the_data_are_refused_naming_how_to_remove_them(writable_table):
+    """They delete nothing (a delete applies to older data only), but pyiceberg's planner reads
+    their manifest and refuses: the reason must not claim the data is newer, and must name the fix."""
+    import pyarrow.compute as pc
+    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+
+    before = writable_table.scan().to_arrow()
+    table = add_equality_deletes(writable_table, [7, 8, 9])
+    kept = before.filter(pc.invert(pc.is_in(before["id"], pa.array([7, 8, 9]))))
+    files = list(_dataframe_to_data_files(table.metadata, kept, table.io, write_uuid=uuid.uuid4()))
+    with table.transaction() as tx:
+        at = table.current_snapshot().sequence_number
+        _RewriteAtSequence(files, at, operation=Operation.OVERWRITE, transaction=tx, io=table.io).commit()
+    table = table.refresh()
+    with pytest.raises(UnsupportedTableError) as refused:
+        plan_table(open_table(table.metadata_location), table.metadata_location)
+    assert "delete no live row (none is newer than the oldest data file)" in str(refused.value)
+    assert "remove-dangling-deletes=true" in str(refused.value)
+
+
 @pytest.mark.slow
 def test_equality_deletes_are_refused_with_a_clear_reason(writable_table):
     table = add_equality_deletes(writable_table, [7, 8, 9])

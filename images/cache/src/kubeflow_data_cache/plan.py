@@ -423,7 +423,8 @@ def _refuse_equality_deletes(table, snapshot) -> None:
     An equality delete applies only to data files with a lower data sequence number (the Iceberg
     spec), so one no newer than the oldest live data file deletes nothing: what a rewrite of the
     data files leaves behind (Spark's rewrite_data_files keeps such deletes in the snapshot unless
-    told to remove them). Those are skipped, as pyiceberg's own scan skips them."""
+    told to remove them). Those are not refused here; pyiceberg's planner skips the ones older than
+    every data file and refuses the rest (scan_tasks says how to remove them)."""
     from pyiceberg.manifest import DataFileContent, ManifestContent
 
     manifests = snapshot.manifests(table.io)
@@ -494,12 +495,13 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
         if "equality deletes" not in str(err):
             raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
         # Only equality deletes that apply to nothing got here (above), in a delete manifest that
-        # pyiceberg still reads (one rewritten after the data was): its planner refuses them all.
+        # pyiceberg still reads: one as new as the oldest data file (Spark's rewrite_data_files
+        # keeps its starting sequence number by default) or rewritten after the data was.
         raise UnsupportedTableError(
-            "the table's equality delete files apply to no live row (every data file is newer), but pyiceberg, "
-            "which plans the cache's scan, refuses to plan a snapshot that lists them: remove them (Spark: "
-            "rewrite_data_files with the option remove-dangling-deletes=true) and point METADATA_LOC at the new "
-            "metadata"
+            "the table's equality delete files delete no live row (none is newer than the oldest data file), but "
+            "pyiceberg, which plans the cache's scan, still reads them and refuses to plan the snapshot: remove "
+            "them (Spark: rewrite_data_files with the option remove-dangling-deletes=true) and point METADATA_LOC "
+            "at the new metadata"
         ) from err
     except Exception as err:
         raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
