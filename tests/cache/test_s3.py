@@ -107,17 +107,27 @@ def test_an_endpoint_scheme_in_capitals_is_read_as_written(moto_s3, s3_tables):
         assert_every_row_once(read_path_shards(cache.endpoint, total=1), ROWS)
 
 
-def test_the_string_sample_is_read_from_s3(moto_s3, s3_tables):
+def test_the_string_sample_is_read_from_s3(moto_s3, tmp_path):
     """The head sizes string columns by a decoded sample: read from the store like any data file
     (page by page), not left to the fixed factor."""
-    from kubeflow_data_cache.plan import open_table, plan_table
+    import uuid
 
-    location = s3_tables["events"].metadata_location
-    plan, _ = plan_table(open_table(location, moto_s3.iceberg_properties()), location)
-    text_id = next(
-        f.field_id for f in open_table(location, moto_s3.iceberg_properties()).schema().fields if f.name == "text"
-    )
-    assert set(plan.expansions) == {text_id} and plan.expansions[text_id] > 1
+    import pyarrow as pa
+
+    from kubeflow_data_cache.plan import open_table, plan_table
+    from kubeflow_data_cache.sample import make_catalog
+
+    moto_s3.client().create_bucket(Bucket="sample-bucket")
+    catalog = make_catalog("s3://sample-bucket/wh", tmp_path / "c.db", moto_s3.iceberg_properties())
+    catalog.create_namespace("s")
+    rows = 20_000  # UUIDs: ~300 KiB on disk in the sampled rows, past the sample's minimum
+    data = pa.table({"id": pa.array(range(rows), pa.int64()), "key": [str(uuid.uuid4()) for _ in range(rows)]})
+    catalog.create_table("s.keys", schema=data.schema).append(data)
+    location = catalog.load_table("s.keys").metadata_location
+    table = open_table(location, moto_s3.iceberg_properties())
+    plan, _ = plan_table(table, location)
+    (key_id,) = [f.field_id for f in table.schema().fields if f.name == "key"]
+    assert set(plan.expansions) == {key_id} and 1 <= plan.expansions[key_id] < 2
 
 
 @pytest.fixture
