@@ -23,6 +23,7 @@ column where the sample cannot be read.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pyarrow as pa
 
@@ -37,6 +38,9 @@ SAMPLE_BUFFER_BYTES = 1 << 20
 MIN_SAMPLE_BYTES = 16 << 10
 # A decoded string column is not smaller than its compressed pages.
 MIN_EXPANSION = 1.0
+# How long planning waits for the sample: a file whose read stalls must hold the cache's
+# formation no longer than this (the data node that reads it later names it, load_progress.py).
+SAMPLE_TIMEOUT_SECONDS = 5.0
 
 
 def measured(field: pa.Field) -> bool:
@@ -55,13 +59,34 @@ def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: li
     sample = min(candidates, key=lambda t: (-t.file.file_size_in_bytes, t.file.file_path), default=None)
     if not wanted or sample is None:
         return {}
-    try:
-        return {k: min(ceiling, v) for k, v in _measure(table, sample.file.file_path, wanted).items()}
-    except Exception as err:  # a sample is an estimate's input: the fixed factor applies instead
+    path = sample.file.file_path
+    # In a daemon thread, waited for a while: a read that stalls is left to end on its own, and
+    # does not hold the process's exit (a pool's threads are joined at exit).
+    outcome: list = []
+    reader = threading.Thread(
+        target=lambda: outcome.append(_try_measure(table, path, wanted)), name="sample", daemon=True
+    )
+    reader.start()
+    reader.join(SAMPLE_TIMEOUT_SECONDS)
+    if not outcome:
         log.info(
-            "could not sample %s for column sizes (%s); estimating them from the manifests", sample.file.file_path, err
+            "sampling %s for column sizes took over %gs; estimating them from the manifests",
+            path,
+            SAMPLE_TIMEOUT_SECONDS,
         )
         return {}
+    ratios = outcome[0]
+    if isinstance(ratios, Exception):  # a sample is an estimate's input: the fixed factor applies instead
+        log.info("could not sample %s for column sizes (%s); estimating them from the manifests", path, ratios)
+        return {}
+    return {k: min(ceiling, v) for k, v in ratios.items()}
+
+
+def _try_measure(table, path: str, wanted: dict[int, str]) -> dict[int, float] | Exception:
+    try:
+        return _measure(table, path, wanted)
+    except Exception as err:
+        return err
 
 
 def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
