@@ -68,22 +68,28 @@ class _AddDeleteFiles(_FastAppendFiles):
         self._delete_files = delete_files
 
     def _process_manifests(self, manifests):
-        metadata = self._transaction.table_metadata
-        writer = _DeleteManifestWriter(
-            metadata.spec(), metadata.schema(), self.new_manifest_output(), self._snapshot_id, self._compression
-        )
-        with writer:
-            for delete_file in self._delete_files:
-                writer.add(
-                    ManifestEntry.from_args(
-                        status=ManifestEntryStatus.ADDED,
-                        snapshot_id=self._snapshot_id,
-                        sequence_number=None,  # inherited: the commit's sequence number
-                        file_sequence_number=None,
-                        data_file=delete_file,
-                    )
+        # Sequence number None: inherited, the commit's.
+        return [*manifests, _manifest_of(self, _DeleteManifestWriter, self._delete_files, None)]
+
+
+def _manifest_of(producer: _FastAppendFiles, writer_class, files: list[DataFile], sequence_number: int | None):
+    """One manifest of ``producer``'s snapshot adding ``files`` at ``sequence_number``."""
+    metadata = producer._transaction.table_metadata
+    writer = writer_class(
+        metadata.spec(), metadata.schema(), producer.new_manifest_output(), producer._snapshot_id, producer._compression
+    )
+    with writer:
+        for data_file in files:
+            writer.add(
+                ManifestEntry.from_args(
+                    status=ManifestEntryStatus.ADDED,
+                    snapshot_id=producer._snapshot_id,
+                    sequence_number=sequence_number,
+                    file_sequence_number=None,
+                    data_file=data_file,
                 )
-        return [*manifests, writer.to_manifest_file()]
+            )
+    return writer.to_manifest_file()
 
 
 def _commit_delete_files(table: Table, delete_files: list[DataFile]) -> Table:
@@ -259,22 +265,7 @@ class _RewriteAtSequence(_FastAppendFiles):
         return [m for m in snapshot.manifests(self._io) if m.content == ManifestContent.DELETES]
 
     def _process_manifests(self, manifests):
-        metadata = self._transaction.table_metadata
-        writer = ManifestWriterV2(
-            metadata.spec(), metadata.schema(), self.new_manifest_output(), self._snapshot_id, self._compression
-        )
-        with writer:
-            for data_file in self._files:
-                writer.add(
-                    ManifestEntry.from_args(
-                        status=ManifestEntryStatus.ADDED,
-                        snapshot_id=self._snapshot_id,
-                        sequence_number=self._sequence_number,
-                        file_sequence_number=None,
-                        data_file=data_file,
-                    )
-                )
-        return [writer.to_manifest_file(), *manifests]
+        return [_manifest_of(self, ManifestWriterV2, self._files, self._sequence_number), *manifests]
 
 
 def test_equality_deletes_as_old_as_the_data_are_refused_naming_how_to_remove_them(writable_table):
