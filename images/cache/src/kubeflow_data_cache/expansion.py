@@ -23,9 +23,10 @@ column where the sample cannot be read.
 from __future__ import annotations
 
 import logging
-import threading
 
 import pyarrow as pa
+
+from kubeflow_data_cache.daemon_call import DaemonCall
 
 log = logging.getLogger(__name__)
 
@@ -60,33 +61,20 @@ def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: li
     if not wanted or sample is None:
         return {}
     path = sample.file.file_path
-    # In a daemon thread, waited for a while: a read that stalls is left to end on its own, and
-    # does not hold the process's exit (a pool's threads are joined at exit).
-    outcome: list = []
-    reader = threading.Thread(
-        target=lambda: outcome.append(_try_measure(table, path, wanted)), name="sample", daemon=True
-    )
-    reader.start()
-    reader.join(SAMPLE_TIMEOUT_SECONDS)
-    if not outcome:
+    call = DaemonCall(lambda: _measure(table, path, wanted), "sample")
+    if not call.wait(SAMPLE_TIMEOUT_SECONDS):
         log.info(
             "sampling %s for column sizes took over %gs; estimating them from the manifests",
             path,
             SAMPLE_TIMEOUT_SECONDS,
         )
         return {}
-    ratios = outcome[0]
-    if isinstance(ratios, Exception):  # a sample is an estimate's input: the fixed factor applies instead
-        log.info("could not sample %s for column sizes (%s); estimating them from the manifests", path, ratios)
+    try:
+        ratios = call.result()
+    except Exception as err:  # a sample is an estimate's input: the fixed factor applies instead
+        log.info("could not sample %s for column sizes (%s); estimating them from the manifests", path, err)
         return {}
     return {k: min(ceiling, v) for k, v in ratios.items()}
-
-
-def _try_measure(table, path: str, wanted: dict[int, str]) -> dict[int, float] | Exception:
-    try:
-        return _measure(table, path, wanted)
-    except Exception as err:
-        return err
 
 
 def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:

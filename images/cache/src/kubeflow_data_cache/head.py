@@ -26,6 +26,7 @@ from kubeflow_data_cache.constants import (
     RPC_TIMEOUT_SECONDS,
     SUPERVISE_POLL_SECONDS,
 )
+from kubeflow_data_cache.daemon_call import DaemonCall
 from kubeflow_data_cache.errors import (
     BadRequestError,
     ClusterFormationError,
@@ -246,19 +247,10 @@ class Head(ReadOnlyFlight):
         A filesystem call can block for ever (an object store endpoint that never answers, a
         scheme whose client waits on a metadata server); it cannot be cancelled, so the thread is
         left behind and the head fails, which ends the process."""
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["value"] = work()
-            except BaseException as err:  # raised again in the caller
-                outcome["error"] = err
-
-        thread = threading.Thread(target=run, name=what, daemon=True)
-        thread.start()
-        while thread.is_alive() and not self._stop.is_set() and time.monotonic() < deadline:
-            thread.join(min(0.2, max(0.0, deadline - time.monotonic())))
-        if thread.is_alive():
+        call = DaemonCall(work, what)
+        while not call.done and not self._stop.is_set() and time.monotonic() < deadline:
+            call.wait(min(0.2, deadline - time.monotonic()))
+        if not call.done:
             if self._stop.is_set():
                 raise ClusterFormationError("stopped")
             raise DataCacheError(
@@ -266,9 +258,7 @@ class Head(ReadOnlyFlight):
                 f"{self.cfg.metadata_loc!r}): its storage does not answer; check the location's scheme "
                 "(s3://, s3a://, file:// or a path), the endpoint and the network"
             )
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
+        return call.result()
 
     def _wait_for_nodes(self, deadline: float) -> None:
         want = self.cfg.data_nodes
