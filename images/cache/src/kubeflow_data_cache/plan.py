@@ -314,10 +314,11 @@ def _open_error(
 
 def _unreachable_store(metadata_location: str, endpoint: str | None, err: Exception) -> TableLoadError:
     if endpoint:
-        store = f"the object store at {endpoint} ({endpoint_variable()})"
-        fix = f"check that {endpoint_variable()} names the store's host and port, reachable from here"
+        name = endpoint_variable()
+        store = f"the object store at {endpoint} ({name})"
+        fix = f"check that {name} names the store's host and port, reachable from here"
         if "wrong version number" in str(err) and endpoint.lower().startswith("https://"):
-            fix = f"the store answered in plain HTTP: write {endpoint_variable()}=http://{endpoint.split('://', 1)[1]}"
+            fix = f"the store answered in plain HTTP: write {name}=http://{endpoint.split('://', 1)[1]}"
     else:
         store = "AWS S3 (no AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL is set)"
         fix = "for an S3-compatible store (MinIO, Ceph) set AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL to its URL"
@@ -491,19 +492,17 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
         planned = sorted(table.scan().plan_files(), key=lambda t: t.file.file_path)
     except UnsupportedTableError:
         raise
-    except ValueError as err:
-        if "equality deletes" not in str(err):
-            raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
-        # Only equality deletes that apply to nothing got here (above), in a delete manifest that
-        # pyiceberg still reads: one as new as the oldest data file (Spark's rewrite_data_files
-        # keeps its starting sequence number by default) or rewritten after the data was.
-        raise UnsupportedTableError(
-            "the table's equality delete files delete no live row (none is newer than the oldest data file), but "
-            "pyiceberg, which plans the cache's scan, still reads them and refuses to plan the snapshot: remove "
-            "them (Spark: rewrite_data_files with the option remove-dangling-deletes=true) and point METADATA_LOC "
-            "at the new metadata"
-        ) from err
     except Exception as err:
+        if isinstance(err, ValueError) and "equality deletes" in str(err):
+            # Only equality deletes that apply to nothing got here (above), in a delete manifest that
+            # pyiceberg still reads: one as new as the oldest data file (Spark's rewrite_data_files
+            # keeps its starting sequence number by default) or rewritten after the data was.
+            raise UnsupportedTableError(
+                "the table's equality delete files delete no live row (none is newer than the oldest data file), "
+                "but pyiceberg, which plans the cache's scan, still reads them and refuses to plan the snapshot: "
+                "remove them (Spark: rewrite_data_files with the option remove-dangling-deletes=true) and point "
+                "METADATA_LOC at the new metadata"
+            ) from err
         raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
     listed = Counter(task.file.file_path for task in planned)
     if twice := sorted(path for path, n in listed.items() if n > 1):
