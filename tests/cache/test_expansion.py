@@ -32,7 +32,8 @@ def _values(kind: str, rows: int) -> pa.Array:
         return pa.array([os.urandom(int(n)) for n in rng.integers(50, 150, rows)], pa.binary())
     if kind == "uuids":
         return pa.array([str(uuid.UUID(int=int(v))) for v in rng.integers(0, 2**62, rows)])
-    return pa.array(rng.choice(["cat", "dog", "bird", "fish"], rows))  # labels: a tiny dictionary
+    assert kind == "padded", kind  # every value its own, most of it one repeated run: compresses ~60x
+    return pa.array([f"{'x' * 1000}-{i}" for i in range(rows)])
 
 
 def _table(tmp_path, kind: str, rows: int = ROWS, files: int = 2) -> str:
@@ -67,11 +68,11 @@ def test_values_that_do_not_compress_are_estimated_close_to_what_a_node_holds(tm
 
 
 def test_the_sample_never_raises_the_estimate_past_the_fixed_factor(tmp_path):
-    """Labels decode to 30x their compressed size; a sampled file of them among files of other
-    values measured that and refused the table. The measured ratio only lowers the fixed factor
-    (an estimate too low is the load guard's to catch, one too high refuses a table that fits)."""
-    estimated, fixed, held = _estimate_and_held(_table(tmp_path, "labels"))
-    assert estimated == fixed < held
+    """Values that compress far better than 4x, and span enough bytes on disk to be measured: the
+    ratio measured (about 60x) is not used past the fixed factor. An estimate too low is the load
+    guard's to catch; one too high refuses a table that fits."""
+    estimated, fixed, held = _estimate_and_held(_table(tmp_path, "padded"))
+    assert estimated <= fixed < held
 
 
 def _skewed_table(tmp_path, largest: pa.Array, rest: pa.Array) -> str:
@@ -85,15 +86,19 @@ def _skewed_table(tmp_path, largest: pa.Array, rest: pa.Array) -> str:
     return catalog.load_table("s.t").metadata_location
 
 
-@pytest.mark.parametrize("sampled", ["nulls", "one label"])
+@pytest.mark.parametrize("sampled", ["nulls", "one label", "padded"])
 def test_a_sampled_file_unlike_the_others_cannot_make_the_table_look_larger(tmp_path, sampled):
     """Nulls decode to 4 bytes of offsets a row from almost nothing on disk, one repeated label to
-    more: measured alone, 500x and 2700x, and a 100 MiB table was estimated at 55 GiB."""
+    more: measured alone, 500x and 2700x, and a 100 MiB table was estimated at 55 GiB (their
+    samples span too few bytes to be taken). Values that compress 60x over enough bytes are
+    measured, and the ratio stops at the fixed factor for the UUIDs of the other file."""
     rows = 200_000
     if sampled == "nulls":
         largest = pa.array([None] * rows, pa.string())
-    else:
+    elif sampled == "one label":
         largest = pa.array(["the same label, on every row of this file"] * rows)
+    else:
+        largest = _values("padded", rows)
     estimated, fixed, held = _estimate_and_held(_skewed_table(tmp_path, largest, _values("uuids", rows // 4)))
     assert estimated <= fixed, (estimated, fixed, held)
 
