@@ -3,8 +3,9 @@
 Everything skips, with the reason, unless asked for (`-m e2e`, as `make test-e2e` runs it, or
 E2E=1) and a Docker engine answers (E2E_REQUIRE=1 asks for it and turns a missing engine into a
 failure, for CI). KEEP_CLUSTER=1 (or --keep-cluster) keeps the kind cluster afterwards;
-E2E_ARTIFACTS names the folder that failure dumps go to; KIND_NODE_IMAGE overrides the node image
-of hack/kind-config.yaml; E2E_SKIP_BUILD=1 loads images built earlier instead of building them.
+E2E_ARTIFACTS names the folder that failure dumps go to; KIND_CLUSTER_NAME names the kind cluster
+(default kubeflow-data-cache-e2e; one per run on a shared Docker host); KIND_NODE_IMAGE overrides the
+node image of hack/kind-config.yaml; E2E_SKIP_BUILD=1 loads images built earlier instead of building them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import yaml
 from tests.e2e.e2e_kube import CommandError, E2EKindCluster, Kube, condition, run, wait_for
 from tests.e2e.e2e_objects import (
     CACHE_IMAGE,
-    CLUSTER_NAME,
     IMAGE_REGISTRY,
     IMAGE_TAG,
     IMAGES_SCRIPT,
@@ -40,6 +40,7 @@ from tests.e2e.e2e_objects import (
     SYSTEM_NAMESPACE,
     TLS_SERVER_NAME,
     WRITER_NAME,
+    cluster_name,
     helm_values,
     minio_objects,
     parse_metadata_location,
@@ -161,6 +162,10 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
     if found is None and not (shutil.which("kind") and shutil.which("kubectl")):
         unavailable(f"kind suite skipped: put kind {KIND_VERSION} and kubectl on PATH (no release binaries "
                     f"to download for {platform.system()} {platform.machine()})")  # fmt: skip
+    try:
+        name = cluster_name()
+    except ValueError as err:
+        pytest.fail(str(err))
     os_name, arch = found or ("linux", "amd64")
     kind_url = f"https://github.com/kubernetes-sigs/kind/releases/download/{KIND_VERSION}/kind-{os_name}-{arch}"
     kind = _tool("kind", KIND_VERSION, workdir, kind_url)
@@ -173,7 +178,7 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
               f"{KIND_CONFIG.name} pins may not start with it (KIND_NODE_IMAGE picks another)")  # fmt: skip
     with contextlib.chdir(workdir):  # KindCluster makes ./.pytest-kind/<name> in the working folder
         cluster = E2EKindCluster(
-            CLUSTER_NAME,
+            name,
             kubeconfig=workdir / "kubeconfig",
             image=os.environ.get("KIND_NODE_IMAGE"),
             kind_path=kind,
@@ -183,7 +188,7 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
     cluster.create_bounded(KIND_CONFIG, CLUSTER_CREATE_TIMEOUT, nodes)
     yield cluster
     if os.environ.get("KEEP_CLUSTER") == "1" or request.config.getoption("keep_cluster"):
-        print(f"\nkeeping kind cluster {CLUSTER_NAME} (kind delete cluster --name {CLUSTER_NAME})")
+        print(f"\nkeeping kind cluster {name} (kind delete cluster --name {name})")
         return
     cluster.delete_bounded()
 

@@ -6,7 +6,9 @@ schemas, and the kind suite applies exactly the same dicts.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,22 @@ KIND_VERSION = "v0.27.0"
 KUBECTL_VERSION = "v1.32.2"
 KIND_CONFIG = REPO / "hack" / "kind-config.yaml"
 IMAGES_SCRIPT = REPO / "hack" / "e2e-images.sh"
-CLUSTER_NAME = "kubeflow-data-cache-e2e"
+DEFAULT_CLUSTER_NAME = "kubeflow-data-cache-e2e"
+# kind's own rule for a cluster name (`kind create cluster` refuses any other).
+KIND_CLUSTER_NAME_RE = re.compile(r"[a-z0-9.-]+")
+
+
+def cluster_name(env: Mapping[str, str] = os.environ) -> str:
+    """The kind cluster the suite makes and uses: KIND_CLUSTER_NAME (which hack/e2e-images.sh
+    reads too), else DEFAULT_CLUSTER_NAME. Two runs on one Docker host, each with its own name,
+    no longer reuse, or delete, each other's cluster."""
+    name = env.get("KIND_CLUSTER_NAME") or DEFAULT_CLUSTER_NAME
+    if not KIND_CLUSTER_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"KIND_CLUSTER_NAME={name!r} is not a kind cluster name: use lower-case letters, digits, '.' and '-'"
+        )
+    return name
+
 
 # Locally built images: a registry host that resolves nowhere, so a pod can only run what was loaded.
 IMAGE_REGISTRY = "kind.local/kubeflow-data-cache"

@@ -20,6 +20,7 @@ from tests.conftest import free_port
 from tests.e2e.e2e_objects import (
     ACCESS_PROBE,
     CACHE_IMAGE,
+    DEFAULT_CLUSTER_NAME,
     INITIALIZER_IMAGE,
     KIND_CONFIG,
     KIND_VERSION,
@@ -33,6 +34,7 @@ from tests.e2e.e2e_objects import (
     WRITER_SCRIPT,
     RankResult,
     check_exactly_once,
+    cluster_name,
     helm_values,
     minio_objects,
     parse_metadata_location,
@@ -426,7 +428,7 @@ def test_images_script_names_the_images_the_suite_uses() -> None:
 FAKE_KIND = """#!/bin/bash
 echo "kind $*" >> "$CALLS"
 if [ "$1 $2" = "get nodes" ]; then
-  printf '%s\\n' kubeflow-data-cache-e2e-control-plane kubeflow-data-cache-e2e-worker kubeflow-data-cache-e2e-worker2
+  printf '%s\\n' "$4-control-plane" "$4-worker" "$4-worker2"
   exit 0
 fi
 if [ "$2" = docker-image ]; then
@@ -442,26 +444,41 @@ while [ $# -gt 0 ]; do [ "$1" = --output ] && echo "one platform" > "$2"; shift;
 """
 
 
-@pytest.mark.parametrize("digest_bug", [False, True])
-def test_images_load_through_a_single_platform_archive_where_kind_load_fails(tmp_path, digest_bug: bool) -> None:
-    """Docker 29's containerd image store breaks `kind load docker-image` (kubernetes-sigs/kind#3795)."""
+def test_the_kind_cluster_name_comes_from_kind_cluster_name() -> None:
+    assert cluster_name({}) == cluster_name({"KIND_CLUSTER_NAME": ""}) == DEFAULT_CLUSTER_NAME
+    assert cluster_name({"KIND_CLUSTER_NAME": "ci-1234.e2e"}) == "ci-1234.e2e"
+    for bad in ("CI_Run", "e2e cluster", "e2e/1"):
+        with pytest.raises(ValueError, match="not a kind cluster name: use lower-case letters"):
+            cluster_name({"KIND_CLUSTER_NAME": bad})
+
+
+def _load_images(tmp_path: Path, cluster: str, digest_bug: bool) -> list[str]:
+    """Runs `hack/e2e-images.sh load` against fake kind and docker; the commands they got."""
     for name, text in (("kind", FAKE_KIND), ("docker", FAKE_DOCKER)):
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
     calls = tmp_path / "calls"
     env = {**os.environ, "KIND": str(tmp_path / "kind"), "DOCKER": str(tmp_path / "docker"), "CALLS": str(calls),
-           "TMPDIR": str(tmp_path), "DIGEST_BUG": "1" if digest_bug else ""}  # fmt: skip
+           "TMPDIR": str(tmp_path), "DIGEST_BUG": "1" if digest_bug else "", "KIND_CLUSTER_NAME": cluster}  # fmt: skip
     done = subprocess.run(["bash", str(REPO / "hack" / "e2e-images.sh"), "load"], env=env, capture_output=True,
                           text=True, timeout=30)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    lines = calls.read_text().splitlines()
+    return calls.read_text().splitlines()
+
+
+@pytest.mark.parametrize("cluster", [DEFAULT_CLUSTER_NAME, "e2e-second-run"])
+def test_images_load_onto_the_named_clusters_workers(tmp_path, cluster: str) -> None:
+    loaded = [line for line in _load_images(tmp_path, cluster, False) if line.startswith("kind load")]
+    # Onto the two workers only: the control plane is tainted.
+    workers = f"--nodes {cluster}-worker,{cluster}-worker2"
+    assert loaded == [f"kind load docker-image --name {cluster} {workers} {i}"
+                      for i in (CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE)]  # fmt: skip
+
+
+def test_images_load_through_a_single_platform_archive_where_kind_load_fails(tmp_path) -> None:
+    """Docker 29's containerd image store breaks `kind load docker-image` (kubernetes-sigs/kind#3795)."""
+    lines = _load_images(tmp_path, DEFAULT_CLUSTER_NAME, True)
     loaded = [line for line in lines if line.startswith("kind load")]
-    if not digest_bug:
-        # Onto the two workers only: the control plane is tainted.
-        workers = "--nodes kubeflow-data-cache-e2e-worker,kubeflow-data-cache-e2e-worker2"
-        assert loaded == [f"kind load docker-image --name kubeflow-data-cache-e2e {workers} {i}"
-                          for i in (CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE)]  # fmt: skip
-        return
     saves = [line for line in lines if line.startswith("docker image save")]
     assert [s.split()[-1] for s in saves] == [CACHE_IMAGE, INITIALIZER_IMAGE, TRAINER_IMAGE]
     assert all("--platform linux/arm64" in s for s in saves)
