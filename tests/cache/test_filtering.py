@@ -177,13 +177,13 @@ def test_a_node_without_rows_checks_the_filter_all_the_same():
         ),
         (" OR ".join(f"id = {i}" for i in range(70)), "has 139 operators"),
         # Values far larger than the rows: repeat() took a node to 22 GB, then an abort.
-        ("length(repeat(name, 100000000)) > 0", "repeat() can make values far larger than the rows"),
-        ("length(lpad(name, 1000000000)) > 0", "lpad() can make values far larger"),
+        ("length(repeat(name, 100000000)) > 0", "repeat() is not among the functions"),
+        ("length(lpad(name, 1000000000)) > 0", "lpad() is not among the functions"),
         # Nested, each of these multiplies a value's length: seven regexp_replace of an empty
         # pattern (a 247-character filter) took 100 rows from 70 to 269 MiB.
-        ("length(regexp_replace(name, '', 'xxxx', 'g')) > 0", "regexp_replace() can make values far larger"),
-        ("length(replace(name, '', 'xxxx')) > 0", "replace() can make values far larger"),
-        ("length(encode(name, 'hex')) > 0", "encode() can make values far larger"),
+        ("length(regexp_replace(name, '', 'xxxx', 'g')) > 0", "regexp_replace() is not among the functions"),
+        ("length(replace(name, '', 'xxxx')) > 0", "replace() is not among the functions"),
+        ("length(encode(name, 'hex')) > 0", "encode() is not among the functions"),
         # Comments hid a chain of additions from the count (/* ' */ read as the start of a quote).
         ("/* ' */ id" + " + id" * 1000 + " > 0 /* ' */", "holds a comment"),
         ("id = 1 -- and then", "holds a comment"),
@@ -222,3 +222,182 @@ def test_a_filter_too_costly_for_a_node_is_refused(store, predicate, refusal):
 )
 def test_large_but_cheap_filters_are_served(store, predicate, rows):
     assert matching_rows(store, predicate).tolist() == rows
+
+
+def _squaring(levels: int) -> str:
+    """Each level squares a value's length: split into characters, joined by the value itself."""
+    x = "name"
+    for _ in range(levels):
+        x = f"array_to_string(string_to_array({x}, NULL), {x})"
+    return x
+
+
+@pytest.mark.parametrize(
+    ("predicate", "function"),
+    [
+        # Three levels (330 characters) aborted both data nodes of a 10,000-row table on a failed
+        # 2 GiB allocation; none of it was on the list of refused functions then.
+        (f"length({_squaring(3)}) > 0", "array_to_string"),
+        ("length(concat(" + ", ".join(["name"] * 5000) + ")) > 0", "concat"),  # 0.2 MiB of rows took 1.1 GB
+        ("cardinality(string_to_array(name, NULL)) > 0", "string_to_array"),
+        ("array_has(make_array(name, name), 'r1)')", "make_array"),  # a list of columns repeats the row
+        ("length(overlay(name placing name from 1)) > 0", "overlay"),
+        ("levenshtein(name, reverse(name)) > 0", "levenshtein"),
+        ("length(to_char(id, '%c')) > 0", "to_char"),  # its format, 2 characters, gives 24 a row
+        ("id > 0 AND random() < 0.5", "random"),
+        # Found wherever it sits: a CASE's later arm, an IN list, a CAST, beside an alias.
+        ("CASE WHEN id = 1 THEN true WHEN id = 2 THEN length(concat(name, name)) > 0 ELSE false END", "concat"),
+        ("id IN (1, length(concat(name, name)))", "concat"),
+        ("CAST(length(repeat(name, 9)) AS DOUBLE) > 0", "repeat"),
+        # The expression's text shows string literals unescaped; the tree cannot be fooled by them.
+        ("name = 'a\") OR Utf8(\"' OR length(concat(name, name)) > 0 OR name = '\")'", "concat"),
+    ],
+)
+def test_a_filter_may_call_only_functions_that_cannot_make_values_larger(store, predicate, function):
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(store, predicate)
+    message = str(refused.value)
+    assert f"{function}() " in message and len(message) < 500, message  # names it, not the whole filter
+    assert "not among the functions a filter may call" in message or "changes between calls" in message
+
+
+@pytest.mark.parametrize(
+    ("predicate", "form"),
+    [
+        ("id IN (SELECT 1)", "a subquery (IN (SELECT ...))"),
+        ("id = (SELECT 1)", "a subquery"),
+        ("sum(id) > 1", "an aggregate function"),
+        ("count(*) OVER () > 1", "a window function"),
+    ],
+)
+def test_what_is_not_one_rows_predicate_is_named(store, predicate, form):
+    with pytest.raises(BadRequestError, match="invalid filter") as refused:
+        matching_rows(store, predicate)
+    assert form in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def rich_store():
+    """Every kind of column a filter compares: what the allowed forms give must be DataFusion's."""
+    n = 40
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("Score", pa.float64()),
+            ("name", pa.string()),
+            ("ts", pa.timestamp("us")),
+            ("d", pa.date32()),
+            ("dec", pa.decimal128(9, 2)),
+            ("flag", pa.bool_()),
+            ("st", pa.struct([("a", pa.int64())])),
+            ("l", pa.list_(pa.int64())),
+            ("m", pa.map_(pa.string(), pa.int64())),
+        ]
+    )
+    columns = [
+        pa.array(range(n)),
+        pa.array([None if i % 7 == 0 else float("nan") if i % 11 == 0 else i / 3 for i in range(n)]),
+        pa.array([None if i % 9 == 0 else f"Row-{i:02d},tag{i % 3}" for i in range(n)]),
+        pa.array([1_704_067_200_000_000 + i * 3_600_000_000 for i in range(n)], pa.timestamp("us")),
+        pa.array([19_700 + i for i in range(n)], pa.date32()),
+        pa.array([None if i % 5 == 0 else f"{i / 4:.2f}" for i in range(n)]).cast(pa.decimal128(9, 2)),
+        pa.array([None if i % 6 == 0 else i % 2 == 0 for i in range(n)]),
+        pa.array([{"a": i % 4} for i in range(n)]),
+        pa.array([list(range(i % 5)) for i in range(n)]),
+        pa.array([[("k", i)] if i % 2 else [] for i in range(n)], pa.map_(pa.string(), pa.int64())),
+    ]
+    table = pa.table(columns, schema=schema)
+    return NodeStore(schema, table.to_batches(max_chunksize=13)), table
+
+
+@pytest.mark.parametrize(
+    "predicate",
+    [
+        '"Score" > 2 AND NOT isnan("Score")',
+        'coalesce("Score", 0) < 1',
+        "abs(id - 20) < 3 OR round(id / 7) = 2",
+        "length(name) > 10 AND lower(name) LIKE 'row-1%'",
+        "starts_with(upper(name), 'ROW-2') AND substr(name, 5, 1) = '2'",
+        "split_part(name, ',', 2) = 'tag1' AND strpos(name, 'tag') > 0",
+        "regexp_like(name, '^Row-[0-3]5') OR name ~ '9,'",
+        "btrim(translate(name, 'R', 'r')) ILIKE 'row-0%' AND md5(name) <> ''",
+        "date_part('hour', ts) BETWEEN 3 AND 6 OR date_trunc('day', ts) = TIMESTAMP '2024-01-02'",
+        "d > DATE '2023-12-25' + INTERVAL '3 days' AND extract(day FROM d) % 2 = 0",
+        "dec >= 2.5 AND CAST(dec AS DOUBLE) < 6",
+        "flag IS NOT TRUE AND id > 30",
+        "st['a'] = 2 AND cardinality(l) BETWEEN 1 AND 3",
+        "array_has(l, 3) OR l[1:2] = [0, 1]",
+        "m['k'] > 30 OR array_length(l) = 4",
+        "CASE WHEN id < 10 THEN flag ELSE name LIKE '%tag2' END",
+        "greatest(id, 35) = id AND nullif(id % 3, 0) IS NOT NULL",
+        "CAST(id AS VARCHAR) || name LIKE '1%' AND TRY_CAST(split_part(name, '-', 2) AS INT) IS NULL",
+    ],
+)
+def test_allowed_functions_match_what_datafusion_gives_over_the_whole_table(rich_store, predicate):
+    import datafusion
+
+    store, table = rich_store
+    ctx = datafusion.SessionContext()
+    ctx.register_record_batches("t", [table.to_batches()])
+    expected = ctx.sql(f"SELECT id FROM t WHERE {predicate} ORDER BY id").to_arrow_table().column(0).to_pylist()
+    assert expected, f"{predicate} matches nothing here: it tests nothing"
+    assert matching_rows(store, predicate).tolist() == expected
+
+
+def test_rows_are_matched_slice_by_slice_across_the_stored_chunks(rich_store, monkeypatch):
+    from kubeflow_data_cache import filtering
+
+    store, _ = rich_store
+    whole = matching_rows(store, "id % 3 = 1 OR flag")
+    for rows, nbytes in ((3, 1 << 20), (1 << 16, 100), (1 << 16, 1)):
+        monkeypatch.setattr(filtering, "FILTER_SLICE_ROWS", rows)
+        monkeypatch.setattr(filtering, "FILTER_SLICE_BYTES", nbytes)
+        assert len(filtering._slices(store)) > len(store.batches)
+        assert matching_rows(store, "id % 3 = 1 OR flag").tolist() == whole.tolist()
+
+
+def test_a_filter_that_runs_past_its_time_is_refused_and_remembered(rich_store, monkeypatch):
+    """A filter still matching after FILTER_TIMEOUT_SECONDS is refused; a reader retrying it (the
+    head retries a slow count) is answered at once instead of starting it again."""
+    from kubeflow_data_cache import filtering
+
+    store, _ = rich_store
+    monkeypatch.setattr(filtering, "FILTER_SLICE_ROWS", 4)
+    with pytest.raises(BadRequestError, match=r"is too costly: this data node's 40 rows took more than 0 s"):
+        matching_rows(store, "id >= 0", timeout=0)
+    calls = []
+
+    def timed_out(s, predicate):
+        calls.append(predicate)
+        return matching_rows(s, predicate, timeout=0)
+
+    monkeypatch.setattr(filtering, "matching_rows", timed_out)
+    cache = FilterCache(store)
+    for _ in range(3):
+        with pytest.raises(BadRequestError, match="is too costly"):
+            cache.rows("id >= 0")
+    assert calls == ["id >= 0"]
+
+
+def test_the_documented_filter_functions_are_exactly_the_allowed_ones():
+    """docs/protocol.md's list is what users read to write a filter: it must be the code's."""
+    import re
+    from pathlib import Path
+
+    from kubeflow_data_cache.filter_calls import ALLOWED_FUNCTIONS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    section = text.split("\n## Filters\n", 1)[1].split("\n## ", 1)[0]
+    allowed_part = section.split("- functions whose value", 1)[1].split("Anything else is refused", 1)[0]
+    documented = set(re.findall(r"`([a-z_0-9]+)`", allowed_part))
+    # Each list_ alias goes with its documented array_ name ("also under its list_ name").
+    undocumented = {
+        name
+        for name in ALLOWED_FUNCTIONS - documented
+        if not (name.startswith("list_") and "array_" + name.removeprefix("list_") in documented)
+    }
+    assert not undocumented, f"allowed but not in docs/protocol.md: {sorted(undocumented)}"
+    assert documented <= ALLOWED_FUNCTIONS, f"documented but refused: {sorted(documented - ALLOWED_FUNCTIONS)}"
+    refused_part = section.split("Anything else is refused", 1)[1]
+    named_as_refused = set(re.findall(r"`([a-z_0-9]+)`", refused_part))
+    assert named_as_refused and not named_as_refused & ALLOWED_FUNCTIONS

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, server_message, shown
+from kubeflow_data_cache.filter_calls import check_calls
 from kubeflow_data_cache.protocol import check_filter
 from kubeflow_data_cache.store import NodeStore, indices
 
@@ -21,21 +22,17 @@ CACHED_FILTERS = 8
 # A filter's plan, optimized, may hold only these: a subquery (IN (SELECT ...), EXISTS) turns into
 # joins, which could cost far more than one pass over the rows.
 PLAIN_FILTER_NODES = {"Projection", "Filter", "TableScan", "EmptyRelation"}  # the last: a filter folded to false
-# Functions whose value changes from call to call: the head and the nodes would count different
-# rows for the same filter, and shards would overlap or miss rows.
-VOLATILE_CALL = re.compile(r"\b(random|uuid|now|current_time|current_date|current_timestamp)\(", re.IGNORECASE)
-# Functions whose output can be far larger than their input: repeat(text, 100000000) took a node
-# to 22 GB here. DataFusion's memory pool does not limit scalar functions, so they are refused.
-# Nested, replace and regexp_replace of an empty pattern, and encode, multiply a value's length
-# at each level: regexp_replace(x, '', 'xxxx', 'g') seven deep, a 247-character filter, took
-# 100 rows from 70 to 269 MiB.
-GROWING_CALL = re.compile(
-    r"\b(repeat|lpad|rpad|array_repeat|list_repeat|array_resize|list_resize|range|generate_series"
-    r"|replace|regexp_replace|encode)\(",
-    re.IGNORECASE,
-)
-# String literals in an expression's canonical form, left out of those checks: 'random()' is data.
-STRING_LITERAL = re.compile(r'(?:Large)?Utf8(?:View)?\("(?:[^"\\]|\\.)*"\)')
+# The rows are handed to DataFusion in slices of at most this many rows, or bytes: a filter's
+# intermediate values (an `a || b || ...` chain is up to 129 times a row's value) are per slice,
+# and the time limit below is checked between slices.
+FILTER_SLICE_ROWS = 1 << 16
+FILTER_SLICE_BYTES = 4 << 20
+# A filter still evaluating after this long is refused (BadRequestError): one a node's rows take
+# longer than that to match is too costly to ask of every node, each time the filter is new to it.
+FILTER_TIMEOUT_SECONDS = 120.0
+# Refusals a node remembers, so that readers retrying a filter that ran out of time (the head
+# retries a slow count) are answered at once instead of starting it again.
+REMEMBERED_REFUSALS = 64
 
 
 def _column(name: str):
@@ -61,48 +58,59 @@ def _reason(err: BaseException) -> str:
     return reason.rstrip(".")  # the caller ends the sentence
 
 
-def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
+def _slices(store: NodeStore) -> list[pa.RecordBatch]:
+    """The node's rows as zero-copy slices (FILTER_SLICE_ROWS, FILTER_SLICE_BYTES), each with
+    its local row numbers in ROW_COLUMN."""
+    rows = int(store.offsets[-1])
+    row_bytes = max(1, store.nbytes // rows) if rows else 1
+    size = max(1, min(FILTER_SLICE_ROWS, FILTER_SLICE_BYTES // row_bytes))
+    slices = []
+    for batch, offset in zip(store.batches, store.offsets[:-1], strict=True):
+        for start in range(0, batch.num_rows, size):
+            piece = batch.slice(start, size)
+            first = int(offset) + start
+            numbers = indices(np.arange(first, first + piece.num_rows, dtype=np.int64))  # no numpy.ma: store.indices
+            slices.append(piece.append_column(ROW_COLUMN, numbers))
+    if not slices:
+        # No rows to match, but the predicate is checked all the same: a filter refused only once
+        # the table has rows would break a job that was accepted while it was empty.
+        schema = store.schema.append(pa.field(ROW_COLUMN, pa.int64()))
+        slices.append(pa.RecordBatch.from_pylist([], schema=schema))
+    return slices
+
+
+def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIMEOUT_SECONDS) -> np.ndarray:
     """Local row numbers (ascending) of the rows for which ``predicate`` is true."""
     import datafusion
 
     check_filter(predicate)  # also for a count sent to a node directly, not through the head
 
-    batches = []
-    for batch, start in zip(store.batches, store.offsets[:-1], strict=True):
-        rows = indices(np.arange(start, start + batch.num_rows, dtype=np.int64))  # no numpy.ma: store.indices
-        batches.append(batch.append_column(ROW_COLUMN, rows))
-    if not batches:
-        # No rows to match, but the predicate is checked all the same: a filter refused only once
-        # the table has rows would break a job that was accepted while it was empty.
-        schema = store.schema.append(pa.field(ROW_COLUMN, pa.int64()))
-        batches.append(pa.RecordBatch.from_pylist([], schema=schema))
     ctx = datafusion.SessionContext()
-    ctx.register_record_batches("data", [batches])
+    ctx.register_record_batches("data", [_slices(store)])
     table = ctx.table("data")
+    matched = []
     try:
         # Parsed as one expression over the table's own columns, never pasted into SQL text: a
         # predicate like "x < 5) UNION ALL SELECT 0 --" cannot add rows, and the row-number
         # column it may not see is not there to name.
         columns = table.select(*(_column(name) for name in store.schema.names))
         condition = columns.parse_sql_expr(predicate)
-        calls = STRING_LITERAL.sub("''", condition.canonical_name())
-        if VOLATILE_CALL.search(calls):
-            raise BadRequestError(
-                f"invalid filter {shown(predicate)}: it calls a function whose value changes between calls, so "
-                'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
-            )
-        if grows := GROWING_CALL.search(calls):
-            raise BadRequestError(
-                f"invalid filter {shown(predicate)}: {grows.group(1)}() can make values far larger than the rows "
-                "(and the data node's memory); a filter compares a row's own values"
-            )
+        check_calls(condition, predicate)
         selected = table.filter(condition).select(_column(ROW_COLUMN))
         if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:
             raise BadRequestError(
                 f"invalid filter {shown(predicate)}: subqueries (IN (SELECT ...), EXISTS) are not allowed; "
                 "a filter is a predicate over one row's columns"
             )
-        result = selected.to_arrow_table()
+        started = time.monotonic()
+        for batch in selected.execute_stream():
+            matched.append(batch.to_pyarrow().column(0).to_numpy())
+            if time.monotonic() - started > timeout:
+                raise BadRequestError(
+                    f"filter {shown(predicate)} is too costly: this data node's {int(store.offsets[-1])} rows "
+                    f"took more than {timeout:.0f} s to match; filter on plain comparisons of columns, or keep a "
+                    "column that marks the rows to read"
+                )
     except BadRequestError:
         raise
     except (KeyboardInterrupt, SystemExit):
@@ -115,7 +123,7 @@ def matching_rows(store: NodeStore, predicate: str) -> np.ndarray:
             f'columns {store.schema.names} (double-quote names with capitals or spaces: "Score" > 3), '
             'e.g. "label = 3 AND feature_a > 0.5"'
         ) from None
-    rows = result.column(0).to_numpy()
+    rows = np.concatenate(matched) if matched else np.empty(0, dtype=np.int64)
     return np.sort(rows)
 
 
@@ -132,6 +140,8 @@ class FilterCache:
         # Predicates being matched now: a second request for one waits for the first's result
         # (every reader of a new filter asks at once; the head retries a slow count).
         self._pending: dict[str, Future] = {}
+        # Predicates refused (BadRequestError, which the same rows always give again), newest last.
+        self._refused: OrderedDict[str, str] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
@@ -143,6 +153,8 @@ class FilterCache:
             if predicate in self._cache:
                 self._cache.move_to_end(predicate)
                 return self._cache[predicate]
+            if predicate in self._refused:
+                raise BadRequestError(self._refused[predicate])
             pending = self._pending.get(predicate)
             computing = pending is None
             if computing:
@@ -154,6 +166,10 @@ class FilterCache:
         except BaseException as err:
             with self._lock:
                 del self._pending[predicate]
+                if isinstance(err, BadRequestError):
+                    self._refused[predicate] = str(err)
+                    while len(self._refused) > REMEMBERED_REFUSALS:
+                        self._refused.popitem(last=False)
             pending.set_exception(err)
             raise
         with self._lock:

@@ -1,0 +1,130 @@
+"""What a filter's parsed expression may hold: a walk over DataFusion's expression tree.
+
+A filter is evaluated on every data node, over every row it holds. What keeps that bounded is
+what the expression may call, so the rule is a list of what is allowed, not of what is refused:
+a refusal list missed `array_to_string(string_to_array(x, NULL), x)`, which squares a value's
+length at each level (three levels, a 330-character filter, aborted both data nodes of a
+10,000-row table on a failed 2 GiB allocation), and `concat(x, x, ...)` with 5,000 arguments.
+
+Allowed: the expression forms of a predicate (comparisons, AND/OR/NOT, arithmetic, `||`, CASE,
+IN lists, BETWEEN, LIKE, IS ..., CAST) and functions whose value is a fixed size or no larger
+than their arguments, within a constant: math, string tests and cuts (length, lower, substr,
+starts_with, regexp_like, ...), date parts, hashes, and reads of lists, maps and structs. Not
+allowed: functions that build values from others (concat, array_to_string, string_to_array,
+make_array of columns, repeat, lpad, replace, ...), volatile ones (random(), now()), and
+anything that is not one row's predicate (subqueries, aggregates, window functions, unnest).
+The canonical text of an expression cannot be used instead: it shows string literals unescaped,
+so a literal can fake or hide a call there.
+"""
+
+from __future__ import annotations
+
+from kubeflow_data_cache.errors import BadRequestError, shown
+
+# Expression forms that compute one value per row from their operands. `||` is a BinaryExpr:
+# its growth is bounded by the operator count (protocol.check_filter).
+PREDICATE_FORMS = frozenset(
+    {
+        "Alias",
+        "BinaryExpr",
+        "Between",
+        "Case",
+        "Cast",
+        "TryCast",
+        "InList",
+        "Like",
+        "SimilarTo",
+        "RLike",
+        "Not",
+        "Negative",
+        "IsNull",
+        "IsNotNull",
+        "IsTrue",
+        "IsFalse",
+        "IsUnknown",
+        "IsNotTrue",
+        "IsNotFalse",
+        "IsNotUnknown",
+    }
+)
+LEAVES = frozenset({"Column", "Literal"})
+
+# Functions whose value changes from call to call: the head and the nodes would count different
+# rows for the same filter, and shards would overlap or miss rows.
+VOLATILE_FUNCTIONS = frozenset(
+    {"random", "rand", "uuid", "now", "today", "current_date", "current_time", "current_timestamp"}
+)
+
+_MATH = """abs acos acosh asin asinh atan atan2 atanh cbrt ceil cos cosh cot degrees exp factorial floor gcd
+    lcm ln log log10 log2 nanvl pi pow power radians round signum sin sinh sqrt tan tanh trunc isnan iszero"""
+_CONDITIONAL = "coalesce nullif nvl nvl2 ifnull greatest least"
+# No larger than their first argument (or a fixed size), whatever the nesting.
+_STRINGS = """ascii bit_length btrim char_length character_length length octet_length chr contains ends_with
+    starts_with instr strpos position find_in_set left right ltrim rtrim trim lower upper initcap reverse
+    split_part substr substring substr_index substring_index translate regexp_like regexp_count
+    regexp_instr md5 sha224 sha256 sha384 sha512 digest to_hex decode"""
+_TIME = """date_bin date_part datepart date_trunc datetrunc make_date make_time to_date to_time to_timestamp
+    to_timestamp_seconds to_timestamp_millis to_timestamp_micros to_timestamp_nanos to_unixtime
+    from_unixtime to_local_time"""
+_TYPES = "arrow_cast arrow_try_cast arrow_typeof cast_to_type try_cast_to_type"
+# Reads of one list, map or struct value: a scalar, or a part of it.
+_NESTED = """array_has array_has_all array_has_any array_contains list_has list_has_all list_has_any
+    list_contains arrays_overlap cardinality array_length list_length array_ndims list_ndims array_dims
+    list_dims array_empty list_empty empty array_element array_extract list_element list_extract
+    element_at array_position list_position array_indexof list_indexof array_max array_min list_max
+    array_sum list_sum array_avg list_avg array_product list_product array_slice list_slice
+    array_distinct list_distinct array_sort list_sort array_reverse list_reverse array_any_value
+    list_any_value array_pop_back array_pop_front list_pop_back list_pop_front array_remove
+    array_remove_n array_remove_all list_remove list_remove_n list_remove_all array_compact
+    list_compact flatten array_distance list_distance cosine_distance inner_product dot_product
+    get_field map_extract map_keys map_values map_entries union_extract union_tag"""
+ALLOWED_FUNCTIONS = frozenset(" ".join((_MATH, _CONDITIONAL, _STRINGS, _TIME, _TYPES, _NESTED)).split())
+# A list written out in the filter ("l[1:2] = [1, 2]"): allowed when every element is a literal,
+# so its size is the filter's; of columns, make_array(x, x, ...) repeats a row's value.
+LITERAL_LIST_FUNCTIONS = frozenset({"make_array", "make_list"})
+
+
+def check_calls(condition, predicate: str) -> None:
+    """Refuse (BadRequestError) a parsed filter that holds anything but a row's predicate made of
+    PREDICATE_FORMS and ALLOWED_FUNCTIONS."""
+    pending = [condition]
+    while pending:
+        expr = pending.pop()
+        form = expr.variant_name()
+        if form in LEAVES:
+            continue
+        if form == "ScalarFunction":
+            name = expr.rex_call_operator()
+            operands = expr.rex_call_operands()
+            if name in VOLATILE_FUNCTIONS:
+                raise BadRequestError(
+                    f"invalid filter {shown(predicate)}: it calls {name}(), whose value changes between calls, so "
+                    'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
+                )
+            literal_list = name in LITERAL_LIST_FUNCTIONS and all(o.variant_name() == "Literal" for o in operands)
+            if name not in ALLOWED_FUNCTIONS and not literal_list:
+                raise BadRequestError(
+                    f"invalid filter {shown(predicate)}: {name}() is not among the functions a filter may call: "
+                    "only those whose result is no larger than their arguments (length, lower, substr, regexp_like, "
+                    "date_part, array_has, abs, ...; docs/protocol.md lists them)"
+                )
+            pending.extend(operands)
+            continue
+        if form not in PREDICATE_FORMS:
+            raise BadRequestError(
+                f"invalid filter {shown(predicate)}: {_form_name(form)} is not allowed; a filter is a predicate "
+                "over one row's columns"
+            )
+        pending.extend(expr.rex_call_operands())
+
+
+def _form_name(form: str) -> str:
+    return {
+        "InSubquery": "a subquery (IN (SELECT ...))",
+        "Exists": "a subquery (EXISTS)",
+        "ScalarSubquery": "a subquery",
+        "AggregateFunction": "an aggregate function",
+        "WindowFunction": "a window function",
+        "Unnest": "unnest()",
+        "Placeholder": "a placeholder ($1)",
+    }.get(form, form)
