@@ -17,6 +17,7 @@ from kubeflow_data_cache.protocol import check_filter
 from kubeflow_data_cache.store import NodeStore, indices
 
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
+KEEP_COLUMN = f"{INTERNAL_COLUMN_PREFIX}keep"
 # Distinct filters whose matches a node keeps; a training job uses one or two.
 CACHED_FILTERS = 8
 # A filter's plan, optimized, may hold only these: a subquery (IN (SELECT ...), EXISTS) turns into
@@ -96,15 +97,20 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
         columns = table.select(*(_column(name) for name in store.schema.names))
         condition = columns.parse_sql_expr(predicate)
         check_calls(condition, predicate)
+        # Planned as a filter, which checks that the predicate is a boolean and what it becomes.
         selected = table.filter(condition).select(_column(ROW_COLUMN))
         if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:
             raise BadRequestError(
                 f"invalid filter {shown(predicate)}: subqueries (IN (SELECT ...), EXISTS) are not allowed; "
                 "a filter is a predicate over one row's columns"
             )
+        # Run as a projection of the predicate's value: one output batch per slice, so the time
+        # is checked after each (a filter's stream skips slices without a match, so one that
+        # matched nothing was never checked). A null value drops its row, as WHERE does.
         started = time.monotonic()
-        for batch in selected.execute_stream():
-            matched.append(batch.to_pyarrow().column(0).to_numpy())
+        for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN)).execute_stream():
+            rows, keep = batch.to_pyarrow().columns
+            matched.append(rows.filter(keep).to_numpy())
             if time.monotonic() - started > timeout:
                 raise BadRequestError(
                     f"filter {shown(predicate)} is too costly: this data node's {int(store.offsets[-1])} rows "
