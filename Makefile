@@ -14,7 +14,9 @@ export UV_FIND_LINKS := $(or $(UV_FIND_LINKS),$(subst $(space),$(comma),$(strip 
 # the CUDA build, gigabytes, whose nvidia-* libraries the lock does not even list.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(UV_FIND_LINKS),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
-UV := $(shell command -v uv 2>/dev/null || echo "python3 -m uv")
+# The uv to run, as hack/ensure-uv.sh names it (at least its UV_MIN_VERSION; it installs its pinned
+# UV_VERSION when none is found): expanded by the shell of each recipe line, after the `uv` target ran.
+UV = $$(bash hack/ensure-uv.sh)
 # The stamp is rebuilt whenever a lock or a package definition changes.
 STAMP := $(VENV)/.installed
 LOCK_DEPS := requirements-dev.lock images/cache/pyproject.toml images/initializer/pyproject.toml
@@ -25,7 +27,7 @@ help: ## List the targets
 
 .PHONY: uv
 uv:
-	@bash hack/ensure-uv.sh
+	@bash hack/ensure-uv.sh >/dev/null
 
 $(STAMP): $(LOCK_DEPS) | uv
 	$(UV) venv --allow-existing --python $(PYTHON_VERSION) $(VENV)
@@ -40,16 +42,23 @@ setup: $(STAMP) ## Build .venv: both packages (editable), their console scripts 
 lock: | uv ## Recompile the requirement locks (versions only; torch stays a plain version)
 	# --upgrade-package torch: the lock's plain torch==X pin, taken as a preference, would pick the
 	# index's CUDA build of X (and its nvidia-* wheels); re-resolving torch picks the find-links CPU build.
+	# TORCH_SOURCE as in setup: without find-links, PyPI's torch is the CUDA build, and its nvidia-*
+	# wheels went into the lock.
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
-	  images/cache/pyproject.toml images/initializer/pyproject.toml requirements-dev.in \
+	  $(TORCH_SOURCE) images/cache/pyproject.toml images/initializer/pyproject.toml requirements-dev.in \
 	  --extra server --extra torch --upgrade-package torch -o requirements-dev.lock
-	# The image locks carry sha256 hashes: the Dockerfiles install them with --require-hashes.
-	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
-	  --generate-hashes --extra server images/cache/pyproject.toml -o images/cache/requirements.lock
-	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
-	  --generate-hashes images/initializer/pyproject.toml -o images/initializer/requirements.lock
 	# A `+cpu` local label would only install where that wheel sits; keep the plain version.
 	sed -i -E 's/^(torch==[0-9.]+)\+[a-z0-9]+/\1/' requirements-dev.lock
+	# The image locks carry sha256 hashes: the Dockerfiles install them with --require-hashes. They are
+	# held to the dev lock's versions (-c), so the images run what the tests ran.
+	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
+	  -c requirements-dev.lock --generate-hashes --extra server images/cache/pyproject.toml \
+	  -o images/cache/requirements.lock
+	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
+	  -c requirements-dev.lock --generate-hashes images/initializer/pyproject.toml \
+	  -o images/initializer/requirements.lock
+	# The e2e trainer image's additions (torch and what the cache lock lacks for it), re-pinned likewise.
+	python3 hack/pin-like.py requirements-dev.lock images/trainer-e2e/requirements.lock
 
 # Tests run in TEST_WORKERS pytest-xdist processes, each taking a whole test file at a time, so a
 # file's module fixtures and its tests' order are as in a serial run. Most tests wait on cache

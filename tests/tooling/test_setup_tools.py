@@ -1,0 +1,139 @@
+"""The set-up tools every fresh machine and CI run goes through: hack/ensure-uv.sh, `make lock`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENSURE_UV = REPO / "hack" / "ensure-uv.sh"
+
+
+def _script_setting(name: str) -> str:
+    return re.search(rf"^{name}=(\S+)$", ENSURE_UV.read_text(), re.MULTILINE).group(1)
+
+
+def _fake_bin(tmp_path: Path, uv_on_path: str | None, python_uv: str | None) -> Path:
+    """A PATH holding fake `uv` and `python3`: each uv reports the version given (None: absent);
+    the fake python3 records `-m pip install` and from then on reports the installed uv."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "awk", "sort", "head", "env", "cat"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    if uv_on_path:
+        (bin_dir / "uv").write_text(f'#!/bin/bash\necho "uv {uv_on_path} (fake)"\n')
+        (bin_dir / "uv").chmod(0o755)
+    installed = tmp_path / "installed"
+    if python_uv:
+        installed.write_text(python_uv)
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n"
+        f'installed="{installed}"\n'
+        'if [ "$1 $2" = "-m uv" ]; then [ -f "$installed" ] || exit 1; echo "uv $(cat "$installed") (fake)"; exit 0; fi\n'
+        'if [ "$1 $2 $3" = "-m pip --version" ]; then echo "pip 24.0"; exit 0; fi\n'
+        'if [ "$1 $2 $3" = "-m pip install" ]; then echo "$*" >> "$installed.calls"; '
+        'for a in "$@"; do case "$a" in uv==*) echo "${a#uv==}" > "$installed";; esac; done; exit 0; fi\n'
+        "exit 1\n"
+    )
+    (bin_dir / "python3").chmod(0o755)
+    return bin_dir
+
+
+def _ensure(bin_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ENSURE_UV)], env={"PATH": str(bin_dir), "HOME": str(bin_dir)}, capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("uv_on_path", "python_uv", "command"),
+    [
+        ("0.13.9", None, "uv"),
+        ("0.5.0", None, "uv"),
+        ("0.4.30", "0.8.22", "python3 -m uv"),
+        (None, "0.6.0", "python3 -m uv"),
+        ("not-a-version", "0.6.0", "python3 -m uv"),  # an odd --version output is not taken as new
+    ],
+)
+def test_a_recent_enough_uv_is_used_as_found(tmp_path, uv_on_path, python_uv, command) -> None:
+    done = _ensure(_fake_bin(tmp_path, uv_on_path, python_uv))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == command
+    assert not (tmp_path / "installed.calls").exists(), "nothing to install"
+
+
+@pytest.mark.parametrize(("uv_on_path", "python_uv"), [(None, None), ("0.4.30", None), ("0.2.37", "0.4.30")])
+def test_a_missing_or_too_old_uv_is_replaced_by_the_pinned_release(tmp_path, uv_on_path, python_uv) -> None:
+    """uv 0.4 installed PyPI's CUDA torch from the lock, without its nvidia libraries."""
+    done = _ensure(_fake_bin(tmp_path, uv_on_path, python_uv))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "python3 -m uv"  # stdout names the command, and only it
+    pinned = _script_setting("UV_VERSION")
+    assert f"uv=={pinned}" in (tmp_path / "installed.calls").read_text()
+    assert f"installing uv {pinned}" in done.stderr
+
+
+def test_the_pinned_uv_is_at_least_the_minimum() -> None:
+    minimum, pinned = _script_setting("UV_MIN_VERSION"), _script_setting("UV_VERSION")
+    as_tuple = [tuple(int(p) for p in v.split(".")) for v in (minimum, pinned)]
+    assert as_tuple[0] <= as_tuple[1]
+
+
+def _lock_commands(env_extra: dict[str, str]) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "UV_FIND_LINKS")} | env_extra
+    done = subprocess.run(["make", "-n", "lock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [c for c in done.stdout.replace("\\\n", " ").splitlines() if not c.lstrip().startswith("#")]
+
+
+def test_make_lock_compiles_torch_from_the_cpu_index_without_find_links() -> None:
+    """Without find-links, PyPI's torch (the CUDA build) put 19 nvidia-*/cuda-*/triton pins in the lock."""
+    dev = [c for c in _lock_commands({}) if "-o requirements-dev.lock" in c]
+    assert len(dev) == 1 and "--extra-index-url https://download.pytorch.org/whl/cpu" in dev[0]
+    with_links = [c for c in _lock_commands({"UV_FIND_LINKS": "/wheels"}) if "-o requirements-dev.lock" in c]
+    assert "download.pytorch.org" not in with_links[0]  # the find-links' CPU wheel, as in setup
+
+
+def test_make_lock_holds_the_image_locks_to_the_dev_locks_versions() -> None:
+    commands = _lock_commands({})
+    for lock in ("images/cache/requirements.lock", "images/initializer/requirements.lock"):
+        (compile_line,) = [c for c in commands if f"-o {lock}" in c]
+        assert "-c requirements-dev.lock" in compile_line and "--generate-hashes" in compile_line
+    assert any("hack/pin-like.py requirements-dev.lock images/trainer-e2e/requirements.lock" in c for c in commands)
+
+
+def _read_pins(path: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\]+)", path.read_text(), re.MULTILINE))
+
+
+def test_the_image_locks_pin_the_dev_locks_versions() -> None:
+    """The images run what the tests ran: python-dateutil was 4.0.0 in both images, 2.9.0 in the tests."""
+    dev = _read_pins(REPO / "requirements-dev.lock")
+    for image in ("cache", "initializer"):
+        pins = _read_pins(REPO / "images" / image / "requirements.lock")
+        differing = {
+            name: (version, dev.get(name)) for name, version in pins.items() if name in dev and dev[name] != version
+        }
+        assert differing == {}, f"{image} image vs dev lock: {differing}"
+        assert set(pins) <= set(dev), f"{image} image pins what the tests never installed: {set(pins) - set(dev)}"
+
+
+def test_pin_like_repins_a_hand_written_lock(tmp_path) -> None:
+    lock = tmp_path / "dev.lock"
+    lock.write_text("filelock==4.2.12\n    # via torch\ntorch==2.13.0+cpu\nSetupTools==84.2.1\n")
+    target = tmp_path / "trainer.lock"
+    target.write_text("# the trainer's additions\nfilelock==4.2.11\nsetuptools==80.0\ntorch==2.12.0\n")
+    tool = [shutil.which("python3") or "python3", str(REPO / "hack" / "pin-like.py")]
+    done = subprocess.run([*tool, str(lock), str(target)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert target.read_text() == "# the trainer's additions\nfilelock==4.2.12\nsetuptools==84.2.1\ntorch==2.13.0\n"
+    target.write_text("numpy==2.0.0\n")
+    refused = subprocess.run([*tool, str(lock), str(target)], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and "pins no version of numpy" in refused.stderr
+    assert target.read_text() == "numpy==2.0.0\n"
