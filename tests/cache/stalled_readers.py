@@ -1,5 +1,6 @@
-"""Readers that open shuffled streams and stop reading: what holds a data node's serving memory
-(each stream's gathered batches), for the tests of how a node gives it back or holds it off."""
+"""Readers that open streams and stop reading: what holds a data node's serving memory (each
+shuffled stream's gathered batches, each in-order stream's rebased offsets), for the tests of how
+a node gives it back or holds it off."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ _SCRIPT = f"""
 import json, sys, time
 import pyarrow.flight as flight
 head = flight.FlightClient(sys.argv[1])
-body = {{"shard": 0, "num_shards": 1, "shuffle": True, "epoch": 1}}
+body = {{"shard": 0, "num_shards": 1, "shuffle": sys.argv[3] == "1", "epoch": 1}}
 info = head.get_flight_info(flight.FlightDescriptor.for_command(json.dumps(body).encode()))
 held, refused, reason = [], 0, ""
 for _ in range(int(sys.argv[2])):
@@ -35,11 +36,14 @@ time.sleep(600)
 
 
 @contextlib.contextmanager
-def stalled_readers(endpoint: str, per_endpoint: int) -> Iterator[tuple[subprocess.Popen, dict]]:
-    """A process holding ``per_endpoint`` stalled shuffled streams on each data node, and what it
-    got: ``{"held": n, "refused": n, "reason": "<the last refusal>"}``. Killed on exit."""
+def stalled_readers(endpoint: str, per_endpoint: int, shuffle: bool = True) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """A process holding ``per_endpoint`` stalled shuffled (or in-order) streams on each data
+    node, and what it got: ``{"held": n, "refused": n, "reason": "<the last refusal>"}``. Killed
+    on exit."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", _SCRIPT, endpoint, str(per_endpoint)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _SCRIPT, endpoint, str(per_endpoint), "1" if shuffle else "0"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         yield holder, json.loads(holder.stdout.readline())

@@ -245,6 +245,42 @@ def test_a_burst_of_stalled_shuffled_readers_leaves_no_memory_behind(table_facto
         cache.stop()
 
 
+@pytest.mark.slow
+def test_a_burst_of_stalled_in_order_readers_leaves_no_memory_behind(table_factory):
+    """In-order streams of a table with strings send copies with rebased offsets (offsets.py),
+    glibc memory its raised trim threshold keeps: only gathering streams set the idle reclaim,
+    and 40 stalled in-order readers left their nodes 95 MiB above ready for good."""
+    import signal
+    import time
+
+    import psutil
+
+    from kubeflow_data_cache.allocator import GATHER_RECLAIM_IDLE_SECONDS
+    from tests.cache.stalled_readers import stalled_readers
+    from tests.conftest import LocalCache
+
+    cache = LocalCache(table_factory(300_000, 3).metadata_location, 1)
+    try:
+        cache.wait_ready()
+        node = next(p for p in psutil.Process(cache.proc.pid).children() if "worker" in p.cmdline())
+        idle = node.memory_info().rss
+        with stalled_readers(cache.endpoint, 40, shuffle=False) as (holder, got):
+            assert got["held"] == 40, got
+            settled = time.monotonic() + 10
+            while (burst := node.memory_info().rss - idle) <= 30 << 20 and time.monotonic() < settled:
+                time.sleep(0.1)
+            assert burst > 30 << 20, f"the stalled streams should hold rebased copies ({burst >> 20} MiB)"
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+        deadline = time.monotonic() + GATHER_RECLAIM_IDLE_SECONDS + 15
+        while node.memory_info().rss - idle > burst / 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = node.memory_info().rss - idle
+        assert left <= burst / 3, f"{left >> 20} MiB of a {burst >> 20} MiB burst still resident"
+    finally:
+        cache.stop()
+
+
 def test_gather_reclaim_waits_for_quiet_and_keeps_one_timer():
     """Streams that come and go quickly (an epoch's workers, many small filtered reads) set one
     timer between them, and the pages go back only once none has been open for the delay."""
@@ -284,6 +320,27 @@ def test_gather_reclaim_waits_for_quiet_and_keeps_one_timer():
     assert reclaim.reclaims == 1
     assert all_fired(), "a reclaim timer still pending 10s after the reclaim"
     assert reclaim.reclaims == 1, "one quiet spell, one reclaim"
+
+
+def test_in_order_streams_hold_off_the_reclaim_but_are_not_gathering_streams():
+    """The memory guard's "alone" rule counts gathering streams; the quiet spell counts all."""
+    import time
+
+    from kubeflow_data_cache.allocator import GatherReclaim
+
+    reclaim = GatherReclaim(idle_seconds=0.2)
+    reclaim.opened(gathering=True)
+    reclaim.opened(gathering=False)
+    assert reclaim.open_streams == 1
+    reclaim.closed(gathering=True)
+    assert reclaim.open_streams == 0
+    time.sleep(0.6)
+    assert reclaim.reclaims == 0, "an in-order stream is still open"
+    reclaim.closed(gathering=False)
+    deadline = time.monotonic() + 5
+    while reclaim.reclaims == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reclaim.reclaims == 1 and reclaim.open_streams == 0
 
 
 _TRIM_SCRIPT = """

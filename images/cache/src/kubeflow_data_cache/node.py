@@ -597,7 +597,8 @@ class DataNode(ReadOnlyFlight):
         rows in memory beside the new load's until it ended, and the load's memory guard counts
         what is resident. The reader resumes after the rows it has, with a ticket from the head.
 
-        A gathering stream counts as open (GatherReclaim) from its first batch until it ends;
+        A stream counts as open (GatherReclaim; as a gathering one for the memory guard) from its
+        first batch until it ends;
         ``ahead`` batches are gathered ahead of the writer, in a Readahead thread started here,
         not in the handler: a client that went away before the stream began (a deadline, a
         cancel) never starts this generator, and a thread started in the handler was left
@@ -605,8 +606,8 @@ class DataNode(ReadOnlyFlight):
         """
         source: Iterator[pa.RecordBatch] = batches
         sent = 0
-        if gathering:  # here, not before: a generator never started never runs its finally
-            self._gathers.opened()
+        # Here, not before: a generator never started never runs its finally.
+        self._gathers.opened(gathering)
         try:
             if ahead:
                 source = Readahead(batches, ahead, "gather", count_in_progress=True)
@@ -641,6 +642,6 @@ class DataNode(ReadOnlyFlight):
                 if close is not None:
                     close()
             finally:
+                self._gathers.closed(gathering)
                 if gathering:
-                    self._gathers.closed()
                     self._serve_guard.release(admitted)  # ServeMemoryGuard.admit's entry
