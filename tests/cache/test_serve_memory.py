@@ -3,6 +3,7 @@ which readers retry) instead of letting their batches bring on the kernel's OOM 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 
@@ -103,6 +104,48 @@ def test_a_short_stream_counts_at_its_own_size_and_leaves_the_ramp_when_it_ends(
         guard.release(admitted)  # they ended within the ramp
     assert guard._ramping() == len(full) * 40 * MiB
     guard.release(None)  # an unlimited guard's (or an unknown) admission: nothing to release
+
+
+def test_the_order_a_stream_will_build_counts_toward_its_admission():
+    """Eight jobs' shuffles of 1-2 row blocks took a 600 MiB node to 954 MiB: each stream's epoch
+    order (tens of MiB) was built before admission, and never counted."""
+    guard = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: 800 * MiB, local=False)
+    with pytest.raises(NodeBusyError):  # (921.6 - 800) MiB of room: 10 MiB of batches and 120 of order
+        guard.admit(MiB, open_streams=1, node=0, order_bytes=120 * MiB)
+    guard.admit(MiB, open_streams=1, node=0)  # its order held by another stream already: no cost
+
+
+def test_a_data_node_builds_a_streams_order_only_once_admitted_and_counts_it(cluster, small_table, monkeypatch):  # noqa: F811
+    from kubeflow_data_cache import sharding
+
+    head, _head_health, node, _node_health = cluster(small_table.metadata_location, memory_limit="8Gi")
+    wait_for(lambda: head.lifecycle.state == "ready")
+    asked = []
+    real_admit = node._serve_guard.admit
+
+    def admit(*args, **kwargs):
+        req = ShardRequest(shuffle=True, seed=0, epoch=1, block_size=1)  # the ticket's order (_shuffled_endpoint)
+        asked.append((kwargs.get("order_bytes", 0), sharding.order_built(small_table.rows, req)))
+        return real_admit(*args, **kwargs)
+
+    monkeypatch.setattr(node._serve_guard, "admit", admit)
+    body = {"shard": 0, "num_shards": 1, "shuffle": True, "epoch": 1, "block_size": 1}
+    info = flight.FlightClient(head.location).get_flight_info(
+        flight.FlightDescriptor.for_command(json.dumps(body).encode())
+    )
+    (endpoint,) = info.endpoints
+    # The head built the order for the FlightInfo (in this process): let it go, as a node's would be.
+    sharding._epoch_order.cache_clear()
+    sharding._large_epoch_order.cache_clear()
+    gc.collect()
+    reader = flight.FlightClient(endpoint.locations[0])
+    assert reader.do_get(endpoint.ticket).read_all().num_rows == small_table.rows
+    req = ShardRequest(shuffle=True, seed=0, epoch=1, block_size=1)
+    assert asked == [(sharding.order_nbytes(small_table.rows, req), False)], "counted, and not built before"
+    held = sharding.epoch_order(small_table.rows, req)  # a stream holds it: the next one costs nothing
+    assert reader.do_get(endpoint.ticket).read_all().num_rows == small_table.rows
+    assert asked[1] == (0, True)
+    del held
 
 
 def test_local_refusals_name_the_local_flags():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -268,14 +270,66 @@ def test_epoch_orders_are_shared_and_large_ones_kept_one_at_a_time(monkeypatch):
     with pytest.raises(ValueError, match="read-only"):
         shared.order[0] = 1  # shared between concurrent requests: nobody may change it
     monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)  # 1000 rows / 10 = 100 blocks: a large one
-    large = sharding.epoch_order(1000, req)
-    assert large is not shared and sharding.epoch_order(1000, other_shard) is large
-    assert sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=3, epoch=3, block_size=10)) is not large
-    assert sharding.epoch_order(1000, req) is not large  # one large order at a time
+    large_req = ShardRequest(shuffle=True, seed=4, epoch=2, block_size=10)
+    assert not sharding.order_built(1000, large_req)
+    large = sharding.epoch_order(1000, large_req)
+    assert sharding.order_built(1000, large_req) and sharding.epoch_order(1000, large_req) is large
+    del large
+    sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=4, epoch=3, block_size=10))
+    gc.collect()
+    assert not sharding.order_built(1000, large_req)  # one large order kept at a time...
+    held = sharding.epoch_order(1000, large_req)
+    sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=4, epoch=4, block_size=10))
+    # ...but one a stream still holds is shared, not built again beside it.
+    assert sharding.order_built(1000, large_req) and sharding.epoch_order(1000, large_req) is held
     monkeypatch.setattr(sharding, "MAX_ORDER_BLOCKS", 99)
     with pytest.raises(BadRequestError, match="cuts this table's 1000 rows into 100 blocks.*use block_size >= 11"):
         sharding.epoch_order(1000, req)
     assert sharding.epoch_order(1000, ShardRequest(block_size=10)).shuffle is False  # in order: no blocks
+
+
+def test_large_orders_of_different_epochs_are_built_one_at_a_time(monkeypatch):
+    """Eight jobs starting at once each built their 1.5M-block order at the same time: ~70 MiB of
+    peak each, stacked past the node's memory limit."""
+    import threading
+    import time
+
+    import kubeflow_data_cache.sharding as sharding
+
+    monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)
+    building, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_build(*key):
+        with lock:
+            building[0] += 1
+            most[0] = max(most[0], building[0])
+        time.sleep(0.05)
+        with lock:
+            building[0] -= 1
+        return sharding._build_order(*key)
+
+    monkeypatch.setattr(sharding, "_large_epoch_order", slow_build)
+    orders = {}
+
+    def build(seed: int) -> None:
+        orders[seed] = sharding.epoch_order(1000, ShardRequest(shuffle=True, seed=seed, epoch=9, block_size=10))
+
+    threads = [threading.Thread(target=build, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(orders) == list(range(6)) and most[0] == 1
+
+
+def test_an_orders_memory_is_counted_by_the_guard_when_no_stream_holds_it():
+    from kubeflow_data_cache.sharding import order_nbytes
+
+    req = ShardRequest(shuffle=True, seed=1, epoch=1, block_size=2)
+    # 1.5M blocks held 34 MiB and peaked at 68 MiB while built.
+    assert 60 << 20 < order_nbytes(3_000_000, req) < 80 << 20
+    assert order_nbytes(3_000_000, ShardRequest(block_size=2)) == 0  # in order: none
 
 
 def test_the_head_refuses_a_shuffle_of_too_many_blocks_naming_the_block_size(cluster, small_table, monkeypatch):

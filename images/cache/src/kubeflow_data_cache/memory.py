@@ -322,14 +322,15 @@ class ServeMemoryGuard:
         return sum(size for _, size in self._recent)
 
     def admit(
-        self, batch_bytes: int, open_streams: int, node: int, stream_bytes: int | None = None
+        self, batch_bytes: int, open_streams: int, node: int, stream_bytes: int | None = None, order_bytes: int = 0
     ) -> tuple[float, int] | None:
         """Return if a stream of ``batch_bytes`` batches fits, else raise NodeBusyError.
 
         ``stream_bytes``, the whole stream's rows, caps what it is counted at: a short stream
         (one of many readers' parts of an epoch) cannot hold ten batches of the requested size,
         and counting it so refused streams at a third of the limit. Twice its bytes: its
-        gathered copies and what gRPC buffered of them. The value returned goes to ``release``
+        gathered copies and what gRPC buffered of them. ``order_bytes``: the epoch order the
+        stream will build, where no stream holds it yet. The value returned goes to ``release``
         once the stream ends."""
         if self.limit is None:
             return None
@@ -337,6 +338,7 @@ class ServeMemoryGuard:
         need = batch_bytes * GATHER_STREAM_BATCHES
         if stream_bytes is not None:
             need = max(1, min(need, 2 * stream_bytes))
+        need += order_bytes
         with self._lock:
             ramping = self._ramping()
             resident = self._resident()

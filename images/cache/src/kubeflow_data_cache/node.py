@@ -56,7 +56,14 @@ from kubeflow_data_cache.service import (
     meter_calls,
     parse_action_body,
 )
-from kubeflow_data_cache.sharding import endpoint_rows, epoch_order, node_rows
+from kubeflow_data_cache.sharding import (
+    check_order_size,
+    endpoint_rows,
+    node_rows,
+    order_built,
+    order_nbytes,
+    shard_size,
+)
 from kubeflow_data_cache.store import NodeStore, warm_reader
 
 log = logging.getLogger(__name__)
@@ -541,7 +548,9 @@ class DataNode(ReadOnlyFlight):
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
         if req.shuffle:
-            epoch_order(t.total, req)  # refused here (too many blocks), not inside the stream
+            # Refused here (too many blocks), not inside the stream; the order itself is built in the
+            # stream, once admitted: built before, every refused or retried request built one.
+            check_order_size(t.total, req)
         parts = node_rows(t.offset, held, t.total, req, t.skip)
         batch_rows = store.batch_rows(req.batch_size, req.columns)
         row_bytes = store.row_bytes(req.columns)
@@ -559,12 +568,24 @@ class DataNode(ReadOnlyFlight):
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
         batch_bytes = int(batch_rows * row_bytes)
-        # The stream's own rows, counted here as the head counts them (not taken from the ticket,
-        # which a client could change): what the memory guard may count it at.
-        stream_rows = max(0, endpoint_rows([t.offset, t.offset + held], t.total, req)[0] - t.skip)
+        if req.shuffle and not order_built(t.total, req):
+            # An epoch order no stream holds yet is built by this one, once admitted (tiny blocks on
+            # a big table: tens of MiB), so the guard counts it; counting the stream's rows exactly
+            # takes the order, so until then the shard's size bounds them.
+            order_bytes = order_nbytes(t.total, req)
+            stream_rows = max(0, min(held, shard_size(t.total, req)) - t.skip)
+        else:
+            # The stream's own rows, counted here as the head counts them (not taken from the
+            # ticket, which a client could change): what the memory guard may count it at.
+            order_bytes = 0
+            stream_rows = max(0, endpoint_rows([t.offset, t.offset + held], t.total, req)[0] - t.skip)
         try:
             admitted = self._serve_guard.admit(
-                batch_bytes, self._gathers.open_streams, self.cfg.node_index, int(stream_rows * row_bytes)
+                batch_bytes,
+                self._gathers.open_streams,
+                self.cfg.node_index,
+                int(stream_rows * row_bytes),
+                order_bytes=order_bytes,
             )
         except NodeBusyError:
             self.metrics.streams_refused.inc()

@@ -10,8 +10,10 @@ rows dealt out across its blocks (``deal``), so a batch is not one block; see do
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -228,29 +230,67 @@ def _counts_by_range(rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     return np.bincount(which, minlength=len(bounds) - 1)
 
 
-def epoch_order(total: int, req: ShardRequest) -> EpochOrder:
-    """The permutation for a request's (seed, epoch, block size), shared by every request of that
-    epoch: all readers ask the head for it, and every node stream computes from it (on a 1e9-row
-    table, building it takes a tenth of a second). Orders of more than ORDER_CACHE_BLOCKS blocks
-    (tiny blocks on a huge table) are kept one at a time, so that what the cache keeps stays
-    small next to the rows; more than MAX_ORDER_BLOCKS blocks are refused (BadRequestError)."""
-    blocks = -(-total // req.block_size) if req.shuffle else 0
+def order_blocks(total: int, req: ShardRequest) -> int:
+    """Blocks in the shuffled order of ``total`` rows (0 unshuffled: no order is built)."""
+    return -(-total // req.block_size) if req.shuffle else 0
+
+
+def check_order_size(total: int, req: ShardRequest) -> None:
+    """Refuse (BadRequestError) an order of more than MAX_ORDER_BLOCKS blocks, without building it."""
+    blocks = order_blocks(total, req)
     if blocks > MAX_ORDER_BLOCKS:
         raise BadRequestError(
             f"block_size {req.block_size} cuts this table's {total} rows into {blocks} blocks; a shuffle of more "
             f"than {MAX_ORDER_BLOCKS} blocks is refused (each costs the cache seconds and hundreds of MiB to "
             f"order): use block_size >= {-(-total // MAX_ORDER_BLOCKS)}"
         )
-    keep = _epoch_order if blocks <= ORDER_CACHE_BLOCKS else _large_epoch_order
-    return _built_once(keep, (total, req.shuffle, req.seed, req.epoch, req.block_size))
 
 
-def _built_once(keep: Callable[..., EpochOrder], key: tuple) -> EpochOrder:
+def order_nbytes(total: int, req: ShardRequest) -> int:
+    """Memory building the order takes at its peak (what a stream that needs it may bring on)."""
+    blocks = order_blocks(total, req)
+    return blocks * ORDER_PEAK_BYTES_PER_BLOCK + req.block_size * ORDER_PEAK_BYTES_PER_BLOCK if blocks else 0
+
+
+def order_built(total: int, req: ShardRequest) -> bool:
+    """Whether the order is held already (by a stream, or the cache of recent orders)."""
+    return _order_key(total, req) in _live_orders
+
+
+def _order_key(total: int, req: ShardRequest) -> tuple:
+    return (total, req.shuffle, req.seed, req.epoch, req.block_size)
+
+
+def epoch_order(total: int, req: ShardRequest) -> EpochOrder:
+    """The permutation for a request's (seed, epoch, block size), shared by every request of that
+    epoch: all readers ask the head for it, and every node stream computes from it (on a 1e9-row
+    table, building it takes a tenth of a second). Orders of more than ORDER_CACHE_BLOCKS blocks
+    (tiny blocks on a huge table) are kept one at a time, so that what the cache keeps stays
+    small next to the rows, and built one at a time; more than MAX_ORDER_BLOCKS blocks are
+    refused (BadRequestError). An order some stream still holds is shared, not built again, even
+    once the cache has let it go."""
+    check_order_size(total, req)
+    key = _order_key(total, req)
+    held = _live_orders.get(key)
+    if held is not None:
+        return held
+    large = order_blocks(total, req) > ORDER_CACHE_BLOCKS
+    keep = _large_epoch_order if large else _epoch_order
+    order = _built_once(keep, key, _large_builds if large else None)
+    _live_orders[key] = order
+    return order
+
+
+def _built_once(
+    keep: Callable[..., EpochOrder], key: tuple, one_at_a_time: contextlib.AbstractContextManager | None = None
+) -> EpochOrder:
     """``keep(*key)``, with concurrent callers of one key waiting for the first one's build.
 
     An lru_cache does not merge concurrent misses: every reader of an epoch asks at its start,
     at once, and each built the same order in parallel (16 readers of 2M one-row blocks took a
     node from 196 MiB to 1.2 GiB, past its memory limit, and each request 8 s instead of 0.5 s).
+    Builds of different keys run under ``one_at_a_time`` (large orders: their peaks, ~70 MiB
+    each at 1.5M blocks, stacked past a node's limit when eight jobs began at once).
     """
     with _building_lock:
         pending = _building.get(key)
@@ -259,7 +299,8 @@ def _built_once(keep: Callable[..., EpochOrder], key: tuple) -> EpochOrder:
             pending = _building[key] = Future()
     if first:
         try:
-            pending.set_result(keep(*key))
+            with one_at_a_time or contextlib.nullcontext():
+                pending.set_result(keep(*key))
         except BaseException as err:
             pending.set_exception(err)
         finally:
@@ -270,6 +311,11 @@ def _built_once(keep: Callable[..., EpochOrder], key: tuple) -> EpochOrder:
 
 _building: dict[tuple, Future] = {}
 _building_lock = threading.Lock()
+_large_builds = threading.Lock()
+# Orders some stream (or the caches below) still holds, by key: a stream holds its order for its
+# whole life, and one evicted from the one-entry cache of large orders was built again for the
+# next stream of the same epoch while the first still held it.
+_live_orders: weakref.WeakValueDictionary[tuple, EpochOrder] = weakref.WeakValueDictionary()
 
 
 # A few epochs at once (train and eval datasets, readers a step apart), each at most
@@ -279,6 +325,10 @@ _building_lock = threading.Lock()
 # rows in blocks of 1 took 4.4 s and 480 MiB, so such requests are refused.
 ORDER_CACHE_BLOCKS = 1 << 20
 MAX_ORDER_BLOCKS = 1 << 21
+# An order holds 24 bytes a block (its block order, sizes and starts) and 8 a row of a block (the
+# in-block permutation); building it peaks at about twice that (the hashed keys and argsort's
+# output beside them): 1.5M blocks held 34 MiB and peaked at 68 MiB.
+ORDER_PEAK_BYTES_PER_BLOCK = 48
 
 
 def _build_order(total: int, shuffle: bool, seed: int, epoch: int, block_size: int) -> EpochOrder:
