@@ -64,6 +64,7 @@ def test_empty_env_values_count_as_unset_except_the_documented_secrets(tmp_path)
 
     source = Path(config.__file__).read_text()
     variables = {var for _, var in re.findall(r'pick\("(\w+)", "([A-Z][A-Z0-9_]+)"\)', source)}
+    variables |= set(re.findall(r'env\.get\("([A-Z][A-Z0-9_]+)"', source))  # TERMINATION_LOG, LWS_*
     variables |= {"DATA_CACHE_TOKEN", "DATA_CACHE_TOKEN_FILE", "DATA_CACHE_CLUSTER_KEY"}
     flags = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "health_port": 0}
     unset = dataclasses.asdict(config.build_config("head", flags, env={}))
@@ -77,3 +78,29 @@ def test_empty_env_values_count_as_unset_except_the_documented_secrets(tmp_path)
             continue
         assert empty == unset, var
     assert refused == _documented_refusals_of_empty_values()
+
+
+def test_an_empty_token_beside_a_token_file_is_refused_as_set_but_empty(tmp_path):
+    """The file's token was used, and the empty DATA_CACHE_TOKEN passed without a word."""
+    import pytest
+
+    from kubeflow_data_cache.errors import ConfigError
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    flags = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "health_port": 0}
+    env = {"DATA_CACHE_TOKEN": "", "DATA_CACHE_TOKEN_FILE": str(token_file)}
+    with pytest.raises(ConfigError, match="DATA_CACHE_TOKEN is set but empty"):
+        config.build_config("head", flags, env=env)
+    with pytest.raises(ConfigError, match="not both"):
+        config.build_config("head", flags, env={**env, "DATA_CACHE_TOKEN": "other"})
+    assert config.build_config("head", flags, env={"DATA_CACHE_TOKEN_FILE": str(token_file)}).token == "s3cret"
+
+
+def test_an_empty_log_level_counts_as_unset(monkeypatch):
+    """It was refused (exit 2) though every other empty setting counts as unset."""
+    monkeypatch.setenv("LOG_LEVEL", "")
+    args = cli.build_parser().parse_args(["head"])
+    assert cli._log_level(args.log_level) == "INFO"
+    monkeypatch.setenv("LOG_LEVEL", "debug")
+    assert cli._log_level(cli.build_parser().parse_args(["head"]).log_level) == "DEBUG"

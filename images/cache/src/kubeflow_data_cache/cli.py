@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="data-cache", description=__doc__)
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("LOG_LEVEL", "INFO"),
+        default=os.environ.get("LOG_LEVEL") or "INFO",  # empty counts as unset, as for every setting
         help=f"one of {', '.join(LOG_LEVELS)} (env LOG_LEVEL, default INFO)",
     )
     sub = parser.add_subparsers(dest="command", required=True)

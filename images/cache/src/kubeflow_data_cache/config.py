@@ -442,5 +442,6 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         load_threads=_int(
             label("LOAD_THREADS", "--load-threads"), pick("load_threads", "LOAD_THREADS"), available_cpus(), minimum=1
         ),
-        termination_log=env.get("TERMINATION_LOG", constants.TERMINATION_LOG),
+        # Empty counts as unset: an empty path wrote no termination message, without a word.
+        termination_log=env.get("TERMINATION_LOG") or constants.TERMINATION_LOG,
     )

@@ -65,13 +65,15 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     file that ends in a newline) is refused here, as clients refuse it: passed on, every call
     between head and nodes failed on its header and the cache never formed.
     """
-    if token and token_file:
-        raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
+    if token is not None:
+        # Checked first: an empty one beside a file is as much a mistake as an empty one alone.
+        token = _checked_secret(token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one")
+        if token_file is not None:
+            raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
+        return token
     if token_file is not None:
         return read_token_file(token_file)
-    if token is None:
-        return None
-    return _checked_secret(token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one")
+    return None
 
 
 def read_token_file(token_file: str) -> str:
