@@ -299,3 +299,16 @@ def test_the_cli_run_in_a_process_leaves_its_signal_handlers_as_they_were(monkey
     assert cli.main(["head", "--data-nodes", "1"]) == 2  # no METADATA_LOC: refused after the handlers went in
     assert "`METADATA_LOC` is required" in capsys.readouterr().err
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_version_names_the_package_version():
+    """What an admin checks first in a cache image: `data-cache --version`, as cache-initializer has."""
+    import importlib.metadata
+
+    from kubeflow_data_cache import __version__
+
+    assert __version__ == importlib.metadata.version("kubeflow-data-cache"), "pyproject.toml and __init__ disagree"
+    result = subprocess.run(
+        [sys.executable, "-m", "kubeflow_data_cache", "--version"], capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert result.returncode == 0 and result.stdout.strip() == f"data-cache {__version__}"

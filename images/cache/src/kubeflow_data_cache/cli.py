@@ -69,7 +69,10 @@ def at_least(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kubeflow_data_cache import __version__
+
     parser = argparse.ArgumentParser(prog="data-cache", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--log-level",
         default=os.environ.get("LOG_LEVEL") or "INFO",  # empty counts as unset, as for every setting
