@@ -35,6 +35,13 @@ def store():
         ("id = NULL", []),
         # A function's name inside a string literal is data, not a call.
         ("name = 'r1)' OR name LIKE '%random()%'", [1]),
+        # A predicate whose value is NULL keeps no row, as WHERE does (not refused as non-boolean).
+        ("NULL", []),
+        ("CASE WHEN id > 1 THEN NULL END", []),
+        # A long literal where a value is compared with it.
+        ("name = '" + "r" * 3000 + "' OR id = 1", [1]),
+        ("name IN ('" + "r" * 3000 + "', 'r2)')", [2]),
+        ("name LIKE '" + "r" * 3000 + "%' OR starts_with(name, '" + "x" * 3000 + "') OR id = 3", [3]),
     ],
 )
 def test_predicates_select_their_rows(store, predicate, rows):
@@ -245,6 +252,7 @@ def _squaring(levels: int) -> str:
         ("levenshtein(name, reverse(name)) > 0", "levenshtein"),
         ("length(to_char(id, '%c')) > 0", "to_char"),  # its format, 2 characters, gives 24 a row
         ("id > 0 AND random() < 0.5", "random"),
+        ("named_struct('a', id) IS NOT NULL", "named_struct"),  # values written out may hold no column
         # Found wherever it sits: a CASE's later arm, an IN list, a CAST, beside an alias.
         ("CASE WHEN id = 1 THEN true WHEN id = 2 THEN length(concat(name, name)) > 0 ELSE false END", "concat"),
         ("id IN (1, length(concat(name, name)))", "concat"),
@@ -331,6 +339,11 @@ def rich_store():
         "CASE WHEN id < 10 THEN flag ELSE name LIKE '%tag2' END",
         "greatest(id, 35) = id AND nullif(id % 3, 0) IS NOT NULL",
         "CAST(id AS VARCHAR) || name LIKE '1%' AND TRY_CAST(split_part(name, '-', 2) AS INT) IS NULL",
+        # Values written out: lists and structs of constants, typed and nested.
+        "l = [CAST(0 AS BIGINT), 1]",
+        "array_has([DATE '2023-12-31', DATE '2024-01-05'], d)",
+        "st = {'a': 2} AND id < 20",
+        "cardinality([[1, 2], [3]]) = 3 AND id < 3",
     ],
 )
 def test_allowed_functions_match_what_datafusion_gives_over_the_whole_table(rich_store, predicate):
@@ -399,6 +412,65 @@ def test_the_documented_filter_functions_are_exactly_the_allowed_ones():
     }
     assert not undocumented, f"allowed but not in docs/protocol.md: {sorted(undocumented)}"
     assert documented <= ALLOWED_FUNCTIONS, f"documented but refused: {sorted(documented - ALLOWED_FUNCTIONS)}"
-    refused_part = section.split("Anything else is refused", 1)[1]
+    refused_part = section.split("Anything else is refused", 1)[1].split("\n\n", 1)[0]  # its paragraph
     named_as_refused = set(re.findall(r"`([a-z_0-9]+)`", refused_part))
     assert named_as_refused and not named_as_refused & ALLOWED_FUNCTIONS
+
+
+@pytest.mark.parametrize(
+    "predicate",
+    [
+        # Concatenated, a 30,000-character literal took 2 MiB of rows to 1.1 GB: a copy in every row.
+        "length(name || '" + "x" * 2000 + "') > 0",
+        "CASE WHEN id > 1 THEN '" + "x" * 2000 + "' ELSE name END = name",
+        "coalesce(name, '" + "x" * 2000 + "') = 'r1)'",
+    ],
+)
+def test_a_long_literal_that_would_be_copied_into_every_row_is_refused(store, predicate):
+    with pytest.raises(BadRequestError, match="a 2000-character literal is allowed only where a value is compared"):
+        matching_rows(store, predicate)
+
+
+def test_a_refusal_that_is_not_the_filters_fault_is_not_remembered(store, monkeypatch):
+    """A filter that ran out of time while the node was busy is tried again after a while; a
+    MemoryError is the node's state, not an invalid filter, and is not remembered at all."""
+    from kubeflow_data_cache import filtering
+
+    real = filtering.matching_rows
+    failures = [filtering.FilterTooCostlyError("too costly"), MemoryError()]
+
+    def flaky(s, predicate):
+        if failures:
+            raise failures.pop(0)
+        return real(s, predicate)
+
+    monkeypatch.setattr(filtering, "matching_rows", flaky)
+    monkeypatch.setattr(filtering, "FILTER_TIMEOUT_MEMORY_SECONDS", 0.2)
+    cache = FilterCache(store)
+    with pytest.raises(BadRequestError, match="too costly"):
+        cache.rows("id < 3")
+    with pytest.raises(BadRequestError, match="too costly"):
+        cache.rows("id < 3")  # remembered, for a while
+    import time
+
+    time.sleep(0.3)
+    with pytest.raises(MemoryError):
+        cache.rows("id < 3")
+    assert cache.rows("id < 3").tolist() == [0, 1, 2]
+    with pytest.raises(BadRequestError, match="invalid filter"):
+        cache.rows("nosuch > 1")
+    failures.append(MemoryError())  # a refusal about the filter itself stays: never evaluated again
+    with pytest.raises(BadRequestError, match="invalid filter"):
+        cache.rows("nosuch > 1")
+    assert failures, "the remembered refusal was answered without matching again"
+
+
+def test_a_memory_error_while_matching_is_not_called_an_invalid_filter(store, monkeypatch):
+    from kubeflow_data_cache import filtering
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(filtering, "check_calls", no_memory)
+    with pytest.raises(MemoryError):
+        matching_rows(store, "id < 3")

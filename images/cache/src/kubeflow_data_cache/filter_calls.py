@@ -19,6 +19,8 @@ so a literal can fake or hide a call there.
 
 from __future__ import annotations
 
+import pyarrow as pa
+
 from kubeflow_data_cache.errors import BadRequestError, shown
 
 # Expression forms that compute one value per row from their operands. `||` is a BinaryExpr:
@@ -47,7 +49,6 @@ PREDICATE_FORMS = frozenset(
         "IsNotUnknown",
     }
 )
-LEAVES = frozenset({"Column", "Literal"})
 
 # Functions whose value changes from call to call: the head and the nodes would count different
 # rows for the same filter, and shards would overlap or miss rows.
@@ -79,19 +80,37 @@ _NESTED = """array_has array_has_all array_has_any array_contains list_has list_
     list_compact flatten array_distance list_distance cosine_distance inner_product dot_product
     get_field map_extract map_keys map_values map_entries union_extract union_tag"""
 ALLOWED_FUNCTIONS = frozenset(" ".join((_MATH, _CONDITIONAL, _STRINGS, _TIME, _TYPES, _NESTED)).split())
-# A list written out in the filter ("l[1:2] = [1, 2]"): allowed when every element is a literal,
-# so its size is the filter's; of columns, make_array(x, x, ...) repeats a row's value.
-LITERAL_LIST_FUNCTIONS = frozenset({"make_array", "make_list"})
+# Values written out in the filter ("l[1:2] = [1, 2]", "s = {'a': 2}"): allowed where every
+# element is a constant (no column in it), so its size is the filter's; of columns,
+# make_array(x, x, ...) repeats a row's value.
+CONSTANT_BUILDERS = frozenset({"make_array", "make_list", "named_struct", "struct"})
+# Where a long string or binary literal may stand: compared with a row's value (operators, LIKE,
+# IN lists, and functions that test a value against it). Elsewhere a result (`x || 'a...'`, a
+# CASE arm, coalesce(x, 'a...')) is a copy of it in every row: a 30,000-character literal
+# concatenated took 2 MiB of rows to 1.1 GB.
+COMPARING_OPERATORS = frozenset(
+    {"=", "!=", "<", "<=", ">", ">=", "IS DISTINCT FROM", "IS NOT DISTINCT FROM", "~", "~*", "!~", "!~*"}
+)
+COMPARING_FORMS = frozenset({"Like", "SimilarTo", "RLike", "InList"})
+_TESTING = """starts_with ends_with contains strpos instr position find_in_set regexp_like regexp_count regexp_instr
+    array_has array_has_any array_has_all array_contains list_has list_has_any list_has_all list_contains
+    array_position array_indexof list_position list_indexof"""
+TESTING_FUNCTIONS = frozenset(_TESTING.split())
+MAX_RESULT_LITERAL_BYTES = 1024
 
 
 def check_calls(condition, predicate: str) -> None:
     """Refuse (BadRequestError) a parsed filter that holds anything but a row's predicate made of
-    PREDICATE_FORMS and ALLOWED_FUNCTIONS."""
-    pending = [condition]
+    PREDICATE_FORMS and ALLOWED_FUNCTIONS (and constants built of literals), or a long literal
+    where it would be a copy in every row."""
+    pending = [(condition, False)]  # (expression, whether it is compared with, not a result)
     while pending:
-        expr = pending.pop()
+        expr, compared = pending.pop()
         form = expr.variant_name()
-        if form in LEAVES:
+        if form == "Column":
+            continue
+        if form == "Literal":
+            _check_literal(expr, compared, predicate)
             continue
         if form == "ScalarFunction":
             name = expr.rex_call_operator()
@@ -101,21 +120,54 @@ def check_calls(condition, predicate: str) -> None:
                     f"invalid filter {shown(predicate)}: it calls {name}(), whose value changes between calls, so "
                     'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
                 )
-            literal_list = name in LITERAL_LIST_FUNCTIONS and all(o.variant_name() == "Literal" for o in operands)
-            if name not in ALLOWED_FUNCTIONS and not literal_list:
+            constant = name in CONSTANT_BUILDERS and all(_constant(o) for o in operands)
+            if name not in ALLOWED_FUNCTIONS and not constant:
                 raise BadRequestError(
                     f"invalid filter {shown(predicate)}: {name}() is not among the functions a filter may call: "
                     "only those whose result is no larger than their arguments (length, lower, substr, regexp_like, "
                     "date_part, array_has, abs, ...; docs/protocol.md lists them)"
                 )
-            pending.extend(operands)
+            testing = name in TESTING_FUNCTIONS
+            pending.extend((o, testing and i > 0) for i, o in enumerate(operands))
             continue
         if form not in PREDICATE_FORMS:
             raise BadRequestError(
                 f"invalid filter {shown(predicate)}: {_form_name(form)} is not allowed; a filter is a predicate "
                 "over one row's columns"
             )
-        pending.extend(expr.rex_call_operands())
+        operands = expr.rex_call_operands()
+        comparing = form in COMPARING_FORMS or (
+            form == "BinaryExpr" and expr.rex_call_operator() in COMPARING_OPERATORS
+        )
+        pending.extend((o, comparing) for o in operands)
+
+
+def _check_literal(expr, compared: bool, predicate: str) -> None:
+    if compared:
+        return
+    value = expr.python_value()
+    if not (pa.types.is_string(value.type) or pa.types.is_binary(value.type)) or not value.is_valid:
+        return
+    size = len(value.as_py())
+    if size > MAX_RESULT_LITERAL_BYTES:
+        raise BadRequestError(
+            f"invalid filter {shown(predicate)}: a {size}-character literal is allowed only where a value is compared "
+            f"with it (=, <, IN, LIKE, starts_with, ...); elsewhere every row would hold a copy of it (at most "
+            f"{MAX_RESULT_LITERAL_BYTES} there)"
+        )
+
+
+def _constant(expr) -> bool:
+    """Whether ``expr`` names no column: literals, and casts and lists of them."""
+    pending = [expr]
+    while pending:
+        expr = pending.pop()
+        form = expr.variant_name()
+        if form == "Column":
+            return False
+        if form != "Literal":
+            pending.extend(expr.rex_call_operands())
+    return True
 
 
 def _form_name(form: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -32,8 +33,14 @@ FILTER_SLICE_BYTES = 4 << 20
 # longer than that to match is too costly to ask of every node, each time the filter is new to it.
 FILTER_TIMEOUT_SECONDS = 120.0
 # Refusals a node remembers, so that readers retrying a filter that ran out of time (the head
-# retries a slow count) are answered at once instead of starting it again.
+# retries a slow count) are answered at once instead of starting it again; one that ran out of
+# time (which the node's load at the moment had a part in) for FILTER_TIMEOUT_MEMORY_SECONDS.
 REMEMBERED_REFUSALS = 64
+FILTER_TIMEOUT_MEMORY_SECONDS = 300.0
+
+
+class FilterTooCostlyError(BadRequestError):
+    """A filter still matching after its time limit: refused, and tried again only after a while."""
 
 
 def _column(name: str):
@@ -110,16 +117,17 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
         started = time.monotonic()
         for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN)).execute_stream():
             rows, keep = batch.to_pyarrow().columns
-            matched.append(rows.filter(keep).to_numpy())
+            if not pa.types.is_null(keep.type):  # a predicate that is NULL ("CASE ... THEN NULL END") keeps none
+                matched.append(rows.filter(keep).to_numpy())
             if time.monotonic() - started > timeout:
-                raise BadRequestError(
+                raise FilterTooCostlyError(
                     f"filter {shown(predicate)} is too costly: this data node's {int(store.offsets[-1])} rows "
                     f"took more than {timeout:.0f} s to match; filter on plain comparisons of columns, or keep a "
                     "column that marks the rows to read"
                 )
     except BadRequestError:
         raise
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit, MemoryError):  # the node's state, not the filter's fault
         raise
     # DataFusion raises one exception type for parse, plan and type errors; a panic inside it
     # (an overflow) comes as pyo3's PanicException, a BaseException.
@@ -146,8 +154,9 @@ class FilterCache:
         # Predicates being matched now: a second request for one waits for the first's result
         # (every reader of a new filter asks at once; the head retries a slow count).
         self._pending: dict[str, Future] = {}
-        # Predicates refused (BadRequestError, which the same rows always give again), newest last.
-        self._refused: OrderedDict[str, str] = OrderedDict()
+        # Predicates refused, newest last: message and until when (a BadRequestError about the
+        # filter, which the same rows always give again: for as long as it is kept).
+        self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
@@ -159,8 +168,9 @@ class FilterCache:
             if predicate in self._cache:
                 self._cache.move_to_end(predicate)
                 return self._cache[predicate]
-            if predicate in self._refused:
-                raise BadRequestError(self._refused[predicate])
+            refused = self._refused.get(predicate)
+            if refused is not None and time.monotonic() < refused[1]:
+                raise BadRequestError(refused[0])
             pending = self._pending.get(predicate)
             computing = pending is None
             if computing:
@@ -173,7 +183,10 @@ class FilterCache:
             with self._lock:
                 del self._pending[predicate]
                 if isinstance(err, BadRequestError):
-                    self._refused[predicate] = str(err)
+                    lasting = not isinstance(err, FilterTooCostlyError)
+                    until = math.inf if lasting else time.monotonic() + FILTER_TIMEOUT_MEMORY_SECONDS
+                    self._refused[predicate] = (str(err), until)
+                    self._refused.move_to_end(predicate)
                     while len(self._refused) > REMEMBERED_REFUSALS:
                         self._refused.popitem(last=False)
             pending.set_exception(err)

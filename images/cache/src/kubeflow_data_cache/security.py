@@ -67,7 +67,9 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     """
     if token is not None:
         # Checked first: an empty one beside a file is as much a mistake as an empty one alone.
-        token = _checked_secret(token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one")
+        token = _checked_secret(
+            token, "DATA_CACHE_TOKEN", "put the cache's token in it, or unset it to run without one"
+        )
         if token_file is not None:
             raise ConfigError("set either DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE, not both")
         return token
