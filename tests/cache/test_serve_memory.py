@@ -110,7 +110,10 @@ def test_the_order_a_stream_will_build_counts_toward_its_admission():
     """Eight jobs' shuffles of 1-2 row blocks took a 600 MiB node to 954 MiB: each stream's epoch
     order (tens of MiB) was built before admission, and never counted."""
     guard = ServeMemoryGuard(LIMIT, lambda: None, resident=lambda: 800 * MiB, local=False)
-    with pytest.raises(NodeBusyError):  # (921.6 - 800) MiB of room: 10 MiB of batches and 120 of order
+    # (921.6 - 800) MiB of room: 10 MiB of batches and 120 of order.
+    with pytest.raises(
+        NodeBusyError, match=r"each holding up to ~10.0 MiB.*build its epoch's shuffle order, ~120.0 MiB"
+    ):
         guard.admit(MiB, open_streams=1, node=0, order_bytes=120 * MiB)
     guard.admit(MiB, open_streams=1, node=0)  # its order held by another stream already: no cost
 

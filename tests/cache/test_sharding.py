@@ -323,6 +323,24 @@ def test_large_orders_of_different_epochs_are_built_one_at_a_time(monkeypatch):
     assert sorted(orders) == list(range(6)) and most[0] == 1
 
 
+def test_one_stream_per_epoch_is_counted_for_building_its_order(monkeypatch):
+    """Every reader of an epoch that started before its order was built was counted for the
+    whole order, though they share one build: the third reader of a 1.5M-block epoch was refused."""
+    import kubeflow_data_cache.sharding as sharding
+
+    req = ShardRequest(shuffle=True, seed=11, epoch=4, block_size=10)
+    assert sharding.claim_order_build(1000, req)  # the first builds it
+    assert not sharding.claim_order_build(1000, req)  # the others share that build
+    sharding.release_order_claim(1000, req)  # refused: the next one builds it
+    assert sharding.claim_order_build(1000, req)
+    held = sharding.epoch_order(1000, req)
+    assert not sharding.claim_order_build(1000, req)  # built and held: nothing to count
+    del held
+    monkeypatch.setattr(sharding, "ORDER_CLAIM_SECONDS", 0.0)  # a claim whose stream never started lapses
+    other = ShardRequest(shuffle=True, seed=11, epoch=5, block_size=10)
+    assert sharding.claim_order_build(1000, other) and sharding.claim_order_build(1000, other)
+
+
 def test_an_orders_memory_is_counted_by_the_guard_when_no_stream_holds_it():
     from kubeflow_data_cache.sharding import order_nbytes
 

@@ -363,11 +363,12 @@ class ServeMemoryGuard:
             first = not self._refusing
             self._refusing = True
             just_started = f" ({len(self._recent)} just started)" if ramping else ""
+        builds = f" (this one would also build its epoch's shuffle order, ~{_fmt(order_bytes)})" if order_bytes else ""
         nodes_knob, memory_knob = _knobs(self.local)
         message = (
             f"data node {node} is too near its memory limit to start another shuffled or filtered stream: "
             f"{_fmt(resident)} resident of {_fmt(self.limit)}, with {open_streams} such stream(s) open, each "
-            f"holding up to ~{_fmt(need)}{just_started}; retry shortly (readers retry UNAVAILABLE). If it persists, give data "
+            f"holding up to ~{_fmt(need - order_bytes)}{just_started}{builds}; retry shortly (readers retry UNAVAILABLE). If it persists, give data "
             f"nodes more memory ({memory_knob}), use more of them ({nodes_knob}), or read with fewer "
             "DataLoader workers or fewer columns"
         )

@@ -58,10 +58,12 @@ from kubeflow_data_cache.service import (
 )
 from kubeflow_data_cache.sharding import (
     check_order_size,
+    claim_order_build,
     endpoint_rows,
     node_rows,
     order_built,
     order_nbytes,
+    release_order_claim,
     shard_size,
 )
 from kubeflow_data_cache.store import NodeStore, warm_reader
@@ -569,16 +571,17 @@ class DataNode(ReadOnlyFlight):
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
         batch_bytes = int(batch_rows * row_bytes)
         if req.shuffle and not order_built(t.total, req):
-            # An epoch order no stream holds yet is built by this one, once admitted (tiny blocks on
-            # a big table: tens of MiB), so the guard counts it; counting the stream's rows exactly
-            # takes the order, so until then the shard's size bounds them.
-            order_bytes = order_nbytes(t.total, req)
+            # Counting the stream's rows exactly takes the epoch order, which is built in the
+            # stream, once admitted: until a stream holds it, the shard's size bounds them.
             stream_rows = max(0, min(held, shard_size(t.total, req)) - t.skip)
         else:
             # The stream's own rows, counted here as the head counts them (not taken from the
             # ticket, which a client could change): what the memory guard may count it at.
-            order_bytes = 0
             stream_rows = max(0, endpoint_rows([t.offset, t.offset + held], t.total, req)[0] - t.skip)
+        # The first stream of an epoch builds its order (tiny blocks on a big table: tens of MiB),
+        # so the guard counts it for that one; the others share the build.
+        builds_order = req.shuffle and claim_order_build(t.total, req)
+        order_bytes = order_nbytes(t.total, req) if builds_order else 0
         try:
             admitted = self._serve_guard.admit(
                 batch_bytes,
@@ -588,6 +591,8 @@ class DataNode(ReadOnlyFlight):
                 order_bytes=order_bytes,
             )
         except NodeBusyError:
+            if builds_order:
+                release_order_claim(t.total, req)
             self.metrics.streams_refused.inc()
             raise
         if matches is not None:  # positions among the matching rows -> local row numbers

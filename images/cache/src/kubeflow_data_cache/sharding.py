@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -257,6 +258,28 @@ def order_built(total: int, req: ShardRequest) -> bool:
     return _order_key(total, req) in _live_orders
 
 
+def claim_order_build(total: int, req: ShardRequest) -> bool:
+    """Whether a stream about to start is the one to count the order's memory for: no stream
+    holds it, builds it, or has claimed it (the streams of an epoch that start before it is
+    built share one build: each counted for it, the third reader of a 1.5M-block epoch was
+    refused). A claim lapses after ORDER_CLAIM_SECONDS (its stream never started), or when the
+    order is built; release_order_claim gives it up (its stream was refused)."""
+    key = _order_key(total, req)
+    now = time.monotonic()
+    with _building_lock:
+        for lapsed in [k for k, until in _claims.items() if until <= now]:
+            del _claims[lapsed]
+        if key in _live_orders or key in _building or key in _claims:
+            return False
+        _claims[key] = now + ORDER_CLAIM_SECONDS
+        return True
+
+
+def release_order_claim(total: int, req: ShardRequest) -> None:
+    with _building_lock:
+        _claims.pop(_order_key(total, req), None)
+
+
 def _order_key(total: int, req: ShardRequest) -> tuple:
     return (total, req.shuffle, req.seed, req.epoch, req.block_size)
 
@@ -278,6 +301,8 @@ def epoch_order(total: int, req: ShardRequest) -> EpochOrder:
     keep = _large_epoch_order if large else _epoch_order
     order = _built_once(keep, key, _large_builds if large else None)
     _live_orders[key] = order
+    with _building_lock:
+        _claims.pop(key, None)  # built: the streams that follow hold it, and count nothing for it
     return order
 
 
@@ -316,6 +341,9 @@ _large_builds = threading.Lock()
 # whole life, and one evicted from the one-entry cache of large orders was built again for the
 # next stream of the same epoch while the first still held it.
 _live_orders: weakref.WeakValueDictionary[tuple, EpochOrder] = weakref.WeakValueDictionary()
+# Orders a stream was admitted to build, until when (claim_order_build).
+_claims: dict[tuple, float] = {}
+ORDER_CLAIM_SECONDS = 10.0
 
 
 # A few epochs at once (train and eval datasets, readers a step apart), each at most
