@@ -19,8 +19,6 @@ so a literal can fake or hide a call there.
 
 from __future__ import annotations
 
-import pyarrow as pa
-
 from kubeflow_data_cache.errors import BadRequestError, shown
 
 # Expression forms that compute one value per row from their operands. `||` is a BinaryExpr:
@@ -145,15 +143,12 @@ def check_calls(condition, predicate: str) -> None:
 def _check_literal(expr, compared: bool, predicate: str) -> None:
     if compared:
         return
-    value = expr.python_value()
-    if not (pa.types.is_string(value.type) or pa.types.is_binary(value.type)) or not value.is_valid:
-        return
-    size = len(value.as_py())
-    if size > MAX_RESULT_LITERAL_BYTES:
+    value = expr.python_value().as_py()  # text or bytes of any Arrow string or binary type
+    if isinstance(value, (str, bytes)) and len(value) > MAX_RESULT_LITERAL_BYTES:
         raise BadRequestError(
-            f"invalid filter {shown(predicate)}: a {size}-character literal is allowed only where a value is compared "
-            f"with it (=, <, IN, LIKE, starts_with, ...); elsewhere every row would hold a copy of it (at most "
-            f"{MAX_RESULT_LITERAL_BYTES} there)"
+            f"invalid filter {shown(predicate)}: a {len(value)}-character literal is allowed only where a value is "
+            f"compared with it (=, <, IN, LIKE, starts_with, ...); elsewhere every row would hold a copy of it (at "
+            f"most {MAX_RESULT_LITERAL_BYTES} there)"
         )
 
 
