@@ -152,13 +152,18 @@ def test_concurrent_requests_for_a_new_filter_match_it_once(store, monkeypatch):
         ("id > 'abc'", "Cannot cast string 'abc' to value of Int64 type"),
         ("id > TIME '01:02:05'", "Cannot infer common argument type"),
         ("nosuch > 1", "No field named nosuch"),
+        # What is not one row's predicate is named.
+        ("id IN (SELECT 1)", "a subquery (IN (SELECT ...))"),
+        ("id = (SELECT 1)", "a subquery"),
+        ("sum(id) > 1", "an aggregate function"),
+        ("count(*) OVER () > 1", "a window function"),
     ],
 )
 def test_a_refused_filter_says_what_is_wrong_with_it(store, predicate, cause):
     with pytest.raises(BadRequestError, match="invalid filter") as refused:
         matching_rows(store, predicate)
     assert cause in str(refused.value)
-    assert ".." not in str(refused.value)
+    assert ".." not in str(refused.value).replace("(SELECT ...)", "")  # not cut short
 
 
 def test_a_node_without_rows_checks_the_filter_all_the_same():
@@ -267,21 +272,6 @@ def test_a_filter_may_call_only_functions_that_cannot_make_values_larger(store, 
     message = str(refused.value)
     assert f"{function}() " in message and len(message) < 500, message  # names it, not the whole filter
     assert "not among the functions a filter may call" in message or "changes between calls" in message
-
-
-@pytest.mark.parametrize(
-    ("predicate", "form"),
-    [
-        ("id IN (SELECT 1)", "a subquery (IN (SELECT ...))"),
-        ("id = (SELECT 1)", "a subquery"),
-        ("sum(id) > 1", "an aggregate function"),
-        ("count(*) OVER () > 1", "a window function"),
-    ],
-)
-def test_what_is_not_one_rows_predicate_is_named(store, predicate, form):
-    with pytest.raises(BadRequestError, match="invalid filter") as refused:
-        matching_rows(store, predicate)
-    assert form in str(refused.value)
 
 
 @pytest.fixture(scope="module")
