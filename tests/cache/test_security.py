@@ -308,9 +308,9 @@ def test_every_channel_to_a_cache_process_caps_the_reconnect_backoff(monkeypatch
     monkeypatch.setattr(security.flight, "FlightClient", Recording)
     client_for("grpc://127.0.0.1:1")
     with CacheClient("grpc://127.0.0.1:1") as reader:
-        reader._client("grpc://127.0.0.1:2")
+        reader._release(reader._acquire("grpc://127.0.0.1:2"))
     with CacheClient("grpc://127.0.0.1:1", generic_options=[("grpc.max_reconnect_backoff_ms", 9000)]) as reader:
-        reader._client("grpc://127.0.0.1:2")
+        reader._release(reader._acquire("grpc://127.0.0.1:2"))
     options = [dict(kwargs["generic_options"]) for kwargs in made]
     assert RECONNECT_BACKOFF_MAX_MS <= 5000
     assert [o["grpc.max_reconnect_backoff_ms"] for o in options] == [RECONNECT_BACKOFF_MAX_MS] * 2 + [9000]

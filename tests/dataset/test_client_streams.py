@@ -52,3 +52,34 @@ def test_leaving_early_ends_the_stream_threads(cache_factory):
         while _stream_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _stream_threads() == []
+
+
+def test_an_unshuffled_shard_comes_in_table_order_unless_interleave_is_asked(cache_factory):
+    """read_shard interleaved every shard by default: a library user reading an unshuffled shard
+    got 1024-row blocks alternating between nodes, not the table's order. The default is now
+    the request's shuffle."""
+    cache = cache_factory(20_000, 3, data_nodes=3)
+    with CacheClient(cache.endpoint) as client:
+        request = ShardRequest(columns=("id",))
+        ids = pa.Table.from_batches(list(client.read_shard(request))).column("id").to_pylist()
+        # The cache's order: data files by path, rows in file order; node after node.
+        assert ids == _one_stream_at_a_time(cache.endpoint, request) and sorted(ids) == list(range(20_000))
+        mixed = pa.Table.from_batches(list(client.read_shard(request, interleave=True))).column("id").to_pylist()
+        assert mixed != ids and sorted(mixed) == sorted(ids)
+        shuffled = ShardRequest(columns=("id",), shuffle=True)
+        default = [b.column("id").to_pylist() for b in client.read_shard(shuffled)]
+        assert default == [b.column("id").to_pylist() for b in client.read_shard(shuffled, interleave=True)]
+
+
+def test_client_settings_a_library_user_gets_wrong_are_refused_or_taken():
+    """nan passed the deadline's `<= 0` check and retried a refused endpoint for ever; numpy
+    integers (a shard computed with numpy) were refused as "not an integer"."""
+    import numpy as np
+    import pytest
+
+    for deadline in (float("nan"), float("inf"), 0, -1, True):
+        with pytest.raises(ValueError, match="deadline_seconds should be a number of seconds > 0"):
+            CacheClient("grpc://127.0.0.1:1", deadline_seconds=deadline)
+    request = ShardRequest(shard=np.int64(1), num_shards=np.int32(4), epoch=np.uint64(2), seed=np.int16(3))
+    assert (request.shard, request.num_shards, request.epoch, request.seed) == (1, 4, 2, 3)
+    assert b'"shard": 1' in request.to_json() and type(request.shard) is int

@@ -138,6 +138,82 @@ print(json.dumps(out))
 """
 
 
+CLOSE_RACE_SCRIPT = """
+import collections, json, sys, threading, time
+from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.protocol import ShardRequest
+
+client = CacheClient(sys.argv[1], deadline_seconds=20)
+counts, stop = collections.Counter(), threading.Event()
+
+errors = []
+
+def work(kind):
+    try:
+        while not stop.is_set():
+            if kind == "status":
+                client.status()
+            elif kind == "info":
+                client.get_flight_info(ShardRequest())
+            else:
+                rows = sum(b.num_rows for b in client.read_shard(ShardRequest(shuffle=kind == "shuffled")))
+                assert rows == 10_000, rows
+            counts[kind] += 1
+    except Exception as err:
+        errors.append(f"{kind}: {type(err).__name__}: {err}")
+
+threads = [threading.Thread(target=work, args=(k,)) for k in ("status", "info", "in-order", "shuffled")]
+for t in threads:
+    t.start()
+closes, until = 0, time.monotonic() + 3
+while time.monotonic() < until:
+    client.close()
+    closes += 1
+    time.sleep(0.001)
+stop.set()
+for t in threads:
+    t.join(30)
+client.close()
+print(json.dumps({"closes": closes, "calls": counts, "errors": errors}))
+"""
+
+
+def test_close_while_other_threads_call_and_read_neither_crashes_nor_cuts_them_short(cache):
+    """close() closed FlightClients that other threads were calling: a segfault (or an abort on
+    std::bad_weak_ptr) within a second. A connection in use now closes when its last user ends."""
+    got = _run(CLOSE_RACE_SCRIPT, cache.endpoint)
+    assert got["errors"] == []
+    assert got["closes"] > 100 and all(got["calls"].get(k, 0) > 0 for k in ("status", "info", "in-order", "shuffled"))
+
+
+def test_close_during_a_retry_lets_the_next_try_reconnect():
+    """The retried call kept the FlightClient it took before its first try: closed under it, the
+    next try failed as "FlightClient is closed", reported as the endpoint's refusal."""
+    import threading
+    import time
+
+    from kubeflow_data_cache.errors import CacheUnavailableError
+    from kubeflow_data_cache.protocol import ShardRequest
+    from tests.conftest import free_port
+
+    client = CacheClient(f"grpc://127.0.0.1:{free_port()}", deadline_seconds=2)  # nothing listens there
+    outcome = []
+
+    def ask() -> None:
+        try:
+            client.get_flight_info(ShardRequest())
+        except Exception as err:  # the test looks at which error it is
+            outcome.append(err)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    time.sleep(0.5)
+    client.close()
+    asking.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], CacheUnavailableError), outcome
+    assert "could not reach the data cache" in str(outcome[0])
+
+
 def _run(script: str, endpoint: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), endpoint],
@@ -210,7 +286,7 @@ def test_kept_client_is_shared_by_reads_and_closed_only_when_idle():
     keeper = KeptClient()
     settings = ("grpc://127.0.0.1:1", None, None, 5.0)
     with keeper.lease(*settings) as first:
-        first._client("grpc://127.0.0.1:1")  # channels connect lazily: no server needed
+        first._release(first._acquire("grpc://127.0.0.1:1"))  # channels connect lazily: no server needed
         with keeper.lease(*settings) as second:
             assert second is first  # concurrent reads share the kept client
         with keeper.lease("grpc://127.0.0.1:2", None, None, 5.0) as other:
@@ -228,7 +304,7 @@ def test_kept_client_is_shared_by_reads_and_closed_only_when_idle():
 def test_kept_client_pickles_without_its_connection():
     keeper = KeptClient()
     with keeper.lease("grpc://127.0.0.1:1", None, None, 5.0) as client:
-        client._client("grpc://127.0.0.1:1")
+        client._release(client._acquire("grpc://127.0.0.1:1"))
     copy = pickle.loads(pickle.dumps(keeper))
     with copy.lease("grpc://127.0.0.1:1", None, None, 5.0) as fresh:
         assert fresh is not client and not _connected(fresh)
@@ -239,12 +315,12 @@ def test_kept_client_reconnects_after_a_long_idle():
     keeper = KeptClient(idle_seconds=0.0)
     settings = ("grpc://127.0.0.1:1", None, None, 5.0)
     with keeper.lease(*settings) as client:
-        client._client("grpc://127.0.0.1:1")
+        client._release(client._acquire("grpc://127.0.0.1:1"))
     with keeper.lease(*settings) as again:
         assert again is client and not _connected(again)  # closed on the way in: it reconnects
     fresh = KeptClient()  # the default: minutes
     with fresh.lease(*settings) as client:
-        client._client("grpc://127.0.0.1:1")
+        client._release(client._acquire("grpc://127.0.0.1:1"))
     with fresh.lease(*settings) as again:
         assert _connected(again)
     fresh.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import operator
 import random
 import re
@@ -84,16 +86,20 @@ STREAM_READAHEAD_BATCHES = 2
 
 # What Flight's gRPC transport accepts (grpc+tcp is grpc; grpc+unix a local socket).
 ENDPOINT_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls", "grpc+unix")
+# Said to DataCacheDataset's users and CacheClient's alike (CacheClient reads no env).
 ENDPOINT_HINT = (
-    "set DATA_CACHE_ENDPOINT (or the dataset's endpoint argument) to the cache's grpc:// address "
-    "(grpc+tls:// where the cache serves TLS)"
+    "set DATA_CACHE_ENDPOINT (or DataCacheDataset's endpoint argument; CacheClient's endpoint) to the "
+    "cache's grpc:// address (grpc+tls:// where the cache serves TLS)"
 )
 # What gRPC says when the server's certificate does not verify: no retry changes that.
 TLS_FAILURES = ("Ssl handshake failed", "certificate verify failed", "TSI_PROTOCOL_FAILURE")
 # gRPC's words where the certificate verified but names neither the address dialled nor the
 # override: a name mismatch, which no retry mends either.
 TLS_NAME_MISMATCH = "is not in peer certificate"
-TOKEN_HINT = "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or the token argument) to the cache's token"
+TOKEN_HINT = (
+    "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or DataCacheDataset's token argument; CacheClient's token, "
+    "which reads no env) to the cache's token"
+)
 
 # The same errors gRPC reports for a refused connection, a failed DNS lookup, a server that
 # went away mid-stream and a cache still loading: all worth another try until the deadline.
@@ -186,6 +192,14 @@ class _RetryNotice:
         )
 
 
+def check_deadline_seconds(value: Any) -> None:
+    """A finite number of seconds > 0, else a ValueError: nan passed a `<= 0` check and retried
+    a refused endpoint for ever ("giving up in 0s"), as inf would."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and 0 < value < math.inf):
+        raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {value!r}")
+
+
 class CacheClient:
     """A Flight client for the cache's head, with one connection per data node location."""
 
@@ -200,8 +214,7 @@ class CacheClient:
     ) -> None:
         check_endpoint(endpoint)
         check_token(token)
-        if deadline_seconds <= 0:
-            raise ValueError(f"deadline_seconds should be > 0, got {deadline_seconds}")
+        check_deadline_seconds(deadline_seconds)
         if tls_root_certs is not None:
             check_root_certs(tls_root_certs)
         check_server_name(tls_server_name)
@@ -214,7 +227,8 @@ class CacheClient:
         self._tls_server_name = tls_server_name
         self._generic_options = generic_options  # gRPC channel arguments, for tuning
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self._clients: dict[str, flight.FlightClient] = {}
+        self._clients: dict[str, _Connection] = {}
+        self._retired_in_use = 0  # connections close() let go of that calls still use
         self._lock = threading.Lock()
         # At most half the deadline: a stalled read is cancelled and retried within it (at the
         # full deadline, the first stall used it all up and was never retried).
@@ -224,7 +238,10 @@ class CacheClient:
 
     # -- connections -------------------------------------------------------------------------
 
-    def _client(self, location: str) -> flight.FlightClient:
+    def _acquire(self, location: str) -> _Connection:
+        """The connection to ``location`` (opened where there is none), counted as in use until
+        ``_release``: close() never closes one under a call or a stream (closing a FlightClient
+        that another thread is calling crashed the process)."""
         if is_tls(self.endpoint) and not is_tls(location):
             # The head's answer names where to read: a plain location would carry the token and
             # the rows in clear, however the reader asked for TLS.
@@ -234,8 +251,8 @@ class CacheClient:
                 "give them all the same TLS Secret (DATA_CACHE_TLS_DIR) and restart the cache"
             )
         with self._lock:  # endpoint streams open connections from their readahead threads
-            client = self._clients.get(location)
-            if client is None:
+            connection = self._clients.get(location)
+            if connection is None:
                 fork_guard.check_usable()  # a forked child: fail with the fix rather than hang
                 fork_guard.opening()
                 # A node back at its address after a long outage is reconnected within seconds.
@@ -245,24 +262,52 @@ class CacheClient:
                 if self._tls_server_name is not None:
                     kwargs["override_hostname"] = self._tls_server_name
                 client = flight.FlightClient(location, **kwargs)
-                self._clients[location] = client
+                connection = self._clients[location] = _Connection(client)
                 fork_guard.opened(self, client)
-            return client
+            connection.users += 1
+            return connection
+
+    def _release(self, connection: _Connection) -> None:
+        with self._lock:
+            connection.users -= 1
+            if not connection.retired or connection.users:
+                return
+            # The last user of a connection close() let go of: close it now.
+            connection.client.close()
+            fork_guard.released()
+            self._retired_in_use -= 1
+            if not self._clients and not self._retired_in_use:
+                fork_guard.closed(self)
+
+    @contextmanager
+    def _connection(self, location: str) -> Iterator[flight.FlightClient]:
+        """The FlightClient for ``location``, in use (never closed under it) within the block."""
+        connection = self._acquire(location)
+        try:
+            yield connection.client
+        finally:
+            self._release(connection)
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
         return flight.FlightCallOptions(timeout=timeout, headers=self._headers)
 
     def close(self) -> None:
-        """Close every connection; a later call opens new ones."""
+        """Close every connection; a later call opens new ones. A connection a call or a stream
+        of another thread uses is closed when that ends (that call is not cut short)."""
         with self._lock:
-            for client in self._clients.values():
-                client.close()
+            for connection in self._clients.values():
+                connection.retired = True
+                if connection.users:
+                    self._retired_in_use += 1
+                else:
+                    connection.client.close()
             if self._clients:
                 # Its channels shut down from now on, even where something (a kept exception's
                 # traceback) holds a FlightClient past this close.
                 fork_guard.released()
             self._clients.clear()
-            fork_guard.closed(self)
+            if not self._retired_in_use:
+                fork_guard.closed(self)
         self._stall_watch.close()
 
     def __enter__(self) -> CacheClient:
@@ -366,23 +411,24 @@ class CacheClient:
     def get_flight_info(self, request: ShardRequest) -> flight.FlightInfo:
         """Ask the head where shard ``request.shard`` of ``request.num_shards`` lives."""
         descriptor = flight.FlightDescriptor.for_command(request.to_json())
-        head = self._client(self.endpoint)
-        return self._retry(
-            self.endpoint,
-            "GetFlightInfo",
-            lambda remaining: head.get_flight_info(descriptor, self._options(min(remaining, UNARY_TIMEOUT_SECONDS))),
-        )
+
+        def call(remaining: float) -> flight.FlightInfo:
+            # The connection is taken for each try: one close() let go of meanwhile is opened again.
+            with self._connection(self.endpoint) as head:
+                return head.get_flight_info(descriptor, self._options(min(remaining, UNARY_TIMEOUT_SECONDS)))
+
+        return self._retry(self.endpoint, "GetFlightInfo", call)
 
     def status(self, location: str | None = None) -> dict[str, Any]:
         """The ``status`` action of the head (or of the node at ``location``) as a dict."""
         location = location or self.endpoint
-        client = self._client(location)
 
         def call(remaining: float) -> dict[str, Any]:
-            results = client.do_action(
-                flight.Action(ACTION_STATUS, b""), self._options(min(remaining, UNARY_TIMEOUT_SECONDS))
-            )
-            body = b"".join(r.body.to_pybytes() for r in results)
+            with self._connection(location) as client:
+                results = client.do_action(
+                    flight.Action(ACTION_STATUS, b""), self._options(min(remaining, UNARY_TIMEOUT_SECONDS))
+                )
+                body = b"".join(r.body.to_pybytes() for r in results)
             return json.loads(body) if body else {}
 
         return self._retry(location, "status", call)
@@ -390,7 +436,7 @@ class CacheClient:
     def read_shard(
         self,
         request: ShardRequest,
-        interleave: bool = True,
+        interleave: bool | None = None,
         start: int = 0,
         check_streams: Callable[[list[int | None], int], None] | None = None,
         check_info: Callable[[flight.FlightInfo], None] | None = None,
@@ -398,7 +444,8 @@ class CacheClient:
         """Every record batch of one shard, from all of its data nodes; with ``start``, all but
         the first ``start`` rows (a resumed read).
 
-        With ``interleave`` the endpoints' streams are interleaved in units of exactly
+        ``interleave`` (None: as the request is shuffled, so an unshuffled shard comes in table
+        order, and a shuffled one fully mixed). With it the endpoints' streams are interleaved in units of exactly
         ``request.block_size`` rows, the unit the shuffle permutes, each stream's units spread
         evenly over the read by its length (interleave.py), so consecutive blocks come from
         different nodes as they would in the shuffled order. The unit does not depend on how a node
@@ -418,6 +465,8 @@ class CacheClient:
         ``check_info``, called with the head's FlightInfo first.
         """
         start = _row_count(start)
+        if interleave is None:
+            interleave = request.shuffle
         info = self.get_flight_info(request)
         if check_info is not None:
             check_info(info)
@@ -495,9 +544,11 @@ class CacheClient:
             else:
                 wire, skip = endpoint.ticket, received
             reader = None
+            connection = None
             try:
                 until = failing_since + self.deadline_seconds if failing_since is not None else None
-                reader = self._open_stream(location, wire, self._wait_limit(until))
+                connection = self._acquire(location)  # in use while the stream is read
+                reader = self._open_stream(connection, location, wire, self._wait_limit(until))
                 for batch in drop_rows(self._batches(reader, location, until), skip):
                     if batch.num_rows == 0:
                         continue
@@ -563,6 +614,8 @@ class CacheClient:
                     with suppress(flight.FlightError, pa.ArrowException):
                         reader.cancel()
                     self._stall_watch.forget(reader)
+                if connection is not None:
+                    self._release(connection)
             if stop.wait(_backoff(delay, failing_since + self.deadline_seconds if failing_since is not None else None)):
                 return  # the read this stream belongs to ended: nobody waits for its rows
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
@@ -591,7 +644,9 @@ class CacheClient:
             return self._stall_watch.limit
         return max(MIN_STALL_WAIT_SECONDS, min(self._stall_watch.limit, until - time.monotonic()))
 
-    def _open_stream(self, location: str, ticket: flight.Ticket, limit: float) -> flight.FlightStreamReader:
+    def _open_stream(
+        self, connection: _Connection, location: str, ticket: flight.Ticket, limit: float
+    ) -> flight.FlightStreamReader:
         """``do_get``, given up on (StreamStalledError, retried) after ``limit`` seconds.
 
         do_get returns once the node has sent its first message. A frozen node never sends it,
@@ -599,7 +654,10 @@ class CacheClient:
         runs in a helper thread; one that outlasts the limit is left to end on its own and
         cancels the stream if it still gets one.
         """
-        opening = _Opening(self._client(location), ticket, self._options(None))
+        # The helper thread holds the connection in use too: abandoned, it may outlive the stream.
+        with self._lock:
+            connection.users += 1
+        opening = _Opening(connection.client, ticket, self._options(None), lambda: self._release(connection))
         if not opening.done.wait(limit) and opening.abandon():
             raise StreamStalledError(f"data node {location} did not start its stream within {_secs(limit)} (stalled)")
         return opening.result()
@@ -649,7 +707,8 @@ class CacheClient:
         else:
             descriptor = flight.FlightDescriptor.for_command(request.to_json())
             timeout = min(UNARY_TIMEOUT_SECONDS, max(MIN_CALL_SECONDS, within))
-            info = self._client(self.endpoint).get_flight_info(descriptor, self._options(timeout))
+            with self._connection(self.endpoint) as head:
+                info = head.get_flight_info(descriptor, self._options(timeout))
         for endpoint in info.endpoints:
             now = Ticket.from_json(endpoint.ticket.ticket)
             if now.node != was.node:
@@ -669,10 +728,26 @@ class CacheClient:
         )
 
 
+class _Connection:
+    """A FlightClient and the calls and streams using it (CacheClient._acquire)."""
+
+    def __init__(self, client: flight.FlightClient) -> None:
+        self.client = client
+        self.users = 0
+        self.retired = False  # let go of by close(): closed when its last user is done
+
+
 class _Opening:
     """One do_get in a helper thread, which the caller may stop waiting for."""
 
-    def __init__(self, client: flight.FlightClient, ticket: flight.Ticket, options: flight.FlightCallOptions):
+    def __init__(
+        self,
+        client: flight.FlightClient,
+        ticket: flight.Ticket,
+        options: flight.FlightCallOptions,
+        finished: Callable[[], None] = lambda: None,
+    ):
+        self._finished = finished  # called once the do_get returned, whoever waits for it
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._abandoned = False
@@ -694,6 +769,7 @@ class _Opening:
                 self._reader = reader
         finally:
             self.done.set()
+            self._finished()
 
     def abandon(self) -> bool:
         """Stop waiting; False when the stream opened meanwhile (the caller takes it after all)."""

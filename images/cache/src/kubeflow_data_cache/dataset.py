@@ -10,8 +10,6 @@ See docs/dataset.md. torch is the package's optional ``torch`` extra: only this 
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -32,6 +30,7 @@ from kubeflow_data_cache.client import (
     DEFAULT_DEADLINE_SECONDS,
     CacheClient,
     KeptClient,
+    check_deadline_seconds,
     check_endpoint,
     check_root_certs,
     check_server_name,
@@ -297,9 +296,7 @@ class DataCacheDataset(IterableDataset):
             )
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
-        real = isinstance(deadline_seconds, numbers.Real) and not isinstance(deadline_seconds, bool)
-        if not (real and 0 < deadline_seconds < math.inf):
-            raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {deadline_seconds!r}")
+        check_deadline_seconds(deadline_seconds)
         if tls_root_certs is not None:
             check_root_certs(tls_root_certs)
         self.tls_root_certs = tls_root_certs if tls_root_certs is not None else default_tls_root_certs()

@@ -12,6 +12,7 @@ docs/protocol.md for the prose version.
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
@@ -177,8 +178,13 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _as_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequestError(f"'{name}' should be an integer, got {shown(value)}")
+    """``value`` as a Python int (numpy's integers too: a shard computed with numpy), checked."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise BadRequestError(f"'{name}' should be an integer, got {shown(value)}") from None
     _require(value >= minimum, f"'{name}' should be >= {minimum}, got {value}")
     if maximum is not None:
         _require(value <= maximum, f"'{name}' should be <= {maximum}, got {value}")
@@ -206,18 +212,20 @@ class ShardRequest:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
-        _as_int("num_shards", self.num_shards, 1, MAX_SHARDS)
-        _as_int("shard", self.shard, 0)
+        for name, least, most in (
+            ("num_shards", 1, MAX_SHARDS),
+            ("shard", 0, None),
+            ("epoch", 0, UINT64_MAX),
+            ("seed", 0, UINT64_MAX),
+            ("batch_size", 1, MAX_BATCH_SIZE),
+            ("block_size", 1, MAX_BLOCK_SIZE),
+        ):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name), least, most))
         _require(
             self.shard < self.num_shards,
             f"shard index {self.shard} is out of range: it must be in [0, {self.num_shards})",
         )
-        _as_int("epoch", self.epoch, 0, UINT64_MAX)
-        _as_int("seed", self.seed, 0, UINT64_MAX)
         _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {shown(self.shuffle)}")
-        _as_int("batch_size", self.batch_size, 1)
-        _require(self.batch_size <= MAX_BATCH_SIZE, f"'batch_size' should be <= {MAX_BATCH_SIZE}")
-        _as_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         _require(
             self.even is None or self.even in EVEN_MODES,
             f"'even' should be one of {EVEN_MODES} or null, got {shown(self.even)}",

@@ -151,7 +151,8 @@ def check_token(token: object, source: str = "token") -> None:
         raise ValueError(f"{source} should be the cache's token as a string, or None; got a {type(token).__name__}")
     if not token:
         raise ValueError(
-            f"{source} is empty: pass the cache's token, or None to use DATA_CACHE_TOKEN / DATA_CACHE_TOKEN_FILE"
+            f"{source} is empty: pass the cache's token, or None (DataCacheDataset then reads DATA_CACHE_TOKEN / "
+            "DATA_CACHE_TOKEN_FILE; CacheClient sends none)"
         )
     if not all(" " <= char <= "~" for char in token):
         # gRPC refuses such a header only when the call is made, with a message about metadata.
