@@ -146,6 +146,9 @@ class Spy:
     def __init__(self, client: flight.FlightClient, break_after: int) -> None:
         self._client, self.break_after, self.tickets = client, break_after, []
 
+    def close(self) -> None:
+        self._client.close()
+
     def do_get(self, ticket, options=None):
         self.tickets.append(json.loads(ticket.ticket))
         reader = self._client.do_get(ticket, options)
@@ -173,15 +176,18 @@ def test_a_broken_stream_is_reopened_after_the_rows_received(one_node, monkeypat
     request = ShardRequest(shuffle=True, epoch=1, columns=("id",), batch_size=1000)
     with CacheClient(endpoint) as client:
         whole = ids(client.read_shard(request))
-        real = client._client
+        real = client._acquire
         spies: dict[str, Spy] = {}
 
         def spied(location):
-            if location == endpoint:
-                return real(location)
-            return spies.setdefault(location, Spy(real(location), break_after=3))
+            connection = real(location)
+            if location != endpoint:
+                if location not in spies:
+                    spies[location] = Spy(connection.client, break_after=3)
+                connection.client = spies[location]
+            return connection
 
-        monkeypatch.setattr(client, "_client", spied)
+        monkeypatch.setattr(client, "_acquire", spied)
         assert ids(client.read_shard(request)) == whole
     (spy,) = spies.values()
     # The reopened stream asked the node to leave out the 3000 rows already received.
