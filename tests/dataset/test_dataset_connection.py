@@ -186,6 +186,82 @@ def test_close_while_other_threads_call_and_read_neither_crashes_nor_cuts_them_s
     assert got["closes"] > 100 and all(got["calls"].get(k, 0) > 0 for k in ("status", "info", "in-order", "shuffled"))
 
 
+FORK_AFTER_PEEK_SCRIPT = """
+import json, os, sys
+from kubeflow_data_cache.client import CacheClient, KeptClient
+from kubeflow_data_cache.protocol import ShardRequest
+
+kept = KeptClient()
+results = []
+for _ in range(5):
+    with kept.lease(sys.argv[1], None, None, 30.0) as client:
+        peek = client.read_shard(ShardRequest(batch_size=64))  # both nodes' streams, read ahead
+        next(peek)
+        peek.close()  # the stream threads release their connections moments later
+    pid = os.fork()  # what a DataLoader does next: its forked workers read
+    if pid == 0:
+        try:
+            with CacheClient(sys.argv[1]) as child:
+                os._exit(0 if sum(b.num_rows for b in child.read_shard(ShardRequest())) == 10_000 else 3)
+        except BaseException as err:
+            print(type(err).__name__, err, file=sys.stderr, flush=True)
+            os._exit(4)
+    results.append(os.waitpid(pid, 0)[1])
+print(json.dumps({"children": results}))
+"""
+
+
+def test_a_fork_right_after_a_peek_at_the_data_waits_for_its_streams_to_let_go(cache):
+    """A main-process peek (a read stopped after a batch), then a fork: the closed client's stream
+    threads still held their connections, so the child inherited an 'open' client and refused to
+    read (ForkedConnectionError) in 9 runs of 10. The fork waits for them now."""
+    got = _run(FORK_AFTER_PEEK_SCRIPT, cache.endpoint)
+    assert got["children"] == [0] * 5
+
+
+def test_close_leaves_the_stall_watch_to_reads_still_going():
+    """close() stopped the stall watch: a read still going in another thread, on a node that
+    froze, was never cancelled, and blocked until the node woke."""
+    import threading
+
+    client = CacheClient("grpc://127.0.0.1:1", deadline_seconds=2)  # channels connect lazily
+    connection = client._acquire("grpc://127.0.0.1:1")  # a read in another thread uses it
+
+    class FrozenRead:
+        cancelled = threading.Event()
+
+        def cancel(self) -> None:
+            self.cancelled.set()
+
+    read = FrozenRead()
+    client._stall_watch.arm(read, 0.2)
+    client.close()
+    assert read.cancelled.wait(5), "the read was not cancelled after its stall limit"
+    client._stall_watch.disarm(read)
+    client._release(connection)
+    assert not connection.users and not client._retired_in_use
+
+
+def test_a_release_inside_a_locked_section_does_not_deadlock():
+    """A read's generator finalized by the garbage collector releases its connection wherever the
+    collection ran, possibly inside the client's own locked section (it hung for good)."""
+    import threading
+
+    client = CacheClient("grpc://127.0.0.1:1", deadline_seconds=2)
+    connection = client._acquire("grpc://127.0.0.1:1")
+    client.close()  # retired, in use: the release closes it
+
+    def collected_inside_a_locked_section() -> None:
+        with client._lock:
+            client._release(connection)
+
+    worker = threading.Thread(target=collected_inside_a_locked_section, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive(), "deadlocked"
+    assert not client._retired_in_use
+
+
 def test_close_during_a_retry_lets_the_next_try_reconnect():
     """The retried call kept the FlightClient it took before its first try: closed under it, the
     next try failed as "FlightClient is closed", reported as the endpoint's refusal."""

@@ -229,7 +229,9 @@ class CacheClient:
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, _Connection] = {}
         self._retired_in_use = 0  # connections close() let go of that calls still use
-        self._lock = threading.Lock()
+        # Reentrant: a read's generator finalized by the garbage collector releases its
+        # connection (taking this lock) in whatever code the collection ran, this lock held too.
+        self._lock = threading.RLock()
         # At most half the deadline: a stalled read is cancelled and retried within it (at the
         # full deadline, the first stall used it all up and was never retried).
         self._stall_watch = StallWatch(min(self.deadline_seconds / 2, STREAM_STALL_SECONDS))
@@ -306,9 +308,16 @@ class CacheClient:
                 # traceback) holds a FlightClient past this close.
                 fork_guard.released()
             self._clients.clear()
-            if not self._retired_in_use:
+            in_use = self._retired_in_use
+            if in_use:
+                # Its last calls and streams end within moments (a read's threads stop at their
+                # next step): a fork meanwhile waits for them (fork_guard.closing).
+                fork_guard.closing(self)
+            else:
                 fork_guard.closed(self)
-        self._stall_watch.close()
+        if not in_use:
+            # Reads still going keep their stall watch: it ends its thread once they are done.
+            self._stall_watch.close()
 
     def __enter__(self) -> CacheClient:
         return self
@@ -657,7 +666,11 @@ class CacheClient:
         # The helper thread holds the connection in use too: abandoned, it may outlive the stream.
         with self._lock:
             connection.users += 1
-        opening = _Opening(connection.client, ticket, self._options(None), lambda: self._release(connection))
+        try:
+            opening = _Opening(connection.client, ticket, self._options(None), lambda: self._release(connection))
+        except BaseException:  # no thread to be had: nobody else will release it
+            self._release(connection)
+            raise
         if not opening.done.wait(limit) and opening.abandon():
             raise StreamStalledError(f"data node {location} did not start its stream within {_secs(limit)} (stalled)")
         return opening.result()

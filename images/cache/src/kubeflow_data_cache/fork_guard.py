@@ -47,6 +47,7 @@ class _Closable(Protocol):
 
 
 _open_clients: weakref.WeakSet = weakref.WeakSet()  # clients with an open channel
+_closing_clients: weakref.WeakSet = weakref.WeakSet()  # of those, closed while still in use
 _keepers: weakref.WeakSet = weakref.WeakSet()  # holders of clients kept between reads
 _inherited_clients = 0  # in a forked child: the parent's open clients at the fork
 _inherited_threads: list[str] = []  # in a forked child: the parent's gRPC threads at the fork
@@ -101,8 +102,15 @@ def released() -> None:
     _last_release = time.monotonic()
 
 
+def closing(client: object) -> None:
+    """``client`` was closed while calls or streams still use some of its connections: they
+    close as those end, within moments, and a fork waits for that (FORK_QUIESCE_SECONDS)."""
+    _closing_clients.add(client)
+
+
 def closed(client: object) -> None:
     _open_clients.discard(client)
+    _closing_clients.discard(client)
 
 
 def keep(keeper: _Closable) -> None:
@@ -131,6 +139,12 @@ def _before_fork() -> None:
     _threads_at_fork = []
     for keeper in list(_keepers):
         keeper.close_if_idle()
+    # A read stopped early (a DataLoader's main process peeked at a batch) releases its
+    # connections from its stream threads moments after its client was closed: wait for them,
+    # as a child forked before would refuse gRPC.
+    deadline = time.monotonic() + FORK_QUIESCE_SECONDS
+    while _closing_clients and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
     if not _used or _open_clients:
         return  # nothing of ours ran; or the child refuses gRPC anyway (check_usable)
     deadline = time.monotonic() + FORK_QUIESCE_SECONDS

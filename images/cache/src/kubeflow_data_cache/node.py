@@ -224,6 +224,7 @@ class DataNode(ReadOnlyFlight):
         self._progress: LoadProgress | None = None  # the latest load's
         self._gathers = GatherReclaim()
         self._serve_guard = ServeMemoryGuard(cfg.memory_limit, reclaim_gather_memory)
+        self._admitting = threading.Lock()  # a stream's order claim and its admission, together
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
@@ -580,21 +581,24 @@ class DataNode(ReadOnlyFlight):
             stream_rows = max(0, endpoint_rows([t.offset, t.offset + held], t.total, req)[0] - t.skip)
         # The first stream of an epoch builds its order (tiny blocks on a big table: tens of MiB),
         # so the guard counts it for that one; the others share the build.
-        builds_order = req.shuffle and claim_order_build(t.total, req)
-        order_bytes = order_nbytes(t.total, req) if builds_order else 0
-        try:
-            admitted = self._serve_guard.admit(
-                batch_bytes,
-                self._gathers.open_streams,
-                self.cfg.node_index,
-                int(stream_rows * row_bytes),
-                order_bytes=order_bytes,
-            )
-        except NodeBusyError:
-            if builds_order:
-                release_order_claim(t.total, req)
-            self.metrics.streams_refused.inc()
-            raise
+        # Claimed and admitted in one step: a stream that saw another's claim, and was admitted
+        # without the order, would otherwise build it uncounted once that claim was refused.
+        with self._admitting:
+            builds_order = req.shuffle and claim_order_build(t.total, req)
+            order_bytes = order_nbytes(t.total, req) if builds_order else 0
+            try:
+                admitted = self._serve_guard.admit(
+                    batch_bytes,
+                    self._gathers.open_streams,
+                    self.cfg.node_index,
+                    int(stream_rows * row_bytes),
+                    order_bytes=order_bytes,
+                )
+            except NodeBusyError:
+                if builds_order:
+                    release_order_claim(t.total, req)
+                self.metrics.streams_refused.inc()
+                raise
         if matches is not None:  # positions among the matching rows -> local row numbers
             parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer
