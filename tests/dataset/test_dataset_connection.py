@@ -239,7 +239,7 @@ def test_close_leaves_the_stall_watch_to_reads_still_going():
     assert read.cancelled.wait(5), "the read was not cancelled after its stall limit"
     client._stall_watch.disarm(read)
     client._release(connection)
-    assert not connection.users and not client._retired_in_use
+    assert not connection.users and not client._retired
 
 
 def test_a_release_inside_a_locked_section_does_not_deadlock():
@@ -259,7 +259,35 @@ def test_a_release_inside_a_locked_section_does_not_deadlock():
     worker.start()
     worker.join(5)
     assert not worker.is_alive(), "deadlocked"
-    assert not client._retired_in_use
+    assert not client._retired
+
+
+def test_a_release_nested_in_close_closes_each_connection_once():
+    """The garbage collector may finalize a read (releasing its connection) at any allocation,
+    close() included: each connection is still closed exactly once, and none is left counted."""
+    from kubeflow_data_cache import fork_guard
+    from kubeflow_data_cache.client import _Connection
+
+    client = CacheClient("grpc://127.0.0.1:1", deadline_seconds=2)
+    closes: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, on_close=None) -> None:
+            self.name, self.on_close = name, on_close
+
+        def close(self) -> None:
+            closes.append(self.name)
+            if self.on_close:
+                self.on_close()
+
+    busy = _Connection(Fake("busy"))
+    busy.users = 1  # a read in another thread, finalized while close() runs
+    idle = _Connection(Fake("idle", on_close=lambda: client._release(busy)))
+    client._clients.update({"grpc://busy:1": busy, "grpc://idle:1": idle})
+    fork_guard._open_clients.add(client)
+    client.close()
+    assert sorted(closes) == ["busy", "idle"] and not client._retired and not busy.users
+    assert client not in fork_guard._open_clients and client not in fork_guard._closing_clients
 
 
 def test_close_during_a_retry_lets_the_next_try_reconnect():

@@ -228,7 +228,10 @@ class CacheClient:
         self._generic_options = generic_options  # gRPC channel arguments, for tuning
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._clients: dict[str, _Connection] = {}
-        self._retired_in_use = 0  # connections close() let go of that calls still use
+        # Connections close() let go of, not closed yet (calls still used them). Each is closed
+        # by whoever takes it out of this set: a release nested in another (a read finalized by
+        # the garbage collector) closes it once, however the two interleave.
+        self._retired: set[_Connection] = set()
         # Reentrant: a read's generator finalized by the garbage collector releases its
         # connection (taking this lock) in whatever code the collection ran, this lock held too.
         self._lock = threading.RLock()
@@ -272,14 +275,18 @@ class CacheClient:
     def _release(self, connection: _Connection) -> None:
         with self._lock:
             connection.users -= 1
-            if not connection.retired or connection.users:
-                return
-            # The last user of a connection close() let go of: close it now.
-            connection.client.close()
-            fork_guard.released()
-            self._retired_in_use -= 1
-            if not self._clients and not self._retired_in_use:
-                fork_guard.closed(self)
+            if connection.retired and not connection.users:
+                self._close_retired(connection)  # its last user, after close()
+
+    def _close_retired(self, connection: _Connection) -> None:
+        try:
+            self._retired.remove(connection)
+        except KeyError:  # closed already, by a release nested in this one's caller
+            return
+        connection.client.close()
+        fork_guard.released()
+        if not self._clients and not self._retired:
+            fork_guard.closed(self)
 
     @contextmanager
     def _connection(self, location: str) -> Iterator[flight.FlightClient]:
@@ -297,18 +304,19 @@ class CacheClient:
         """Close every connection; a later call opens new ones. A connection a call or a stream
         of another thread uses is closed when that ends (that call is not cut short)."""
         with self._lock:
-            for connection in self._clients.values():
-                connection.retired = True
-                if connection.users:
-                    self._retired_in_use += 1
-                else:
-                    connection.client.close()
-            if self._clients:
+            connections = list(self._clients.values())
+            self._clients.clear()
+            if connections:
                 # Its channels shut down from now on, even where something (a kept exception's
                 # traceback) holds a FlightClient past this close.
                 fork_guard.released()
-            self._clients.clear()
-            in_use = self._retired_in_use
+            for connection in connections:
+                connection.retired = True
+                self._retired.add(connection)
+            for connection in connections:
+                if not connection.users:
+                    self._close_retired(connection)
+            in_use = bool(self._retired)
             if in_use:
                 # Its last calls and streams end within moments (a read's threads stop at their
                 # next step): a fork meanwhile waits for them (fork_guard.closing).
