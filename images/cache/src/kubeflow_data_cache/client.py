@@ -275,7 +275,7 @@ class CacheClient:
     def _release(self, connection: _Connection) -> None:
         with self._lock:
             connection.users -= 1
-            if connection.retired and not connection.users:
+            if not connection.users and connection in self._retired:
                 self._close_retired(connection)  # its last user, after close()
 
     def _close_retired(self, connection: _Connection) -> None:
@@ -310,9 +310,7 @@ class CacheClient:
                 # Its channels shut down from now on, even where something (a kept exception's
                 # traceback) holds a FlightClient past this close.
                 fork_guard.released()
-            for connection in connections:
-                connection.retired = True
-                self._retired.add(connection)
+            self._retired.update(connections)
             for connection in connections:
                 if not connection.users:
                     self._close_retired(connection)
@@ -755,7 +753,6 @@ class _Connection:
     def __init__(self, client: flight.FlightClient) -> None:
         self.client = client
         self.users = 0
-        self.retired = False  # let go of by close(): closed when its last user is done
 
 
 class _Opening:

@@ -69,7 +69,7 @@ def _reason(err: BaseException) -> str:
 def _slices(store: NodeStore) -> list[pa.RecordBatch]:
     """The node's rows as zero-copy slices (FILTER_SLICE_ROWS, FILTER_SLICE_BYTES), each with
     its local row numbers in ROW_COLUMN."""
-    rows = int(store.offsets[-1])
+    rows = store.num_rows
     row_bytes = max(1, store.nbytes // rows) if rows else 1
     size = max(1, min(FILTER_SLICE_ROWS, FILTER_SLICE_BYTES // row_bytes))
     slices = []
@@ -121,7 +121,7 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
                 matched.append(rows.filter(keep).to_numpy())
             if time.monotonic() - started > timeout:
                 raise FilterTooCostlyError(
-                    f"filter {shown(predicate)} is too costly: this data node's {int(store.offsets[-1])} rows "
+                    f"filter {shown(predicate)} is too costly: this data node's {store.num_rows} rows "
                     f"took more than {timeout:.0f} s to match; filter on plain comparisons of columns, or keep a "
                     "column that marks the rows to read"
                 )

@@ -250,7 +250,7 @@ def check_order_size(total: int, req: ShardRequest) -> None:
 def order_nbytes(total: int, req: ShardRequest) -> int:
     """Memory building the order takes at its peak (what a stream that needs it may bring on)."""
     blocks = order_blocks(total, req)
-    return blocks * ORDER_PEAK_BYTES_PER_BLOCK + req.block_size * ORDER_PEAK_BYTES_PER_BLOCK if blocks else 0
+    return (blocks + req.block_size) * ORDER_PEAK_BYTES_PER_BLOCK if blocks else 0
 
 
 def order_built(total: int, req: ShardRequest) -> bool:
