@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import numbers
-import operator
 import random
 import re
 import ssl
@@ -41,7 +40,15 @@ from kubeflow_data_cache.errors import (
 )
 from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential_point
 from kubeflow_data_cache.interleave import interleave as interleave_streams
-from kubeflow_data_cache.protocol import ACTION_STATUS, ShardRequest, Ticket, ticket_order, ticket_rows, with_skip
+from kubeflow_data_cache.protocol import (
+    ACTION_STATUS,
+    ShardRequest,
+    Ticket,
+    int_arg,
+    ticket_order,
+    ticket_rows,
+    with_skip,
+)
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import channel_options, check_token, is_tls, server_name_problem
 from kubeflow_data_cache.stall_watch import StallWatch
@@ -913,16 +920,6 @@ def _secs(seconds: float) -> str:
 def _is_stale(err: BaseException) -> bool:
     reason = server_message(err).lower()
     return "stale ticket" in reason
-
-
-def int_arg(value: object) -> int | None:
-    """An integer argument as an int (numpy integers included), or None for anything else."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _row_count(value: object) -> int:

@@ -177,18 +177,25 @@ def _require(cond: bool, message: str) -> None:
         raise BadRequestError(message)
 
 
+def int_arg(value: object) -> int | None:
+    """An integer argument as an int (numpy integers included), or None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _as_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
     """``value`` as a Python int (numpy's integers too: a shard computed with numpy), checked."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise BadRequestError(f"'{name}' should be an integer, got {shown(value)}") from None
-    _require(value >= minimum, f"'{name}' should be >= {minimum}, got {value}")
+    number = int_arg(value)
+    if number is None:
+        raise BadRequestError(f"'{name}' should be an integer, got {shown(value)}")
+    _require(number >= minimum, f"'{name}' should be >= {minimum}, got {number}")
     if maximum is not None:
-        _require(value <= maximum, f"'{name}' should be <= {maximum}, got {value}")
-    return value
+        _require(number <= maximum, f"'{name}' should be <= {maximum}, got {number}")
+    return number
 
 
 @dataclass(frozen=True)
