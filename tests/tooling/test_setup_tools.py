@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.images.test_dockerfiles import read_lock
+
 REPO = Path(__file__).resolve().parents[2]
 ENSURE_UV = REPO / "hack" / "ensure-uv.sh"
 
@@ -108,15 +110,11 @@ def test_make_lock_holds_the_image_locks_to_the_dev_locks_versions() -> None:
     assert any("hack/pin-like.py requirements-dev.lock images/trainer-e2e/requirements.lock" in c for c in commands)
 
 
-def _read_pins(path: Path) -> dict[str, str]:
-    return dict(re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\]+)", path.read_text(), re.MULTILINE))
-
-
 def test_the_image_locks_pin_the_dev_locks_versions() -> None:
     """The images run what the tests ran: python-dateutil was 4.0.0 in both images, 2.9.0 in the tests."""
-    dev = _read_pins(REPO / "requirements-dev.lock")
+    dev = read_lock(REPO / "requirements-dev.lock")
     for image in ("cache", "initializer"):
-        pins = _read_pins(REPO / "images" / image / "requirements.lock")
+        pins = read_lock(REPO / "images" / image / "requirements.lock")
         differing = {
             name: (version, dev.get(name)) for name, version in pins.items() if name in dev and dev[name] != version
         }
