@@ -39,7 +39,11 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     lock, target = (Path(a) for a in argv)
-    target.write_text(repin(lock.read_text(), target.read_text()))
+    try:
+        target.write_text(repin(lock.read_text(), target.read_text()))
+    except OSError as err:
+        print(f"error: {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
     return 0
 
 

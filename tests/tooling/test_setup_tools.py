@@ -135,3 +135,7 @@ def test_pin_like_repins_a_hand_written_lock(tmp_path) -> None:
     refused = subprocess.run([*tool, str(lock), str(target)], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 1 and "pins no version of numpy" in refused.stderr
     assert target.read_text() == "numpy==2.0.0\n"
+    missing = subprocess.run(
+        [*tool, str(tmp_path / "nope.lock"), str(target)], capture_output=True, text=True, timeout=30
+    )
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "nope.lock" in missing.stderr
