@@ -50,6 +50,10 @@ ARROW_OVERHEAD = 1.1
 # its size).
 READ_SCRATCH_FACTOR = 2.25
 READ_AHEAD_BYTES = 64 << 20
+# Plus, per reader, what its decode threads hold whatever the file's size (page and decompression
+# buffers of the columns decoded at once; more at once on more cores): a 1.2 MB file read with 8
+# decode threads took 2.7x its bytes, 0.3 MB past the factor, where one thread took 1.2x.
+READ_FIXED_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -607,7 +611,8 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
 
     - reading: each of ``load_threads`` readers decodes one piece, a row group or a read-ahead
       window at a time, holding compressed chunks and page buffers beside the rows it yields
-      (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES). The load's DecodeBudget keeps what is in decode
+      (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES), and its decode threads' buffers
+      (READ_FIXED_BYTES). The load's DecodeBudget keeps what is in decode
       at once within READ_SCRATCH_SHARE of the node's rows, plus one column group per reader
       of at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less) once that
       share is spent: whichever of the two models is smaller bounds it;
@@ -639,5 +644,5 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     loaded = sum(columns)
     whole_files = sum(in_decode[:threads])
     budgeted = READ_SCRATCH_SHARE * loaded + threads * largest_group
-    reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted))
+    reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted)) + threads * READ_FIXED_BYTES
     return loaded, loaded + max(largest_chunk, *merged_whole, reading)
