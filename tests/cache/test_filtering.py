@@ -321,7 +321,7 @@ def rich_store():
         "btrim(translate(name, 'R', 'r')) ILIKE 'row-0%' AND md5(name) <> ''",
         "date_part('hour', ts) BETWEEN 3 AND 6 OR date_trunc('day', ts) = TIMESTAMP '2024-01-02'",
         "d > DATE '2023-12-25' + INTERVAL '3 days' AND extract(day FROM d) % 2 = 0",
-        "dec >= 2.5 AND CAST(dec AS DOUBLE) < 6",
+        "dec >= CAST('2.5' AS DECIMAL(9, 2)) AND CAST(dec AS DOUBLE) < 6",
         "flag IS NOT TRUE AND id > 30",
         "st['a'] = 2 AND cardinality(l) BETWEEN 1 AND 3",
         "array_has(l, 3) OR l[1:2] = [0, 1]",
@@ -464,3 +464,53 @@ def test_a_memory_error_while_matching_is_not_called_an_invalid_filter(store, mo
     monkeypatch.setattr(filtering, "check_calls", no_memory)
     with pytest.raises(MemoryError):
         matching_rows(store, "id < 3")
+
+
+@pytest.fixture(scope="module")
+def decimal_store():
+    from decimal import Decimal
+
+    prices = [Decimal("128963.25"), Decimal("-891325.57"), Decimal("1.10"), None, Decimal("0.30")]
+    batch = pa.record_batch({"price": pa.array(prices, pa.decimal128(18, 2)), "f": [1.0, float("nan"), 2.5, 3.0, 0.3]})
+    return NodeStore(batch.schema, [batch])
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [
+        ("price = CAST('128963.25' AS DECIMAL(18, 2))", [0]),
+        ("price = CAST('-891325.57' AS DECIMAL(18, 2))", [1]),
+        ("price = '0.30'", [4]),
+        ("price IN ('1.10', '0.30')", [2, 4]),
+        ("price > 100", [0]),  # an integer converts exactly
+        ("f = 0.3 AND price >= CAST('0.3' AS DECIMAL(18, 2))", [4]),  # a float column compares with a float
+    ],
+)
+def test_decimal_columns_compare_exactly_with_numbers_written_as_decimals(decimal_store, predicate, rows):
+    assert matching_rows(decimal_store, predicate).tolist() == rows
+
+
+@pytest.mark.parametrize(
+    ("predicate", "number", "kind", "rows"),
+    [
+        # DataFusion compared price with 128963.249999999991808 and matched no row.
+        ("price = 128963.25", "128963.25", "decimal128(18, 2)", [0]),
+        ("price = -891325.57", "-891325.57", "decimal128(18, 2)", [1]),
+        ("0.3 <= price", "0.3", "decimal128(18, 2)", [0, 2, 4]),
+        ("price IN (1.1, '0.30')", "1.1", "decimal128(18, 2)", [2, 4]),
+        ("price BETWEEN 1 AND 1.5", "1.5", "decimal128(18, 2)", [2]),
+        ("f > 0 AND abs(price + 1) = 2.1", "2.1", "decimal128(23, 2)", [2]),
+    ],
+)
+def test_a_decimal_compared_with_a_floating_point_literal_is_refused_with_the_exact_form(
+    decimal_store, predicate, number, kind, rows
+):
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(decimal_store, predicate)
+    message = str(refused.value)
+    assert f"compares a {kind} value with {number}" in message
+    precision, scale = kind[len("decimal128(") : -1].split(", ")
+    suggested = f"CAST('{number}' AS DECIMAL({precision}, {scale}))"
+    assert message.endswith(suggested)
+    # The form it names, in place of the number, matches the rows equal to it exactly.
+    assert matching_rows(decimal_store, predicate.replace(number, suggested, 1)).tolist() == rows
