@@ -44,6 +44,7 @@ from kubeflow_data_cache.protocol import (
     DEFAULT_BLOCK_SIZE,
     EVEN_MODES,
     ShardRequest,
+    info_list_lengths,
     info_null_counts,
 )
 from kubeflow_data_cache.security import (
@@ -466,7 +467,7 @@ class DataCacheDataset(IterableDataset):
                 interleave=request.shuffle,
                 start=skip,
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
-                check_info=self._check_nulls,
+                check_info=self._check_columns,
             )
             # Closed here, not left to the garbage collector: an error raised in this loop (a
             # conversion hook that fails, say) and kept by the caller (a notebook keeps the last
@@ -510,6 +511,7 @@ class DataCacheDataset(IterableDataset):
         target = 0  # set from the first batch's row width
         pending: list[pa.RecordBatch] = []
         pending_rows = 0
+        shapes: dict[str, tuple[int, ...]] = {}  # each list column's row shape, as the first run had it
         for rb in record_batches:
             if rb.num_rows == 0:
                 continue
@@ -522,11 +524,11 @@ class DataCacheDataset(IterableDataset):
                 if pending_rows:
                     need = -pending_rows % size
                     pending.append(rb.slice(0, need))
-                    yield from self._slices(_concat(pending), size)
+                    yield from self._slices(_concat(pending), size, shapes)
                     rb, pending, pending_rows = rb.slice(need), [], 0
                 full = rb.num_rows // size * size
                 if full:
-                    yield from self._slices(rb.slice(0, full), size)
+                    yield from self._slices(rb.slice(0, full), size, shapes)
                 if full < rb.num_rows:
                     pending, pending_rows = [rb.slice(full)], rb.num_rows - full
                 continue
@@ -536,7 +538,7 @@ class DataCacheDataset(IterableDataset):
                 continue
             run = _concat(pending)
             full = pending_rows // size * size
-            yield from self._slices(run.slice(0, full), size)
+            yield from self._slices(run.slice(0, full), size, shapes)
             pending = [run.slice(full)] if pending_rows > full else []
             pending_rows -= full
         if pending_rows:
@@ -544,12 +546,14 @@ class DataCacheDataset(IterableDataset):
             full = pending_rows // size * size
             keep = pending_rows if not self.drop_last else full
             if keep:
-                yield from self._slices(run.slice(0, keep), size)
+                yield from self._slices(run.slice(0, keep), size, shapes)
 
-    def _slices(self, run: pa.RecordBatch, size: int) -> Iterator[tuple[Any, int]]:
+    def _slices(self, run: pa.RecordBatch, size: int, shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[Any, int]]:
         converted = self.from_arrow_rb_to_tensor(run)
         rows = run.num_rows
         _check_rows(converted, rows)  # a misaligned value would shift features against labels silently
+        if self._default_conversion():
+            _check_row_shapes(converted, shapes)
         if isinstance(converted, dict) and converted and all(isinstance(v, torch.Tensor) for v in converted.values()):
             # All tensors (numeric columns): one split() call per column makes every view at once,
             # about twice as fast as slicing batch by batch in Python.
@@ -568,18 +572,25 @@ class DataCacheDataset(IterableDataset):
             stop = min(start + size, rows)
             yield _slice(converted, start, stop), stop - start
 
-    def _check_nulls(self, info: flight.FlightInfo) -> None:
+    def _check_columns(self, info: flight.FlightInfo) -> None:
         """Refuse, before the first batch, a column the default conversion cannot take because
-        the table holds nulls in it: found at the batch that holds one, that could be hours into
-        an epoch (and one rank failing alone leaves its DDP peers waiting). The head says so for
-        requests without a filter; an overridden from_arrow_rb_to_tensor may fill nulls itself."""
-        if type(self).from_arrow_rb_to_tensor is not DataCacheDataset.from_arrow_rb_to_tensor:
+        the table holds nulls in it, or lists of different lengths: found at the batch that holds
+        one, that could be hours into an epoch (and one rank failing alone leaves its DDP peers
+        waiting). The head says so for requests without a filter; an overridden
+        from_arrow_rb_to_tensor may fill nulls or pad lists itself."""
+        if not self._default_conversion():
             return
         counts = info_null_counts(info.app_metadata)
+        lengths = info_list_lengths(info.app_metadata)
         for field in info.schema:
             refusal = null_refusal(field.name, field.type, counts.get(field.name, 0))
+            if refusal is None and field.name in lengths and _has_tensor_form(field.type):
+                refusal = ragged_refusal(field.name, *lengths[field.name])
             if refusal:
                 raise ValueError(f"{refusal} (the table holds them; refused before the first batch)")
+
+    def _default_conversion(self) -> bool:
+        return type(self).from_arrow_rb_to_tensor is DataCacheDataset.from_arrow_rb_to_tensor
 
     def from_arrow_rb_to_tensor(self, batch: pa.RecordBatch) -> Any:
         """Convert a record batch (many training batches long) to a row-aligned structure.
@@ -842,12 +853,44 @@ def _is_list_type(t: pa.DataType) -> bool:
     return pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
+def _has_tensor_form(t: pa.DataType) -> bool:
+    """Whether the default conversion makes a tensor of a column of type ``t``."""
+    while _is_list_type(t):
+        t = t.value_type
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def ragged_refusal(name: str, low: int, high: int) -> str:
+    return (
+        f"column {name!r} holds lists of {low} to {high} values, which do not stack into a tensor; "
+        "override from_arrow_rb_to_tensor to pad them"
+    )
+
+
+def _check_row_shapes(converted: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a list column whose rows change shape between conversion runs of one read: each run
+    stacks its own rows, so lists of 8 values in one and 9 in the next made tensors of two widths
+    with no error. (A read without a filter is refused before its first batch, from the head's
+    counts; a filter's rows are seen only as they come.)"""
+    for name, value in converted.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 1:
+            shape = tuple(value.shape[1:])
+            first = shapes.setdefault(name, shape)
+            if shape != first:
+                raise ValueError(
+                    f"column {name!r} holds lists shaped {list(first)} in this reader's earlier rows and "
+                    f"{list(shape)} in later ones, which do not stack into tensors of one shape; override "
+                    "from_arrow_rb_to_tensor to pad them"
+                )
+
+
 def null_refusal(name: str, t: pa.DataType, nulls: int) -> str | None:
     """Why the default conversion cannot take ``nulls`` nulls in column ``name`` of type ``t``,
     or None where it can (floats become NaN, strings None) or there are none."""
     if not nulls:
         return None
-    fix = f"leave those rows out with filter='\"{name}\" IS NOT NULL', or override from_arrow_rb_to_tensor to fill them"
+    quoted = '"' + name.replace('"', '""') + '"'
+    fix = f"leave those rows out with filter='{quoted} IS NOT NULL', or override from_arrow_rb_to_tensor to fill them"
     if _is_list_type(t):
         return f"column {name!r} has {nulls} null list(s); {fix}"
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
@@ -873,6 +916,11 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
     if _is_list_type(t):
         if col.null_count:
             raise ValueError(null_refusal(name, t, col.null_count))
+        if not _has_tensor_form(t):  # checked first: padding lists of strings would not help
+            raise TypeError(
+                f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
+                "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"
+            )
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
         values = col.flatten()
         if null_refusal(name, values.type, values.null_count):  # a filter on the column cannot drop these
@@ -882,11 +930,6 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
                 "from_arrow_rb_to_tensor to fill them, or write the table without them"
             )
         inner = column_to_tensor(name, values, copy)
-        if not isinstance(inner, torch.Tensor):  # lists of strings
-            raise TypeError(
-                f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
-                "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"
-            )
         return inner.reshape(len(col), width, *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         if col.null_count and not pa.types.is_floating(t):
@@ -907,8 +950,5 @@ def _uniform_length(name: str, col: pa.Array) -> int:
     bounds = pc.min_max(pc.list_value_length(col))
     low, high = bounds["min"].as_py(), bounds["max"].as_py()
     if low != high:
-        raise ValueError(
-            f"column {name!r} holds lists of {low} to {high} values, which do not stack into a tensor; "
-            "override from_arrow_rb_to_tensor to pad them"
-        )
+        raise ValueError(ragged_refusal(name, low, high))
     return int(low)

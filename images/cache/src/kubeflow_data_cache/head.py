@@ -496,8 +496,14 @@ class Head(ReadOnlyFlight):
                 )
                 endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
         rows = sum(per_node)
-        nulls = self._null_counts(schema) if req.filter is None else {}
-        metadata = json.dumps({protocol.INFO_NULL_COUNTS: nulls}).encode() if nulls else b""
+        figures = {}
+        if req.filter is None:
+            figures = {
+                protocol.INFO_NULL_COUNTS: self._null_counts(schema),
+                protocol.INFO_LIST_LENGTHS: self._ragged_lists(schema),
+            }
+        figures = {key: value for key, value in figures.items() if value}
+        metadata = json.dumps(figures).encode() if figures else b""
         return flight.FlightInfo(
             schema, descriptor, endpoints, rows, round(rows * self._row_bytes(schema)), app_metadata=metadata
         )
@@ -513,6 +519,16 @@ class Head(ReadOnlyFlight):
     def _null_counts(self, schema: pa.Schema) -> dict[str, int]:
         """The table's nulls in each of ``schema``'s columns that has any, from the nodes' status."""
         return {name: n for name, n in self._column_totals("null_counts").items() if n and name in schema.names}
+
+    def _ragged_lists(self, schema: pa.Schema) -> dict[str, list[int]]:
+        """Each of ``schema``'s list columns whose rows hold lists of different lengths, with the
+        fewest and most values, from the nodes' status."""
+        bounds: dict[str, list[int]] = {}
+        for s in self.node_status.values():
+            for name, (low, high) in (s.get("list_lengths") or {}).items():
+                seen = bounds.setdefault(name, [low, high])
+                seen[:] = [min(seen[0], low), max(seen[1], high)]
+        return {name: b for name, b in bounds.items() if b[0] != b[1] and name in schema.names}
 
     def _row_bytes(self, schema: pa.Schema) -> float:
         col_bytes = self._column_totals("column_bytes")

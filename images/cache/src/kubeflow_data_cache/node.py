@@ -481,6 +481,7 @@ class DataNode(ReadOnlyFlight):
             "bytes": store.nbytes if store else 0,
             "column_bytes": dict(store.column_bytes) if store else {},
             "null_counts": dict(store.null_counts) if store else {},
+            "list_lengths": {name: list(b) for name, b in store.list_lengths.items()} if store else {},
             "resident_bytes": resident_bytes(),
             "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,

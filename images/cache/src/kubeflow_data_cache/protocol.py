@@ -30,10 +30,12 @@ SKIP_VERSION = 2
 # position was counted in: another one puts other rows after the same count.
 ORDER_VERSION = 2
 
-# FlightInfo.app_metadata (JSON; plain Flight clients ignore it): "null_counts", the table's
-# nulls per requested column that has any, where the request has no filter (a filter may leave
-# them out, and only its rows would tell).
+# FlightInfo.app_metadata (JSON; plain Flight clients ignore it), where the request has no
+# filter (a filter may leave the rows that tell out, and only its rows would tell):
+# "null_counts", the table's nulls per requested column that has any; "list_lengths", the fewest
+# and most values a row's list holds, per requested list column whose rows differ.
 INFO_NULL_COUNTS = "null_counts"
+INFO_LIST_LENGTHS = "list_lengths"
 
 
 def info_null_counts(app_metadata: bytes) -> dict[str, int]:
@@ -42,6 +44,16 @@ def info_null_counts(app_metadata: bytes) -> dict[str, int]:
         counts = json.loads(app_metadata or b"{}").get(INFO_NULL_COUNTS) or {}
         return {str(k): int(v) for k, v in counts.items()}
     except (ValueError, TypeError, AttributeError):  # not JSON, not an object, not counts
+        return {}
+
+
+def info_list_lengths(app_metadata: bytes) -> dict[str, tuple[int, int]]:
+    """The ragged list columns' ``(fewest, most)`` values a FlightInfo's app_metadata carries
+    ({} from a cache that sends none)."""
+    try:
+        lengths = json.loads(app_metadata or b"{}").get(INFO_LIST_LENGTHS) or {}
+        return {str(k): (int(low), int(high)) for k, (low, high) in lengths.items()}
+    except (ValueError, TypeError, AttributeError):  # not JSON, not an object, not [low, high] pairs
         return {}
 
 

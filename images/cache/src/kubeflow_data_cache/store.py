@@ -284,6 +284,17 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
+def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
+    """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
+    low = high = None
+    for col in columns:
+        bounds = pc.min_max(pc.list_value_length(col))
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+        if lo is not None:
+            low, high = (lo, hi) if low is None else (min(low, lo), max(high, hi))
+    return None if low is None else (low, high)
+
+
 class NodeStore:
     """The loaded rows of one data node, immutable once built."""
 
@@ -298,6 +309,15 @@ class NodeStore:
         # before their first batch rather than at the batch that holds one (head: FlightInfo).
         self.null_counts = {
             name: sum(b.column(i).null_count for b in self.batches) for i, name in enumerate(schema.names)
+        }
+        # Per variable-length list column, the fewest and the most values a row's list holds:
+        # readers that stack lists into tensors refuse one whose rows differ before their first
+        # batch (head: FlightInfo), rather than change a tensor's width half way through.
+        self.list_lengths = {
+            name: bounds
+            for i, (name, t) in enumerate(zip(schema.names, schema.types, strict=True))
+            if (pa.types.is_list(t) or pa.types.is_large_list(t))
+            and (bounds := _length_bounds(b.column(i) for b in self.batches)) is not None
         }
         self.nbytes = sum(self.column_bytes.values())
 
