@@ -431,7 +431,8 @@ class Head(ReadOnlyFlight):
         schema = self.plan.schema
         if columns is None:
             return schema
-        unknown = [c for c in columns if c not in schema.names]
+        names = set(schema.names)  # a new list on each access: asked per column, wide tables took seconds
+        unknown = [c for c in columns if c not in names]
         if unknown:
             raise BadRequestError(f"unknown column(s) {shown(unknown)}; the table has {schema.names}")
         return pa.schema([schema.field(c) for c in columns])
@@ -518,7 +519,8 @@ class Head(ReadOnlyFlight):
 
     def _null_counts(self, schema: pa.Schema) -> dict[str, int]:
         """The table's nulls in each of ``schema``'s columns that has any, from the nodes' status."""
-        return {name: n for name, n in self._column_totals("null_counts").items() if n and name in schema.names}
+        names = set(schema.names)
+        return {name: n for name, n in self._column_totals("null_counts").items() if n and name in names}
 
     def _ragged_lists(self, schema: pa.Schema) -> dict[str, list[int]]:
         """Each of ``schema``'s list columns whose rows hold lists of different lengths, with the
@@ -528,7 +530,8 @@ class Head(ReadOnlyFlight):
             for name, (low, high) in (s.get("list_lengths") or {}).items():
                 seen = bounds.setdefault(name, [low, high])
                 seen[:] = [min(seen[0], low), max(seen[1], high)]
-        return {name: b for name, b in bounds.items() if b[0] != b[1] and name in schema.names}
+        names = set(schema.names)
+        return {name: b for name, b in bounds.items() if b[0] != b[1] and name in names}
 
     def _row_bytes(self, schema: pa.Schema) -> float:
         col_bytes = self._column_totals("column_bytes")

@@ -368,7 +368,8 @@ class NodeStore:
     def project(self, columns: tuple[str, ...] | None) -> pa.Schema:
         if columns is None:
             return self.schema
-        unknown = [c for c in columns if c not in self.schema.names]
+        names = set(self.schema.names)  # a new list on each access: asked per column, wide tables took seconds
+        unknown = [c for c in columns if c not in names]
         if unknown:
             raise BadRequestError(f"unknown column(s) {unknown}; the table has {self.schema.names}")
         return pa.schema([self.schema.field(c) for c in columns])
