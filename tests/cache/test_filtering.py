@@ -514,3 +514,23 @@ def test_a_decimal_compared_with_a_floating_point_literal_is_refused_with_the_ex
     assert message.endswith(suggested)
     # The form it names, in place of the number, matches the rows equal to it exactly.
     assert matching_rows(decimal_store, predicate.replace(number, suggested, 1)).tolist() == rows
+
+
+def test_a_filtered_in_order_stream_places_its_range_among_the_matches_without_copying_them():
+    """An in-order stream's one range covers the node's whole part of the shard: placed as a copy
+    (and an arange beside it), it held 16 bytes per matching row for the stream's life."""
+    import tracemalloc
+
+    from kubeflow_data_cache.filtering import matched_rows
+
+    matches = np.arange(0, 8_000_000, 2, dtype=np.int64)  # 32 MB of matches
+    tracemalloc.start()
+    try:
+        parts = matched_rows(iter([range(10, 3_000_010), np.array([0, 5])]), matches)
+        first = next(parts)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # a view: nothing of the range's 24 MB copied
+    assert np.shares_memory(first, matches) and first[0] == 20 and len(first) == 3_000_000
+    assert next(parts).tolist() == [0, 10]  # an index array of positions is gathered

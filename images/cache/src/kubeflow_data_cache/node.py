@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
@@ -39,7 +38,7 @@ from kubeflow_data_cache.errors import (
     TableLoadError,
     first_line,
 )
-from kubeflow_data_cache.filtering import FilterCache
+from kubeflow_data_cache.filtering import FilterCache, matched_rows
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, rebaser
@@ -600,8 +599,8 @@ class DataNode(ReadOnlyFlight):
                     release_order_claim(t.total, req)
                 self.metrics.streams_refused.inc()
                 raise
-        if matches is not None:  # positions among the matching rows -> local row numbers
-            parts = (matches[np.arange(p.start, p.stop)] if isinstance(p, range) else matches[p] for p in parts)
+        if matches is not None:
+            parts = matched_rows(parts, matches)
         # Gathers (shuffled or filtered) are computed batch by batch, a few ahead of the writer
         # where they are small (constants.GATHER_AHEAD_BYTES).
         gathered = store.iter_rows(parts, batch_rows, req.columns)
