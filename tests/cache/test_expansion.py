@@ -3,6 +3,7 @@ compress (random bytes, UUIDs), and never above the fixed factor's, whatever the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from kubeflow_data_cache.expansion import measure_expansions
@@ -140,3 +142,70 @@ def test_a_table_of_random_bytes_that_fits_is_loaded_not_refused(tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _images_table(tmp_path, rows: int, size: int) -> str:
+    """``rows`` distinct random ``size``-byte values in one file, written with pyiceberg's defaults:
+    its writer keeps them all in one dictionary page (it falls back only after a write batch)."""
+    rng = np.random.default_rng(1)
+    data = pa.table(
+        {"id": pa.array(range(rows), pa.int64()), "image": pa.array([rng.bytes(size) for _ in range(rows)])}
+    )
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    catalog.create_table("s.images", schema=data.schema).append(data)
+    return catalog.load_table("s.images").metadata_location
+
+
+def _sample_in_a_fresh_process(location: str) -> dict:
+    """measure_expansions as the head runs it, with the Arrow pool's peak and what the process
+    holds after it."""
+    script = (
+        "import json, sys, pyarrow as pa, psutil\n"
+        "from kubeflow_data_cache.expansion import measure_expansions\n"
+        "from kubeflow_data_cache.plan import VARIABLE_WIDTH_EXPANSION, arrow_schema, open_table, scan_tasks\n"
+        "t = open_table(sys.argv[1]); tasks = scan_tasks(t, sys.argv[1]); schema = arrow_schema(t)\n"
+        "pool = pa.default_memory_pool(); rss = psutil.Process().memory_info().rss\n"
+        "ratios = measure_expansions(t, tasks, schema, list(t.schema().fields), VARIABLE_WIDTH_EXPANSION)\n"
+        "print(json.dumps({'ratios': ratios, 'peak': pool.max_memory(),\n"
+        "    'kept': psutil.Process().memory_info().rss - rss}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_dictionary_page_of_large_values_is_sized_from_metadata_not_decoded(tmp_path):
+    """600 distinct 512 KiB images made one 300 MiB dictionary page, read whole before the first
+    row: the head's sample took it to 1.3 GiB, and kept it. Here 40 MiB of them: the sample decodes
+    none of the page, and still finds the values decode to about their size."""
+    location = _images_table(tmp_path, rows=160, size=256 << 10)
+    measured = _sample_in_a_fresh_process(location)
+    (ratio,) = measured["ratios"].values()
+    assert 1.0 <= ratio < 1.1, measured  # random bytes: about their size (the fixed factor is 4)
+    assert measured["peak"] < 8 << 20, measured  # the old sample decoded the 40 MiB page and its rows
+    assert measured["kept"] < 16 << 20, measured
+
+
+def test_a_sample_of_large_values_decodes_a_bounded_number_of_bytes(tmp_path, monkeypatch):
+    """8,192 rows of 512 KiB images would have decoded 4 GiB: the rows sampled are bounded by
+    their bytes on disk (here dictionaries are small enough to decode, so the sample reads rows)."""
+    from kubeflow_data_cache import expansion
+
+    monkeypatch.setattr(expansion, "SAMPLE_MAX_DICTIONARY_BYTES", 1 << 40)
+    location = _images_table(tmp_path, rows=64, size=1 << 20)
+    table = open_table(location)
+    plan, tasks = plan_table(table, location)
+    asked = []
+    real = pq.ParquetFile.iter_batches
+
+    def recording(self, batch_size=65536, **kwargs):
+        asked.append(batch_size)
+        return real(self, batch_size=batch_size, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
+    ratios = measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
+    (rows,) = asked
+    assert 1 <= rows <= expansion.SAMPLE_MAX_BYTES // (1 << 20)  # 8 rows of 1 MiB at most, not 8,192
+    assert 1.0 <= next(iter(ratios.values())) < 1.1

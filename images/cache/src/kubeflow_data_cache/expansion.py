@@ -3,8 +3,10 @@
 Manifests hold each column's compressed size, not its decoded one. The fixed factor the estimate
 used alone (plan.VARIABLE_WIDTH_EXPANSION, 4) put random bytes (UUIDs, hashes, JPEGs), which
 decode to about their size on disk, at 4x: a 30 MiB table of them was refused ("use at least 41
-data nodes"). So the head decodes the first SAMPLE_ROWS rows of those columns from one data file,
-the largest, and sizes every file's column by the ratio it finds. The ratios go to the data nodes
+data nodes"). So the head decodes the first SAMPLE_ROWS rows (at most SAMPLE_MAX_BYTES of them on
+disk) of those columns from one data file, the largest, and sizes every file's column by the
+ratio it finds; a column whose dictionary page is too large to read is sized by its own
+uncompressed and compressed sizes. The ratios go to the data nodes
 with their load (node.LoadOrder.expansions), so the head's fit check and the nodes' decode
 budgets use the same estimates.
 
@@ -30,8 +32,16 @@ from kubeflow_data_cache.daemon_call import DaemonCall
 
 log = logging.getLogger(__name__)
 
-# Rows decoded per column: enough to average out short runs, a few MiB at most for long values.
+# Rows decoded per column: enough to average out short runs...
 SAMPLE_ROWS = 8192
+# ... and at most this many bytes of the sampled columns on disk: 8,192 rows of 512 KiB images
+# would decode 4 GiB on the head.
+SAMPLE_MAX_BYTES = 8 << 20
+# A column chunk whose dictionary page is larger than this is not decoded: the page is read whole
+# before the first row, and pyarrow's writer (pyiceberg's) grows a dictionary for a whole write
+# batch before it falls back (600 distinct 512 KiB images made a 300 MiB page, and sampling it
+# took the head to 1.3 GiB). Its ratio comes from the chunk's own sizes instead (below).
+SAMPLE_MAX_DICTIONARY_BYTES = 8 << 20
 # Read the sampled pages as they are needed, not the whole row group's column chunks (on S3 a
 # row group can be hundreds of MiB).
 SAMPLE_BUFFER_BYTES = 1 << 20
@@ -78,6 +88,15 @@ def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: li
 
 
 def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
+    try:
+        return _measure_file(table, path, wanted)
+    finally:
+        # What the sample decoded goes back to the system: pyarrow's pool keeps freed pages for
+        # reuse, and the head held them for its whole life.
+        pa.default_memory_pool().release_unused()
+
+
+def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
     # Imported here: pyarrow.parquet brings in pyarrow.fs, whose S3 client reads SSL_CERT_FILE once,
     # when first imported, and plan.py is imported before plan.trust_aws_ca_bundle sets it.
     import pyarrow.parquet as pq
@@ -91,15 +110,35 @@ def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
         if group.num_rows == 0:
             return {}
         chunks = {group.column(j).path_in_schema: group.column(j) for j in range(group.num_columns)}
-        names = sorted(set(by_id.values()))
-        batch = next(parquet.iter_batches(batch_size=SAMPLE_ROWS, row_groups=[0], columns=names, use_threads=False))
+        present = {name for name in by_id.values() if name in chunks}
+        by_sizes = {name for name in present if _dictionary_page_bytes(chunks[name]) > SAMPLE_MAX_DICTIONARY_BYTES}
+        names = sorted(present - by_sizes)
+        batch = None
+        if names:
+            row_bytes = max(chunks[name].total_compressed_size for name in names) / group.num_rows
+            rows = max(1, min(SAMPLE_ROWS, int(SAMPLE_MAX_BYTES / max(row_bytes, 1e-9))))
+            batch = next(parquet.iter_batches(batch_size=rows, row_groups=[0], columns=names, use_threads=False))
     ratios = {}
     for field_id, name in by_id.items():
         chunk = chunks.get(name)
+        if name in by_sizes:
+            # Values that fill a dictionary that large are mostly distinct: they decode to about
+            # the dictionary's uncompressed size, and an offset each.
+            ratios[field_id] = max(
+                MIN_EXPANSION, (chunk.total_uncompressed_size + 4 * group.num_rows) / chunk.total_compressed_size
+            )
+            continue
         on_disk = chunk.total_compressed_size * batch.num_rows / group.num_rows if chunk is not None else 0
         if on_disk >= MIN_SAMPLE_BYTES:
             ratios[field_id] = max(MIN_EXPANSION, batch.column(name).nbytes / on_disk)
     return ratios
+
+
+def _dictionary_page_bytes(chunk) -> int:
+    """The compressed size of a column chunk's dictionary page (0: it has none)."""
+    if not chunk.has_dictionary_page or chunk.dictionary_page_offset is None:
+        return 0
+    return max(0, chunk.data_page_offset - chunk.dictionary_page_offset)
 
 
 def _columns_by_field_id(schema: pa.Schema, wanted: dict[int, str]) -> dict[int, str]:
