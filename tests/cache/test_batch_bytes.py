@@ -75,3 +75,35 @@ def test_conversion_runs_stay_under_the_byte_cap_but_hold_a_batch(wide_cache, ba
     row_bytes = 8 + 4 * WIDTH  # id and the vector's values
     # Runs of about CONVERT_MAX_BYTES (4,000 rows of 1000) or, when one batch is larger, one batch.
     assert max(ds.runs) == max(batch_size, CONVERT_MAX_BYTES // row_bytes // batch_size * batch_size)
+
+
+SMALL_ROWS, LARGE_ROWS, LARGE_VALUE = 20_000, 40, 256 << 10
+
+
+@pytest.fixture(scope="module")
+def skewed_cache(tmp_path_factory):
+    """Short rows, with 10 MiB of large values together in the middle (a file of images in a table
+    of short rows): a batch cut by the average row (~520 bytes, so ~8,000 rows) held all of them."""
+    root = tmp_path_factory.mktemp("skewed")
+    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
+    catalog.create_namespace("s")
+    half = SMALL_ROWS // 2
+    values = [b"x" * 8] * half + [bytes([i]) * LARGE_VALUE for i in range(LARGE_ROWS)] + [b"y" * 8] * half
+    data = pa.table({"id": pa.array(np.arange(len(values), dtype=np.int64)), "blob": pa.array(values, pa.binary())})
+    table = catalog.create_table("s.skewed", schema=data.schema)
+    table.append(data)
+    with running_cache(catalog.load_table("s.skewed").metadata_location, data_nodes=1) as cache:
+        yield cache
+
+
+@pytest.mark.parametrize("columns", [None, ("blob",)])
+def test_served_batches_of_clustered_large_values_stay_under_the_byte_cap(skewed_cache, columns):
+    ids, largest = [], 0
+    with CacheClient(skewed_cache.endpoint) as client:
+        for batch in client.read_shard(ShardRequest(batch_size=65536, columns=columns)):
+            largest = max(largest, batch.nbytes)
+            if columns is None:
+                ids.append(batch.column("id").to_numpy())
+    assert largest <= SERVED_BATCH_MAX_BYTES + LARGE_VALUE  # one row past the cap at most
+    if columns is None:
+        assert np.array_equal(np.concatenate(ids), np.arange(SMALL_ROWS + LARGE_ROWS))  # in order, each once

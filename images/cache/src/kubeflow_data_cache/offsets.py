@@ -59,10 +59,10 @@ def _fixer(typ: pa.DataType) -> Callable[[pa.Array], pa.Array]:
     """``rebase`` specialised for one type: the same result, the type's checks done once."""
     width = _offset_width(typ)
     if width is not None and not _is_list(typ):  # string or binary
-        return lambda arr: _rebase_binary(arr, width) if arr.offset else arr
+        return lambda arr: _rebase_binary(arr) if arr.offset else arr
     if width is not None:  # a list: its offsets, then its child's
         child = _fixer(typ.value_type) if has_offsets(typ.value_type) else None
-        return lambda arr: _rebase_list(arr, width, child) if arr.offset else arr
+        return lambda arr: _rebase_list(arr, child) if arr.offset else arr
     if pa.types.is_struct(typ):
         fields = [_fixer(typ.field(i).type) if has_offsets(typ.field(i).type) else None for i in range(typ.num_fields)]
         return lambda arr: _rebase_struct(arr, fields) if arr.offset else arr
@@ -79,9 +79,14 @@ def _validity(arr: pa.Array) -> pa.Buffer | bool | None:
     return arr.buffers()[0].slice(arr.offset // 8, (len(arr) + 7) // 8)
 
 
-def _offsets(arr: pa.Array, dtype) -> tuple[pa.Buffer, int, int]:
+def value_offsets(arr: pa.Array) -> np.ndarray:
+    """The offsets of a string, binary or list array, sliced or not: a view, ``len(arr) + 1`` long."""
+    return np.frombuffer(arr.buffers()[1], dtype=_offset_width(arr.type))[arr.offset : arr.offset + len(arr) + 1]
+
+
+def _offsets(arr: pa.Array) -> tuple[pa.Buffer, int, int]:
     """Rebased offsets of a sliced array, and the range ``[start, stop)`` of child values it uses."""
-    view = np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset : arr.offset + len(arr) + 1]
+    view = value_offsets(arr)
     start, stop = int(view[0]), int(view[-1])
     return pa.py_buffer(view - view[0]), start, stop
 
@@ -94,21 +99,21 @@ def rebase(arr: pa.Array) -> pa.Array:
     return _fixer(arr.type)(arr)
 
 
-def _rebase_binary(arr: pa.Array, width) -> pa.Array:
+def _rebase_binary(arr: pa.Array) -> pa.Array:
     validity = _validity(arr)
     if validity is False:
         return arr  # the writer shifts the bitmap and rebases; rare enough to leave to it
-    offsets, start, stop = _offsets(arr, width)
+    offsets, start, stop = _offsets(arr)
     data = arr.buffers()[2]
     data = data.slice(start, stop - start) if data is not None else None
     return pa.Array.from_buffers(arr.type, len(arr), [validity, offsets, data], null_count=arr.null_count)
 
 
-def _rebase_list(arr: pa.Array, width, child: Callable[[pa.Array], pa.Array] | None) -> pa.Array:
+def _rebase_list(arr: pa.Array, child: Callable[[pa.Array], pa.Array] | None) -> pa.Array:
     validity = _validity(arr)
     if validity is False:
         return arr
-    offsets, start, stop = _offsets(arr, width)
+    offsets, start, stop = _offsets(arr)
     values = arr.values.slice(start, stop - start)  # .values: the whole child
     if child is not None:
         values = child(values)

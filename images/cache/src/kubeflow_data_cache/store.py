@@ -29,6 +29,7 @@ from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
+from kubeflow_data_cache.offsets import value_offsets
 from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes, is_remote
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,10 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
+def _has_value_offsets(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
 def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
     low = high = None
@@ -387,16 +392,35 @@ class NodeStore:
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
+    def _variable_columns(self, columns: tuple[str, ...] | None) -> list[int]:
+        """The indices of the string and binary columns among ``columns`` (all when None)."""
+        names = self.schema.names if columns is None else columns
+        indices = [self.schema.get_field_index(name) for name in names]
+        return [i for i in indices if _has_value_offsets(self.schema.field(i).type)]
+
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))
 
-    def slices(self, lo: int, hi: int, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
-        """Rows ``[lo, hi)`` as zero-copy slices of at most ``batch_rows`` rows."""
+    def slices(
+        self, lo: int, hi: int, batch_rows: int, columns, max_bytes: int = SERVED_BATCH_MAX_BYTES
+    ) -> Iterator[pa.RecordBatch]:
+        """Rows ``[lo, hi)`` as zero-copy slices of at most ``batch_rows`` rows, each holding at
+        most ``max_bytes`` of its string and binary columns together (or one row).
+
+        ``batch_rows`` comes from the average row: where large values sit together (a file of
+        images in a table of short rows) one slice of that many rows held 200 MiB, and Flight
+        refuses a batch over 2 GiB. Their offsets say where to cut, without reading the values."""
+        variable = self._variable_columns(columns)
+        budget = max_bytes // max(1, len(variable))
         pos = lo
         while pos < hi:
             i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
             start = pos - int(self.offsets[i])
             n = min(hi - pos, self.batches[i].num_rows - start, batch_rows)
+            for j in variable:
+                offsets = value_offsets(self.batches[i].column(j).slice(start, n))
+                if offsets[-1] - offsets[0] > budget:  # the rows whose values fit, at least one
+                    n = max(1, int(np.searchsorted(offsets, offsets[0] + budget, side="right")) - 1)
             yield self._select(self.batches[i].slice(start, n), columns)
             pos += n
 
