@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubeflow_data_cache.constants import STORE_CHUNK_VARIABLE_BYTES
 from kubeflow_data_cache.errors import BadRequestError
 from kubeflow_data_cache.store import NodeStore, compact, indices
 
@@ -41,6 +42,25 @@ def test_string_columns_keep_each_chunk_under_the_offset_limit():
     assert [c.num_rows for c in chunks] == [3000, 3000, 3000, 1000]
     assert all(c.column("text").nbytes <= 3 * per_batch for c in chunks)
     assert pa.Table.from_batches(chunks).column("text").to_pylist() == [f"row-{i}" for i in range(10_000)]
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        pa.array([[True] * 64] * 100, pa.list_(pa.bool_())),  # 8 values a byte
+        pa.array([{"flags": [False] * 64}] * 100, pa.struct([("flags", pa.list_(pa.bool_()))])),
+        pa.array([[[True] * 8] * 8] * 100, pa.list_(pa.list_(pa.bool_()))),
+    ],
+)
+def test_lists_of_booleans_are_merged_by_the_values_their_offsets_span_not_their_bytes(column):
+    """A list of booleans holds 8 values a byte: merged up to 1 GiB of bytes, 2^31 of them (256 MiB)
+    overflowed its 32-bit offsets and failed the load. Here 6,400 values in 1.2 KB a batch."""
+    schema = pa.schema([("flags", column.type)])
+    source = [pa.record_batch([column], schema=schema) for _ in range(4)]
+    chunks = compact(deque(source), schema, variable_limit=13_000)  # two batches' values, ten batches' bytes
+    assert [c.num_rows for c in chunks] == [200, 200]
+    assert pa.Table.from_batches(chunks).column(0).to_pylist() == column.to_pylist() * 4
+    assert STORE_CHUNK_VARIABLE_BYTES < 2**31  # so a chunk's offsets never overflow
 
 
 def test_a_batch_over_the_limit_stands_alone_rather_than_failing():

@@ -36,9 +36,31 @@ log = logging.getLogger(__name__)
 
 
 def _variable_bytes(batch: pa.RecordBatch) -> int:
-    """The largest size among the batch's non-primitive columns (strings, lists, structs...)."""
-    sizes = [col.nbytes for col in batch.columns if not pa.types.is_primitive(col.type)]
+    """The largest size among the batch's non-primitive columns (strings, lists, structs...): its
+    bytes, or the most entries its 32-bit offsets span where that is more. A list of booleans
+    spans 8 values per byte: merged by bytes alone, 2^31 of them (256 MiB) overflowed its offsets
+    and failed the load."""
+    sizes = [max(col.nbytes, _offset_span(col)) for col in batch.columns if not pa.types.is_primitive(col.type)]
     return max(sizes, default=0)
+
+
+def _offset_span(arr: pa.Array) -> int:
+    """The most entries any 32-bit offsets of ``arr`` span, at every level: a string's bytes, a
+    list's child values."""
+    t = arr.type
+    if len(arr) == 0:
+        return 0
+    if pa.types.is_string(t) or pa.types.is_binary(t):
+        offsets = value_offsets(arr)
+        return int(offsets[-1] - offsets[0])
+    if pa.types.is_list(t) or pa.types.is_map(t):
+        first, last = arr.offsets[0].as_py(), arr.offsets[-1].as_py()  # this slice's, unlike .values
+        return max(last - first, _offset_span(arr.values.slice(first, last - first)))
+    if pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _offset_span(arr.flatten())
+    if pa.types.is_struct(t):
+        return max((_offset_span(arr.field(i)) for i in range(t.num_fields)), default=0)
+    return 0
 
 
 def _merge(group: list[pa.RecordBatch], schema: pa.Schema, on_column: Callable[[], None]) -> pa.RecordBatch:
