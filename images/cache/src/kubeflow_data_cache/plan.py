@@ -394,21 +394,74 @@ def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale
     return total
 
 
+def _in_file(field: pa.Field, iceberg_field, sizes: dict) -> bool:
+    """Whether a data file with column ``sizes`` stores ``field`` (a nested one: any of its leaves)."""
+    if not pa.types.is_nested(field.type):
+        return iceberg_field.field_id in sizes
+    leaves, _ = _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)
+    return any(leaf_id in sizes for leaf_id, _ in leaves)
+
+
+def _null_column_bytes(t: pa.DataType, rows: int) -> int:
+    """The Arrow bytes of ``rows`` nulls of type ``t``: validity, and values or offsets (lists,
+    maps, strings and binaries of nulls hold no values; a struct's fields are as long as it is)."""
+    validity = (rows + 7) // 8
+    if pa.types.is_struct(t):
+        return validity + sum(_null_column_bytes(child.type, rows) for child in t)
+    if pa.types.is_fixed_size_list(t):
+        return validity + _null_column_bytes(t.value_type, rows * t.list_size)
+    try:
+        width = t.bit_width
+    except ValueError:  # variable width
+        width = None
+    if width:
+        return validity + (rows * width + 7) // 8
+    large = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t)
+    return validity + (8 if large else 4) * (rows + 1)
+
+
+def identity_partition_sources(table) -> frozenset[int]:
+    """The field ids any of the table's partition specs keeps as they are (identity transforms)."""
+    from pyiceberg.transforms import IdentityTransform
+
+    return frozenset(
+        f.source_id
+        for spec in table.specs().values()
+        for f in spec.fields
+        if isinstance(f.transform, IdentityTransform)
+    )
+
+
 def estimate_column_bytes(
-    data_file, schema: pa.Schema, iceberg_fields: list, rows: int, expansions: dict[int, float] | None = None
+    data_file,
+    schema: pa.Schema,
+    iceberg_fields: list,
+    rows: int,
+    expansions: dict[int, float] | None = None,
+    partition_sources: frozenset[int] = frozenset(),
 ) -> tuple[int, ...]:
     """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read).
 
     ``rows`` may be fewer than the file holds (positional deletes); per-file statistics are scaled.
     ``expansions``: measured decoded bytes per on-disk byte by field id (expansion.py), for
     the string and binary columns it covers, in place of VARIABLE_WIDTH_EXPANSION.
+    ``partition_sources``: identity_partition_sources, the columns a file may leave out and still
+    hold values for.
     """
     expansions = expansions or {}
     sizes = data_file.column_sizes or {}
     scale = rows / data_file.record_count if data_file.record_count else 1.0
     estimates = []
     for field, iceberg_field in zip(schema, iceberg_fields, strict=True):
-        if pa.types.is_nested(field.type):
+        if sizes and iceberg_field.field_id not in partition_sources and not _in_file(field, iceberg_field, sizes):
+            # A column added after the file was written: the file has sizes for its other columns
+            # (Iceberg records every stored column's, whatever its metrics mode) and none for this
+            # one, so it reads as nulls. Sized as values with no statistics (32 bytes a row), 8
+            # string columns added to a 400,000-row table were estimated 7.5x what a node held,
+            # and a table that fits was refused. (A partition column a file leaves out, as files
+            # added from a Hive layout do, reads as the file's partition value: not nulls.)
+            estimate = _null_column_bytes(field.type, rows)
+        elif pa.types.is_nested(field.type):
             estimate = _nested_estimate(field, iceberg_field, rows, data_file, scale)
         else:
             disk = sizes.get(iceberg_field.field_id)
@@ -535,6 +588,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     iceberg_fields = list(table.schema().fields)
     tasks = scan_tasks(table, metadata_location)
     expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
+    partition_sources = identity_partition_sources(table)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
@@ -543,7 +597,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
             FilePlan(
                 path,
                 rows,
-                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions),
+                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, partition_sources),
                 bool(deletes),
                 max(1, len(task.file.split_offsets or ())),
             )

@@ -30,7 +30,13 @@ from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoa
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.offsets import value_offsets
-from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes, is_remote
+from kubeflow_data_cache.plan import (
+    Piece,
+    credential_source,
+    estimate_column_bytes,
+    identity_partition_sources,
+    is_remote,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +157,9 @@ def column_groups(
     fields = _iceberg_fields(table, schema)
     if fields is None:
         return [(None, 1.0)]
-    sizes = estimate_column_bytes(task.file, schema, fields, task.file.record_count, expansions)
+    sizes = estimate_column_bytes(
+        task.file, schema, fields, task.file.record_count, expansions, identity_partition_sources(table)
+    )
     groups: list[tuple[list[int], int]] = []
     for field, size in zip(fields, sizes, strict=True):
         if groups and groups[-1][1] + size <= limit:
@@ -298,9 +306,12 @@ def decode_budget(
     if fields is None:
         return None
     kept, unit, minimum = [], [], []
+    partition_sources = identity_partition_sources(table)
     for piece in pieces:
         data_file = tasks[piece.path].file
-        whole = sum(estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions))
+        whole = sum(
+            estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions, partition_sources)
+        )
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
         minimum.append(READ_GROUP_MIN_REMOTE_BYTES if is_remote(piece.path) else READ_GROUP_MIN_BYTES)
