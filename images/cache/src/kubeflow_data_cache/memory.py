@@ -253,10 +253,18 @@ class LoadMemoryGuard:
         else:
             what = f"its resident memory is {_fmt(resident)} of its {_fmt(self.limit)} limit"
         rate = f"; at this rate its rows need about {_fmt(projected)}, more at the load's peak" if rows_read else ""
+        if rows_read and not early and projected <= threshold:
+            # The rows are on course to fit: what passes the limit is held beside them.
+            why = (
+                "The load holds more than its rows while it reads: decode buffers, and a little per column of "
+                "every batch read until they are merged, which adds up where the table has many small files "
+                "(compacting them into fewer helps)"
+            )
+        else:
+            why = "The rows decode larger than the manifests' statistics suggest (highly compressible strings do this)"
         raise MemoryBudgetError(
             f"stopped its load before the kernel's OOM kill: {what} with {share:.0%} of its {self.rows} "
-            f"rows read{rate}. The rows decode larger than the manifests' statistics suggest (highly "
-            f"compressible strings do this); give each data node more memory ({memory_knob}) or use more "
+            f"rows read{rate}. {why}; give each data node more memory ({memory_knob}) or use more "
             f"data nodes ({nodes_knob})"
         )
 

@@ -54,6 +54,13 @@ READ_AHEAD_BYTES = 64 << 20
 # buffers of the columns decoded at once; more at once on more cores): a 1.2 MB file read with 8
 # decode threads took 2.7x its bytes, 0.3 MB past the factor, where one thread took 1.2x.
 READ_FIXED_BYTES = 1 << 20
+# What a load holds per Arrow array of a read batch beside its values, until it merges them: the
+# array's C++ objects and its small buffers' rounding. 1,000 files of 20 rows x 200 columns, 200,000
+# arrays, held 239 MiB for 15 MiB of rows (1.25 KB an array; 1.3 KB for 12,000 of 40 columns); a
+# load guard stopped such a table, whose estimate had left that out, blaming its strings.
+LOAD_ARRAY_OVERHEAD_BYTES = 1536
+# Rows per batch pyarrow's scanner yields (its default batch size): a row group of more is cut.
+SCAN_BATCH_ROWS = 131_072
 
 
 @dataclass(frozen=True)
@@ -670,6 +677,8 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
       at once within READ_SCRATCH_SHARE of the node's rows, plus one column group per reader
       of at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less) once that
       share is spent: whichever of the two models is smaller bounds it;
+    - the read batches' arrays each hold a little beside their values until the merge
+      (LOAD_ARRAY_OVERHEAD_BYTES): a load of many small files holds far more than its rows;
     - merging the read batches copies a column at a time into its merged buffers, releasing each
       source chunk once copied (column_concat): one read batch's column exists twice, at most
       the largest column of a file; a type column_concat does not copy (a dictionary, say) is
@@ -699,4 +708,24 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     whole_files = sum(in_decode[:threads])
     budgeted = READ_SCRATCH_SHARE * loaded + threads * largest_group
     reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted)) + threads * READ_FIXED_BYTES
-    return loaded, loaded + max(largest_chunk, *merged_whole, reading)
+    held = LOAD_ARRAY_OVERHEAD_BYTES * _read_arrays(plan, assignment)
+    return loaded, loaded + held + max(largest_chunk, *merged_whole, reading)
+
+
+def _read_arrays(plan: TablePlan, assignment: NodeAssignment) -> int:
+    """How many Arrow arrays the read batches of ``assignment`` hold until they are merged: a
+    batch per row group kept from, or per SCAN_BATCH_ROWS rows where that is more, of every
+    column (and of every child of a nested one)."""
+    per_batch = sum(_arrays_in(field.type) for field in plan.schema)
+    by_path = plan.files_by_path
+    batches = 0
+    for p in assignment.pieces:
+        f, rows = by_path[p.path], p.stop - p.start
+        groups = -(-f.row_groups * rows // max(1, f.rows))
+        batches += max(1, -(-rows // SCAN_BATCH_ROWS), groups)
+    return batches * per_batch
+
+
+def _arrays_in(t: pa.DataType) -> int:
+    """Arrow arrays in one column of type ``t``: itself and its children's."""
+    return 1 + sum(_arrays_in(t.field(i).type) for i in range(t.num_fields))

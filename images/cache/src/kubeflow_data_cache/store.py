@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kubeflow_data_cache.allocator import serve_pool
+from kubeflow_data_cache.allocator import serve_pool, trim_glibc_malloc
 from kubeflow_data_cache.column_concat import concat_releasing
 from kubeflow_data_cache.constants import (
     READ_GROUP_MIN_BYTES,
@@ -399,8 +399,11 @@ class NodeStore:
         batches = deque(b for part in results for b in part)  # cast to ``schema`` by read_piece
         del results
         store = cls(schema, compact(batches, schema, on_column=progress.batch))
-        # Give cached decode buffers back to the OS (immediate under the data node's jemalloc).
+        # Give cached decode buffers back to the OS (immediate under the data node's jemalloc), and
+        # glibc's free memory: the read batches' C++ objects, about 1.25 KB a column array (1,000
+        # small files of 200 columns left 224 MiB resident beside 15 MiB of rows until a trim).
         pa.default_memory_pool().release_unused()
+        trim_glibc_malloc()
         return store
 
     def project(self, columns: tuple[str, ...] | None) -> pa.Schema:
