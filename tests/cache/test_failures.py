@@ -48,14 +48,15 @@ def test_corrupt_data_file_fails_the_load(tmp_path):
 
 def test_memory_budget_refusal_says_what_is_needed(table_factory):
     table = table_factory(20_000, 3)
-    # 401.375Mi leaves 1.375 MiB per node after the 400 MiB interpreter baseline: 2 nodes need ~1.5
-    # MiB each (a share of the rows and a whole file's read scratch), 3 nodes fit.
-    code, stderr = failed_local(table.metadata_location, "--memory-limit", "401.375Mi")
+    # 402.375Mi leaves 2.375 MiB per node after the 400 MiB interpreter baseline: 2 nodes need ~2.6
+    # MiB each (a share of the rows, a whole file's read scratch and the decode threads' buffers),
+    # 3 nodes fit.
+    code, stderr = failed_local(table.metadata_location, "--memory-limit", "402.375Mi")
     assert code == 1
     assert "needs about" in stderr and "use at least" in stderr and "data nodes" in stderr
     # Under `local`, the advice names its own flags, and small sizes read in MiB, not "0.00 GiB".
     assert "(--data-nodes " in stderr and "(--memory-limit)" in stderr and "CLUSTER_SIZE" not in stderr
-    assert "can use 1.4 MiB" in stderr and "--data-nodes 3" in stderr
+    assert "can use 2.4 MiB" in stderr and "--data-nodes 3" in stderr
 
 
 def test_rows_that_decode_far_past_their_estimate_stop_the_load_before_an_oom_kill(tmp_path):
