@@ -33,7 +33,7 @@ from pyiceberg.typedef import Record
 
 from kubeflow_data_cache.errors import UnsupportedTableError
 from kubeflow_data_cache.plan import open_table, plan_table
-from kubeflow_data_cache.sample import create_sample_table, make_catalog
+from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from tests.cache.conftest import read_path_shards
 from tests.conftest import LocalCache, running_cache
 
@@ -235,6 +235,28 @@ def test_the_head_counts_live_rows_from_the_delete_files_alone(writable_table):
     rows = {f.path: f.rows for f in plan.files}
     assert {path: rows[path] for path in expected} == expected
     assert plan.rows == live
+
+
+def test_a_delete_position_past_its_files_end_deletes_nothing(writable_table):
+    """A position at or past the file's row count names no row: counted as deleted, the head
+    planned one row fewer than the file holds and the node's load failed on a valid table."""
+    _, middle, _ = data_files(writable_table)
+    table = add_position_deletes(writable_table, {middle: [0, 10**6]}, scoped_to_file=True)
+    plan, _ = plan_table(open_table(table.metadata_location), table.metadata_location)
+    assert plan.rows == ROWS - 1 == len(pyiceberg_ids(table.metadata_location))
+
+
+def test_an_equality_delete_newer_than_some_data_files_is_refused_as_one_that_applies(writable_table):
+    """Older than the files appended after it, newer than those before: it deletes rows of the
+    older ones, so the refusal says the table has equality deletes, not that they delete nothing."""
+    table = add_equality_deletes(writable_table, [7, 8, 9])
+    table.append(sample_batch(ROWS, ROWS + 100, with_text=False))
+    table = table.refresh()
+    with pytest.raises(UnsupportedTableError) as refused:
+        plan_table(open_table(table.metadata_location), table.metadata_location)
+    message = str(refused.value)
+    assert message.startswith("the table has equality deletes (delete file ") and "cannot apply exactly" in message
+    assert "delete no live row" not in message
 
 
 def test_equality_deletes_older_than_every_data_file_are_ignored(writable_table):

@@ -199,6 +199,15 @@ def test_bad_and_stale_tickets(small_cache):
     stale = Ticket("other-load", ticket.node, ticket.offset, ticket.node_rows, ticket.total, ticket.request)
     with pytest.raises(pa.ArrowInvalid, match="stale ticket: issued for data node"):
         node.do_get(flight.Ticket(stale.to_json())).read_all()
+    # Another node's ticket: with nodes of equal size this node would serve its own rows under
+    # the other's offset, other rows than the head counted, without a word.
+    other = Ticket(ticket.generation, 1 - ticket.node, ticket.offset, ticket.node_rows, ticket.total, ticket.request)
+    with pytest.raises(pa.ArrowInvalid, match=f"stale ticket: issued for data node {1 - ticket.node} "):
+        node.do_get(flight.Ticket(other.to_json())).read_all()
+    # A ticket expecting other rows on this node than it holds (a reload with another share).
+    moved = Ticket(ticket.generation, ticket.node, ticket.offset, ticket.node_rows + 1, ticket.total, ticket.request)
+    with pytest.raises(pa.ArrowInvalid, match=f"stale ticket: it expects {ticket.node_rows + 1} rows on this node"):
+        node.do_get(flight.Ticket(moved.to_json())).read_all()
     # Forged numbers and versions are refused as bad requests, not failed inside the stream.
     body = json.loads(info.endpoints[0].ticket.ticket)
     for change, refusal in (

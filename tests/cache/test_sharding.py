@@ -438,3 +438,31 @@ def test_readers_asking_for_one_epoch_at_once_wait_for_one_build(monkeypatch):
     with pytest.raises(MemoryError):  # a failed build reaches its caller, and is not kept
         sharding.epoch_order(50_000, failing)
     assert not sharding._building
+
+
+def test_the_shuffled_order_is_pinned():
+    """The order is part of the protocol: a saved position counts rows in it, and head and nodes
+    on different machines compute it apart. Changing it (a salt, the in-block rotation, the
+    window) must bump protocol.ORDER_VERSION, which readers resuming compare; then update this."""
+    import hashlib
+
+    from kubeflow_data_cache.protocol import ORDER_VERSION
+
+    rows = 5000
+    req = ShardRequest(shuffle=True, seed=1, epoch=3, block_size=64)
+    streamed = [np.concatenate(list(node_rows(node * rows, rows, 2 * rows, req))) for node in (0, 1)]
+    order = np.concatenate(streamed).astype(np.int64)
+    assert ORDER_VERSION == 2
+    assert order[:6].tolist() == [2322, 2701, 2423, 48, 4577, 3028]
+    assert (
+        hashlib.sha256(order.tobytes()).hexdigest()
+        == "b3619fabedc0f4658c2e173c654ac3bbb6c05c002cbb9a59377c91001926ffde"
+    )
+
+
+def test_each_full_block_gets_its_own_in_block_order():
+    """Every block's rows are shuffled within it by an order of its own: one order for all (the
+    rotation dropped) puts the same in-block offsets side by side in every block."""
+    order = EpochOrder(8192, ShardRequest(shuffle=True, seed=1, block_size=1024))
+    blocks = order.rows(0, 8192).reshape(8, 1024)
+    assert len({tuple(block % 1024) for block in blocks}) == 8

@@ -243,6 +243,27 @@ def test_a_stream_reopened_on_a_cache_that_orders_otherwise_is_refused(small_cac
 
 
 @pytest.mark.parametrize(
+    "change",
+    [{"offset": 1}, {"node_rows": 1}, {"total": 1}, {"rows": 1}],
+    ids=["offset", "node_rows", "total", "rows"],
+)
+def test_a_stream_reopened_on_a_node_that_reloaded_other_rows_is_refused(small_cache, change):
+    """Resuming a broken stream by row count is right only if the node holds the same rows: a
+    fresh ticket that places them otherwise (the table changed under a restarted cache) is an
+    error, not a continuation among other rows."""
+    request = ShardRequest(shuffle=True, epoch=4)
+    with CacheClient(small_cache.endpoint) as client:
+        endpoint = client.get_flight_info(request).endpoints[0]
+        now = Ticket.from_json(endpoint.ticket.ticket)
+        (field,) = change
+        was = replace(now, **{field: getattr(now, field) + change[field]})
+        old = flight.FlightEndpoint(was.to_json(), endpoint.locations)
+        location = endpoint.locations[0].uri.decode()
+        with pytest.raises(BadRequestError, match=f"data node {now.node} .* reloaded with other rows"):
+            client._fresh_endpoint(request, old, location)
+
+
+@pytest.mark.parametrize(
     "request_",
     [
         ShardRequest(shard=2, num_shards=3, shuffle=True, epoch=3, even="pad", block_size=256, batch_size=300),

@@ -100,6 +100,44 @@ def test_resume_rejects_other_settings_or_shards(cache):
     assert len(ids_of(moved._iter_world(World(0, 2, 0, 1)))) == ROWS // 2
 
 
+@pytest.mark.parametrize(
+    ("setting", "changed"),
+    [
+        ("seed", {"seed": 6}),
+        ("columns", {"columns": ["id", "label"]}),
+        ("filter", {"filter": "id >= 0"}),  # another row set: counts mean other rows
+        ("shuffle", {"shuffle": False}),
+        ("block_size", {"block_size": 512}),  # another shuffled order
+        ("batch_size", {"batch_size": 50}),
+        ("even", {"even": "pad"}),
+        ("drop_last", {"drop_last": True}),
+    ],
+)
+def test_resume_refuses_a_state_saved_with_any_other_setting(cache, setting, changed):
+    """Each setting changes which rows a saved count stands for: resumed under another, rows
+    would be repeated or skipped without a word."""
+    ds = make(cache)
+    it = ds._iter_world(World(0, 2, 0, 1))
+    next(it)
+    state = ds.state_dict()
+    settings = {"batch_size": 100, "columns": ["id"], "shuffle": True, "seed": 5, **changed}
+    with pytest.raises(ValueError, match=f"other dataset settings \\(.*{setting}: saved "):
+        DataCacheDataset(cache.endpoint, **settings).load_state_dict(state)
+    make(cache).load_state_dict(state)  # the same settings take it
+
+
+@pytest.mark.parametrize("version", [4, None, "3"])
+def test_resume_refuses_a_state_of_an_unknown_version(cache, version):
+    ds = make(cache)
+    it = ds._iter_world(World(0, 2, 0, 1))
+    next(it)
+    state = {k: v for k, v in ds.state_dict().items() if k != "version"}
+    if version is not None:
+        state["version"] = version
+    with pytest.raises(ValueError, match="not a DataCacheDataset state"):
+        make(cache).load_state_dict(state)
+
+
 def loader(ds: DataCacheDataset) -> StatefulDataLoader:
     # forkserver and a timeout: see WORKERS in test_dataset_loader.py.
     return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
