@@ -395,6 +395,19 @@ def test_a_tls_reader_refuses_a_plain_data_node_location_before_dialing_it():
     client.close()
 
 
+@pytest.mark.parametrize("content", ["s3cr3t\n", "  s3cr3t\r\n", "\ts3cr3t \n\n"])
+def test_a_token_files_surrounding_whitespace_is_not_part_of_the_token(tmp_path, content):
+    """Secrets made from files end in a newline, one edited on Windows in CR LF, some with spaces:
+    the token is what is between them, as readers given the same file send it."""
+    from kubeflow_data_cache.dataset import default_token
+    from kubeflow_data_cache.security import load_token
+
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content.encode())
+    assert load_token(None, str(token_file)) == "s3cr3t"
+    assert default_token({"DATA_CACHE_TOKEN_FILE": str(token_file)}) == "s3cr3t"
+
+
 @pytest.mark.parametrize("content", [b"\xff\xfes3cr3t", b"tok\x80en"])
 def test_a_token_file_that_is_not_text_is_refused_without_quoting_it(tmp_path, content):
     from kubeflow_data_cache.dataset import default_token

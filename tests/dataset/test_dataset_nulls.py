@@ -21,7 +21,8 @@ ROWS = 4000
 @pytest.fixture(scope="module")
 def null_cache(tmp_path_factory) -> Iterator[LocalCache]:
     """Two files; `x` (int64) has one null, on the very last row; `f` (float) and `s` (string),
-    whose nulls the default conversion takes (NaN, None), have some; `id` has none."""
+    whose nulls the default conversion takes (NaN, None), have some; `flag` (bool) and `vec` (a
+    list) have one each, at the end of a file; `id` has none."""
     root = tmp_path_factory.mktemp("nulls")
     catalog = make_catalog(str(root / "wh"), root / "catalog.db")
     catalog.create_namespace("demo")
@@ -34,6 +35,8 @@ def null_cache(tmp_path_factory) -> Iterator[LocalCache]:
                 "x": pa.array([None if i == ROWS - 1 else i for i in ids], pa.int64()),
                 "f": pa.array([None if i % 7 == 0 else float(i) for i in ids], pa.float64()),
                 "s": pa.array([None if i % 5 == 0 else str(i) for i in ids], pa.string()),
+                "flag": pa.array([None if i == ROWS // 2 - 1 else i % 2 == 0 for i in ids], pa.bool_()),
+                "vec": pa.array([None if i == ROWS - 2 else [float(i)] * 2 for i in ids], pa.list_(pa.float32())),
             }
         )
 
@@ -57,6 +60,22 @@ def test_an_integer_column_with_a_null_is_refused_before_the_first_batch(null_ca
     assert "filter='\"x\" IS NOT NULL'" in message and "before the first batch" in message, message
 
 
+@pytest.mark.parametrize(
+    ("column", "refusal"),
+    [
+        ("flag", "column 'flag' (bool) has 1 null value(s)"),
+        ("vec", "column 'vec' has 1 null list(s)"),
+    ],
+)
+def test_boolean_and_list_columns_with_a_null_are_refused_before_the_first_batch(null_cache, column, refusal):
+    dataset = DataCacheDataset(null_cache.endpoint, batch_size=100, columns=["id", column])
+    with pytest.raises(ValueError) as refused:
+        next(iter(dataset))  # each null ends its file, past the first batch whichever file comes first
+    message = str(refused.value)
+    assert refusal in message and "before the first batch" in message, message
+    assert f"filter='\"{column}\" IS NOT NULL'" in message
+
+
 def test_what_the_message_suggests_reads_the_rest(null_cache):
     kept = DataCacheDataset(null_cache.endpoint, batch_size=100, filter='"x" IS NOT NULL', columns=["id", "x"])
     assert sorted(_ids(kept)) == list(range(ROWS - 1))
@@ -73,7 +92,8 @@ def test_a_conversion_of_ones_own_gets_the_nulls(null_cache):
             out["x"] = batch["x"].fill_null(-1).to_numpy()
             return out
 
-    filled = [x for batch in Filled(null_cache.endpoint, batch_size=100) for x in batch["x"].tolist()]
+    filled = Filled(null_cache.endpoint, batch_size=100, columns=["id", "x", "f", "s"])
+    filled = [x for batch in filled for x in batch["x"].tolist()]
     assert len(filled) == ROWS and filled.count(-1) == 1
 
 

@@ -190,6 +190,8 @@ def _sliced(cursors: list[_Cursor], lengths: list[int], unit: int, point: Resume
         while need:
             piece = cursor.take(need)
             if piece is None:
+                if lengths[j] != UNKNOWN_LENGTH:  # as the windows' reads say (_taken)
+                    raise DataCacheError(f"stream {j} ended before the {lengths[j]} rows its ticket holds")
                 heapq.heappop(heap)  # ended: a stream of unknown length leaves the rotation
                 break
             need -= piece.num_rows
