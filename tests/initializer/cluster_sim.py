@@ -28,6 +28,7 @@ SCENARIOS = (
     "image_pull_passes",
     "invalid_image",
     "oom",
+    "recovered_oom",
     "unschedulable",
     "evicted",
     "workers_refused",
@@ -306,7 +307,12 @@ class CacheSim:
             return
         for loaded in range(1, nodes + 1):
             self._status("loading", nodes, loaded)
-            self._set(pods[loaded], ready=True)
+            if self.scenario == "recovered_oom" and loaded == 1:
+                # OOM-killed once while starting, restarted by its kubelet, and ready since.
+                oom = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+                self._set(pods[loaded], ready=True, lastState=oom)
+            else:
+                self._set(pods[loaded], ready=True)
             time.sleep(self.step)
         self._status("ready", nodes, nodes)
         self._set(pods[0], ready=True)

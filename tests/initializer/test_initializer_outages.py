@@ -91,7 +91,10 @@ def test_a_loaded_cache_whose_status_port_is_unreachable_is_taken_as_ready(fake,
 
     assert run_initializer(env) == (0, "")
 
-    assert "/status has not answered for" in caplog.text
+    waited = re.search(r"/status has not answered for (\d+)s", caplog.text)
+    assert waited, caplog.text
+    # After its grace (a few status polls), not at the 20 s deadline, the last look.
+    assert int(waited[1]) < 10, caplog.text
     assert "refused" in caplog.text  # the reason the head did not answer
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is not None
 

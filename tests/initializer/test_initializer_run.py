@@ -99,6 +99,15 @@ def test_a_hopeless_cache_fails_at_once_with_the_reason_and_is_deleted(
     assert fake.items("pods", NAMESPACE) == []
 
 
+def test_a_ready_pod_that_was_oom_killed_once_is_history_not_a_failure(fake, make_sim, run_initializer):
+    """Its container's last state says OOMKilled, but it restarted and is ready: failing the run
+    (and deleting the cache) for one OOM kill while starting would throw away a working cache."""
+    add_train_job(fake, "job-a")
+    code, error = run_initializer(initializer_env(make_sim("recovered_oom"), CACHE_READY_TIMEOUT_SECONDS="120"))
+    assert code == 0, error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is not None
+
+
 def test_a_cache_that_never_gets_ready_times_out_with_its_progress(fake, make_sim, run_initializer):
     add_train_job(fake, "job-a")
 
