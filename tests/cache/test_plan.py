@@ -587,10 +587,9 @@ def _held_and_estimated(location: str) -> tuple[dict[str, int], dict[str, int]]:
     return held, estimated
 
 
-def test_columns_added_after_the_files_were_written_are_estimated_as_the_nulls_they_read_as(tmp_path):
-    """No file holds them, so every row reads null. Sized as values without statistics (32 bytes
-    a row), 8 such string columns on a 400,000-row table came to 7.5x what a node held, and a
-    table that fits was refused."""
+def _table_with_added_columns(tmp_path, later_rows: int):
+    """100,000 rows of ``id``; then columns added (a string, an int, a list of strings, a struct),
+    and ``later_rows`` rows written with them."""
     from pyiceberg.types import IntegerType, ListType, NestedField, StringType, StructType
 
     catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
@@ -602,28 +601,67 @@ def test_columns_added_after_the_files_were_written_are_estimated_as_the_nulls_t
         update.add_column("score", IntegerType())
         update.add_column("tags", ListType(200, StringType(), element_required=False))
         update.add_column("st", StructType(NestedField(300, "a", StringType(), required=False)))
-    held, estimated = _held_and_estimated(catalog.load_table("s.added").metadata_location)
+    table = catalog.load_table("s.added")
+    if later_rows:
+        ids = np.arange(100_000, 100_000 + later_rows, dtype=np.int64)
+        later = {
+            "id": ids,
+            "text": [f"t{i}" for i in ids],
+            "score": pa.array(ids % 7, pa.int32()),
+            "tags": [["a", "b"]] * later_rows,
+            "st": [{"a": "x"}] * later_rows,
+        }
+        table.append(pa.table(later, schema=table.schema().as_arrow()))
+    return catalog.load_table("s.added").metadata_location
+
+
+def test_columns_added_after_a_file_was_written_are_estimated_as_the_nulls_they_read_there(tmp_path):
+    """The older file has no size for them and reads them as nulls. Sized as values without
+    statistics (32 bytes a row), 8 such string columns on a 400,000-row table came to 7.5x what a
+    node held, and a table that fits was refused."""
+    held, estimated = _held_and_estimated(_table_with_added_columns(tmp_path, later_rows=2_000))
     for name in ("text", "score", "tags", "st"):
         assert held[name] <= estimated[name] <= 1.3 * held[name], (name, held[name], estimated[name])
+
+
+def test_a_column_no_file_has_a_size_for_is_estimated_as_values_not_nulls(tmp_path):
+    """Java's Iceberg records no size for a column in metrics mode none (the default past a
+    table's first 100 columns), stored or not: where no file has one, nothing says the column was
+    added after the files, and it may hold values (an embedding of 3 KB a row). Sized as nulls,
+    such a table passed the fit check and met the load guard or an OOM kill."""
+    location = _table_with_added_columns(tmp_path, later_rows=0)
+    t = open_table(location)
+    plan, _ = plan_table(t, location)
+    rows = plan.rows
+    text = plan.schema.get_field_index("text")
+    assert sum(f.column_bytes[text] for f in plan.files) >= 32 * rows  # no statistics: the generous guess
 
 
 def test_a_partition_column_a_file_leaves_out_is_estimated_as_values_not_nulls():
     """A file added from a Hive layout (Spark's add_files) keeps its partition value in the
     manifest, not in the file, and readers fill the column with it on every row (pyiceberg's
-    projection of missing identity-partition columns): such a column is not sized as nulls."""
+    projection of missing identity-partition columns): such a column is not taken as added
+    after the file, even where other files have a size for it."""
     from types import SimpleNamespace
 
+    from pyiceberg.partitioning import PartitionField, PartitionSpec
+    from pyiceberg.transforms import IdentityTransform
     from pyiceberg.types import LongType, NestedField, StringType
 
-    from kubeflow_data_cache.plan import estimate_column_bytes
+    from kubeflow_data_cache.plan import estimate_column_bytes, sized_in_some_file
 
     schema = pa.schema([("id", pa.int64()), ("city", pa.string())])
     fields = [NestedField(1, "id", LongType(), required=False), NestedField(2, "city", StringType(), required=False)]
     rows = 50_000
-    data_file = SimpleNamespace(column_sizes={1: 400_000}, value_counts={1: rows}, record_count=rows)
-    _, as_nulls = estimate_column_bytes(data_file, schema, fields, rows)
-    _, as_values = estimate_column_bytes(data_file, schema, fields, rows, partition_sources=frozenset({2}))
-    assert as_nulls < rows * 5  # offsets and validity
+    hive = SimpleNamespace(file=SimpleNamespace(column_sizes={1: 400_000}, value_counts={1: rows}, record_count=rows))
+    written = SimpleNamespace(file=SimpleNamespace(column_sizes={1: 400_000, 2: 9_000}, record_count=rows))
+    spec = PartitionSpec(PartitionField(2, 1000, IdentityTransform(), "city"))
+    table = SimpleNamespace(specs=lambda: {0: spec})
+    unpartitioned = SimpleNamespace(specs=lambda: {0: PartitionSpec()})
+    tasks = {"hive": hive, "written": written}
+    _, as_nulls = estimate_column_bytes(hive.file, schema, fields, rows, None, sized_in_some_file(unpartitioned, tasks))
+    _, as_values = estimate_column_bytes(hive.file, schema, fields, rows, None, sized_in_some_file(table, tasks))
+    assert as_nulls < rows * 5  # offsets and validity: what an unpartitioned column added later reads as
     assert as_values >= rows * 32  # no statistics for its values: the generous guess
 
 

@@ -401,12 +401,18 @@ def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale
     return total
 
 
-def _in_file(field: pa.Field, iceberg_field, sizes: dict) -> bool:
-    """Whether a data file with column ``sizes`` stores ``field`` (a nested one: any of its leaves)."""
-    if not pa.types.is_nested(field.type):
-        return iceberg_field.field_id in sizes
-    leaves, _ = _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)
-    return any(leaf_id in sizes for leaf_id, _ in leaves)
+def _added_after(field: pa.Field, iceberg_field, sizes: dict, sized_elsewhere: frozenset[int]) -> bool:
+    """Whether a data file with column ``sizes`` was written before ``field`` was added to the
+    table, so that it reads as nulls there: the file has no size for it (for none of its leaves),
+    other files have one (so its writers record one: Java's Iceberg records none for a column
+    whose metrics mode is none, stored or not), and it takes a higher field id than every column
+    the file has a size for (a column added later takes the next ids)."""
+    ids = [iceberg_field.field_id]
+    if pa.types.is_nested(field.type):
+        ids = [leaf_id for leaf_id, _ in _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)[0]]
+    if not ids or any(i in sizes for i in ids) or not any(i in sized_elsewhere for i in ids):
+        return False
+    return min(ids) > max(sizes)
 
 
 def _null_column_bytes(t: pa.DataType, rows: int) -> int:
@@ -427,16 +433,20 @@ def _null_column_bytes(t: pa.DataType, rows: int) -> int:
     return validity + (8 if large else 4) * (rows + 1)
 
 
-def identity_partition_sources(table) -> frozenset[int]:
-    """The field ids any of the table's partition specs keeps as they are (identity transforms)."""
+def sized_in_some_file(table, tasks: dict) -> frozenset[int]:
+    """The field ids some data file of ``tasks`` has a size for, less those an identity partition
+    keeps (a file may leave such a column out and read as its partition value, not nulls): the
+    columns a file without a size for may lack because they were added after it."""
     from pyiceberg.transforms import IdentityTransform
 
-    return frozenset(
+    sized = frozenset().union(*((task.file.column_sizes or {}).keys() for task in tasks.values()))
+    kept = {
         f.source_id
         for spec in table.specs().values()
         for f in spec.fields
         if isinstance(f.transform, IdentityTransform)
-    )
+    }
+    return sized - kept
 
 
 def estimate_column_bytes(
@@ -445,28 +455,25 @@ def estimate_column_bytes(
     iceberg_fields: list,
     rows: int,
     expansions: dict[int, float] | None = None,
-    partition_sources: frozenset[int] = frozenset(),
+    sized_elsewhere: frozenset[int] = frozenset(),
 ) -> tuple[int, ...]:
     """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read).
 
     ``rows`` may be fewer than the file holds (positional deletes); per-file statistics are scaled.
     ``expansions``: measured decoded bytes per on-disk byte by field id (expansion.py), for
     the string and binary columns it covers, in place of VARIABLE_WIDTH_EXPANSION.
-    ``partition_sources``: identity_partition_sources, the columns a file may leave out and still
-    hold values for.
+    ``sized_elsewhere``: sized_in_some_file, for telling the columns added after this file was
+    written (none: every column the file has no size for is sized as values without statistics).
     """
     expansions = expansions or {}
     sizes = data_file.column_sizes or {}
     scale = rows / data_file.record_count if data_file.record_count else 1.0
     estimates = []
     for field, iceberg_field in zip(schema, iceberg_fields, strict=True):
-        if sizes and iceberg_field.field_id not in partition_sources and not _in_file(field, iceberg_field, sizes):
-            # A column added after the file was written: the file has sizes for its other columns
-            # (Iceberg records every stored column's, whatever its metrics mode) and none for this
-            # one, so it reads as nulls. Sized as values with no statistics (32 bytes a row), 8
-            # string columns added to a 400,000-row table were estimated 7.5x what a node held,
-            # and a table that fits was refused. (A partition column a file leaves out, as files
-            # added from a Hive layout do, reads as the file's partition value: not nulls.)
+        if sizes and _added_after(field, iceberg_field, sizes, sized_elsewhere):
+            # It reads as nulls in this file. Sized as values with no statistics (32 bytes a row),
+            # 8 string columns added to a 400,000-row table were estimated 7.5x what a node held,
+            # and a table that fits was refused.
             estimate = _null_column_bytes(field.type, rows)
         elif pa.types.is_nested(field.type):
             estimate = _nested_estimate(field, iceberg_field, rows, data_file, scale)
@@ -595,7 +602,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     iceberg_fields = list(table.schema().fields)
     tasks = scan_tasks(table, metadata_location)
     expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
-    partition_sources = identity_partition_sources(table)
+    sized_elsewhere = sized_in_some_file(table, tasks)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
@@ -604,7 +611,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
             FilePlan(
                 path,
                 rows,
-                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, partition_sources),
+                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, sized_elsewhere),
                 bool(deletes),
                 max(1, len(task.file.split_offsets or ())),
             )

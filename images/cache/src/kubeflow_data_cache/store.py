@@ -34,8 +34,8 @@ from kubeflow_data_cache.plan import (
     Piece,
     credential_source,
     estimate_column_bytes,
-    identity_partition_sources,
     is_remote,
+    sized_in_some_file,
 )
 
 log = logging.getLogger(__name__)
@@ -157,9 +157,9 @@ def column_groups(
     fields = _iceberg_fields(table, schema)
     if fields is None:
         return [(None, 1.0)]
-    sizes = estimate_column_bytes(
-        task.file, schema, fields, task.file.record_count, expansions, identity_partition_sources(table)
-    )
+    # Only this file's statistics at hand: a column it has no size for is sized as values, which
+    # errs high (a smaller group), never low.
+    sizes = estimate_column_bytes(task.file, schema, fields, task.file.record_count, expansions)
     groups: list[tuple[list[int], int]] = []
     for field, size in zip(fields, sizes, strict=True):
         if groups and groups[-1][1] + size <= limit:
@@ -306,11 +306,11 @@ def decode_budget(
     if fields is None:
         return None
     kept, unit, minimum = [], [], []
-    partition_sources = identity_partition_sources(table)
+    sized_elsewhere = sized_in_some_file(table, tasks)  # as the head's plan estimated them
     for piece in pieces:
         data_file = tasks[piece.path].file
         whole = sum(
-            estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions, partition_sources)
+            estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions, sized_elsewhere)
         )
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
