@@ -493,7 +493,13 @@ def decimal_store():
     from decimal import Decimal
 
     prices = [Decimal("128963.25"), Decimal("-891325.57"), Decimal("1.10"), None, Decimal("0.30")]
-    batch = pa.record_batch({"price": pa.array(prices, pa.decimal128(18, 2)), "f": [1.0, float("nan"), 2.5, 3.0, 0.3]})
+    batch = pa.record_batch(
+        {
+            "price": pa.array(prices, pa.decimal128(18, 2)),
+            "f": [1.0, float("nan"), 2.5, 3.0, 0.3],
+            "i": pa.array([1, 2, 3, 4, 5], pa.int64()),
+        }
+    )
     return NodeStore(batch.schema, [batch])
 
 
@@ -556,3 +562,56 @@ def test_a_filtered_in_order_stream_places_its_range_among_the_matches_without_c
     assert peak < 1 << 20, peak  # a view: nothing of the range's 24 MB copied
     assert np.shares_memory(first, matches) and first[0] == 20 and len(first) == 3_000_000
     assert next(parts).tolist() == [0, 10]  # an index array of positions is gathered
+
+
+@pytest.mark.parametrize(
+    ("predicate", "number", "suggested", "rows"),
+    [
+        # Cast to the column's own scale, 1.234 became 1.23, and `>=` matched 1.23.
+        ("price >= 1.234", "1.234", "CAST('1.234' AS DECIMAL(19, 3))", [0]),
+        ("price = 1.234", "1.234", "CAST('1.234' AS DECIMAL(19, 3))", []),
+        ("price > 0.00001", "0.00001", "CAST('0.00001' AS DECIMAL(21, 5))", [0, 2, 4]),  # 1e-05 as digits
+        ("price < 1e20", "1e20", "CAST('100000000000000000000' AS DECIMAL(23, 2))", [0, 1, 2, 4]),
+        ("price = -(891325.57)", "-(891325.57)", "CAST('-891325.57' AS DECIMAL(18, 2))", [1]),
+        ("price = CAST(128963.25 AS DOUBLE)", "CAST(128963.25 AS DOUBLE)", "CAST('128963.25' AS DECIMAL(18, 2))", [0]),
+        ("price = 128963.25::double", "128963.25::double", "CAST('128963.25' AS DECIMAL(18, 2))", [0]),
+    ],
+)
+def test_the_suggested_decimal_holds_the_number_exactly_and_matches_its_rows(
+    decimal_store, predicate, number, suggested, rows
+):
+    """The suggestion keeps every digit of the number (a cast to the column's own scale would round
+    it), written in digits (a string such as '1e-05' does not cast), and applies however the number
+    was wrapped (negated, cast to a double)."""
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(decimal_store, predicate)
+    assert str(refused.value).endswith(suggested), str(refused.value)
+    assert matching_rows(decimal_store, predicate.replace(number, suggested)).tolist() == rows
+
+
+def test_an_expression_of_floating_point_numbers_compared_with_a_decimal_is_refused(decimal_store):
+    with pytest.raises(BadRequestError, match="with a floating-point number, which SQL reads as binary floating point"):
+        matching_rows(decimal_store, "price = 515853/4.0")
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [
+        ("i BETWEEN 1.5 AND 3", [1, 2]),  # the number is compared with an integer column
+        ("f IN (i, 0.3)", [0, 4]),
+        ("CAST(price AS DOUBLE) > 1.5", [0]),  # the user's own cast: a double compared with a double
+    ],
+)
+def test_numbers_compared_with_other_columns_beside_a_decimal_are_not_refused(decimal_store, predicate, rows):
+    assert matching_rows(decimal_store, predicate).tolist() == rows
+
+
+def test_tables_without_decimals_are_not_typed_for_the_check(store, monkeypatch):
+    """The check plans an expression per operand it types: tables with no decimal skip it."""
+    from kubeflow_data_cache import filtering
+
+    def typed(*args):
+        raise AssertionError("checked a table without decimals")
+
+    monkeypatch.setattr(filtering, "check_decimal_comparisons", typed)
+    assert matching_rows(store, "id > 2.5").tolist() == [3, 4, 5, 6, 7, 8, 9]

@@ -118,7 +118,7 @@ def check_calls(condition, predicate: str) -> None:
                     f"invalid filter {shown(predicate)}: it calls {name}(), whose value changes between calls, so "
                     'ranks would see overlapping rows; to sample, use a column, e.g. "id % 10 = 0"'
                 )
-            constant = name in CONSTANT_BUILDERS and all(_constant(o) for o in operands)
+            constant = name in CONSTANT_BUILDERS and all(is_constant(o) for o in operands)
             if name not in ALLOWED_FUNCTIONS and not constant:
                 raise BadRequestError(
                     f"invalid filter {shown(predicate)}: {name}() is not among the functions a filter may call: "
@@ -152,7 +152,7 @@ def _check_literal(expr, compared: bool, predicate: str) -> None:
         )
 
 
-def _constant(expr) -> bool:
+def is_constant(expr) -> bool:
     """Whether ``expr`` names no column: literals, and casts and lists of them."""
     pending = [expr]
     while pending:

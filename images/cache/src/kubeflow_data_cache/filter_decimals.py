@@ -5,30 +5,35 @@ SQL reads `128963.25` as a binary floating-point number, and DataFusion compares
 one by casting both to a decimal of scale 15, the number through floating-point arithmetic:
 `price = 128963.25` on a decimal(18, 2) column compared with 128963.249999999991808 and matched
 no row, where pyiceberg, Spark and Trino match it (49 of 60 such equalities missed their row, and
-22 of 60 `>=`). Written as a decimal, `CAST('128963.25' AS DECIMAL(18, 2))` (or the string
-`'128963.25'`), the number compares exactly. DataFusion's option to read such numbers as
-decimals is no cure: a float column compared with one is then cast to a decimal, which fails on
-NaN.
+22 of 60 `>=`). Written as a decimal with room for its digits, `CAST('128963.25' AS DECIMAL(18,
+2))`, the number compares exactly (cast to the column's own scale, as a string `'1.234'`
+compared with a decimal(18, 2) column is, it becomes 1.23 and matches rows it should not).
+DataFusion's option to read such numbers as decimals is no cure: a float column compared with
+one is then cast to a decimal, which fails on NaN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from decimal import Decimal
 
 import pyarrow as pa
 
 from kubeflow_data_cache.errors import BadRequestError, shown
-from kubeflow_data_cache.filter_calls import COMPARING_OPERATORS
+from kubeflow_data_cache.filter_calls import COMPARING_OPERATORS, is_constant
 
-# Forms that compare their first operand with the others.
+# Forms that compare their first operand with each of the others.
 COMPARING_LISTS = frozenset({"InList", "Between"})
+# Wrappers a number passes through unchanged in value (its sign aside).
+NUMBER_WRAPPERS = frozenset({"Negative", "Cast", "TryCast", "Alias"})
 
 
 def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType], predicate: str) -> None:
-    """Refuse (BadRequestError) a comparison of a decimal value with a floating-point literal.
+    """Refuse (BadRequestError) a comparison of a decimal value with a floating-point number
+    (a literal with a point or an exponent, or any expression of such numbers without a column).
 
-    ``type_of(expr)``: the type ``expr`` has over the table (asked only of the other operands
-    of a comparison that holds such a literal)."""
+    ``type_of(expr)``: the type ``expr`` has over the table. Call this only for tables with a
+    decimal column (has_decimal): it plans an expression for each operand it types."""
     pending = [condition]
     while pending:
         expr = pending.pop()
@@ -37,30 +42,76 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
             continue
         operands = expr.rex_call_operands()
         pending.extend(operands)
-        comparing = form in COMPARING_LISTS or (
-            form == "BinaryExpr" and expr.rex_call_operator() in COMPARING_OPERATORS
-        )
-        if not comparing:
+        if form in COMPARING_LISTS:
+            pairs = [(operands[0], other) for other in operands[1:]]
+        elif form == "BinaryExpr" and expr.rex_call_operator() in COMPARING_OPERATORS and len(operands) == 2:
+            pairs = [(operands[0], operands[1])]
+        else:
             continue
-        numbers = [i for i, o in enumerate(operands) if _float_literal(o)]
-        if not numbers:
-            continue
-        for i, operand in enumerate(operands):
-            if i in numbers or operand.variant_name() == "Literal":
-                continue
-            try:
-                kind = type_of(operand)
-            except Exception:  # planning the filter, next, names what is wrong with it
-                continue
-            if pa.types.is_decimal(kind):
-                number = repr(operands[numbers[0]].python_value().as_py())
-                raise BadRequestError(
-                    f"invalid filter {shown(predicate)}: it compares a {kind} value with {number}, a number SQL "
-                    "reads as binary floating point, which is rounded on its way to a decimal, so rows equal to it "
-                    f"would not match; write the number as a decimal: CAST('{number}' AS DECIMAL({kind.precision}, "
-                    f"{kind.scale}))"
-                )
+        for a, b in pairs:
+            for value, number in ((a, b), (b, a)):
+                if is_constant(number) and _typed(number, type_of, pa.types.is_floating) and not is_constant(value):
+                    kind = _typed(value, type_of, pa.types.is_decimal)
+                    if kind is not None:
+                        raise BadRequestError(_refusal(predicate, kind, _number(number)))
 
 
-def _float_literal(expr) -> bool:
-    return expr.variant_name() == "Literal" and pa.types.is_floating(expr.python_value().type)
+def has_decimal(schema: pa.Schema) -> bool:
+    """Whether any column of ``schema`` is or holds a decimal."""
+    pending = list(schema.types)
+    while pending:
+        t = pending.pop()
+        if pa.types.is_decimal(t):
+            return True
+        pending.extend(t.field(i).type for i in range(t.num_fields))
+    return False
+
+
+def _refusal(predicate: str, kind: pa.DataType, number: float | None) -> str:
+    written = f"CAST('{_decimal_text(number)}' AS DECIMAL({_fitting(kind, number)}))" if number is not None else None
+    fix = written or f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
+    shown_number = repr(number) if number is not None else "a floating-point number"
+    return (
+        f"invalid filter {shown(predicate)}: it compares a {kind} value with {shown_number}, which SQL reads as "
+        "binary floating point and rounds on its way to a decimal, so rows equal to it may not match; write the "
+        f"number as a decimal: {fix}"
+    )
+
+
+def _decimal_text(number: float) -> str:
+    """``number`` as plain decimal digits, as Python writes it shortest (1e-05 as 0.00001)."""
+    return format(Decimal(repr(number)), "f")
+
+
+def _fitting(kind: pa.DataType, number: float) -> str:
+    """A decimal's precision and scale that hold both ``kind``'s values and ``number`` exactly: a
+    cast to the column's own scale would round 1.234 to 1.23, and match rows it should not."""
+    value = Decimal(repr(number))
+    scale = max(kind.scale, -min(0, value.as_tuple().exponent))
+    whole = max(kind.precision - kind.scale, value.adjusted() + 1, 1)
+    return f"{min(38, whole + scale)}, {scale}"
+
+
+def _typed(expr, type_of: Callable[[object], pa.DataType], test: Callable[[pa.DataType], bool]):
+    """``expr``'s type where ``test`` holds for it, else None (a literal is typed without planning)."""
+    if expr.variant_name() == "Literal":
+        kind = expr.python_value().type
+    else:
+        try:
+            kind = type_of(expr)
+        except Exception:  # planning the filter, next, names what is wrong with it
+            return None
+    return kind if test(kind) else None
+
+
+def _number(expr) -> float | None:
+    """The value of a number written as a literal, negated or cast (else None: an expression)."""
+    sign = 1.0
+    while expr.variant_name() in NUMBER_WRAPPERS:
+        if expr.variant_name() == "Negative":
+            sign = -sign
+        (expr,) = expr.rex_call_operands()[:1]
+    if expr.variant_name() != "Literal":
+        return None
+    value = expr.python_value().as_py()
+    return sign * value if isinstance(value, float) else None

@@ -15,7 +15,7 @@ import pyarrow as pa
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, server_message, shown
 from kubeflow_data_cache.filter_calls import check_calls
-from kubeflow_data_cache.filter_decimals import check_decimal_comparisons
+from kubeflow_data_cache.filter_decimals import check_decimal_comparisons, has_decimal
 from kubeflow_data_cache.protocol import check_filter
 from kubeflow_data_cache.store import NodeStore, indices
 
@@ -115,7 +115,8 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
         columns = table.select(*(_column(name) for name in store.schema.names))
         condition = columns.parse_sql_expr(predicate)
         check_calls(condition, predicate)
-        check_decimal_comparisons(condition, lambda expr: columns.select(expr).schema().field(0).type, predicate)
+        if has_decimal(store.schema):
+            check_decimal_comparisons(condition, lambda expr: columns.select(expr).schema().field(0).type, predicate)
         # Planned as a filter, which checks that the predicate is a boolean and what it becomes.
         selected = table.filter(condition).select(_column(ROW_COLUMN))
         if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:

@@ -40,6 +40,9 @@ from kubeflow_data_cache.plan import (
 
 log = logging.getLogger(__name__)
 
+# (stored batch, column set) entries of a store's offsets kept for cutting served batches by bytes.
+MAX_KEPT_OFFSETS = 1024
+
 
 def _variable_bytes(batch: pa.RecordBatch) -> int:
     """The largest size among the batch's non-primitive columns (strings, lists, structs...): its
@@ -358,6 +361,9 @@ class NodeStore:
             and (bounds := _length_bounds(b.column(i) for b in self.batches)) is not None
         }
         self.nbytes = sum(self.column_bytes.values())
+        # (stored batch, string and binary columns) -> their offsets and their values' bytes in
+        # it (slices: where they fit in one served batch, nothing is cut).
+        self._offsets: dict[tuple[int, tuple[int, ...]], tuple[list[np.ndarray], int]] = {}
 
     @classmethod
     def load(
@@ -428,11 +434,11 @@ class NodeStore:
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
-    def _variable_columns(self, columns: tuple[str, ...] | None) -> list[int]:
+    def _variable_columns(self, columns: tuple[str, ...] | None) -> tuple[int, ...]:
         """The indices of the string and binary columns among ``columns`` (all when None)."""
         names = self.schema.names if columns is None else columns
         indices = [self.schema.get_field_index(name) for name in names]
-        return [i for i in indices if _has_value_offsets(self.schema.field(i).type)]
+        return tuple(i for i in indices if _has_value_offsets(self.schema.field(i).type))
 
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))
@@ -447,18 +453,31 @@ class NodeStore:
         images in a table of short rows) one slice of that many rows held 200 MiB, and Flight
         refuses a batch over 2 GiB. Their offsets say where to cut, without reading the values."""
         variable = self._variable_columns(columns)
-        budget = max_bytes // max(1, len(variable))
         pos = lo
         while pos < hi:
             i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
             start = pos - int(self.offsets[i])
             n = min(hi - pos, self.batches[i].num_rows - start, batch_rows)
-            for j in variable:
-                offsets = value_offsets(self.batches[i].column(j).slice(start, n))
-                if offsets[-1] - offsets[0] > budget:  # the rows whose values fit, at least one
-                    n = max(1, int(np.searchsorted(offsets, offsets[0] + budget, side="right")) - 1)
+            if variable:
+                n = self._within_bytes(i, variable, start, n, max_bytes)
             yield self._select(self.batches[i].slice(start, n), columns)
             pos += n
+
+    def _within_bytes(self, i: int, variable: tuple[int, ...], start: int, n: int, max_bytes: int) -> int:
+        """How many of the ``n`` rows from ``start`` of stored batch ``i`` hold at most
+        ``max_bytes`` of the ``variable`` columns' values together (at least one row)."""
+        key = (i, variable)
+        found = self._offsets.get(key)
+        if found is None:  # the chunk's offsets (views, no copy), and all its values' bytes
+            if len(self._offsets) >= MAX_KEPT_OFFSETS:  # clients choose the column sets
+                self._offsets.clear()
+            views = [value_offsets(self.batches[i].column(j)) for j in variable]
+            found = self._offsets[key] = (views, sum(int(v[-1] - v[0]) for v in views))
+        views, chunk_bytes = found
+        if chunk_bytes <= max_bytes or sum(int(v[start + n] - v[start]) for v in views) <= max_bytes:
+            return n
+        together = sum(v[start : start + n + 1] - v[start] for v in views)
+        return max(1, int(np.searchsorted(together, max_bytes, side="right")) - 1)
 
     def take(self, rows: np.ndarray, columns) -> pa.RecordBatch:
         """Rows at the given local positions, in that order: one gather per stored chunk touched."""
