@@ -209,3 +209,22 @@ def test_a_sample_of_large_values_decodes_a_bounded_number_of_bytes(tmp_path, mo
     (rows,) = asked
     assert 1 <= rows <= expansion.SAMPLE_MAX_BYTES // (1 << 20)  # 8 rows of 1 MiB at most, not 8,192
     assert 1.0 <= next(iter(ratios.values())) < 1.1
+
+
+def test_a_dictionary_page_whose_offset_an_older_writer_left_out_is_bounded_by_its_chunk():
+    """parquet-mr put the dictionary at offset 0 and older metadata does not report it: a chunk
+    whose encodings say it is dictionary-encoded is taken to hold a dictionary as large as itself."""
+    from types import SimpleNamespace
+
+    from kubeflow_data_cache.expansion import _dictionary_page_bytes
+
+    def chunk(**kw):
+        base = {"has_dictionary_page": False, "dictionary_page_offset": None, "data_page_offset": 4}
+        return SimpleNamespace(**{**base, "total_compressed_size": 30 << 20, "total_uncompressed_size": 31 << 20, **kw})
+
+    assert _dictionary_page_bytes(chunk(encodings=("PLAIN_DICTIONARY", "RLE"))) == 31 << 20
+    assert _dictionary_page_bytes(chunk(encodings=("PLAIN", "RLE"))) == 0
+    reported = chunk(
+        encodings=("RLE_DICTIONARY",), has_dictionary_page=True, dictionary_page_offset=4, data_page_offset=1004
+    )
+    assert _dictionary_page_bytes(reported) == 1000

@@ -158,7 +158,8 @@ def test_a_loaded_node_keeps_only_its_files_scan_tasks_and_lists_them_again_for_
     client = flight.FlightClient(node.location)
     list(client.do_action(flight.Action("load", json.dumps(order).encode())))
     wait_for(lambda: node.generation == "first-file" and node.lifecycle.state == "ready")
-    assert set(node._tables[location].result()[2]) == {first.path}  # the other files' tasks let go
+    # The other files' tasks let go (just after the node says ready, outside its load lock).
+    wait_for(lambda: set(node._tables[location].result()[2]) == {first.path}, timeout=10)
 
     whole = {**order, "generation": "whole", "global_stop": head.plan.rows}
     whole["pieces"] = [p.to_dict() for p in assignment.pieces]

@@ -29,6 +29,7 @@ import logging
 import pyarrow as pa
 
 from kubeflow_data_cache.daemon_call import DaemonCall
+from kubeflow_data_cache.offsets import is_string_or_binary
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,7 @@ SAMPLE_TIMEOUT_SECONDS = 5.0
 
 def measured(field: pa.Field) -> bool:
     """Whether ``field``'s expansion is measured: top-level strings and binaries."""
-    t = field.type
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    return is_string_or_binary(field.type)
 
 
 def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: list, ceiling: float) -> dict[int, float]:
@@ -115,7 +115,9 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
         names = sorted(present - by_sizes)
         batch = None
         if names:
-            row_bytes = max(chunks[name].total_compressed_size for name in names) / group.num_rows
+            # All the sampled columns together, by the larger of their compressed and uncompressed
+            # sizes: values that compress well decode far past their bytes on disk.
+            row_bytes = sum(_chunk_bytes(chunks[name]) for name in names) / group.num_rows
             rows = max(1, min(SAMPLE_ROWS, int(SAMPLE_MAX_BYTES / max(row_bytes, 1e-9))))
             batch = next(parquet.iter_batches(batch_size=rows, row_groups=[0], columns=names, use_threads=False))
     ratios = {}
@@ -134,11 +136,19 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
     return ratios
 
 
+def _chunk_bytes(chunk) -> int:
+    return max(chunk.total_compressed_size, chunk.total_uncompressed_size)
+
+
 def _dictionary_page_bytes(chunk) -> int:
-    """The compressed size of a column chunk's dictionary page (0: it has none)."""
-    if not chunk.has_dictionary_page or chunk.dictionary_page_offset is None:
-        return 0
-    return max(0, chunk.data_page_offset - chunk.dictionary_page_offset)
+    """The compressed size of a column chunk's dictionary page (0: it has none). Older Parquet
+    writers leave the page's offset out of the metadata (parquet-mr's dictionary at offset 0):
+    for a chunk whose encodings say it has one, its whole size bounds it."""
+    if chunk.has_dictionary_page and chunk.dictionary_page_offset is not None:
+        return max(0, chunk.data_page_offset - chunk.dictionary_page_offset)
+    if any("DICTIONARY" in encoding for encoding in chunk.encodings or ()):
+        return _chunk_bytes(chunk)
+    return 0
 
 
 def _columns_by_field_id(schema: pa.Schema, wanted: dict[int, str]) -> dict[int, str]:

@@ -260,6 +260,12 @@ class LoadMemoryGuard:
                 "every batch read until they are merged, which adds up where the table has many small files "
                 "(compacting them into fewer helps)"
             )
+        elif early:  # too early to tell the rows' size from what else the load holds
+            why = (
+                "The rows decode larger than the manifests' statistics suggest (highly compressible strings do "
+                "this), or the load holds more beside them (a little per column of every batch read, which adds "
+                "up where the table has many small files: compacting them helps)"
+            )
         else:
             why = "The rows decode larger than the manifests' statistics suggest (highly compressible strings do this)"
         raise MemoryBudgetError(

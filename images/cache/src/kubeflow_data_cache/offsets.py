@@ -79,6 +79,11 @@ def _validity(arr: pa.Array) -> pa.Buffer | bool | None:
     return arr.buffers()[0].slice(arr.offset // 8, (len(arr) + 7) // 8)
 
 
+def is_string_or_binary(t: pa.DataType) -> bool:
+    """Strings and binaries (their large forms too): one offsets buffer over one values buffer."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
 def value_offsets(arr: pa.Array) -> np.ndarray:
     """The offsets of a string, binary or list array, sliced or not: a view, ``len(arr) + 1`` long."""
     return np.frombuffer(arr.buffers()[1], dtype=_offset_width(arr.type))[arr.offset : arr.offset + len(arr) + 1]

@@ -29,7 +29,7 @@ from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.offsets import value_offsets
+from kubeflow_data_cache.offsets import is_string_or_binary, value_offsets
 from kubeflow_data_cache.plan import (
     Piece,
     credential_source,
@@ -321,10 +321,6 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
-def _has_value_offsets(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
-
-
 def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
     low = high = None
@@ -438,7 +434,7 @@ class NodeStore:
         """The indices of the string and binary columns among ``columns`` (all when None)."""
         names = self.schema.names if columns is None else columns
         indices = [self.schema.get_field_index(name) for name in names]
-        return tuple(i for i in indices if _has_value_offsets(self.schema.field(i).type))
+        return tuple(i for i in indices if is_string_or_binary(self.schema.field(i).type))
 
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))
