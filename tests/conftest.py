@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import random
 import selectors
@@ -35,6 +36,13 @@ PICKED_PORTS = range(20000, 32000)
 # Where this process goes on scanning, from a random start: a process left over from an earlier
 # run may still hold the ports a fixed start would give first.
 _port_offsets = itertools.count(random.randrange(len(PICKED_PORTS)))
+
+
+def json_from_a_fresh_process(script: str, *args: str) -> dict:
+    """Run ``script`` in a fresh interpreter (what it measures starts from nothing this process
+    holds) with ``args``; the JSON object on its last line of output."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def free_port() -> int:

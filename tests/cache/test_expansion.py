@@ -3,7 +3,6 @@ compress (random bytes, UUIDs), and never above the fixed factor's, whatever the
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from kubeflow_data_cache.plan import (
 )
 from kubeflow_data_cache.sample import make_catalog
 from kubeflow_data_cache.store import NodeStore
+from tests.conftest import json_from_a_fresh_process
 
 ROWS = 60_000
 
@@ -170,10 +170,7 @@ def _sample_in_a_fresh_process(location: str) -> dict:
         "print(json.dumps({'ratios': ratios, 'peak': pool.max_memory(),\n"
         "    'kept': psutil.Process().memory_info().rss - rss}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_a_fresh_process(script, location)
 
 
 def test_a_dictionary_page_of_large_values_is_sized_from_metadata_not_decoded(tmp_path):

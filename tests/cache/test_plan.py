@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -30,6 +29,7 @@ from kubeflow_data_cache.plan import (
 )
 from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from kubeflow_data_cache.store import NodeStore
+from tests.conftest import json_from_a_fresh_process
 
 
 def planned(table):
@@ -199,10 +199,7 @@ def _pool_peak_in_a_fresh_process(
         f"{read}\n"
         f"print(json.dumps({{'peak': pool.max_memory() - before, **{also}}}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_a_fresh_process(script, location)
 
 
 @pytest.mark.parametrize("layout", ["3 small files", "1 file of 5 row groups"])
@@ -716,10 +713,7 @@ def test_a_load_of_many_small_files_is_estimated_with_what_its_batches_hold_and_
         "gc.collect(); seen['after'] = me.memory_info().rss - start; seen['rows'] = store.nbytes\n"
         "print(json.dumps(seen))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, location], capture_output=True, text=True, timeout=120, check=True
-    )
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = json_from_a_fresh_process(script, location)
     assert seen["before_merge"] > 4 * seen["rows"], seen  # what the batches hold beside their values
     assert seen["after"] < seen["before_merge"] / 3, seen  # handed back once merged
     # What the load held beyond what stays (the rows, and the reader's own set-up, which the
