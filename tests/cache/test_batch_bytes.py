@@ -122,3 +122,16 @@ def test_served_batches_of_clustered_large_values_stay_under_the_byte_cap(skewed
     assert largest <= SERVED_BATCH_MAX_BYTES + LARGE_VALUE  # one row past the cap at most
     if columns is None:
         assert np.array_equal(np.concatenate(ids), np.arange(SMALL_ROWS + LARGE_ROWS))  # in order, each once
+
+
+def test_the_byte_cut_adds_string_columns_offsets_without_overflowing_32_bits():
+    """Two columns' 32-bit offsets summed past 2 GiB wrapped negative, the running total stopped
+    being sorted, and 3.6 GB of rows were cut as fitting in 4 MiB. (The offsets are given here as
+    a chunk of such values would have them, without allocating gigabytes.)"""
+    from kubeflow_data_cache.store import NodeStore
+
+    batch = pa.record_batch({"a": ["x", "y", "z"], "b": ["x", "y", "z"]})
+    store = NodeStore(batch.schema, [batch])
+    big = np.array([0, 1_800_000_000, 1_800_000_002, 1_800_000_004], dtype=np.int32)
+    store._offsets[(0, (0, 1))] = ([big, big], 2 * 1_800_000_004)
+    assert store._within_bytes(0, (0, 1), 0, 3, SERVED_BATCH_MAX_BYTES) == 1

@@ -615,3 +615,43 @@ def test_tables_without_decimals_are_not_typed_for_the_check(store, monkeypatch)
 
     monkeypatch.setattr(filtering, "check_decimal_comparisons", typed)
     assert matching_rows(store, "id > 2.5").tolist() == [3, 4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize(
+    "predicate",
+    [
+        "nullif(price, 128963.25) IS NULL",  # matched only the null row, not the one holding 128963.25
+        "least(price, 128963.25) = price",
+        "greatest(price, 0.3) = price",
+        "coalesce(price, 1.5) > 0",
+    ],
+)
+def test_functions_that_compare_their_arguments_are_checked_like_comparisons(decimal_store, predicate):
+    with pytest.raises(BadRequestError, match="compares a decimal128\\(18, 2\\) value with"):
+        matching_rows(decimal_store, predicate)
+
+
+@pytest.mark.parametrize(
+    "predicate",
+    [
+        "price > 1e400",  # infinity: a TypeError escaped the check and read as an invalid filter
+        "price = 1234567890123456.79",  # more digits than a double holds: it reads as ...456.8
+    ],
+)
+def test_a_number_a_double_cannot_hold_is_not_written_back_as_another(decimal_store, predicate):
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(decimal_store, predicate)
+    message = str(refused.value)
+    assert "with a floating-point number" in message, message
+    assert message.endswith("CAST('<number>' AS DECIMAL(18, 2))"), message
+
+
+def test_a_number_past_a_decimals_38_digits_at_the_columns_scale_gets_a_placeholder():
+    """1e30 at scale 10 needs 41 digits: a cast to DECIMAL(38, 10) of it is refused as well."""
+    from decimal import Decimal
+
+    batch = pa.record_batch({"amount": pa.array([Decimal("1.5")], pa.decimal128(38, 10))})
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(NodeStore(batch.schema, [batch]), "amount < 1e30")
+    message = str(refused.value)
+    assert "with 1e+30" in message and message.endswith("CAST('<number>' AS DECIMAL(38, 10))"), message

@@ -621,45 +621,58 @@ def test_columns_added_after_a_file_was_written_are_estimated_as_the_nulls_they_
         assert held[name] <= estimated[name] <= 1.3 * held[name], (name, held[name], estimated[name])
 
 
-def test_a_column_no_file_has_a_size_for_is_estimated_as_values_not_nulls(tmp_path):
+def test_a_column_a_file_has_no_size_for_but_held_when_written_is_estimated_as_values(tmp_path):
     """Java's Iceberg records no size for a column in metrics mode none (the default past a
-    table's first 100 columns), stored or not: where no file has one, nothing says the column was
-    added after the files, and it may hold values (an embedding of 3 KB a row). Sized as nulls,
-    such a table passed the fit check and met the load guard or an OOM kill."""
-    location = _table_with_added_columns(tmp_path, later_rows=0)
-    t = open_table(location)
-    plan, _ = plan_table(t, location)
-    rows = plan.rows
-    text = plan.schema.get_field_index("text")
-    assert sum(f.column_bytes[text] for f in plan.files) >= 32 * rows  # no statistics: the generous guess
+    table's first 100 columns, or switched on later to shrink manifests), stored or not. Files are
+    dated by the snapshot that added them: the column was in the table's schema then, so it may
+    hold values (an embedding of 3 KB a row), and is not sized as nulls, which would pass a fit
+    check the load then fails."""
+    import itertools
+
+    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    rows = 50_000
+    data = pa.table({"id": np.arange(rows, dtype=np.int64), "payload": [f"p{i}" for i in range(rows)]})
+    table = catalog.create_table("s.quiet", schema=data.schema)
+    table.append(data.slice(0, 10))  # an earlier file, with every size
+    table = catalog.load_table("s.quiet")
+    payload = table.schema().find_field("payload").field_id
+    with table.transaction() as tx, tx.update_snapshot().fast_append() as append:
+        for data_file in _dataframe_to_data_files(
+            table_metadata=tx.table_metadata,
+            df=data,
+            io=table.io,
+            write_uuid=append.commit_uuid,
+            counter=itertools.count(),
+        ):
+            for stats in ("column_sizes", "value_counts", "null_value_counts", "lower_bounds", "upper_bounds"):
+                getattr(data_file, stats).pop(payload, None)  # as a writer in metrics mode none leaves it
+            append.append_data_file(data_file)
+    location = catalog.load_table("s.quiet").metadata_location
+    held, estimated = _held_and_estimated(location)
+    assert estimated["payload"] >= 32 * rows >= held["payload"], (held, estimated)  # values, not ~4 B of nulls
 
 
-def test_a_partition_column_a_file_leaves_out_is_estimated_as_values_not_nulls():
-    """A file added from a Hive layout (Spark's add_files) keeps its partition value in the
-    manifest, not in the file, and readers fill the column with it on every row (pyiceberg's
-    projection of missing identity-partition columns): such a column is not taken as added
-    after the file, even where other files have a size for it."""
+def test_a_columns_absence_is_read_from_the_files_schema_not_guessed():
+    """A column none of whose ids were in the schema a file was written under reads as nulls
+    there; with that schema unknown, it is sized as values (which errs high)."""
     from types import SimpleNamespace
 
-    from pyiceberg.partitioning import PartitionField, PartitionSpec
-    from pyiceberg.transforms import IdentityTransform
     from pyiceberg.types import LongType, NestedField, StringType
 
-    from kubeflow_data_cache.plan import estimate_column_bytes, sized_in_some_file
+    from kubeflow_data_cache.plan import estimate_column_bytes
 
     schema = pa.schema([("id", pa.int64()), ("city", pa.string())])
     fields = [NestedField(1, "id", LongType(), required=False), NestedField(2, "city", StringType(), required=False)]
     rows = 50_000
-    hive = SimpleNamespace(file=SimpleNamespace(column_sizes={1: 400_000}, value_counts={1: rows}, record_count=rows))
-    written = SimpleNamespace(file=SimpleNamespace(column_sizes={1: 400_000, 2: 9_000}, record_count=rows))
-    spec = PartitionSpec(PartitionField(2, 1000, IdentityTransform(), "city"))
-    table = SimpleNamespace(specs=lambda: {0: spec})
-    unpartitioned = SimpleNamespace(specs=lambda: {0: PartitionSpec()})
-    tasks = {"hive": hive, "written": written}
-    _, as_nulls = estimate_column_bytes(hive.file, schema, fields, rows, None, sized_in_some_file(unpartitioned, tasks))
-    _, as_values = estimate_column_bytes(hive.file, schema, fields, rows, None, sized_in_some_file(table, tasks))
-    assert as_nulls < rows * 5  # offsets and validity: what an unpartitioned column added later reads as
-    assert as_values >= rows * 32  # no statistics for its values: the generous guess
+    data_file = SimpleNamespace(column_sizes={1: 400_000}, value_counts={1: rows}, record_count=rows)
+    _, as_nulls = estimate_column_bytes(data_file, schema, fields, rows, None, frozenset({1}))
+    _, unknown = estimate_column_bytes(data_file, schema, fields, rows, None, None)
+    _, held_then = estimate_column_bytes(data_file, schema, fields, rows, None, frozenset({1, 2}))
+    assert as_nulls < rows * 5  # offsets and validity
+    assert unknown >= rows * 32 and held_then >= rows * 32  # no statistics for its values: the generous guess
 
 
 def _many_small_files(tmp_path, files: int, columns: int, rows_per_file: int) -> str:

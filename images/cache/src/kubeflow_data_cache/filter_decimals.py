@@ -14,6 +14,7 @@ one is then cast to a decimal, which fails on NaN.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from decimal import Decimal
 
@@ -24,6 +25,9 @@ from kubeflow_data_cache.filter_calls import COMPARING_OPERATORS, is_constant
 
 # Forms that compare their first operand with each of the others.
 COMPARING_LISTS = frozenset({"InList", "Between"})
+# Functions that bring their arguments to one type and compare them, or pick one of them: each
+# argument meets each other one (nullif(price, 1.5) IS NULL missed the row holding 1.50).
+COMPARING_FUNCTIONS = frozenset({"nullif", "least", "greatest", "coalesce", "nvl", "ifnull", "nvl2"})
 # Wrappers a number passes through unchanged in value (its sign aside).
 NUMBER_WRAPPERS = frozenset({"Negative", "Cast", "TryCast", "Alias"})
 
@@ -33,7 +37,16 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
     (a literal with a point or an exponent, or any expression of such numbers without a column).
 
     ``type_of(expr)``: the type ``expr`` has over the table. Call this only for tables with a
-    decimal column (has_decimal): it plans an expression for each operand it types."""
+    decimal column (has_decimal): it plans an expression for each operand it types (once each)."""
+    types: dict[str, pa.DataType | None] = {}  # by the operand's canonical name: typed once
+
+    def typed(expr, test: Callable[[pa.DataType], bool]) -> pa.DataType | None:
+        key = expr.canonical_name()
+        if key not in types:
+            types[key] = _type(expr, type_of)
+        kind = types[key]
+        return kind if kind is not None and test(kind) else None
+
     pending = [condition]
     while pending:
         expr = pending.pop()
@@ -46,12 +59,17 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
             pairs = [(operands[0], other) for other in operands[1:]]
         elif form == "BinaryExpr" and expr.rex_call_operator() in COMPARING_OPERATORS and len(operands) == 2:
             pairs = [(operands[0], operands[1])]
+        elif form == "ScalarFunction" and expr.rex_call_operator() in COMPARING_FUNCTIONS:
+            pairs = [(a, b) for i, a in enumerate(operands) for b in operands[i + 1 :]]
         else:
+            continue
+        numbers = [o for o in operands if is_constant(o) and typed(o, pa.types.is_floating)]
+        if not numbers:
             continue
         for a, b in pairs:
             for value, number in ((a, b), (b, a)):
-                if is_constant(number) and _typed(number, type_of, pa.types.is_floating) and not is_constant(value):
-                    kind = _typed(value, type_of, pa.types.is_decimal)
+                if any(number is n for n in numbers) and not is_constant(value):
+                    kind = typed(value, pa.types.is_decimal)
                     if kind is not None:
                         raise BadRequestError(_refusal(predicate, kind, _number(number)))
 
@@ -68,7 +86,8 @@ def has_decimal(schema: pa.Schema) -> bool:
 
 
 def _refusal(predicate: str, kind: pa.DataType, number: float | None) -> str:
-    written = f"CAST('{_decimal_text(number)}' AS DECIMAL({_fitting(kind, number)}))" if number is not None else None
+    fitting = _fitting(kind, number) if number is not None else None
+    written = f"CAST('{_decimal_text(number)}' AS DECIMAL({fitting}))" if fitting is not None else None
     fix = written or f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
     shown_number = repr(number) if number is not None else "a floating-point number"
     return (
@@ -83,25 +102,24 @@ def _decimal_text(number: float) -> str:
     return format(Decimal(repr(number)), "f")
 
 
-def _fitting(kind: pa.DataType, number: float) -> str:
-    """A decimal's precision and scale that hold both ``kind``'s values and ``number`` exactly: a
-    cast to the column's own scale would round 1.234 to 1.23, and match rows it should not."""
+def _fitting(kind: pa.DataType, number: float) -> str | None:
+    """A decimal's precision and scale that hold both ``kind``'s values and ``number`` exactly (a
+    cast to the column's own scale would round 1.234 to 1.23, and match rows it should not);
+    None past the 38 digits a decimal128 holds."""
     value = Decimal(repr(number))
     scale = max(kind.scale, -min(0, value.as_tuple().exponent))
     whole = max(kind.precision - kind.scale, value.adjusted() + 1, 1)
-    return f"{min(38, whole + scale)}, {scale}"
+    return f"{whole + scale}, {scale}" if whole + scale <= 38 else None
 
 
-def _typed(expr, type_of: Callable[[object], pa.DataType], test: Callable[[pa.DataType], bool]):
-    """``expr``'s type where ``test`` holds for it, else None (a literal is typed without planning)."""
+def _type(expr, type_of: Callable[[object], pa.DataType]) -> pa.DataType | None:
+    """``expr``'s type (a literal's without planning); None where it cannot be planned."""
     if expr.variant_name() == "Literal":
-        kind = expr.python_value().type
-    else:
-        try:
-            kind = type_of(expr)
-        except Exception:  # planning the filter, next, names what is wrong with it
-            return None
-    return kind if test(kind) else None
+        return expr.python_value().type
+    try:
+        return type_of(expr)
+    except Exception:  # planning the filter, next, names what is wrong with it
+        return None
 
 
 def _number(expr) -> float | None:
@@ -114,4 +132,8 @@ def _number(expr) -> float | None:
     if expr.variant_name() != "Literal":
         return None
     value = expr.python_value().as_py()
-    return sign * value if isinstance(value, float) else None
+    # Not infinity or NaN (1e400 overflows to inf), and not past the digits a double holds: the
+    # suggestion would show another number than the one written (…456.79 read as …456.8).
+    if not isinstance(value, float) or not math.isfinite(value) or len(Decimal(repr(value)).as_tuple().digits) > 15:
+        return None
+    return sign * value

@@ -401,18 +401,16 @@ def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale
     return total
 
 
-def _added_after(field: pa.Field, iceberg_field, sizes: dict, sized_elsewhere: frozenset[int]) -> bool:
-    """Whether a data file with column ``sizes`` was written before ``field`` was added to the
-    table, so that it reads as nulls there: the file has no size for it (for none of its leaves),
-    other files have one (so its writers record one: Java's Iceberg records none for a column
-    whose metrics mode is none, stored or not), and it takes a higher field id than every column
-    the file has a size for (a column added later takes the next ids)."""
+def _added_after(field: pa.Field, iceberg_field, written_fields: frozenset[int] | None) -> bool:
+    """Whether ``field`` was added to the table after a data file was written, so that it reads
+    as nulls there: the schema current when the file was added (``written_fields``, its field
+    ids; None: not known) had none of its ids."""
+    if written_fields is None:
+        return False
     ids = [iceberg_field.field_id]
     if pa.types.is_nested(field.type):
-        ids = [leaf_id for leaf_id, _ in _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)[0]]
-    if not ids or any(i in sizes for i in ids) or not any(i in sized_elsewhere for i in ids):
-        return False
-    return min(ids) > max(sizes)
+        ids += [leaf_id for leaf_id, _ in _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)[0]]
+    return not any(i in written_fields for i in ids)
 
 
 def _null_column_bytes(t: pa.DataType, rows: int) -> int:
@@ -433,20 +431,32 @@ def _null_column_bytes(t: pa.DataType, rows: int) -> int:
     return validity + (8 if large else 4) * (rows + 1)
 
 
-def sized_in_some_file(table, tasks: dict) -> frozenset[int]:
-    """The field ids some data file of ``tasks`` has a size for, less those an identity partition
-    keeps (a file may leave such a column out and read as its partition value, not nulls): the
-    columns a file without a size for may lack because they were added after it."""
-    from pyiceberg.transforms import IdentityTransform
+def written_fields(table, tasks: dict) -> dict[str, frozenset[int]]:
+    """Data file path -> the field ids of the table's schema when the snapshot that added the file
+    was committed (a file holds no column added after that), for the files that have no size for
+    some column of the current schema; files whose snapshot is gone, or records no schema, are
+    left out. By snapshot, not by which columns a file has sizes for: Java's Iceberg records no
+    size for a column in metrics mode none (the default past a table's first 100 columns), stored
+    or not, nor after the mode is switched to none."""
+    from pyiceberg.manifest import ManifestContent
 
-    sized = frozenset().union(*((task.file.column_sizes or {}).keys() for task in tasks.values()))
-    kept = {
-        f.source_id
-        for spec in table.specs().values()
-        for f in spec.fields
-        if isinstance(f.transform, IdentityTransform)
-    }
-    return sized - kept
+    schema = table.schema()
+    leaves = {i for i in schema.field_ids if schema.find_field(i).field_type.is_primitive}  # what has sizes
+    unsized = {path for path, task in tasks.items() if not leaves <= set(task.file.column_sizes or {})}
+    snapshot = table.current_snapshot()
+    if not unsized or snapshot is None:
+        return {}
+    schemas = {schema_id: frozenset(schema.field_ids) for schema_id, schema in table.schemas().items()}
+    found: dict[str, frozenset[int]] = {}
+    for manifest in snapshot.manifests(table.io):
+        if manifest.content != ManifestContent.DATA:
+            continue
+        for entry in manifest.fetch_manifest_entry(table.io):
+            path = entry.data_file.file_path
+            added = table.snapshot_by_id(entry.snapshot_id) if entry.snapshot_id is not None else None
+            if path in unsized and added is not None and added.schema_id in schemas:
+                found[path] = schemas[added.schema_id]
+    return found
 
 
 def estimate_column_bytes(
@@ -455,22 +465,22 @@ def estimate_column_bytes(
     iceberg_fields: list,
     rows: int,
     expansions: dict[int, float] | None = None,
-    sized_elsewhere: frozenset[int] = frozenset(),
+    written: frozenset[int] | None = None,
 ) -> tuple[int, ...]:
     """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read).
 
     ``rows`` may be fewer than the file holds (positional deletes); per-file statistics are scaled.
     ``expansions``: measured decoded bytes per on-disk byte by field id (expansion.py), for
     the string and binary columns it covers, in place of VARIABLE_WIDTH_EXPANSION.
-    ``sized_elsewhere``: sized_in_some_file, for telling the columns added after this file was
-    written (none: every column the file has no size for is sized as values without statistics).
+    ``written``: the file's written_fields, for telling the columns added after it was written
+    (None: a column the file has no size for is sized as values without statistics).
     """
     expansions = expansions or {}
     sizes = data_file.column_sizes or {}
     scale = rows / data_file.record_count if data_file.record_count else 1.0
     estimates = []
     for field, iceberg_field in zip(schema, iceberg_fields, strict=True):
-        if sizes and _added_after(field, iceberg_field, sizes, sized_elsewhere):
+        if _added_after(field, iceberg_field, written):
             # It reads as nulls in this file. Sized as values with no statistics (32 bytes a row),
             # 8 string columns added to a 400,000-row table were estimated 7.5x what a node held,
             # and a table that fits was refused.
@@ -602,7 +612,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     iceberg_fields = list(table.schema().fields)
     tasks = scan_tasks(table, metadata_location)
     expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
-    sized_elsewhere = sized_in_some_file(table, tasks)
+    written = written_fields(table, tasks)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
@@ -611,7 +621,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
             FilePlan(
                 path,
                 rows,
-                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, sized_elsewhere),
+                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, written.get(path)),
                 bool(deletes),
                 max(1, len(task.file.split_offsets or ())),
             )

@@ -35,7 +35,6 @@ from kubeflow_data_cache.plan import (
     credential_source,
     estimate_column_bytes,
     is_remote,
-    sized_in_some_file,
 )
 
 log = logging.getLogger(__name__)
@@ -309,12 +308,11 @@ def decode_budget(
     if fields is None:
         return None
     kept, unit, minimum = [], [], []
-    sized_elsewhere = sized_in_some_file(table, tasks)  # as the head's plan estimated them
     for piece in pieces:
         data_file = tasks[piece.path].file
-        whole = sum(
-            estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions, sized_elsewhere)
-        )
+        # Columns added after a file are sized as values here (the head dates files by their
+        # snapshots; the budget errs toward smaller reads).
+        whole = sum(estimate_column_bytes(data_file, schema, fields, data_file.record_count, expansions))
         kept.append(whole * (piece.stop - piece.start) // max(1, data_file.record_count))
         unit.append(whole // max(1, len(data_file.split_offsets or ())))
         minimum.append(READ_GROUP_MIN_REMOTE_BYTES if is_remote(piece.path) else READ_GROUP_MIN_BYTES)
@@ -472,7 +470,9 @@ class NodeStore:
         views, chunk_bytes = found
         if chunk_bytes <= max_bytes or sum(int(v[start + n] - v[start]) for v in views) <= max_bytes:
             return n
-        together = sum(v[start : start + n + 1] - v[start] for v in views)
+        together = np.zeros(n + 1, dtype=np.int64)  # int64: two columns' 32-bit offsets pass 2 GiB together
+        for v in views:
+            together += v[start : start + n + 1] - v[start]
         return max(1, int(np.searchsorted(together, max_bytes, side="right")) - 1)
 
     def take(self, rows: np.ndarray, columns) -> pa.RecordBatch:
