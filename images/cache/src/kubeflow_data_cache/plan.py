@@ -446,16 +446,17 @@ def written_fields(table, tasks: dict) -> dict[str, frozenset[int]]:
     snapshot = table.current_snapshot()
     if not unsized or snapshot is None:
         return {}
-    schemas = {schema_id: frozenset(schema.field_ids) for schema_id, schema in table.schemas().items()}
+    fields = {schema_id: frozenset(s.field_ids) for schema_id, s in table.schemas().items()}
+    # Each snapshot's schema, looked up once (snapshot_by_id scans the snapshot list).
+    by_snapshot = {s.snapshot_id: fields[s.schema_id] for s in table.snapshots() if s.schema_id in fields}
     found: dict[str, frozenset[int]] = {}
     for manifest in snapshot.manifests(table.io):
         if manifest.content != ManifestContent.DATA:
             continue
         for entry in manifest.fetch_manifest_entry(table.io):
             path = entry.data_file.file_path
-            added = table.snapshot_by_id(entry.snapshot_id) if entry.snapshot_id is not None else None
-            if path in unsized and added is not None and added.schema_id in schemas:
-                found[path] = schemas[added.schema_id]
+            if path in unsized and entry.snapshot_id in by_snapshot:
+                found[path] = by_snapshot[entry.snapshot_id]
     return found
 
 

@@ -15,6 +15,7 @@ import json
 import operator
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -40,20 +41,27 @@ INFO_LIST_LENGTHS = "list_lengths"
 
 def info_null_counts(app_metadata: bytes) -> dict[str, int]:
     """The null counts a FlightInfo's app_metadata carries ({} from a cache that sends none)."""
-    try:
-        counts = json.loads(app_metadata or b"{}").get(INFO_NULL_COUNTS) or {}
-        return {str(k): int(v) for k, v in counts.items()}
-    except (ValueError, TypeError, AttributeError):  # not JSON, not an object, not counts
-        return {}
+    return _info_figures(app_metadata, INFO_NULL_COUNTS, int)
 
 
 def info_list_lengths(app_metadata: bytes) -> dict[str, tuple[int, int]]:
     """The ragged list columns' ``(fewest, most)`` values a FlightInfo's app_metadata carries
     ({} from a cache that sends none)."""
+    return _info_figures(app_metadata, INFO_LIST_LENGTHS, _bounds)
+
+
+def _bounds(value: Any) -> tuple[int, int]:
+    low, high = value  # a pair, nothing else
+    return int(low), int(high)
+
+
+def _info_figures(app_metadata: bytes, key: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
+    """The per-column figures under ``key`` of a FlightInfo's app_metadata, each value parsed;
+    {} for metadata that is not JSON, not an object, or holds values ``parse`` refuses."""
     try:
-        lengths = json.loads(app_metadata or b"{}").get(INFO_LIST_LENGTHS) or {}
-        return {str(k): (int(low), int(high)) for k, (low, high) in lengths.items()}
-    except (ValueError, TypeError, AttributeError):  # not JSON, not an object, not [low, high] pairs
+        figures = json.loads(app_metadata or b"{}").get(key) or {}
+        return {str(column): parse(value) for column, value in figures.items()}
+    except (ValueError, TypeError, AttributeError):
         return {}
 
 

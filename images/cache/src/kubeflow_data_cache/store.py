@@ -30,12 +30,7 @@ from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoa
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.offsets import is_string_or_binary, value_offsets
-from kubeflow_data_cache.plan import (
-    Piece,
-    credential_source,
-    estimate_column_bytes,
-    is_remote,
-)
+from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes, is_remote
 
 log = logging.getLogger(__name__)
 
