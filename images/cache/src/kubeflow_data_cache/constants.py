@@ -51,7 +51,7 @@ BASELINE_MEMORY_BYTES = 400 << 20
 STORE_CHUNK_VARIABLE_BYTES = 1 << 30
 # A data node's load decodes whole files while their scratch fits beside its rows within this share
 # of them, and column groups of at least READ_GROUP_MIN_BYTES estimated bytes beyond (decode_budget).
-READ_SCRATCH_SHARE = 0.15
+READ_SCRATCH_SHARE = 0.12
 READ_GROUP_MIN_BYTES = 4 << 20
 # The same from an object store (s3://, s3a://): each group's reopening is a few requests there.
 READ_GROUP_MIN_REMOTE_BYTES = 32 << 20
