@@ -133,5 +133,42 @@ def test_the_byte_cut_adds_string_columns_offsets_without_overflowing_32_bits():
     batch = pa.record_batch({"a": ["x", "y", "z"], "b": ["x", "y", "z"]})
     store = NodeStore(batch.schema, [batch])
     big = np.array([0, 1_800_000_000, 1_800_000_002, 1_800_000_004], dtype=np.int32)
-    store._offsets[(0, (0, 1))] = ([big, big], 2 * 1_800_000_004)
+    store._offsets[(0, (0, 1))] = ([big, big], 2 * 1_800_000_004, 2 * 1_800_000_000)
     assert store._within_bytes(0, (0, 1), 0, 3, SERVED_BATCH_MAX_BYTES) == 1
+
+
+@pytest.mark.parametrize(("filtered", "shuffle"), [(True, False), (True, True), (False, True)])
+def test_gathers_of_clustered_large_values_stay_under_the_byte_cap(skewed_cache, filtered, shuffle):
+    """A filter that keeps the large rows alone is gathered in batches sized by the table's average
+    row (~8,000 rows here): all 40 of them, 10 MiB, went in one batch, past the cap and past what
+    the node's memory guard had counted for the stream. At 5 MiB values and a few hundred per
+    batch, past Flight's 2 GiB. A shuffled gather mixes them with short rows, but by chance (4.4 MiB)."""
+    half = SMALL_ROWS // 2
+    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
+    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
+    request = ShardRequest(batch_size=65536, filter=where, shuffle=shuffle, seed=3)
+    ids, largest = [], 0
+    with CacheClient(skewed_cache.endpoint) as client:
+        for batch in client.read_shard(request):
+            largest = max(largest, batch.nbytes)
+            ids.append(batch.column("id").to_numpy())
+    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+    assert largest <= SERVED_BATCH_MAX_BYTES + LARGE_VALUE  # one row past the cap at most
+    assert largest > SERVED_BATCH_MAX_BYTES // 2  # cut at the cap, not needlessly small
+
+
+def test_gathers_across_stored_chunks_are_cut_by_each_rows_own_values():
+    """A store of several chunks (string columns past 1 GiB are kept in several): each gathered
+    row's bytes are read from its own chunk's offsets."""
+    from kubeflow_data_cache.store import NodeStore
+
+    big, small = b"x" * (1 << 20), b"y"
+    first = pa.record_batch({"id": pa.array(np.arange(0, 8)), "blob": pa.array([big] * 4 + [small] * 4)})
+    second = pa.record_batch({"id": pa.array(np.arange(8, 16)), "blob": pa.array([small] * 4 + [big] * 4)})
+    store = NodeStore(first.schema, [first, second])
+    rows = np.array([4, 12, 5, 13, 0, 8, 1, 14, 15, 2, 3, 6], dtype=np.int64)  # 8 large rows of 12
+    served = list(store._gathers(rows, None, store._variable_columns(None), max_bytes=3 << 20))
+    assert np.array_equal(np.concatenate([b.column("id").to_numpy() for b in served]), rows)
+    # Greedy runs of at most 3 MiB of values (each 1-byte row counts): 4,12,5,13 | 0,8,1 | 14,15,2 | 3,6.
+    assert [b.num_rows for b in served] == [4, 3, 3, 2]
+    assert all(b.column("blob").nbytes <= (3 << 20) + 64 for b in served)

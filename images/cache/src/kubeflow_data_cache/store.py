@@ -314,6 +314,15 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
+def _largest_span(offsets: np.ndarray, step: int = 1 << 20) -> int:
+    """The most bytes one row of these offsets spans, a million rows at a time (a whole column's
+    differences at once would take 4-8 bytes a row for a moment)."""
+    largest = 0
+    for lo in range(0, len(offsets) - 1, step):
+        largest = max(largest, int(np.diff(offsets[lo : lo + step + 1]).max()))
+    return largest
+
+
 def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
     low = high = None
@@ -457,23 +466,71 @@ class NodeStore:
             yield self._select(self.batches[i].slice(start, n), columns)
             pos += n
 
-    def _within_bytes(self, i: int, variable: tuple[int, ...], start: int, n: int, max_bytes: int) -> int:
-        """How many of the ``n`` rows from ``start`` of stored batch ``i`` hold at most
-        ``max_bytes`` of the ``variable`` columns' values together (at least one row)."""
+    def _chunk_offsets(self, i: int, variable: tuple[int, ...]) -> tuple[list[np.ndarray], int, int]:
+        """Stored batch ``i``'s offsets of the ``variable`` columns (views, no copy), all their
+        values' bytes, and the most one row can hold of them (each column's largest value, added
+        up): where to cut a served batch by bytes, without reading the values."""
         key = (i, variable)
         found = self._offsets.get(key)
-        if found is None:  # the chunk's offsets (views, no copy), and all its values' bytes
+        if found is None:
             if len(self._offsets) >= MAX_KEPT_OFFSETS:  # clients choose the column sets
                 self._offsets.clear()
             views = [value_offsets(self.batches[i].column(j)) for j in variable]
-            found = self._offsets[key] = (views, sum(int(v[-1] - v[0]) for v in views))
-        views, chunk_bytes = found
+            total = sum(int(v[-1] - v[0]) for v in views)
+            found = self._offsets[key] = (views, total, sum(_largest_span(v) for v in views))
+        return found
+
+    def _within_bytes(self, i: int, variable: tuple[int, ...], start: int, n: int, max_bytes: int) -> int:
+        """How many of the ``n`` rows from ``start`` of stored batch ``i`` hold at most
+        ``max_bytes`` of the ``variable`` columns' values together (at least one row)."""
+        views, chunk_bytes, _ = self._chunk_offsets(i, variable)
         if chunk_bytes <= max_bytes or sum(int(v[start + n] - v[start]) for v in views) <= max_bytes:
             return n
         together = np.zeros(n + 1, dtype=np.int64)  # int64: two columns' 32-bit offsets pass 2 GiB together
         for v in views:
             together += v[start : start + n + 1] - v[start]
         return max(1, int(np.searchsorted(together, max_bytes, side="right")) - 1)
+
+    def _gathers(
+        self, rows: np.ndarray, columns, variable: tuple[int, ...], max_bytes: int = SERVED_BATCH_MAX_BYTES
+    ) -> Iterator[pa.RecordBatch]:
+        """``take(rows)``, cut where the string and binary values gathered pass ``max_bytes``
+        together (each batch at least one row), as in-order slices are.
+
+        ``rows`` are as many as the table's average row allows in a batch; a filter that keeps
+        the large values alone (the images of a table of short rows) gathered 10 MiB in a batch
+        sized for 4 MiB, beyond what the node's memory guard counted for the stream (and past
+        Flight's 2 GiB, at larger values). Where the largest values could not pass the cap in
+        ``len(rows)`` rows (short strings), nothing is counted row by row."""
+        if variable and len(rows) > 1:
+            chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
+            bound = min(sum(c[1] for c in chunks), max(c[2] for c in chunks) * len(rows))
+            if bound > max_bytes:
+                ends = np.cumsum(self._value_bytes(rows, [c[0] for c in chunks]))
+                pos = 0
+                while pos < len(rows):
+                    base = int(ends[pos - 1]) if pos else 0
+                    stop = max(pos + 1, int(np.searchsorted(ends, base + max_bytes, side="right")))
+                    yield self.take(rows[pos:stop], columns)
+                    pos = stop
+                return
+        yield self.take(rows, columns)
+
+    def _value_bytes(self, rows: np.ndarray, views: list[list[np.ndarray]]) -> np.ndarray:
+        """Each row's bytes of string and binary values, from ``views[chunk]`` (_chunk_offsets)."""
+        sizes = np.zeros(len(rows), dtype=np.int64)
+        which = np.searchsorted(self.offsets, rows, side="right") - 1 if len(self.batches) > 1 else None
+        for i, offsets in enumerate(views):
+            mask = None if which is None else which == i
+            local = rows if mask is None else rows[mask] - self.offsets[i]
+            part = np.zeros(len(local), dtype=np.int64)
+            for v in offsets:
+                part += v[local + 1] - v[local]
+            if mask is None:
+                sizes += part
+            else:
+                sizes[mask] += part
+        return sizes
 
     def take(self, rows: np.ndarray, columns) -> pa.RecordBatch:
         """Rows at the given local positions, in that order: one gather per stored chunk touched."""
@@ -501,13 +558,15 @@ class NodeStore:
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
         """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers of
-        exactly ``batch_rows`` rows (but the last), however the arrays are cut."""
+        ``batch_rows`` rows (but the last), however the arrays are cut; fewer where their string
+        and binary values would pass SERVED_BATCH_MAX_BYTES (slices and gathers alike)."""
+        variable = self._variable_columns(columns)
         pending: list[np.ndarray] = []
         held = 0
         for part in parts:
             if isinstance(part, range):
                 if held:
-                    yield self.take(np.concatenate(pending), columns)
+                    yield from self._gathers(np.concatenate(pending), columns, variable)
                     pending, held = [], 0
                 yield from self.slices(part.start, part.stop, batch_rows, columns)
                 continue
@@ -518,9 +577,9 @@ class NodeStore:
             rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
             full = held // batch_rows * batch_rows
             for start in range(0, full, batch_rows):
-                yield self.take(rows[start : start + batch_rows], columns)
+                yield from self._gathers(rows[start : start + batch_rows], columns, variable)
             # A copy of what is left, not a view that would keep all of ``rows`` alive while the
             # next part's order is computed.
             pending, held = ([rows[full:].copy()], held - full) if held > full else ([], 0)
         if held:
-            yield self.take(np.concatenate(pending), columns)
+            yield from self._gathers(np.concatenate(pending), columns, variable)
