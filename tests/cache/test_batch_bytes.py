@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from kubeflow_data_cache.client import CacheClient
@@ -133,8 +134,10 @@ def test_the_byte_cut_adds_string_columns_offsets_without_overflowing_32_bits():
     batch = pa.record_batch({"a": ["x", "y", "z"], "b": ["x", "y", "z"]})
     store = NodeStore(batch.schema, [batch])
     big = np.array([0, 1_800_000_000, 1_800_000_002, 1_800_000_004], dtype=np.int32)
-    store._offsets[(0, (0, 1))] = ([big, big], 2 * 1_800_000_004, 2 * 1_800_000_000)
-    assert store._within_bytes(0, (0, 1), 0, 3, SERVED_BATCH_MAX_BYTES) == 1
+    variable = store._variable_columns(None)
+    assert variable == ((0, 1), (1, 1))
+    store._offsets[(0, variable)] = ([(big, 1), (big, 1)], 2 * 1_800_000_004, 2 * 1_800_000_000)
+    assert store._within_bytes(0, variable, 0, 3, SERVED_BATCH_MAX_BYTES) == 1
 
 
 @pytest.mark.parametrize(("filtered", "shuffle"), [(True, False), (True, True), (False, True)])
@@ -172,3 +175,61 @@ def test_gathers_across_stored_chunks_are_cut_by_each_rows_own_values():
     # Greedy runs of at most 3 MiB of values (each 1-byte row counts): 4,12,5,13 | 0,8,1 | 14,15,2 | 3,6.
     assert [b.num_rows for b in served] == [4, 3, 3, 2]
     assert all(b.column("blob").nbytes <= (3 << 20) + 64 for b in served)
+
+
+LONG_LIST = 64 << 10  # int32 token ids: 256 KiB a row
+
+
+@pytest.fixture(scope="module")
+def ragged_cache(tmp_path_factory):
+    """Token ids of documents of any length: short ones, with 40 long ones together in the middle
+    (10 MiB of them). The average row (~530 bytes) let ~8,000 rows into a batch."""
+    root = tmp_path_factory.mktemp("ragged")
+    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
+    catalog.create_namespace("s")
+    half = SMALL_ROWS // 2
+    lengths = np.array([2] * half + [LONG_LIST] * LARGE_ROWS + [2] * half)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.arange(offsets[-1]) % 50_000, pa.int32()))
+    data = pa.table({"id": pa.array(np.arange(len(lengths), dtype=np.int64)), "tokens": tokens})
+    table = catalog.create_table("s.ragged", schema=data.schema)
+    table.append(data)
+    with running_cache(catalog.load_table("s.ragged").metadata_location, data_nodes=1) as cache:
+        yield cache
+
+
+@pytest.mark.parametrize(("filtered", "shuffle"), [(False, False), (True, False), (False, True)])
+def test_served_batches_of_long_lists_stay_under_the_byte_cap(ragged_cache, filtered, shuffle):
+    """Lists count their values' bytes as strings do: in order, the 40 long documents went in one
+    10 MiB batch."""
+    half = SMALL_ROWS // 2
+    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
+    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
+    ids, largest = [], 0
+    with CacheClient(ragged_cache.endpoint) as client:
+        for batch in client.read_shard(ShardRequest(batch_size=65536, filter=where, shuffle=shuffle, seed=3)):
+            largest = max(largest, batch.nbytes)
+            ids.append(batch.column("id").to_numpy())
+            lengths = pc.list_value_length(batch.column("tokens")).to_numpy()
+            assert set(lengths.tolist()) <= {2, LONG_LIST}  # whole rows, as stored
+    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+    assert SERVED_BATCH_MAX_BYTES // 2 < largest <= SERVED_BATCH_MAX_BYTES + 4 * LONG_LIST
+
+
+def test_only_columns_whose_rows_differ_in_size_are_counted_with_their_value_width():
+    from kubeflow_data_cache.store import NodeStore
+
+    batch = pa.record_batch(
+        {
+            "n": pa.array([1, 2]),
+            "s": pa.array(["a", "b"]),
+            "ids": pa.array([[1], [2, 3]], pa.list_(pa.int32())),
+            "vec": pa.array([[1.0, 2.0]] * 2, pa.list_(pa.float64())),
+            "words": pa.array([["a"], ["b"]], pa.list_(pa.string())),  # counts strings, not bytes
+            "flags": pa.array([[True], [False]], pa.list_(pa.bool_())),  # 8 values a byte
+            "fixed": pa.array([[1, 2]] * 2, pa.list_(pa.int64(), 2)),  # every row one size
+        }
+    )
+    store = NodeStore(batch.schema, [batch])
+    assert store._variable_columns(None) == ((1, 1), (2, 4), (3, 8))
+    assert store._variable_columns(("vec", "n")) == ((3, 8),)

@@ -314,6 +314,22 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
+def _value_width(t: pa.DataType) -> int | None:
+    """Bytes per value that an offset of a ``t`` column counts: 1 for strings and binaries, the
+    value's width for lists of fixed-width values; None for a column whose rows are one size, or
+    whose values are too (a list of strings counts its strings, not their bytes)."""
+    if is_string_or_binary(t):
+        return 1
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        value = t.value_type
+        try:
+            width = value.bit_width
+        except ValueError:  # not fixed-width
+            return None
+        return width // 8 if width and width % 8 == 0 and not pa.types.is_dictionary(value) else None
+    return None
+
+
 def _largest_span(offsets: np.ndarray, step: int = 1 << 20) -> int:
     """The most bytes one row of these offsets spans, a million rows at a time (a whole column's
     differences at once would take 4-8 bytes a row for a moment)."""
@@ -437,11 +453,13 @@ class NodeStore:
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
-    def _variable_columns(self, columns: tuple[str, ...] | None) -> tuple[int, ...]:
-        """The indices of the string and binary columns among ``columns`` (all when None)."""
+    def _variable_columns(self, columns: tuple[str, ...] | None) -> tuple[tuple[int, int], ...]:
+        """The columns among ``columns`` (all when None) whose rows differ in size, as (index,
+        bytes per value their offsets count): strings and binaries (1), and lists of fixed-width
+        values (the value's width: token ids of documents of any length, say)."""
         names = self.schema.names if columns is None else columns
         indices = [self.schema.get_field_index(name) for name in names]
-        return tuple(i for i in indices if is_string_or_binary(self.schema.field(i).type))
+        return tuple((i, w) for i in indices if (w := _value_width(self.schema.field(i).type)) is not None)
 
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))
@@ -450,7 +468,8 @@ class NodeStore:
         self, lo: int, hi: int, batch_rows: int, columns, max_bytes: int = SERVED_BATCH_MAX_BYTES
     ) -> Iterator[pa.RecordBatch]:
         """Rows ``[lo, hi)`` as zero-copy slices of at most ``batch_rows`` rows, each holding at
-        most ``max_bytes`` of its string and binary columns together (or one row).
+        most ``max_bytes`` of its strings, binaries and lists of fixed-width values together (or
+        one row).
 
         ``batch_rows`` comes from the average row: where large values sit together (a file of
         images in a table of short rows) one slice of that many rows held 200 MiB, and Flight
@@ -466,36 +485,41 @@ class NodeStore:
             yield self._select(self.batches[i].slice(start, n), columns)
             pos += n
 
-    def _chunk_offsets(self, i: int, variable: tuple[int, ...]) -> tuple[list[np.ndarray], int, int]:
-        """Stored batch ``i``'s offsets of the ``variable`` columns (views, no copy), all their
-        values' bytes, and the most one row can hold of them (each column's largest value, added
-        up): where to cut a served batch by bytes, without reading the values."""
+    def _chunk_offsets(self, i: int, variable: tuple[tuple[int, int], ...]) -> tuple[list, int, int]:
+        """Stored batch ``i``'s offsets of the ``variable`` columns with their value widths
+        ((view, width) pairs; views, no copy), all their values' bytes, and the most one row can
+        hold of them (each column's largest value, added up): where to cut a served batch by
+        bytes, without reading the values."""
         key = (i, variable)
         found = self._offsets.get(key)
         if found is None:
             if len(self._offsets) >= MAX_KEPT_OFFSETS:  # clients choose the column sets
                 self._offsets.clear()
-            views = [value_offsets(self.batches[i].column(j)) for j in variable]
-            total = sum(int(v[-1] - v[0]) for v in views)
-            found = self._offsets[key] = (views, total, sum(_largest_span(v) for v in views))
+            views = [(value_offsets(self.batches[i].column(j)), width) for j, width in variable]
+            total = sum(width * int(v[-1] - v[0]) for v, width in views)
+            found = self._offsets[key] = (views, total, sum(width * _largest_span(v) for v, width in views))
         return found
 
-    def _within_bytes(self, i: int, variable: tuple[int, ...], start: int, n: int, max_bytes: int) -> int:
+    def _within_bytes(self, i: int, variable: tuple[tuple[int, int], ...], start: int, n: int, max_bytes: int) -> int:
         """How many of the ``n`` rows from ``start`` of stored batch ``i`` hold at most
         ``max_bytes`` of the ``variable`` columns' values together (at least one row)."""
         views, chunk_bytes, _ = self._chunk_offsets(i, variable)
-        if chunk_bytes <= max_bytes or sum(int(v[start + n] - v[start]) for v in views) <= max_bytes:
+        if chunk_bytes <= max_bytes or sum(w * int(v[start + n] - v[start]) for v, w in views) <= max_bytes:
             return n
         together = np.zeros(n + 1, dtype=np.int64)  # int64: two columns' 32-bit offsets pass 2 GiB together
-        for v in views:
-            together += v[start : start + n + 1] - v[start]
+        for v, width in views:
+            together += (v[start : start + n + 1] - v[start]).astype(np.int64) * width
         return max(1, int(np.searchsorted(together, max_bytes, side="right")) - 1)
 
     def _gathers(
-        self, rows: np.ndarray, columns, variable: tuple[int, ...], max_bytes: int = SERVED_BATCH_MAX_BYTES
+        self,
+        rows: np.ndarray,
+        columns,
+        variable: tuple[tuple[int, int], ...],
+        max_bytes: int = SERVED_BATCH_MAX_BYTES,
     ) -> Iterator[pa.RecordBatch]:
-        """``take(rows)``, cut where the string and binary values gathered pass ``max_bytes``
-        together (each batch at least one row), as in-order slices are.
+        """``take(rows)``, cut where the values of the ``variable`` columns gathered pass
+        ``max_bytes`` together (each batch at least one row), as in-order slices are.
 
         ``rows`` are as many as the table's average row allows in a batch; a filter that keeps
         the large values alone (the images of a table of short rows) gathered 10 MiB in a batch
@@ -516,16 +540,16 @@ class NodeStore:
                 return
         yield self.take(rows, columns)
 
-    def _value_bytes(self, rows: np.ndarray, views: list[list[np.ndarray]]) -> np.ndarray:
-        """Each row's bytes of string and binary values, from ``views[chunk]`` (_chunk_offsets)."""
+    def _value_bytes(self, rows: np.ndarray, views: list[list]) -> np.ndarray:
+        """Each row's bytes of the variable columns' values, from ``views[chunk]`` (_chunk_offsets)."""
         sizes = np.zeros(len(rows), dtype=np.int64)
         which = np.searchsorted(self.offsets, rows, side="right") - 1 if len(self.batches) > 1 else None
         for i, offsets in enumerate(views):
             mask = None if which is None else which == i
             local = rows if mask is None else rows[mask] - self.offsets[i]
             part = np.zeros(len(local), dtype=np.int64)
-            for v in offsets:
-                part += v[local + 1] - v[local]
+            for v, width in offsets:
+                part += (v[local + 1] - v[local]).astype(np.int64) * width
             if mask is None:
                 sizes += part
             else:
@@ -558,8 +582,8 @@ class NodeStore:
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
         """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers of
-        ``batch_rows`` rows (but the last), however the arrays are cut; fewer where their string
-        and binary values would pass SERVED_BATCH_MAX_BYTES (slices and gathers alike)."""
+        ``batch_rows`` rows (but the last), however the arrays are cut; fewer where their strings,
+        binaries and lists would pass SERVED_BATCH_MAX_BYTES (slices and gathers alike)."""
         variable = self._variable_columns(columns)
         pending: list[np.ndarray] = []
         held = 0
