@@ -10,7 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+import torch
 
+from kubeflow_data_cache import dataset as dataset_module
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES
 from kubeflow_data_cache.dataset import CONVERT_MAX_BYTES, DataCacheDataset
@@ -233,3 +235,27 @@ def test_only_columns_whose_rows_differ_in_size_are_counted_with_their_value_wid
     store = NodeStore(batch.schema, [batch])
     assert store._variable_columns(None) == ((1, 1), (2, 4), (3, 8))
     assert store._variable_columns(("vec", "n")) == ((3, 8),)
+
+
+class RecordingRunBytes(DataCacheDataset):
+    """Records the Arrow bytes of every run handed to the conversion hook; converts the ids only
+    (the long lists differ in length: a trainer's own hook would pad or pack them)."""
+
+    run_bytes: list[int]
+
+    def from_arrow_rb_to_tensor(self, batch):
+        self.run_bytes.append(batch.nbytes)
+        return {"id": torch.tensor(batch.column("id").to_numpy())}
+
+
+def test_conversion_runs_of_long_rows_after_short_ones_stay_near_the_byte_cap(ragged_cache, monkeypatch):
+    """A run's row target comes from the first batch's average row; rows far longer later piled up
+    to that many rows before one conversion (an image table whose first batch held thumbnails
+    would gather gigabytes). A run is also converted once it holds CONVERT_MAX_BYTES."""
+    monkeypatch.setattr(dataset_module, "CONVERT_MAX_BYTES", 1 << 20)
+    ds = RecordingRunBytes(ragged_cache.endpoint, batch_size=8)
+    ds.run_bytes = []
+    ids = np.concatenate([b["id"].numpy() for b in ds])
+    assert np.array_equal(ids, np.arange(SMALL_ROWS + LARGE_ROWS))
+    # At most the cap plus the transfer batch that passed it (itself at most 4 MiB and a row).
+    assert max(ds.run_bytes) <= (1 << 20) + SERVED_BATCH_MAX_BYTES + 8 * LONG_LIST * 4, ds.run_bytes

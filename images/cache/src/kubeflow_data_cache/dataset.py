@@ -505,12 +505,16 @@ class DataCacheDataset(IterableDataset):
         """Group record batches into runs of ~CONVERT_ROWS, convert each run once, slice it.
 
         A run is cut at a multiple of ``batch_size``; the remainder starts the next run, so
-        every batch but the shard's last has exactly ``batch_size`` rows.
+        every batch but the shard's last has exactly ``batch_size`` rows. A run is also converted
+        once it holds CONVERT_MAX_BYTES and a batch: its row target comes from the first batch's
+        average row, and rows far longer later (images after thumbnails, long documents after
+        short ones) piled up to that many rows, the whole 10 MiB shard of a test table in one
+        run sized for 1 MiB.
         """
         size = self.batch_size
         target = 0  # set from the first batch's row width
         pending: list[pa.RecordBatch] = []
-        pending_rows = 0
+        pending_rows = pending_bytes = 0
         shapes: dict[str, tuple[int, ...]] = {}  # each list column's row shape, as the first run had it
         for rb in record_batches:
             if rb.num_rows == 0:
@@ -525,22 +529,25 @@ class DataCacheDataset(IterableDataset):
                     need = -pending_rows % size
                     pending.append(rb.slice(0, need))
                     yield from self._slices(_concat(pending), size, shapes)
-                    rb, pending, pending_rows = rb.slice(need), [], 0
+                    rb, pending, pending_rows, pending_bytes = rb.slice(need), [], 0, 0
                 full = rb.num_rows // size * size
                 if full:
                     yield from self._slices(rb.slice(0, full), size, shapes)
                 if full < rb.num_rows:
                     pending, pending_rows = [rb.slice(full)], rb.num_rows - full
+                    pending_bytes = pending[0].nbytes
                 continue
             pending.append(rb)
             pending_rows += rb.num_rows
-            if pending_rows < target:
+            pending_bytes += rb.nbytes
+            if pending_rows < target and (pending_bytes < CONVERT_MAX_BYTES or pending_rows < size):
                 continue
             run = _concat(pending)
             full = pending_rows // size * size
             yield from self._slices(run.slice(0, full), size, shapes)
             pending = [run.slice(full)] if pending_rows > full else []
             pending_rows -= full
+            pending_bytes = pending[0].nbytes if pending else 0
         if pending_rows:
             run = _concat(pending)
             full = pending_rows // size * size
