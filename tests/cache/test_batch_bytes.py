@@ -136,9 +136,11 @@ def test_the_byte_cut_adds_string_columns_offsets_without_overflowing_32_bits():
     batch = pa.record_batch({"a": ["x", "y", "z"], "b": ["x", "y", "z"]})
     store = NodeStore(batch.schema, [batch])
     big = np.array([0, 1_800_000_000, 1_800_000_002, 1_800_000_004], dtype=np.int32)
+    from kubeflow_data_cache.row_bytes import Term
+
     variable = store._variable_columns(None)
-    assert variable == ((0, 1), (1, 1))
-    store._offsets[(0, variable)] = ([(big, 1), (big, 1)], 2 * 1_800_000_004, 2 * 1_800_000_000)
+    assert variable == (0, 1)
+    store._offsets[(0, variable)] = ([Term((big,), 1), Term((big,), 1)], 2 * 1_800_000_004, 2 * 1_800_000_000)
     assert store._within_bytes(0, variable, 0, 3, SERVED_BATCH_MAX_BYTES) == 1
 
 
@@ -218,7 +220,7 @@ def test_served_batches_of_long_lists_stay_under_the_byte_cap(ragged_cache, filt
     assert SERVED_BATCH_MAX_BYTES // 2 < largest <= SERVED_BATCH_MAX_BYTES + 4 * LONG_LIST
 
 
-def test_only_columns_whose_rows_differ_in_size_are_counted_with_their_value_width():
+def test_only_columns_whose_rows_can_differ_in_size_are_counted():
     from kubeflow_data_cache.store import NodeStore
 
     batch = pa.record_batch(
@@ -226,15 +228,15 @@ def test_only_columns_whose_rows_differ_in_size_are_counted_with_their_value_wid
             "n": pa.array([1, 2]),
             "s": pa.array(["a", "b"]),
             "ids": pa.array([[1], [2, 3]], pa.list_(pa.int32())),
-            "vec": pa.array([[1.0, 2.0]] * 2, pa.list_(pa.float64())),
-            "words": pa.array([["a"], ["b"]], pa.list_(pa.string())),  # counts strings, not bytes
-            "flags": pa.array([[True], [False]], pa.list_(pa.bool_())),  # 8 values a byte
+            "pair": pa.array([{"x": 1, "y": 2.0}] * 2),  # every row one size
+            "img": pa.array([{"bytes": b"x", "path": "a"}] * 2),
             "fixed": pa.array([[1, 2]] * 2, pa.list_(pa.int64(), 2)),  # every row one size
+            "flags": pa.array([[True], [False]], pa.list_(pa.bool_())),
         }
     )
     store = NodeStore(batch.schema, [batch])
-    assert store._variable_columns(None) == ((1, 1), (2, 4), (3, 8))
-    assert store._variable_columns(("vec", "n")) == ((3, 8),)
+    assert store._variable_columns(None) == (1, 2, 4, 6)
+    assert store._variable_columns(("img", "n")) == (4,)
 
 
 class RecordingRunBytes(DataCacheDataset):
@@ -259,3 +261,47 @@ def test_conversion_runs_of_long_rows_after_short_ones_stay_near_the_byte_cap(ra
     assert np.array_equal(ids, np.arange(SMALL_ROWS + LARGE_ROWS))
     # At most the cap plus the transfer batch that passed it (itself at most 4 MiB and a row).
     assert max(ds.run_bytes) <= (1 << 20) + SERVED_BATCH_MAX_BYTES + 8 * LONG_LIST * 4, ds.run_bytes
+
+
+@pytest.fixture(scope="module")
+def nested_cache(tmp_path_factory):
+    """Images as Hugging Face stores them (a struct of their bytes and path) and lists of strings,
+    short but for 40 large rows together in the middle: neither was cut by bytes, and a filter
+    keeping only the large rows gathered all of them (10 MiB each column) in one batch."""
+    root = tmp_path_factory.mktemp("nested")
+    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
+    catalog.create_namespace("s")
+    half = SMALL_ROWS // 2
+    large = range(half, half + LARGE_ROWS)
+    n = SMALL_ROWS + LARGE_ROWS
+    images = [
+        {"bytes": bytes([i % 256]) * (LARGE_VALUE if i in large else 8), "path": f"img/{i}.jpg"} for i in range(n)
+    ]
+    tags = [["t" * (LARGE_VALUE // 4)] * 4 if i in large else ["a", "b"] for i in range(n)]
+    data = pa.table(
+        {
+            "id": pa.array(np.arange(n, dtype=np.int64)),
+            "image": pa.array(images, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+            "tags": pa.array(tags, pa.list_(pa.string())),
+        }
+    )
+    table = catalog.create_table("s.nested", schema=data.schema)
+    table.append(data)
+    with running_cache(catalog.load_table("s.nested").metadata_location, data_nodes=1) as cache:
+        yield cache
+
+
+@pytest.mark.parametrize("column", ["image", "tags"])
+@pytest.mark.parametrize(("filtered", "shuffle"), [(False, False), (True, False), (False, True)])
+def test_served_batches_of_nested_large_values_stay_under_the_byte_cap(nested_cache, column, filtered, shuffle):
+    half = SMALL_ROWS // 2
+    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
+    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
+    request = ShardRequest(batch_size=65536, columns=("id", column), filter=where, shuffle=shuffle, seed=3)
+    ids, largest = [], 0
+    with CacheClient(nested_cache.endpoint) as client:
+        for batch in client.read_shard(request):
+            largest = max(largest, batch.nbytes)
+            ids.append(batch.column("id").to_numpy())
+    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+    assert SERVED_BATCH_MAX_BYTES // 2 < largest <= SERVED_BATCH_MAX_BYTES + LARGE_VALUE + (64 << 10)

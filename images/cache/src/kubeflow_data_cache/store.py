@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kubeflow_data_cache import row_bytes
 from kubeflow_data_cache.allocator import serve_pool, trim_glibc_malloc
 from kubeflow_data_cache.column_concat import concat_releasing
 from kubeflow_data_cache.constants import (
@@ -29,7 +30,7 @@ from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.offsets import is_string_or_binary, value_offsets
+from kubeflow_data_cache.offsets import value_offsets
 from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes, is_remote
 
 log = logging.getLogger(__name__)
@@ -314,31 +315,6 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
-def _value_width(t: pa.DataType) -> int | None:
-    """Bytes per value that an offset of a ``t`` column counts: 1 for strings and binaries, the
-    value's width for lists of fixed-width values; None for a column whose rows are one size, or
-    whose values are too (a list of strings counts its strings, not their bytes)."""
-    if is_string_or_binary(t):
-        return 1
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        value = t.value_type
-        try:
-            width = value.bit_width
-        except ValueError:  # not fixed-width
-            return None
-        return width // 8 if width and width % 8 == 0 and not pa.types.is_dictionary(value) else None
-    return None
-
-
-def _largest_span(offsets: np.ndarray, step: int = 1 << 20) -> int:
-    """The most bytes one row of these offsets spans, a million rows at a time (a whole column's
-    differences at once would take 4-8 bytes a row for a moment)."""
-    largest = 0
-    for lo in range(0, len(offsets) - 1, step):
-        largest = max(largest, int(np.diff(offsets[lo : lo + step + 1]).max()))
-    return largest
-
-
 def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
     low = high = None
@@ -453,13 +429,12 @@ class NodeStore:
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
-    def _variable_columns(self, columns: tuple[str, ...] | None) -> tuple[tuple[int, int], ...]:
-        """The columns among ``columns`` (all when None) whose rows differ in size, as (index,
-        bytes per value their offsets count): strings and binaries (1), and lists of fixed-width
-        values (the value's width: token ids of documents of any length, say)."""
+    def _variable_columns(self, columns: tuple[str, ...] | None) -> tuple[int, ...]:
+        """The indices of the columns among ``columns`` (all when None) whose rows can differ in
+        size: strings, binaries, lists and maps, and structs or fixed-size lists holding them."""
         names = self.schema.names if columns is None else columns
         indices = [self.schema.get_field_index(name) for name in names]
-        return tuple((i, w) for i in indices if (w := _value_width(self.schema.field(i).type)) is not None)
+        return tuple(i for i in indices if row_bytes.varies(self.schema.field(i).type))
 
     def _select(self, batch: pa.RecordBatch, columns: tuple[str, ...] | None) -> pa.RecordBatch:
         return batch if columns is None else batch.select(list(columns))
@@ -468,8 +443,8 @@ class NodeStore:
         self, lo: int, hi: int, batch_rows: int, columns, max_bytes: int = SERVED_BATCH_MAX_BYTES
     ) -> Iterator[pa.RecordBatch]:
         """Rows ``[lo, hi)`` as zero-copy slices of at most ``batch_rows`` rows, each holding at
-        most ``max_bytes`` of its strings, binaries and lists of fixed-width values together (or
-        one row).
+        most ``max_bytes`` of variable-size values (strings, binaries, lists, at any depth)
+        together (or one row).
 
         ``batch_rows`` comes from the average row: where large values sit together (a file of
         images in a table of short rows) one slice of that many rows held 200 MiB, and Flight
@@ -485,38 +460,32 @@ class NodeStore:
             yield self._select(self.batches[i].slice(start, n), columns)
             pos += n
 
-    def _chunk_offsets(self, i: int, variable: tuple[tuple[int, int], ...]) -> tuple[list, int, int]:
-        """Stored batch ``i``'s offsets of the ``variable`` columns with their value widths
-        ((view, width) pairs; views, no copy), all their values' bytes, and the most one row can
-        hold of them (each column's largest value, added up): where to cut a served batch by
-        bytes, without reading the values."""
+    def _chunk_offsets(self, i: int, variable: tuple[int, ...]) -> tuple[list[row_bytes.Term], int, int]:
+        """Stored batch ``i``'s variable bytes in the ``variable`` columns, as row_bytes terms
+        (views of their offsets, no copy), all of them together, and the most one row holds:
+        where to cut a served batch by bytes, without reading the values."""
         key = (i, variable)
         found = self._offsets.get(key)
         if found is None:
             if len(self._offsets) >= MAX_KEPT_OFFSETS:  # clients choose the column sets
                 self._offsets.clear()
-            views = [(value_offsets(self.batches[i].column(j)), width) for j, width in variable]
-            total = sum(width * int(v[-1] - v[0]) for v, width in views)
-            found = self._offsets[key] = (views, total, sum(width * _largest_span(v) for v, width in views))
+            batch = self.batches[i]
+            terms = [term for j in variable for term in row_bytes.terms(batch.column(j))]
+            total = row_bytes.span_bytes(terms, 0, batch.num_rows)
+            found = self._offsets[key] = (terms, total, row_bytes.largest_row_bytes(terms, batch.num_rows))
         return found
 
-    def _within_bytes(self, i: int, variable: tuple[tuple[int, int], ...], start: int, n: int, max_bytes: int) -> int:
+    def _within_bytes(self, i: int, variable: tuple[int, ...], start: int, n: int, max_bytes: int) -> int:
         """How many of the ``n`` rows from ``start`` of stored batch ``i`` hold at most
         ``max_bytes`` of the ``variable`` columns' values together (at least one row)."""
-        views, chunk_bytes, _ = self._chunk_offsets(i, variable)
-        if chunk_bytes <= max_bytes or sum(w * int(v[start + n] - v[start]) for v, w in views) <= max_bytes:
+        terms, chunk_bytes, _ = self._chunk_offsets(i, variable)
+        if chunk_bytes <= max_bytes or row_bytes.span_bytes(terms, start, start + n) <= max_bytes:
             return n
-        together = np.zeros(n + 1, dtype=np.int64)  # int64: two columns' 32-bit offsets pass 2 GiB together
-        for v, width in views:
-            together += (v[start : start + n + 1] - v[start]).astype(np.int64) * width
+        together = row_bytes.prefix_bytes(terms, start, start + n)
         return max(1, int(np.searchsorted(together, max_bytes, side="right")) - 1)
 
     def _gathers(
-        self,
-        rows: np.ndarray,
-        columns,
-        variable: tuple[tuple[int, int], ...],
-        max_bytes: int = SERVED_BATCH_MAX_BYTES,
+        self, rows: np.ndarray, columns, variable: tuple[int, ...], max_bytes: int = SERVED_BATCH_MAX_BYTES
     ) -> Iterator[pa.RecordBatch]:
         """``take(rows)``, cut where the values of the ``variable`` columns gathered pass
         ``max_bytes`` together (each batch at least one row), as in-order slices are.
@@ -540,20 +509,15 @@ class NodeStore:
                 return
         yield self.take(rows, columns)
 
-    def _value_bytes(self, rows: np.ndarray, views: list[list]) -> np.ndarray:
-        """Each row's bytes of the variable columns' values, from ``views[chunk]`` (_chunk_offsets)."""
+    def _value_bytes(self, rows: np.ndarray, chunk_terms: list[list[row_bytes.Term]]) -> np.ndarray:
+        """Each row's variable bytes, from ``chunk_terms[chunk]`` (_chunk_offsets)."""
+        if len(self.batches) == 1:
+            return row_bytes.rows_bytes(chunk_terms[0], rows)
         sizes = np.zeros(len(rows), dtype=np.int64)
-        which = np.searchsorted(self.offsets, rows, side="right") - 1 if len(self.batches) > 1 else None
-        for i, offsets in enumerate(views):
-            mask = None if which is None else which == i
-            local = rows if mask is None else rows[mask] - self.offsets[i]
-            part = np.zeros(len(local), dtype=np.int64)
-            for v, width in offsets:
-                part += (v[local + 1] - v[local]).astype(np.int64) * width
-            if mask is None:
-                sizes += part
-            else:
-                sizes[mask] += part
+        which = np.searchsorted(self.offsets, rows, side="right") - 1
+        for i in np.unique(which):
+            mask = which == i
+            sizes[mask] = row_bytes.rows_bytes(chunk_terms[i], rows[mask] - self.offsets[i])
         return sizes
 
     def take(self, rows: np.ndarray, columns) -> pa.RecordBatch:
@@ -582,8 +546,8 @@ class NodeStore:
 
     def iter_rows(self, parts, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
         """Serve ``sharding.node_rows`` output: ranges as slices, index arrays as gathers of
-        ``batch_rows`` rows (but the last), however the arrays are cut; fewer where their strings,
-        binaries and lists would pass SERVED_BATCH_MAX_BYTES (slices and gathers alike)."""
+        ``batch_rows`` rows (but the last), however the arrays are cut; fewer where their
+        variable-size values would pass SERVED_BATCH_MAX_BYTES (slices and gathers alike)."""
         variable = self._variable_columns(columns)
         pending: list[np.ndarray] = []
         held = 0
