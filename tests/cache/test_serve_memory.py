@@ -8,6 +8,7 @@ import json
 import logging
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
@@ -255,3 +256,39 @@ def test_gathering_streams_gather_ahead_within_a_byte_budget():
     assert gather_ahead(GATHER_AHEAD_BYTES) == 1
     assert gather_ahead(GATHER_AHEAD_BYTES + 1) == 0  # gathered when Flight asks for it
     assert gather_ahead(0) == READAHEAD_BATCHES
+
+
+def _images_among_short_rows(tmp_path) -> str:
+    """200 rows of 64 KiB images among 20,000 of 8 bytes: an average row of ~650 bytes."""
+    from kubeflow_data_cache.sample import make_catalog
+
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "catalog.db")
+    catalog.create_namespace("s")
+    values = [b"x" * 8] * 20_000 + [bytes([i]) * (64 << 10) for i in range(200)]
+    data = pa.table({"id": pa.array(np.arange(len(values), dtype=np.int64)), "image": pa.array(values, pa.binary())})
+    table = catalog.create_table("s.images", schema=data.schema)
+    table.append(data)
+    return catalog.load_table("s.images").metadata_location
+
+
+def test_a_filtered_stream_of_the_largest_rows_is_counted_at_what_it_holds(cluster, tmp_path, monkeypatch):  # noqa: F811
+    """The guard counted a gathering stream at its rows times the table's average row: a filter
+    keeping only the images was counted at 2 x 200 x ~650 bytes (~250 KiB) for 12.5 MiB of rows,
+    so a burst of such readers went past the node's limit unchecked."""
+    head, _head_health, node, _node_health = cluster(_images_among_short_rows(tmp_path), memory_limit="8Gi")
+    wait_for(lambda: head.lifecycle.state == "ready")
+    counted = []
+    real_admit = node._serve_guard.admit
+
+    def admit(batch_bytes, open_streams, index, stream_bytes=None, order_bytes=0):
+        counted.append((batch_bytes, stream_bytes))
+        return real_admit(batch_bytes, open_streams, index, stream_bytes, order_bytes)
+
+    monkeypatch.setattr(node._serve_guard, "admit", admit)
+    with CacheClient(head.location) as client:
+        batches = list(client.read_shard(ShardRequest(filter="id >= 20000", batch_size=65536)))
+    assert sum(b.num_rows for b in batches) == 200
+    ((batch_bytes, stream_bytes),) = counted
+    assert stream_bytes >= sum(b.nbytes for b in batches)
+    assert batch_bytes >= max(b.nbytes for b in batches)
+    assert stream_bytes < 2 * sum(b.nbytes for b in batches)  # not counted far above it either

@@ -587,8 +587,9 @@ class DataNode(ReadOnlyFlight):
                 schema, self._served(windows(slices, window_rows(row_bytes)), generation=generation)
             )
         # A gathering stream holds a few batches of its own: none is started that would take the
-        # node into its last memory margin (memory.ServeMemoryGuard; the reader retries).
-        batch_bytes = int(batch_rows * row_bytes)
+        # node into its last memory margin (memory.ServeMemoryGuard; the reader retries). Counted
+        # at their largest rows where rows differ in size (a filter may keep only the largest).
+        batch_bytes = store.served_bytes_bound(batch_rows, req.columns, batch_rows=batch_rows)
         if req.shuffle and not order_built(t.total, req):
             # Counting the stream's rows exactly takes the epoch order, which is built in the
             # stream, once admitted: until a stream holds it, the shard's size bounds them.
@@ -609,7 +610,7 @@ class DataNode(ReadOnlyFlight):
                     batch_bytes,
                     self._gathers.open_streams,
                     self.cfg.node_index,
-                    int(stream_rows * row_bytes),
+                    store.served_bytes_bound(stream_rows, req.columns),
                     order_bytes=order_bytes,
                 )
             except NodeBusyError:

@@ -429,6 +429,27 @@ class NodeStore:
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
+    def served_bytes_bound(self, rows: int, columns: tuple[str, ...] | None, batch_rows: int | None = None) -> int:
+        """The most ``rows`` gathered rows of ``columns`` can hold (with ``batch_rows``: one
+        served batch of that many), for the serving memory guard.
+
+        The average row would do for rows of one size. Where values vary, the rows a filter keeps
+        (or a gather happens to take) can be the largest: a filter on 200 images among 200,000
+        short rows was counted at 42 KiB a stream and held ~12 MiB. So the variable values count
+        at the largest row, up to all of them (or, in one batch, up to the byte cut:
+        SERVED_BATCH_MAX_BYTES, or one row past it)."""
+        average = rows * self.row_bytes(columns)
+        variable = self._variable_columns(columns)
+        if not variable or not rows or not self.num_rows:
+            return int(average)
+        chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
+        total, largest = sum(c[1] for c in chunks), max(c[2] for c in chunks)
+        worst = min(rows * largest, total)
+        if batch_rows is not None:
+            worst = min(worst, max(SERVED_BATCH_MAX_BYTES, largest))
+        # The average row already holds the variable values at their average: add what is worse.
+        return int(average + max(0.0, worst - rows * total / self.num_rows))
+
     def _variable_columns(self, columns: tuple[str, ...] | None) -> tuple[int, ...]:
         """The indices of the columns among ``columns`` (all when None) whose rows can differ in
         size: strings, binaries, lists and maps, and structs or fixed-size lists holding them."""
