@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 
 from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
-from kubeflow_data_cache.memory import LoadMemoryGuard, check_fits, load_guard_threshold, parse_bytes, resident_bytes
+from kubeflow_data_cache.memory import (
+    LoadMemoryGuard,
+    check_fits,
+    load_guard_threshold,
+    local_load_threads,
+    parse_bytes,
+    resident_bytes,
+)
 from kubeflow_data_cache.plan import (
     FilePlan,
     Piece,
@@ -733,3 +740,56 @@ def test_a_load_of_many_small_files_is_estimated_with_what_its_batches_hold_and_
     # What the load held beyond what stays (the rows, and the reader's own set-up, which the
     # baseline allowance covers) is within what the estimate adds to the rows.
     assert seen["before_merge"] - seen["after"] <= estimate - loaded, (seen, loaded, estimate)
+
+
+def planned_location(location: str):
+    t = open_table(location)
+    return t, *plan_table(t, location)
+
+
+def _images_and_short_rows(tmp_path) -> str:
+    """4 files of 25 images of 1 MiB and a file of 20,000 short rows: an even split of the rows
+    puts every image on one node."""
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    schema = pa.schema([("id", pa.int64()), ("image", pa.binary())])
+    table = catalog.create_table("s.images", schema=schema)
+    rng = np.random.default_rng(0)
+    for f in range(4):
+        images = [rng.bytes(1 << 20) for _ in range(25)]  # as incompressible as photos
+        table.append(pa.table({"id": np.arange(f * 25, (f + 1) * 25), "image": images}, schema=schema))
+    table.append(pa.table({"id": np.arange(100, 20_100), "image": [b"x" * 8] * 20_000}, schema=schema))
+    return catalog.load_table("s.images").metadata_location
+
+
+def test_rows_of_very_different_sizes_are_split_by_their_bytes(tmp_path):
+    location = _images_and_short_rows(tmp_path)
+    _, plan, _ = planned_location(location)
+    assignments = assign_rows(plan, 2)
+    assert assignments[0].global_start == 0 and assignments[0].global_stop == assignments[1].global_start
+    assert assignments[1].global_stop == plan.rows == 20_100
+    loaded = [estimated_node_memory(plan, a, 1)[0] for a in assignments]
+    assert max(loaded) < 0.6 * sum(loaded), loaded  # an even split held ~100% on one node
+    # Rows of one size keep their even split (test_more_nodes_than_files_splits_rows).
+
+
+def test_a_table_of_skewed_rows_that_fits_split_by_bytes_loads_every_row(tmp_path, monkeypatch):
+    """Refused before, advising 1,501 nodes for a table that fits 2 (the review's case, scaled down)."""
+    from kubeflow_data_cache import plan as plan_module
+    from kubeflow_data_cache.client import CacheClient
+    from kubeflow_data_cache.protocol import ShardRequest
+    from tests.conftest import running_cache
+
+    location = _images_and_short_rows(tmp_path)
+    _, plan, _ = planned_location(location)
+    threads = local_load_threads(2)  # what each of `local`'s 2 nodes reads with here
+    by_bytes = max(estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, 2))
+    monkeypatch.setattr(plan_module, "BYTE_SPLIT_GAIN", 1.0, raising=False)  # never by bytes: the even split
+    evenly = max(estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, 2))
+    monkeypatch.undo()
+    assert evenly > by_bytes + (16 << 20)  # room for a limit between the two
+    limit = BASELINE_MEMORY_BYTES + (by_bytes + evenly) // 2  # fits split by bytes, not split evenly
+    args = ("--memory-limit", str(limit))
+    with running_cache(location, data_nodes=2, args=args) as cache, CacheClient(cache.endpoint) as client:
+        ids = np.concatenate([b.column("id").to_numpy() for b in client.read_shard(ShardRequest())])
+    assert np.array_equal(np.sort(ids), np.arange(20_100))
