@@ -315,6 +315,31 @@ def decode_budget(
     return DecodeBudget(kept, unit, minimum)
 
 
+# A gather whose largest rows could make it more than this many times the byte cap is cut
+# before it is gathered (NodeStore._gathers); a smaller one is cut after, by its own offsets.
+GATHER_PRECUT_FACTOR = 4
+
+
+def _cut(batch: pa.RecordBatch, max_bytes: int) -> Iterator[pa.RecordBatch]:
+    """``batch`` in zero-copy slices of at most ``max_bytes`` of variable-size values (or one row)."""
+    terms = [
+        t
+        for j, field in enumerate(batch.schema)
+        if row_bytes.varies(field.type)
+        for t in row_bytes.terms(batch.column(j))
+    ]
+    n = batch.num_rows
+    if row_bytes.span_bytes(terms, 0, n) <= max_bytes:
+        yield batch
+        return
+    ends = row_bytes.prefix_bytes(terms, 0, n)
+    pos = 0
+    while pos < n:
+        stop = max(pos + 1, int(np.searchsorted(ends, int(ends[pos]) + max_bytes, side="right")) - 1)
+        yield batch.slice(pos, stop - pos)
+        pos = stop
+
+
 def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
     low = high = None
@@ -351,9 +376,9 @@ class NodeStore:
             and (bounds := _length_bounds(b.column(i) for b in self.batches)) is not None
         }
         self.nbytes = sum(self.column_bytes.values())
-        # (stored batch, string and binary columns) -> their offsets and their values' bytes in
-        # it (slices: where they fit in one served batch, nothing is cut).
-        self._offsets: dict[tuple[int, tuple[int, ...]], tuple[list[np.ndarray], int]] = {}
+        # (stored batch, variable-size columns) -> their row_bytes terms, all their values' bytes
+        # and the largest row's in it (_chunk_offsets: where served batches are cut by bytes).
+        self._offsets: dict[tuple[int, tuple[int, ...]], tuple[list[row_bytes.Term], int, int]] = {}
 
     @classmethod
     def load(
@@ -436,8 +461,8 @@ class NodeStore:
         The average row would do for rows of one size. Where values vary, the rows a filter keeps
         (or a gather happens to take) can be the largest: a filter on 200 images among 200,000
         short rows was counted at 42 KiB a stream and held ~12 MiB. So the variable values count
-        at the largest row, up to all of them (or, in one batch, up to the byte cut:
-        SERVED_BATCH_MAX_BYTES, or one row past it)."""
+        at the largest row, up to all of them (or, in one batch, up to what is gathered before
+        the byte cut: see _gathers)."""
         average = rows * self.row_bytes(columns)
         variable = self._variable_columns(columns)
         if not variable or not rows or not self.num_rows:
@@ -445,8 +470,8 @@ class NodeStore:
         chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
         total, largest = sum(c[1] for c in chunks), max(c[2] for c in chunks)
         worst = min(rows * largest, total)
-        if batch_rows is not None:
-            worst = min(worst, max(SERVED_BATCH_MAX_BYTES, largest))
+        if batch_rows is not None and worst > GATHER_PRECUT_FACTOR * SERVED_BATCH_MAX_BYTES:
+            worst = max(SERVED_BATCH_MAX_BYTES, largest)  # cut before it is gathered (_gathers)
         # The average row already holds the variable values at their average: add what is worse.
         return int(average + max(0.0, worst - rows * total / self.num_rows))
 
@@ -514,12 +539,15 @@ class NodeStore:
         ``rows`` are as many as the table's average row allows in a batch; a filter that keeps
         the large values alone (the images of a table of short rows) gathered 10 MiB in a batch
         sized for 4 MiB, beyond what the node's memory guard counted for the stream (and past
-        Flight's 2 GiB, at larger values). Where the largest values could not pass the cap in
-        ``len(rows)`` rows (short strings), nothing is counted row by row."""
+        Flight's 2 GiB, at larger values). Where the largest rows could make the gather more
+        than GATHER_PRECUT_FACTOR times the cap, rows are sized one by one and cut before they
+        are gathered; where less (text whose longest strings are a few times the average row),
+        the gathered batch is cut by its own offsets, in zero-copy slices: sizing each row
+        first had made shuffled reads of such tables 10-15% slower."""
         if variable and len(rows) > 1:
             chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
             bound = min(sum(c[1] for c in chunks), max(c[2] for c in chunks) * len(rows))
-            if bound > max_bytes:
+            if bound > GATHER_PRECUT_FACTOR * max_bytes:
                 ends = np.cumsum(self._value_bytes(rows, [c[0] for c in chunks]))
                 pos = 0
                 while pos < len(rows):
@@ -527,6 +555,9 @@ class NodeStore:
                     stop = max(pos + 1, int(np.searchsorted(ends, base + max_bytes, side="right")))
                     yield self.take(rows[pos:stop], columns)
                     pos = stop
+                return
+            if bound > max_bytes:
+                yield from _cut(self.take(rows, columns), max_bytes)
                 return
         yield self.take(rows, columns)
 
