@@ -330,3 +330,44 @@ def test_gathers_a_few_times_the_cap_are_cut_after_and_larger_ones_before(max_by
         total += size
     runs.append(total)
     assert [sum(len(s) for s in b.column("text").to_pylist()) for b in served] == runs
+
+
+@pytest.fixture(scope="module")
+def wide_rows_cache(tmp_path_factory):
+    """20,000 rows of 4 KiB (80 MiB) on 2 data nodes."""
+    root = tmp_path_factory.mktemp("wide-rows")
+    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
+    catalog.create_namespace("s")
+    rng = np.random.default_rng(5)
+    rows = 20_000
+    data = pa.table({"id": pa.array(np.arange(rows)), "blob": pa.array([rng.bytes(4096) for _ in range(rows)])})
+    table = catalog.create_table("s.wide_rows", schema=data.schema)
+    table.append(data)
+    with running_cache(catalog.load_table("s.wide_rows").metadata_location, data_nodes=2) as cache:
+        yield cache
+
+
+def test_interleaved_windows_of_small_blocks_stay_near_their_byte_size(wide_rows_cache, monkeypatch):
+    """Shuffled in blocks under 256 rows, the client takes each stretch of the interleave as one
+    window: 65,536 rows whatever their width made this shard one 80 MiB batch (rows over 32 KiB
+    passed the 2 GiB a take's offsets hold, and every such read failed). Windows hold about
+    TAKEN_WINDOW_BYTES now, in the same order."""
+    from kubeflow_data_cache import interleave
+
+    request = ShardRequest(shuffle=True, seed=4, block_size=16)
+
+    def read() -> tuple[np.ndarray, int]:
+        ids, largest = [], 0
+        with CacheClient(wide_rows_cache.endpoint) as client:
+            for batch in client.read_shard(request, interleave=True):
+                largest = max(largest, batch.nbytes)
+                ids.append(batch.column("id").to_numpy())
+        return np.concatenate(ids), largest
+
+    ids, largest = read()
+    assert np.array_equal(np.sort(ids), np.arange(20_000))
+    assert largest <= interleave.TAKEN_WINDOW_BYTES + 2 * 16 * 4200, largest
+    monkeypatch.setattr(interleave, "TAKEN_WINDOW_BYTES", 1 << 40)  # windows of rows alone
+    by_rows, largest_by_rows = read()
+    assert np.array_equal(ids, by_rows)  # where windows end does not change the order
+    assert largest_by_rows > 64 << 20

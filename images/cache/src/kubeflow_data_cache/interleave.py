@@ -36,8 +36,11 @@ UNKNOWN_LENGTH = 1 << 62
 # a unit, so 1-row blocks spent seconds of Python per million rows (16-row blocks: 0.45 s for
 # 2M rows, against ~0.03 s taken). From 256 rows the slices cost about what a take copies.
 SLICED_UNIT_ROWS = 256
-# Rows of one taken window (about): what one take copies at once.
+# Rows of one taken window (about): what one take copies at once; fewer where rows are wide, so
+# a window holds about TAKEN_WINDOW_BYTES (rows of 4 KiB in 16-row blocks made 257 MiB windows,
+# and rows over 32 KiB a window past the 2 GiB a take's 32-bit offsets hold: every read failed).
 TAKEN_WINDOW_ROWS = 1 << 16
+TAKEN_WINDOW_BYTES = 8 << 20
 # Units per stream past which the windows' float sort keys could tie where the exact order does
 # not ((2k + 1) / U, correctly rounded, stays exact below 2^25 units): such reads are sliced.
 TAKEN_MAX_UNITS = 1 << 25
@@ -225,11 +228,14 @@ def _taken(cursors: list[_Cursor], lengths: list[int], unit: int, point: ResumeP
     first = _first_units(lengths, unit, point)
     done = [k >= u for k, u in zip(first, units, strict=True)]  # given whole before: not read
     total_units = sum(units)
-    # Unit k of stream j sits at (2k + 1) / U_j, in (0, 2): windows of equal width in that range.
-    step = Fraction(2 * max(1, TAKEN_WINDOW_ROWS // unit), max(1, total_units))
     bound = Fraction(0)
     while not all(done):
-        bound += step
+        # Unit k of stream j sits at (2k + 1) / U_j, in (0, 2): each window takes the next stretch
+        # of that range, as wide as TAKEN_WINDOW_BYTES of the widest rows at hand allow. The
+        # order does not depend on where windows end.
+        widest = max((cursors[j].row_bytes() for j in range(len(units)) if not done[j]), default=0.0)
+        window_rows = TAKEN_WINDOW_ROWS if widest <= 0 else int(min(TAKEN_WINDOW_ROWS, TAKEN_WINDOW_BYTES // widest))
+        bound += Fraction(2 * max(1, window_rows // unit), max(1, total_units))
         keys, streams, firsts, sizes, pieces = [], [], [], [], []
         offset = 0  # the window's rows read so far, stream after stream
         for j, u in enumerate(units):
@@ -285,6 +291,16 @@ class _Cursor:
         piece = self._batch.slice(self._offset, n)
         self._offset += piece.num_rows
         return piece
+
+    def row_bytes(self) -> float:
+        """The average bytes of a row of the batch at hand (the next one read, where none is;
+        nothing is taken), or 0 at the stream's end."""
+        while self._batch is None or self._offset >= self._batch.num_rows:
+            self._batch = next(self._stream, None)
+            self._offset = 0
+            if self._batch is None:
+                return 0.0
+        return self._batch.nbytes / self._batch.num_rows
 
     def take_rows(self, n: int) -> list[pa.RecordBatch]:
         """The next ``n`` rows (fewer where the stream ends), as slices of its batches."""
