@@ -292,3 +292,23 @@ def test_a_filtered_stream_of_the_largest_rows_is_counted_at_what_it_holds(clust
     assert stream_bytes >= sum(b.nbytes for b in batches)
     assert batch_bytes >= max(b.nbytes for b in batches)
     assert stream_bytes < 2 * sum(b.nbytes for b in batches)  # not counted far above it either
+
+
+def test_a_shuffled_stream_without_a_filter_counts_its_average_rows_and_one_largest():
+    """Counted at the worst case, one long document in a text table made every shuffled stream
+    count 4 MiB a batch (5x its rows, and no read-ahead); rows taken as they come are about the
+    average, with at most a few of the largest. A filter may keep only the largest: worst case."""
+    from kubeflow_data_cache.constants import SERVED_BATCH_MAX_BYTES
+    from kubeflow_data_cache.store import NodeStore
+
+    rows = 100_000
+    text = pa.array(["x" * 100] * (rows - 1) + ["y" * (1 << 20)])
+    batch = pa.record_batch({"id": pa.array(np.arange(rows)), "text": text})
+    store = NodeStore(batch.schema, [batch])
+    average_batch = 1024 * store.row_bytes(None)
+    shuffled = store.served_bytes_bound(1024, None, batch_rows=1024)
+    assert average_batch + (1 << 20) - 1 <= shuffled <= average_batch + (1 << 20) + 64
+    filtered = store.served_bytes_bound(1024, None, batch_rows=1024, filtered=True)
+    assert filtered >= SERVED_BATCH_MAX_BYTES  # 1024 rows as large as the largest, cut at the cap
+    # A stream of a few rows, filtered, counts all the variable values they could hold.
+    assert store.served_bytes_bound(3, None, filtered=True) >= 3 * (1 << 20) * 0.99 - 3 * 200

@@ -588,8 +588,9 @@ class DataNode(ReadOnlyFlight):
             )
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries). Counted
-        # at their largest rows where rows differ in size (a filter may keep only the largest).
-        batch_bytes = store.served_bytes_bound(batch_rows, req.columns, batch_rows=batch_rows)
+        # at their largest rows where rows differ in size and a filter may keep only the largest.
+        filtered = matches is not None
+        batch_bytes = store.served_bytes_bound(batch_rows, req.columns, batch_rows=batch_rows, filtered=filtered)
         if req.shuffle and not order_built(t.total, req):
             # Counting the stream's rows exactly takes the epoch order, which is built in the
             # stream, once admitted: until a stream holds it, the shard's size bounds them.
@@ -610,7 +611,7 @@ class DataNode(ReadOnlyFlight):
                     batch_bytes,
                     self._gathers.open_streams,
                     self.cfg.node_index,
-                    store.served_bytes_bound(stream_rows, req.columns),
+                    store.served_bytes_bound(stream_rows, req.columns, filtered=filtered),
                     order_bytes=order_bytes,
                 )
             except NodeBusyError:
@@ -626,7 +627,12 @@ class DataNode(ReadOnlyFlight):
         return flight.GeneratorStream(
             schema,
             self._served(
-                gathered, gathering=True, ahead=gather_ahead(batch_bytes), admitted=admitted, generation=generation
+                gathered,
+                gathering=True,
+                # By the average batch: a worst case of 4 MiB left text with one long document no read-ahead.
+                ahead=gather_ahead(int(batch_rows * row_bytes)),
+                admitted=admitted,
+                generation=generation,
             ),
         )
 

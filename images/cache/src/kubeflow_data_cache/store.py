@@ -454,21 +454,28 @@ class NodeStore:
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
 
-    def served_bytes_bound(self, rows: int, columns: tuple[str, ...] | None, batch_rows: int | None = None) -> int:
-        """The most ``rows`` gathered rows of ``columns`` can hold (with ``batch_rows``: one
+    def served_bytes_bound(
+        self, rows: int, columns: tuple[str, ...] | None, batch_rows: int | None = None, filtered: bool = False
+    ) -> int:
+        """What ``rows`` gathered rows of ``columns`` hold at most (with ``batch_rows``: one
         served batch of that many), for the serving memory guard.
 
-        The average row would do for rows of one size. Where values vary, the rows a filter keeps
-        (or a gather happens to take) can be the largest: a filter on 200 images among 200,000
-        short rows was counted at 42 KiB a stream and held ~12 MiB. So the variable values count
-        at the largest row, up to all of them (or, in one batch, up to what is gathered before
-        the byte cut: see _gathers)."""
+        The average row would do for rows of one size. A ``filtered`` read can keep only the
+        largest rows: a filter on 200 images among 20,000 short rows was counted at ~130 KiB a
+        stream and held 12.5 MiB. So there the variable values count at the largest row, up to
+        all of them (or, in one batch, up to what is gathered before the byte cut: _gathers). A
+        shuffled read without a filter takes rows as they come, about the average, so it counts
+        the average and one largest row: counted at the worst case too, one 200 KB document in
+        a text table made every stream count 4 MiB a batch (5x), a burst of readers refused
+        early."""
         average = rows * self.row_bytes(columns)
         variable = self._variable_columns(columns)
         if not variable or not rows or not self.num_rows:
             return int(average)
         chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
         total, largest = sum(c[1] for c in chunks), max(c[2] for c in chunks)
+        if not filtered:
+            return int(average + min(largest, total))
         worst = min(rows * largest, total)
         if batch_rows is not None and worst > GATHER_PRECUT_FACTOR * SERVED_BATCH_MAX_BYTES:
             worst = max(SERVED_BATCH_MAX_BYTES, largest)  # cut before it is gathered (_gathers)
