@@ -106,3 +106,12 @@ def test_types_whose_rows_are_one_size_have_no_terms(t):
     arr = pa.array([None] * 3, type=t)
     assert row_bytes.terms(arr) == []
     assert row_bytes.largest_row_bytes([], 3) == 0
+
+
+def test_a_list_whose_empty_child_has_no_offsets_buffer_counts_nothing():
+    """Legal Arrow, though Parquet and IPC give the empty child an offsets buffer: one without any."""
+    child = pa.Array.from_buffers(pa.string(), 0, [None, pa.py_buffer(b""), pa.py_buffer(b"")])
+    lists = pa.ListArray.from_arrays(pa.array([0, 0, 0], pa.int32()), child)
+    terms = row_bytes.terms(lists)
+    assert row_bytes.rows_bytes(terms, np.arange(2)).tolist() == [0, 0]
+    assert row_bytes.largest_row_bytes(terms, 2) == 0

@@ -74,8 +74,11 @@ def _offsets(arr: pa.Array) -> np.ndarray:
     """An offset-based array's offsets for its own rows: a view, ``len(arr) + 1`` long."""
     t = arr.type
     wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t)
-    view = np.frombuffer(arr.buffers()[1], dtype=np.int64 if wide else np.int32)
-    return view[arr.offset : arr.offset + len(arr) + 1]
+    dtype = np.int64 if wide else np.int32
+    buffer = arr.buffers()[1]
+    if buffer is None or buffer.size == 0:  # a zero-length array may have no offsets at all
+        return np.zeros(len(arr) + 1, dtype=dtype)
+    return np.frombuffer(buffer, dtype=dtype)[arr.offset : arr.offset + len(arr) + 1]
 
 
 def _row_width(t: pa.DataType) -> int:
