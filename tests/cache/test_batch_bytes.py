@@ -144,22 +144,31 @@ def test_the_byte_cut_adds_string_columns_offsets_without_overflowing_32_bits():
     assert store._within_bytes(0, variable, 0, 3, SERVED_BATCH_MAX_BYTES) == 1
 
 
+def _largest_batch_around_the_large_rows(endpoint, filtered, shuffle, columns=None, check=lambda batch: None) -> int:
+    """Read a table whose 40 large rows sit in the middle of short ones: only them and 5 rows
+    either side (``filtered``), or all of it; checks every row came once and returns the largest
+    batch's bytes. ``check`` sees each batch."""
+    half = SMALL_ROWS // 2
+    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
+    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
+    request = ShardRequest(batch_size=65536, columns=columns, filter=where, shuffle=shuffle, seed=3)
+    ids, largest = [], 0
+    with CacheClient(endpoint) as client:
+        for batch in client.read_shard(request):
+            check(batch)
+            largest = max(largest, batch.nbytes)
+            ids.append(batch.column("id").to_numpy())
+    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+    return largest
+
+
 @pytest.mark.parametrize(("filtered", "shuffle"), [(True, False), (True, True), (False, True)])
 def test_gathers_of_clustered_large_values_stay_under_the_byte_cap(skewed_cache, filtered, shuffle):
     """A filter that keeps the large rows alone is gathered in batches sized by the table's average
     row (~8,000 rows here): all 40 of them, 10 MiB, went in one batch, past the cap and past what
     the node's memory guard had counted for the stream. At 5 MiB values and a few hundred per
     batch, past Flight's 2 GiB. A shuffled gather mixes them with short rows, but by chance (4.4 MiB)."""
-    half = SMALL_ROWS // 2
-    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
-    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
-    request = ShardRequest(batch_size=65536, filter=where, shuffle=shuffle, seed=3)
-    ids, largest = [], 0
-    with CacheClient(skewed_cache.endpoint) as client:
-        for batch in client.read_shard(request):
-            largest = max(largest, batch.nbytes)
-            ids.append(batch.column("id").to_numpy())
-    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+    largest = _largest_batch_around_the_large_rows(skewed_cache.endpoint, filtered, shuffle)
     assert largest <= SERVED_BATCH_MAX_BYTES + LARGE_VALUE  # one row past the cap at most
     assert largest > SERVED_BATCH_MAX_BYTES // 2  # cut at the cap, not needlessly small
 
@@ -206,17 +215,12 @@ def ragged_cache(tmp_path_factory):
 def test_served_batches_of_long_lists_stay_under_the_byte_cap(ragged_cache, filtered, shuffle):
     """Lists count their values' bytes as strings do: in order, the 40 long documents went in one
     10 MiB batch."""
-    half = SMALL_ROWS // 2
-    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
-    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
-    ids, largest = [], 0
-    with CacheClient(ragged_cache.endpoint) as client:
-        for batch in client.read_shard(ShardRequest(batch_size=65536, filter=where, shuffle=shuffle, seed=3)):
-            largest = max(largest, batch.nbytes)
-            ids.append(batch.column("id").to_numpy())
-            lengths = pc.list_value_length(batch.column("tokens")).to_numpy()
-            assert set(lengths.tolist()) <= {2, LONG_LIST}  # whole rows, as stored
-    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+
+    def whole_rows(batch: pa.RecordBatch) -> None:
+        lengths = pc.list_value_length(batch.column("tokens")).to_numpy()
+        assert set(lengths.tolist()) <= {2, LONG_LIST}  # whole rows, as stored
+
+    largest = _largest_batch_around_the_large_rows(ragged_cache.endpoint, filtered, shuffle, check=whole_rows)
     assert SERVED_BATCH_MAX_BYTES // 2 < largest <= SERVED_BATCH_MAX_BYTES + 4 * LONG_LIST
 
 
@@ -294,16 +298,7 @@ def nested_cache(tmp_path_factory):
 @pytest.mark.parametrize("column", ["image", "tags"])
 @pytest.mark.parametrize(("filtered", "shuffle"), [(False, False), (True, False), (False, True)])
 def test_served_batches_of_nested_large_values_stay_under_the_byte_cap(nested_cache, column, filtered, shuffle):
-    half = SMALL_ROWS // 2
-    wanted = np.arange(half - 5, half + LARGE_ROWS + 5) if filtered else np.arange(SMALL_ROWS + LARGE_ROWS)
-    where = f"id >= {wanted[0]} AND id <= {wanted[-1]}" if filtered else None
-    request = ShardRequest(batch_size=65536, columns=("id", column), filter=where, shuffle=shuffle, seed=3)
-    ids, largest = [], 0
-    with CacheClient(nested_cache.endpoint) as client:
-        for batch in client.read_shard(request):
-            largest = max(largest, batch.nbytes)
-            ids.append(batch.column("id").to_numpy())
-    assert np.array_equal(np.sort(np.concatenate(ids)), wanted)
+    largest = _largest_batch_around_the_large_rows(nested_cache.endpoint, filtered, shuffle, columns=("id", column))
     assert SERVED_BATCH_MAX_BYTES // 2 < largest <= SERVED_BATCH_MAX_BYTES + LARGE_VALUE + (64 << 10)
 
 
