@@ -533,6 +533,22 @@ def test_the_load_guard_stops_within_its_margin_and_projects_the_need():
     assert load_guard_threshold(16 << 30) == (16 << 30) - (128 << 20)
 
 
+def test_the_load_guard_projects_by_the_estimate_where_rows_differ_in_size():
+    """50 images of 1 MiB read first among 20,000 short rows: 10% of the rows held 50 MiB, and a
+    projection per row (500 MiB) stopped a load of ~51 MiB. Scaled by the manifests' estimate of
+    what was read, the projection is the estimate itself where it was right, and still stops a
+    load whose rows decode 10 times larger than estimated."""
+    resident = resident_bytes()
+    guard = LoadMemoryGuard(resident + (300 << 20), 20_050, local=True)
+    read, estimated, all_rows = 50 << 20, 50 << 20, 51 << 20
+    guard.check(2005, read, estimated, all_rows)  # on course: ~51 MiB in all
+    with pytest.raises(MemoryBudgetError, match="its rows need about"):
+        guard.check(2005, read)  # the per-row projection, where no estimate is known
+    with pytest.raises(MemoryBudgetError, match="its rows need about"):
+        guard.check(2005, 10 * read, estimated, all_rows)  # 10x the estimate: ~510 MiB
+    guard.check(1000, 100 << 20, 2 << 20, all_rows)  # under 10% of the estimate read: too early
+
+
 def test_a_denied_local_metadata_read_says_nothing_of_aws():
     refusal = str(_open_error("/t/m.metadata.json", "/t/m.metadata.json", PermissionError(13, "Permission denied")))
     assert "was denied" in refusal and "AWS" not in refusal
@@ -748,16 +764,17 @@ def planned_location(location: str):
 
 
 def _images_and_short_rows(tmp_path) -> str:
-    """4 files of 25 images of 1 MiB and a file of 20,000 short rows: an even split of the rows
-    puts every image on one node."""
+    """A file of 100 images of 1 MiB (in row groups of 10, the unit a read decodes) and a file of
+    20,000 short rows: whichever order the scan lists them in, an even split of the rows puts
+    every image on one node. (Four image files had listed on both sides of the short one in some
+    runs, and the even split was already balanced.)"""
     catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
     catalog.create_namespace("s")
     schema = pa.schema([("id", pa.int64()), ("image", pa.binary())])
-    table = catalog.create_table("s.images", schema=schema)
+    table = catalog.create_table("s.images", schema=schema, properties={"write.parquet.row-group-limit": "10"})
     rng = np.random.default_rng(0)
-    for f in range(4):
-        images = [rng.bytes(1 << 20) for _ in range(25)]  # as incompressible as photos
-        table.append(pa.table({"id": np.arange(f * 25, (f + 1) * 25), "image": images}, schema=schema))
+    images = [rng.bytes(1 << 20) for _ in range(100)]  # as incompressible as photos
+    table.append(pa.table({"id": np.arange(100), "image": images}, schema=schema))
     table.append(pa.table({"id": np.arange(100, 20_100), "image": [b"x" * 8] * 20_000}, schema=schema))
     return catalog.load_table("s.images").metadata_location
 
@@ -775,7 +792,6 @@ def test_rows_of_very_different_sizes_are_split_by_their_bytes(tmp_path):
 
 def test_a_table_of_skewed_rows_that_fits_split_by_bytes_loads_every_row(tmp_path, monkeypatch):
     """Refused before, advising 1,501 nodes for a table that fits 2 (the review's case, scaled down)."""
-    from kubeflow_data_cache import plan as plan_module
     from kubeflow_data_cache.client import CacheClient
     from kubeflow_data_cache.protocol import ShardRequest
     from tests.conftest import running_cache
@@ -784,7 +800,8 @@ def test_a_table_of_skewed_rows_that_fits_split_by_bytes_loads_every_row(tmp_pat
     _, plan, _ = planned_location(location)
     threads = local_load_threads(2)  # what each of `local`'s 2 nodes reads with here
     by_bytes = max(estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, 2))
-    monkeypatch.setattr(plan_module, "BYTE_SPLIT_GAIN", 1.0, raising=False)  # never by bytes: the even split
+    plan_module = sys.modules[assign_rows.__module__]
+    monkeypatch.setattr(plan_module, "BYTE_SPLIT_GAIN", 1.0)  # never by bytes: the even split
     evenly = max(estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, 2))
     monkeypatch.undo()
     assert evenly > by_bytes + (16 << 20)  # room for a limit between the two

@@ -34,7 +34,7 @@ class DecodeBudget:
     READ_GROUP_MIN_REMOTE_BYTES from an object store)."""
 
     def __init__(self, kept: list[int], unit: list[int], minimum: list[int], share: float = READ_SCRATCH_SHARE):
-        self._kept, self._unit, self._minimum = kept, unit, minimum
+        self.kept, self._unit, self._minimum = kept, unit, minimum
         self.budget = int((1 + share) * sum(kept))
         self._lock = threading.Lock()
         self._started = 0  # the rows of every read started, in flight or done
@@ -44,7 +44,7 @@ class DecodeBudget:
     def reading(self, index: int) -> Iterator[int]:
         """While read ``index`` runs: yields its group limit in estimated bytes."""
         with self._lock:
-            self._started += self._kept[index]
+            self._started += self.kept[index]
             left = self.budget - self._started - sum(self._scratch.values())
             limit = max(self._minimum[index], left)
             self._scratch[index] = min(limit, self._unit[index])

@@ -38,6 +38,10 @@ class LoadProgress:
         # needs, but would skew the memory guard's projection where the estimates are off.
         self.settled_rows = 0
         self.settled_bytes = 0
+        # The manifests' estimate of the settled rows' bytes, and of all the load's rows (0: none):
+        # the guard projects by these where rows differ in size from file to file.
+        self.settled_estimate = 0.0
+        self.expected_estimate = 0
         self._waiting: dict[int, list] = {}  # token -> [what, since the start or its last batch]
         self._next = 0
 
@@ -73,11 +77,14 @@ class LoadProgress:
         if self._on_batch:
             self._on_batch()
 
-    def settle(self, rows: int, nbytes: int) -> None:
-        """A read in column groups is in: its rows and their bytes, for the memory guard."""
+    def settle(self, rows: int, nbytes: int, estimate: float = 0.0) -> None:
+        """Rows whose bytes are known (a read of whole rows' batch, or a read in column groups
+        once all its groups are in), and what the manifests estimated for them, for the memory
+        guard."""
         with self._lock:
             self.settled_rows += rows
             self.settled_bytes += nbytes
+            self.settled_estimate += estimate
         if self._on_batch:
             self._on_batch()
 

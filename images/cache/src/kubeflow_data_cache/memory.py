@@ -237,13 +237,21 @@ class LoadMemoryGuard:
         self.local = under_local() if local is None else local
         self.start = resident_bytes()  # the interpreter, and rows a superseded load may still hold
 
-    def check(self, rows_read: int, bytes_read: int = 0) -> None:
+    def check(self, rows_read: int, bytes_read: int = 0, estimate_read: float = 0.0, estimate_all: int = 0) -> None:
+        """``estimate_read`` and ``estimate_all``: the manifests' estimate of the rows read and of
+        all the node's rows. Where given, the projection scales what the rows read decoded to by
+        how far they were estimated to go (rows of 1 MiB images read first, among short ones,
+        had the per-row projection stop a load that fits at 3x its size); else by rows."""
         if self.limit is None:
             return
         threshold = load_guard_threshold(self.limit)
         resident = resident_bytes()
-        projected = self.start + bytes_read / rows_read * self.rows if rows_read else 0
-        early = rows_read < self.rows * LOAD_GUARD_PROJECT_AFTER  # too early to extrapolate
+        if estimate_read > 0 and estimate_all > 0:
+            projected = self.start + bytes_read / estimate_read * estimate_all
+            early = estimate_read < estimate_all * LOAD_GUARD_PROJECT_AFTER
+        else:
+            projected = self.start + bytes_read / rows_read * self.rows if rows_read else 0
+            early = rows_read < self.rows * LOAD_GUARD_PROJECT_AFTER  # too early to extrapolate
         if resident <= threshold and (early or projected <= threshold):
             return
         share = rows_read / self.rows if self.rows else 0.0

@@ -430,7 +430,13 @@ class DataNode(ReadOnlyFlight):
         rows = order.global_stop - order.global_start
         guard = LoadMemoryGuard(self.cfg.memory_limit, rows)
         progress = LoadProgress(
-            still_current, on_batch=lambda: guard.check(progress.settled_rows, progress.settled_bytes)
+            still_current,
+            on_batch=lambda: guard.check(
+                progress.settled_rows,
+                progress.settled_bytes,
+                progress.settled_estimate,
+                progress.expected_estimate,
+            ),
         )
         self._progress = progress
         self.lifecycle.live_detail = progress.describe  # /ready and /status say what it waits on

@@ -395,6 +395,8 @@ class NodeStore:
         ``expansions``: the head's measured column expansions, for the same estimates as its plan."""
         progress = progress or LoadProgress()
         budget = decode_budget(table, tasks, schema, pieces, expansions)
+        if budget is not None:
+            progress.expected_estimate = sum(budget.kept)
 
         def read(index: int) -> list[pa.RecordBatch]:
             piece = pieces[index]
@@ -406,7 +408,7 @@ class NodeStore:
                     lambda rows, nbytes: progress.batch(rows, nbytes, token, settled=False),
                     schema,
                     group_bytes,
-                    progress.settle,
+                    lambda rows, nbytes: progress.settle(rows, nbytes, rows * estimate_per_row(index)),
                     expansions,
                 )
             # A data node's glibc keeps what is freed (its raised trim threshold, for serving):
@@ -416,6 +418,9 @@ class NodeStore:
             trim_glibc_malloc()
             progress.read()
             return batches
+
+        def estimate_per_row(index: int) -> float:
+            return budget.kept[index] / max(1, pieces[index].stop - pieces[index].start) if budget else 0.0
 
         def budget_for(index: int):
             return contextlib.nullcontext(None) if budget is None else budget.reading(index)
