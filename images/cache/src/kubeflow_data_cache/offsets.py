@@ -85,8 +85,13 @@ def is_string_or_binary(t: pa.DataType) -> bool:
 
 
 def value_offsets(arr: pa.Array) -> np.ndarray:
-    """The offsets of a string, binary or list array, sliced or not: a view, ``len(arr) + 1`` long."""
-    return np.frombuffer(arr.buffers()[1], dtype=_offset_width(arr.type))[arr.offset : arr.offset + len(arr) + 1]
+    """The offsets of a string, binary, list or map array, sliced or not: a view, ``len(arr) + 1``
+    long (zeros for a zero-length array with no offsets buffer, which Arrow allows)."""
+    dtype = np.int32 if pa.types.is_map(arr.type) else _offset_width(arr.type)
+    buffer = arr.buffers()[1]
+    if buffer is None or buffer.size == 0:
+        return np.zeros(len(arr) + 1, dtype=dtype)
+    return np.frombuffer(buffer, dtype=dtype)[arr.offset : arr.offset + len(arr) + 1]
 
 
 def _offsets(arr: pa.Array) -> tuple[pa.Buffer, int, int]:

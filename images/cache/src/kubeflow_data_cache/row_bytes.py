@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from kubeflow_data_cache.offsets import is_string_or_binary, value_offsets
+
 # Rows measured at a time for a column set's largest row (largest_row_bytes, on a node's first
 # read of those columns): about 32 bytes a row of temporaries per step, so a whole column at once
 # would be a spike the serving memory guard does not count (tens of MiB a million rows).
@@ -59,7 +61,7 @@ class Term:
 
 def varies(t: pa.DataType) -> bool:
     """Whether rows of type ``t`` can differ in size (what terms() would find terms in)."""
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+    if is_string_or_binary(t):
         return True
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
         return True
@@ -68,17 +70,6 @@ def varies(t: pa.DataType) -> bool:
     if pa.types.is_struct(t):
         return any(varies(t.field(i).type) for i in range(t.num_fields))
     return False
-
-
-def _offsets(arr: pa.Array) -> np.ndarray:
-    """An offset-based array's offsets for its own rows: a view, ``len(arr) + 1`` long."""
-    t = arr.type
-    wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t)
-    dtype = np.int64 if wide else np.int32
-    buffer = arr.buffers()[1]
-    if buffer is None or buffer.size == 0:  # a zero-length array may have no offsets at all
-        return np.zeros(len(arr) + 1, dtype=dtype)
-    return np.frombuffer(buffer, dtype=dtype)[arr.offset : arr.offset + len(arr) + 1]
 
 
 def _row_width(t: pa.DataType) -> int:
@@ -101,10 +92,10 @@ def terms(arr: pa.Array) -> list[Term]:
     """The terms of ``arr``'s variable bytes (see the module docstring); [] where every row is
     one size. Dictionaries, unions and view types are not counted."""
     t = arr.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        return [Term((_offsets(arr),), 1)]
+    if is_string_or_binary(t):
+        return [Term((value_offsets(arr),), 1)]
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
-        offsets = _offsets(arr)
+        offsets = value_offsets(arr)
         # The child whole: the list's offsets index it directly (``values`` ignores the list's
         # slice). Each of a row's values holds the child's fixed width, and its own variable part.
         child = arr.values
