@@ -332,11 +332,17 @@ def _cut(batch: pa.RecordBatch, max_bytes: int) -> Iterator[pa.RecordBatch]:
     if row_bytes.span_bytes(terms, 0, n) <= max_bytes:
         yield batch
         return
-    ends = row_bytes.prefix_bytes(terms, 0, n)
-    pos = 0
+    for start, stop in _runs(row_bytes.prefix_bytes(terms, 0, n), max_bytes):
+        yield batch.slice(start, stop - start)
+
+
+def _runs(prefix: np.ndarray, max_bytes: int) -> Iterator[tuple[int, int]]:
+    """Greedy runs ``[start, stop)`` of rows holding at most ``max_bytes`` each (or one row), from
+    ``prefix``: the bytes of the first ``i`` rows, for i in 0..n."""
+    pos, n = 0, len(prefix) - 1
     while pos < n:
-        stop = max(pos + 1, int(np.searchsorted(ends, int(ends[pos]) + max_bytes, side="right")) - 1)
-        yield batch.slice(pos, stop - pos)
+        stop = max(pos + 1, int(np.searchsorted(prefix, int(prefix[pos]) + max_bytes, side="right")) - 1)
+        yield pos, stop
         pos = stop
 
 
@@ -477,8 +483,7 @@ class NodeStore:
         variable = self._variable_columns(columns)
         if not variable or not rows or not self.num_rows:
             return int(average)
-        chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
-        total, largest = sum(c[1] for c in chunks), max(c[2] for c in chunks)
+        _, total, largest = self._variable_sizes(variable)
         if not filtered:
             return int(average + min(largest, total))
         worst = min(rows * largest, total)
@@ -533,6 +538,12 @@ class NodeStore:
             found = self._offsets[key] = (terms, total, row_bytes.largest_row_bytes(terms, batch.num_rows))
         return found
 
+    def _variable_sizes(self, variable: tuple[int, ...]) -> tuple[list[list[row_bytes.Term]], int, int]:
+        """Over every stored batch: each one's terms (_chunk_offsets), all their values' bytes, and
+        the most one row holds."""
+        chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
+        return [c[0] for c in chunks], sum(c[1] for c in chunks), max(c[2] for c in chunks)
+
     def _within_bytes(self, i: int, variable: tuple[int, ...], start: int, n: int, max_bytes: int) -> int:
         """How many of the ``n`` rows from ``start`` of stored batch ``i`` hold at most
         ``max_bytes`` of the ``variable`` columns' values together (at least one row)."""
@@ -557,16 +568,12 @@ class NodeStore:
         the gathered batch is cut by its own offsets, in zero-copy slices: sizing each row
         first had made shuffled reads of such tables 10-15% slower."""
         if variable and len(rows) > 1:
-            chunks = [self._chunk_offsets(i, variable) for i in range(len(self.batches))]
-            bound = min(sum(c[1] for c in chunks), max(c[2] for c in chunks) * len(rows))
+            chunk_terms, total, largest = self._variable_sizes(variable)
+            bound = min(total, largest * len(rows))
             if bound > GATHER_PRECUT_FACTOR * max_bytes:
-                ends = np.cumsum(self._value_bytes(rows, [c[0] for c in chunks]))
-                pos = 0
-                while pos < len(rows):
-                    base = int(ends[pos - 1]) if pos else 0
-                    stop = max(pos + 1, int(np.searchsorted(ends, base + max_bytes, side="right")))
-                    yield self.take(rows[pos:stop], columns)
-                    pos = stop
+                prefix = np.concatenate(([0], np.cumsum(self._value_bytes(rows, chunk_terms))))
+                for start, stop in _runs(prefix, max_bytes):
+                    yield self.take(rows[start:stop], columns)
                 return
             if bound > max_bytes:
                 yield from _cut(self.take(rows, columns), max_bytes)
