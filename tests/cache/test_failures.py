@@ -62,7 +62,8 @@ def test_memory_budget_refusal_says_what_is_needed(table_factory):
 def test_rows_that_decode_far_past_their_estimate_stop_the_load_before_an_oom_kill(tmp_path):
     """One string repeated: its Parquet pages compress ~1000x, so the manifests' statistics say
     a few MiB where the rows decode to ~400 MiB (the sampled expansion, which only ever lowers the
-    fixed factor, does not raise it). The pre-load check passes; the data node must stop at its
+    fixed factor, does not raise it, and the footers' uncompressed size is that of a one-entry
+    dictionary). The pre-load check passes; the data node must stop at its
     limit with the reason, not load on into the kernel's OOM kill (here, with no cgroup limit, it
     would just have loaded past its --memory-limit)."""
     import pyarrow as pa

@@ -188,14 +188,15 @@ def test_a_node_stuck_in_a_storage_read_still_exits_on_sigterm(tmp_path):
             cache.stop()
 
 
-def test_a_stalled_sample_read_leaves_the_fixed_factor_after_its_wait(tmp_path, monkeypatch, caplog):
+def test_a_stalled_sample_or_footer_read_leaves_the_fixed_factor_after_its_wait(tmp_path, monkeypatch, caplog):
     """The head samples string columns from the largest data file while it plans: a read of it
     that stalls held the whole cache's formation (the test above waited for a load that never
     came), where the data node reading the file later is the one to name it."""
-    from kubeflow_data_cache import expansion
+    from kubeflow_data_cache import expansion, footer_floors
     from kubeflow_data_cache.plan import arrow_schema
 
     monkeypatch.setattr(expansion, "SAMPLE_TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(footer_floors, "FOOTER_TIMEOUT_SECONDS", 0.5)  # its footer is read beside it
     table_info = create_sample_table(str(tmp_path / "wh"), 30_000, 1)
     table = open_table(table_info.metadata_location, {})
     tasks = scan_tasks(table, table_info.metadata_location)
@@ -205,3 +206,4 @@ def test_a_stalled_sample_read_leaves_the_fixed_factor_after_its_wait(tmp_path, 
         assert expansion.measure_expansions(table, tasks, arrow_schema(table), fields, ceiling=4.0) == {}
         assert time.monotonic() - started < 5
     assert "took over 0.5s; estimating them from the manifests" in caplog.text
+    assert "took over 0.5s; sizing columns without it" in caplog.text

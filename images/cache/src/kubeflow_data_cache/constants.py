@@ -81,3 +81,8 @@ SERVED_BATCH_MAX_BYTES = 4 << 20
 # per window. Per batch, a Python generator cost ~65 us of GIL hand-over here, 10% of a
 # fixed-width stream; a reader that stops early is counted at most one window past what it was sent.
 SERVE_WINDOW_BYTES = 16 << 20
+
+# The largest decoded-per-compressed ratio a load order's ``expansions`` may hold, and a head
+# sends: past what any codec reaches (zstd's runs of one byte, ~32,000x), far below what would
+# overflow an estimate.
+MAX_EXPANSION = 1e6

@@ -10,25 +10,30 @@ uncompressed and compressed sizes. The ratios go to the data nodes
 with their load (node.LoadOrder.expansions), so the head's fit check and the nodes' decode
 budgets use the same estimates.
 
-A measured ratio only lowers the fixed factor, never raises it. One file does not speak for
+A sampled ratio only lowers the fixed factor, never raises it. One file does not speak for
 every file: a sampled file of one repeated label, or of nulls (whose offsets decode to 4 bytes a
 row from almost nothing), measured 500-2700x, and an estimate that high refuses a table that
 fits, with no way past it; an estimate too low is caught by the load's memory guard, which stops
 a load that decodes larger than it fits, with the reason. A sample of under MIN_SAMPLE_BYTES on
-disk (page headers and the dictionary weigh too much in it) measures nothing.
+disk (page headers and the dictionary weigh too much in it) measures nothing. What raises an
+estimate past the fixed factor is the files' footers (footer_floors.py): their uncompressed
+sizes are a floor under what a column decodes to, which a file of labels or nulls cannot inflate.
 
-Only top-level string and binary columns are measured: their Arrow size is what the sample
-shows. Nested columns keep the manifest-based guess (plan._nested_estimate), as does every
-column where the sample cannot be read.
+Only top-level string and binary columns are sampled: their Arrow size is what the sample
+shows. Nested columns keep the manifest-based guess (plan._nested_estimate), raised by their
+leaves' footer floors, as does every column where the sample cannot be read.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import pyarrow as pa
 
+from kubeflow_data_cache.constants import MAX_EXPANSION
 from kubeflow_data_cache.daemon_call import DaemonCall
+from kubeflow_data_cache.footer_floors import footer_expansions
 from kubeflow_data_cache.offsets import is_string_or_binary
 
 log = logging.getLogger(__name__)
@@ -61,18 +66,31 @@ def measured(field: pa.Field) -> bool:
 
 
 def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: list, ceiling: float) -> dict[int, float]:
-    """Iceberg field id -> decoded Arrow bytes per compressed byte, at most ``ceiling`` (the fixed
-    factor), for the measured columns of ``schema`` (with their ``iceberg_fields``); a column is
-    left out where its sample is too small, and all are where the sample cannot be read."""
+    """Iceberg field id -> decoded Arrow bytes per compressed byte. A top-level string or binary
+    column's is its sample's, at most ``ceiling`` (the fixed factor); a column is left out where
+    its sample is too small, and all are where the sample cannot be read. Then any string or
+    binary leaf, at any depth, whose files' footers say it is larger (footer_floors.py) takes
+    their floor instead, past ``ceiling`` too: the only way an entry raises an estimate."""
     wanted = {f.field_id: field.name for field, f in zip(schema, iceberg_fields, strict=True) if measured(field)}
     # The largest file (the first by path among equals): the most rows behind its first pages.
     candidates = [t for t in tasks.values() if t.file.record_count > 0]
     sample = min(candidates, key=lambda t: (-t.file.file_size_in_bytes, t.file.file_path), default=None)
-    if not wanted or sample is None:
-        return {}
-    path = sample.file.file_path
-    call = DaemonCall(lambda: _measure(table, path, wanted), "sample")
-    if not call.wait(SAMPLE_TIMEOUT_SECONDS):
+    call, path = None, sample.file.file_path if sample is not None else ""
+    if wanted and sample is not None:
+        call = DaemonCall(lambda: _measure(table, path, wanted), "sample")
+    started = time.monotonic()
+    # Read while the sample decodes: planning waits for the slower of the two, not their sum.
+    floors = footer_expansions(table, tasks, string_leaf_ids(iceberg_fields))
+    ratios = _sampled(call, path, SAMPLE_TIMEOUT_SECONDS - (time.monotonic() - started)) if call else {}
+    ratios = {k: min(ceiling, v) for k, v in ratios.items()}
+    for field_id, floor in floors.items():
+        if floor > ratios.get(field_id, ceiling):
+            ratios[field_id] = min(floor, MAX_EXPANSION)
+    return ratios
+
+
+def _sampled(call: DaemonCall, path: str, seconds: float) -> dict[int, float]:
+    if not call.wait(seconds):
         log.info(
             "sampling %s for column sizes took over %gs; estimating them from the manifests",
             path,
@@ -80,11 +98,33 @@ def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: li
         )
         return {}
     try:
-        ratios = call.result()
+        return call.result()
     except Exception as err:  # a sample is an estimate's input: the fixed factor applies instead
         log.info("could not sample %s for column sizes (%s); estimating them from the manifests", path, err)
         return {}
-    return {k: min(ceiling, v) for k, v in ratios.items()}
+
+
+def string_leaf_ids(iceberg_fields: list) -> set[int]:
+    """The field ids of the string and binary leaves under ``iceberg_fields``, at any depth."""
+    from pyiceberg.types import BinaryType, ListType, MapType, StringType, StructType
+
+    found: set[int] = set()
+
+    def visit(field_id: int, field_type) -> None:
+        if isinstance(field_type, (StringType, BinaryType)):
+            found.add(field_id)
+        elif isinstance(field_type, StructType):
+            for child in field_type.fields:
+                visit(child.field_id, child.field_type)
+        elif isinstance(field_type, ListType):
+            visit(field_type.element_id, field_type.element_type)
+        elif isinstance(field_type, MapType):
+            visit(field_type.key_id, field_type.key_type)
+            visit(field_type.value_id, field_type.value_type)
+
+    for field in iceberg_fields:
+        visit(field.field_id, field.field_type)
+    return found
 
 
 def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:

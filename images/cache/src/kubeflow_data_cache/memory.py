@@ -187,7 +187,7 @@ def check_fits(
     else:
         advice = "more data nodes alone would not fit it (one file's read scratch is too large), so raise their memory"
     raise MemoryBudgetError(
-        f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics and a decoded sample of its strings); "
+        f"the table needs about {_fmt(total)} in memory (estimated from manifest statistics, a decoded sample of its strings and its files' footers); "
         f"data node {node} would hold {_fmt(need)}, {_fmt(peak)} at its peak while loading (decoding "
         f"its files and merging them), but can use {_fmt(have or 0)} "
         f"(its limit minus {_fmt(BASELINE_MEMORY_BYTES)} for the interpreter). "

@@ -22,6 +22,7 @@ from kubeflow_data_cache.allocator import GatherReclaim, reclaim_gather_memory
 from kubeflow_data_cache.config import NodeConfig, host_port, same_table_location
 from kubeflow_data_cache.constants import (
     GATHER_AHEAD_BYTES,
+    MAX_EXPANSION,
     READAHEAD_BATCHES,
     REGISTER_INTERVAL_SECONDS,
     REGISTER_WARN_AFTER_SECONDS,
@@ -118,11 +119,6 @@ def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
 
 class LoadSuperseded(Exception):
     """A newer assignment arrived while loading: this load stops."""
-
-
-# The largest ratio a load order's ``expansions`` may hold: far above what a head sends (the fixed
-# factor), far below what would overflow an estimate.
-MAX_EXPANSION = 1e6
 
 
 @dataclass(frozen=True)

@@ -375,9 +375,12 @@ def _leaves(arrow_type: pa.DataType, iceberg_type, field_id: int) -> tuple[list[
     return [(field_id, arrow_type)], 0
 
 
-def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale: float) -> int:
+def _nested_estimate(
+    field: pa.Field, iceberg_field, rows: int, data_file, scale: float, expansions: dict[int, float]
+) -> int:
     """Lists, maps and structs: Iceberg keeps statistics per leaf field (a list's element, a
-    struct's children), never for the column itself, so the leaves are sized and summed."""
+    struct's children), never for the column itself, so the leaves are sized and summed. A
+    leaf's entry in ``expansions`` (a footer's floor, expansion.py) raises its estimate only."""
     sizes = data_file.column_sizes or {}
     counts = data_file.value_counts or {}
     leaves, levels = _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)
@@ -387,15 +390,16 @@ def _nested_estimate(field: pa.Field, iceberg_field, rows: int, data_file, scale
         # however well it compressed; strings and binaries go by their on-disk size.
         count = counts.get(leaf_id)
         disk = int(sizes[leaf_id] * scale) if sizes.get(leaf_id) else None
+        floor = int(disk * expansions[leaf_id]) if disk and leaf_id in expansions else 0
         if count is not None:
-            total += _field_estimate(pa.field("leaf", leaf_type), int(count * scale), disk)
+            total += max(floor, _field_estimate(pa.field("leaf", leaf_type), int(count * scale), disk))
         elif disk:
             # No value count (metrics mode none): a list holds an unknown number of values per
             # row, so the decoded size of its on-disk bytes is the floor.
             fixed = pa.types.is_primitive(leaf_type)
             expansion = FIXED_WIDTH_EXPANSION if fixed else VARIABLE_WIDTH_EXPANSION
             guess = _field_estimate(pa.field("leaf", leaf_type), rows, disk)
-            total += max(guess, int(disk * expansion))
+            total += max(guess, int(disk * expansion), floor)
         else:
             total += rows * 32  # no statistics at all: the generous guess per row
     return total
@@ -471,8 +475,9 @@ def estimate_column_bytes(
     """Arrow bytes of each column of a file's rows, from manifest statistics (no data is read).
 
     ``rows`` may be fewer than the file holds (positional deletes); per-file statistics are scaled.
-    ``expansions``: measured decoded bytes per on-disk byte by field id (expansion.py), for
-    the string and binary columns it covers, in place of VARIABLE_WIDTH_EXPANSION.
+    ``expansions``: measured decoded bytes per on-disk byte by field id (expansion.py): for a
+    top-level string or binary column, in place of VARIABLE_WIDTH_EXPANSION; for a leaf inside a
+    nested column, a floor under its estimate.
     ``written``: the file's written_fields, for telling the columns added after it was written
     (None: a column the file has no size for is sized as values without statistics).
     """
@@ -487,7 +492,7 @@ def estimate_column_bytes(
             # and a table that fits was refused.
             estimate = _null_column_bytes(field.type, rows)
         elif pa.types.is_nested(field.type):
-            estimate = _nested_estimate(field, iceberg_field, rows, data_file, scale)
+            estimate = _nested_estimate(field, iceberg_field, rows, data_file, scale, expansions)
         else:
             disk = sizes.get(iceberg_field.field_id)
             measured = expansions.get(iceberg_field.field_id)

@@ -1,0 +1,126 @@
+"""A floor under how far string and binary values decode, read from Parquet footers.
+
+A Parquet footer holds each column chunk's compressed and uncompressed size. Uncompressed, a
+plain-encoded string or binary is a 4-byte length and the value: what Arrow holds (an offset and
+the value). Dictionary and delta encodings are smaller than that, never larger, so a column
+decodes to at least its uncompressed bytes. Manifests hold only the compressed size, and the
+fixed factor over it (plan.VARIABLE_WIDTH_EXPANSION, 4) or the decoded sample (expansion.py,
+which may only lower it) put values that compress far better than 4x far too low: zero-padded
+tensors of 4 KiB in a struct, compressed 190x by zstd, were estimated at 2 MiB for 82 MiB held,
+so the fit check passed tables many times too large and the load ran into its memory guard, or
+past it, one 131,072-row batch at a time.
+
+So the head reads the footers of up to FOOTER_FILES data files (the largest, and others spread
+over the table's path order), at once, for at most FOOTER_TIMEOUT_SECONDS, and takes for each
+string or binary leaf (top level, or inside lists, maps and structs) its uncompressed bytes per
+compressed byte, the least across the files read: one file that compresses far better than the
+rest does not speak for them (the sample's lesson: one file of nulls measured 500x). A file
+where the leaf spans under MIN_FOOTER_BYTES compressed (nulls, a short column) says nothing of
+it. The ratios only ever raise an estimate (expansion.measure_expansions): encodings a floor
+cannot see (a dictionary of a few labels) are the sample's and the load guard's to catch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pyarrow as pa
+
+from kubeflow_data_cache.daemon_call import DaemonCall
+from kubeflow_data_cache.offsets import is_string_or_binary
+
+log = logging.getLogger(__name__)
+
+# Footers read per plan: one or two small reads each, all at once (on S3, one request each).
+FOOTER_FILES = 16
+# How long planning waits for them: a footer whose read stalls leaves its file out.
+FOOTER_TIMEOUT_SECONDS = 5.0
+# Compressed bytes a leaf must span in a file for its ratio there to count (page headers and
+# definition levels weigh too much in less).
+MIN_FOOTER_BYTES = 16 << 10
+
+
+def footer_files(tasks: dict) -> list[str]:
+    """The paths whose footers are read: the largest file, then files spread evenly over the
+    rest in path order, FOOTER_FILES in all (every file of a smaller table)."""
+    paths = sorted(p for p, t in tasks.items() if t.file.record_count > 0)
+    if len(paths) <= FOOTER_FILES:
+        return paths
+    largest = min(paths, key=lambda p: (-tasks[p].file.file_size_in_bytes, p))
+    rest = [p for p in paths if p != largest]
+    step = len(rest) / (FOOTER_FILES - 1)
+    return [largest] + [rest[int(i * step)] for i in range(FOOTER_FILES - 1)]
+
+
+def footer_expansions(table, tasks: dict, wanted: set[int]) -> dict[int, float]:
+    """Iceberg leaf field id (of ``wanted``) -> the least uncompressed/compressed ratio of its
+    chunks across the footers read; a leaf no file measured is left out."""
+    paths = footer_files(tasks)
+    if not wanted or not paths:
+        return {}
+    calls = {path: DaemonCall(lambda p=path: _file_ratios(table, p, wanted), "footer") for path in paths}
+    deadline = time.monotonic() + FOOTER_TIMEOUT_SECONDS
+    least: dict[int, float] = {}
+    for path, call in calls.items():
+        if not call.wait(deadline - time.monotonic()):
+            log.info("reading the footer of %s took over %gs; sizing columns without it", path, FOOTER_TIMEOUT_SECONDS)
+            continue
+        try:
+            ratios = call.result()
+        except Exception as err:  # an estimate's input: the data node that reads the file names a real fault
+            log.info("could not read the footer of %s (%s); sizing columns without it", path, err)
+            continue
+        for field_id, ratio in ratios.items():
+            least[field_id] = min(ratio, least.get(field_id, ratio))
+    return least
+
+
+def _file_ratios(table, path: str, wanted: set[int]) -> dict[int, float]:
+    # Imported here, as in expansion.py: pyarrow.parquet brings in pyarrow.fs's S3 client.
+    import pyarrow.parquet as pq
+
+    with table.io.new_input(path).open() as raw:
+        parquet = pq.ParquetFile(raw, pre_buffer=False)
+        metadata = parquet.metadata
+        leaves = list(leaf_fields(parquet.schema_arrow))
+    if len(leaves) != metadata.num_columns:  # a layout this walk does not know: say nothing
+        return {}
+    compressed: dict[int, int] = {}
+    uncompressed: dict[int, int] = {}
+    for j, leaf in enumerate(leaves):
+        field_id = _field_id(leaf)
+        if field_id not in wanted or not is_string_or_binary(leaf.type):
+            continue
+        for g in range(metadata.num_row_groups):
+            chunk = metadata.row_group(g).column(j)
+            compressed[field_id] = compressed.get(field_id, 0) + chunk.total_compressed_size
+            uncompressed[field_id] = uncompressed.get(field_id, 0) + chunk.total_uncompressed_size
+    return {k: uncompressed[k] / c for k, c in compressed.items() if c >= MIN_FOOTER_BYTES}
+
+
+def leaf_fields(schema: pa.Schema) -> Iterator[pa.Field]:
+    """The Arrow fields of a Parquet file's leaf columns, in the footer's column order (depth
+    first: a struct's children, a list's element, a map's key then value)."""
+    for field in schema:
+        yield from _leaves(field)
+
+
+def _leaves(field: pa.Field) -> Iterator[pa.Field]:
+    t = field.type
+    if pa.types.is_struct(t):
+        for j in range(t.num_fields):
+            yield from _leaves(t.field(j))
+    elif pa.types.is_map(t):
+        yield from _leaves(t.key_field)
+        yield from _leaves(t.item_field)
+    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        yield from _leaves(t.value_field)
+    else:
+        yield field
+
+
+def _field_id(field: pa.Field) -> int | None:
+    raw = (field.metadata or {}).get(b"PARQUET:field_id")
+    return int(raw) if raw is not None else None

@@ -1,0 +1,132 @@
+"""Footer floors: values that compress far better than the fixed factor (zero-padded tensors, long
+distinct strings) are estimated by their uncompressed Parquet bytes, at any depth, and one file
+that compresses better than the rest does not raise the others."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kubeflow_data_cache.footer_floors import FOOTER_FILES, footer_expansions, footer_files, leaf_fields
+from kubeflow_data_cache.plan import assign_rows, open_table, plan_table
+from kubeflow_data_cache.sample import make_catalog
+from kubeflow_data_cache.store import NodeStore
+from tests.conftest import LocalCache
+
+TENSOR_BYTES = 4096
+
+
+def _padded_tensors(rows: int, seed: int = 0) -> list[bytes]:
+    """Each value its own (16 random bytes), the rest zeros: pyarrow's writer gives up on a
+    dictionary and zstd compresses the plain pages ~190x."""
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(16) + bytes(TENSOR_BYTES - 16) for _ in range(rows)]
+
+
+def _column(kind: str, rows: int) -> pa.Array:
+    values = _padded_tensors(rows)
+    if kind == "struct":  # a tensor as Hugging Face and torch exports write it: bytes and shape
+        shape = pa.array([[4, TENSOR_BYTES // 4]] * rows, pa.list_(pa.int32()))
+        return pa.StructArray.from_arrays([pa.array(values, pa.binary()), shape], ["data", "shape"])
+    if kind == "list":  # two tensors a row
+        return pa.array([[v, v[::-1]] for v in values], pa.list_(pa.binary()))
+    if kind == "map":
+        return pa.array([[("t", v)] for v in values], pa.map_(pa.string(), pa.binary()))
+    assert kind == "top level", kind
+    return pa.array(values, pa.binary())
+
+
+def _table(tmp_path, columns: dict[str, pa.Array], files: int = 1) -> str:
+    rows = len(next(iter(columns.values())))
+    data = pa.table({"id": pa.array(range(rows), pa.int64()), **columns})
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    table = catalog.create_table("s.t", schema=data.schema)
+    for part in range(files):
+        table.append(data.slice(part * rows // files, rows // files))
+    return catalog.load_table("s.t").metadata_location
+
+
+def _held_and_estimated(location: str) -> tuple[dict[str, int], dict[str, int]]:
+    table = open_table(location)
+    plan, tasks = plan_table(table, location)
+    (a,) = assign_rows(plan, 1)
+    held = NodeStore.load(table, tasks, plan.schema, list(a.pieces), 1, None, plan.expansions).column_bytes
+    estimated = {name: sum(f.column_bytes[i] for f in plan.files) for i, name in enumerate(plan.schema.names)}
+    return held, estimated
+
+
+@pytest.mark.parametrize("kind", ["top level", "struct", "list", "map"])
+def test_compressible_tensors_are_estimated_at_what_a_node_holds_at_any_depth(tmp_path, kind):
+    """The review's case: tensors compressed ~190x on disk were estimated at 2 MiB for 82 MiB
+    held (the fixed factor of 4 over their compressed size), and the fit check passed tables
+    far too large for the nodes."""
+    held, estimated = _held_and_estimated(_table(tmp_path, {"tensor": _column(kind, 5000)}, files=2))
+    assert held["tensor"] <= estimated["tensor"] <= 1.3 * held["tensor"], (estimated, held)
+
+
+def test_one_file_that_compresses_far_better_does_not_raise_the_others(tmp_path):
+    """The floor is the least ratio of the files read: the padded file alone would put the random
+    one at ~190x its size on disk, and refuse a table that fits."""
+    rng = np.random.default_rng(3)
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    schema = pa.schema([("id", pa.int64()), ("tensor", pa.binary())])
+    table = catalog.create_table("s.t", schema=schema)
+    for values in (_padded_tensors(4000), [rng.bytes(256) for _ in range(4000)]):
+        table.append(pa.table({"id": np.arange(len(values)), "tensor": values}, schema=schema))
+    location = catalog.load_table("s.t").metadata_location
+    t = open_table(location)
+    _, tasks = plan_table(t, location)
+    (tensor_id,) = (f.field_id for f in t.schema().fields if f.name == "tensor")
+    ratios = footer_expansions(t, tasks, {tensor_id})
+    assert 0.9 <= ratios[tensor_id] < 1.1, ratios  # the random file's, not the padded one's ~190x
+    held, estimated = _held_and_estimated(location)
+    assert estimated["tensor"] <= 4.5 * (256 + 4) * 4000 + 1.1 * 4 * 4000  # no more than the fixed factor's
+    assert estimated["tensor"] < held["tensor"]  # the padded file is the load guard's to catch
+
+
+def test_the_footers_read_are_the_largest_file_and_others_spread_over_the_table():
+    def task(size: int, rows: int = 10):
+        return SimpleNamespace(file=SimpleNamespace(file_size_in_bytes=size, record_count=rows))
+
+    small = {f"f{i:03d}": task(100) for i in range(5)}
+    assert footer_files({**small, "empty": task(10**9, rows=0)}) == sorted(small)  # every file with rows
+    many = {f"f{i:03d}": task(100 + (i == 77) * 10**6) for i in range(200)}
+    chosen = footer_files(many)
+    assert len(chosen) == len(set(chosen)) == FOOTER_FILES and chosen[0] == "f077"
+    spread = sorted(int(p[1:]) for p in chosen[1:])
+    assert spread[0] == 0 and spread[-1] > 180  # from the start of the path order to its end
+
+
+def test_leaf_columns_are_walked_in_the_footers_order():
+    schema = pa.schema(
+        [
+            ("a", pa.int64()),
+            ("s", pa.struct([("x", pa.binary()), ("l", pa.list_(pa.field("element", pa.string())))])),
+            ("m", pa.map_(pa.string(), pa.struct([("y", pa.int32()), ("z", pa.binary())]))),
+        ]
+    )
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink)
+    footer = pq.ParquetFile(pa.BufferReader(sink.getvalue())).metadata
+    paths = [footer.schema.column(j).path.split(".") for j in range(footer.num_columns)]
+    assert [f.name for f in leaf_fields(schema)] == ["a", "x", "element", "key", "y", "z"]
+    assert [p[-1] for p in paths] == ["a", "x", "element", "key", "y", "z"]
+
+
+def test_a_table_of_compressible_tensors_too_large_is_refused_before_its_load(tmp_path):
+    """Estimated at 4x their compressed size, 40,000 tensors of 4 KiB (156 MiB) passed the fit
+    check for a node of 100 MiB, and its load ran into the memory guard; now the head refuses
+    before any node reads a row, with the number of data nodes that fits."""
+    location = _table(tmp_path, {"tensor": _column("struct", 40_000)}, files=8)
+    cache = LocalCache(location, 1, args=("--memory-limit", "500Mi"))
+    message = cache.wait_failure(timeout=120)
+    assert cache.proc.returncode == 1
+    assert "use at least" in message and "data nodes (--data-nodes " in message, message
+    assert "stopped its load" not in message, message  # the guard's words: no load began
