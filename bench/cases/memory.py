@@ -135,7 +135,7 @@ def record_served(result: CaseResult, cache: CacheProcess, baseline: CaseResult,
         result.add(f"resident_bytes_{name}", max(resident.values()))
         result.add(f"baseline_bytes_{name}", base)
         result.add(f"overhead_ratio_{name}", max((resident[k] - base) / arrow[k] for k in resident))
-    served = [cache.metric(n["location"], "data_cache_bytes_served_total") for n in status["nodes"]]
+    served = [cache.metric(n["location"], "data_cache_served_bytes_total") for n in status["nodes"]]
     if all(s is not None for s in served):
         result.add("bytes_served_metric", sum(served))
 

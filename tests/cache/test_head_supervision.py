@@ -39,7 +39,7 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
     degraded = get(head_health.port, "/metrics")[1]
     # What the head holds is what /status says: not the whole table while its only node is gone.
     assert json.loads(get(head_health.port, "/status")[1])["rows"] == 0
-    assert "data_cache_ready 0.0" in degraded and "data_cache_rows_loaded 0.0" in degraded
+    assert "data_cache_ready 0.0" in degraded and "data_cache_loaded_rows 0.0" in degraded
     with pytest.raises(flight.FlightUnavailableError, match=r"data node 0 .* unreachable"):
         total_records(head)
 
@@ -51,7 +51,7 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
         replacement.start_registering()
         wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
         serving = get(head_health.port, "/metrics")[1]
-        assert "data_cache_ready 1.0" in serving and f"data_cache_rows_loaded {float(small_table.rows)}" in serving
+        assert "data_cache_ready 1.0" in serving and f"data_cache_loaded_rows {float(small_table.rows)}" in serving
         assert total_records(head) == small_table.rows
         endpoint = (
             flight.FlightClient(head.location)

@@ -33,7 +33,7 @@ def test_ready_reports_progress_then_ready(cluster, small_table):
         assert status["state"] == "ready" and status["rows"] == small_table.rows
         assert status["nodes"][0]["state"] == "ready"
         metrics = get(node_health.port, "/metrics")[1]
-        assert f"data_cache_rows_loaded {float(small_table.rows)}" in metrics
+        assert f"data_cache_loaded_rows {float(small_table.rows)}" in metrics
         assert "data_cache_resident_memory_bytes" in metrics
         assert get(head_health.port, "/nope")[0] == 404
     finally:
@@ -53,7 +53,7 @@ def test_served_bytes_are_the_arrow_bytes_the_client_receives(cluster, small_tab
     def served() -> float:
         metrics = get(node_health.port, "/metrics")[1]
         return float(
-            next(line.split()[1] for line in metrics.splitlines() if line.startswith("data_cache_bytes_served_total "))
+            next(line.split()[1] for line in metrics.splitlines() if line.startswith("data_cache_served_bytes_total "))
         )
 
     for request in ({}, {"shuffle": True, "seed": 3}, {"filter": "id >= 0"}):
@@ -86,7 +86,7 @@ def test_served_rows_are_counted(cluster, small_table):
     rows = sum(flight.FlightClient(ep.locations[0]).do_get(ep.ticket).read_all().num_rows for ep in info.endpoints)
     assert rows == small_table.rows
     metrics = get(node_health.port, "/metrics")[1]
-    assert f"data_cache_rows_served_total {float(rows)}" in metrics
+    assert f"data_cache_served_rows_total {float(rows)}" in metrics
     assert 'data_cache_requests_total{action="",method="DoGet"} 1.0' in metrics
     head_metrics = get(head_health.port, "/metrics")[1]
     assert 'data_cache_requests_total{action="",method="GetFlightInfo"} 1.0' in head_metrics
@@ -148,14 +148,14 @@ def test_the_gauges_follow_what_ready_and_status_say(cluster, small_table):
     head, head_health, node, node_health = cluster(small_table.metadata_location)
     wait_for(lambda: head.lifecycle.state == "ready")
     metrics = get(node_health.port, "/metrics")[1]
-    assert "data_cache_ready 1.0" in metrics and f"data_cache_rows_loaded {float(small_table.rows)}" in metrics
-    assert f"data_cache_bytes_loaded {float(node.store.nbytes)}" in metrics
+    assert "data_cache_ready 1.0" in metrics and f"data_cache_loaded_rows {float(small_table.rows)}" in metrics
+    assert f"data_cache_loaded_bytes {float(node.store.nbytes)}" in metrics
 
     node.store, node.filters = None, None  # as a new assignment leaves it (node._start_load)
     node.lifecycle.set(LOADING, "reading data files")
     metrics = get(node_health.port, "/metrics")[1]
-    assert "data_cache_ready 0.0" in metrics and "data_cache_rows_loaded 0.0" in metrics
-    assert "data_cache_bytes_loaded 0.0" in metrics
+    assert "data_cache_ready 0.0" in metrics and "data_cache_loaded_rows 0.0" in metrics
+    assert "data_cache_loaded_bytes 0.0" in metrics
 
     head.lifecycle.set(STOPPING, "shutting down")  # what SIGTERM does (runner.serve)
     assert get(head_health.port, "/ready")[0] == 503

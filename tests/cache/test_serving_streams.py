@@ -83,7 +83,7 @@ def test_served_rows_count_what_was_sent_not_what_the_stream_would_hold(cluster,
         next(
             line.split()[-1]
             for line in get(node_health.port, "/metrics")[1].splitlines()
-            if line.startswith("data_cache_rows_served_total ")
+            if line.startswith("data_cache_served_rows_total ")
         )
     )
     assert 1000 <= served < rows / 2

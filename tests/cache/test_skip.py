@@ -33,7 +33,7 @@ from tests.cache.inprocess import get, wait_for
 
 def served(port: int) -> float:
     metrics = get(port, "/metrics")[1]
-    return float(re.search(r"^data_cache_rows_served_total (\S+)$", metrics, re.M).group(1))
+    return float(re.search(r"^data_cache_served_rows_total (\S+)$", metrics, re.M).group(1))
 
 
 def ids(batches) -> list[int]:

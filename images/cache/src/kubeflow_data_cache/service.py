@@ -107,12 +107,12 @@ class Metrics:
     def __init__(self, role: str, table: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.rows_loaded = Gauge("data_cache_rows_loaded", "Rows held in memory", registry=r)
-        self.bytes_loaded = Gauge("data_cache_bytes_loaded", "Arrow bytes held in memory", registry=r)
+        self.rows_loaded = Gauge("data_cache_loaded_rows", "Rows held in memory", registry=r)
+        self.bytes_loaded = Gauge("data_cache_loaded_bytes", "Arrow bytes held in memory", registry=r)
         self.load_seconds = Gauge("data_cache_load_seconds", "Seconds from planning to ready", registry=r)
         self.ready = Gauge("data_cache_ready", "1 when loaded and serving", registry=r)
-        self.rows_served = Counter("data_cache_rows_served", "Rows sent to clients", registry=r)
-        self.bytes_served = Counter("data_cache_bytes_served", "Arrow bytes sent to clients", registry=r)
+        self.rows_served = Counter("data_cache_served_rows", "Rows sent to clients", registry=r)
+        self.bytes_served = Counter("data_cache_served_bytes", "Arrow bytes sent to clients", registry=r)
         self.streams_refused = Counter(
             "data_cache_streams_refused",
             "Shuffled or filtered DoGet streams a data node refused (UNAVAILABLE) near its memory limit",
