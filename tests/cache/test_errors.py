@@ -76,3 +76,30 @@ def test_a_long_message_reaches_a_flight_client_with_its_reason(failing_client):
     """Past 16 KiB of trailers the client got "Stream removed", not the message."""
     err = _raised(failing_client, "value", bounded_message("no such column: " + "c" * 30_000 + " (see docs)"))
     assert server_message(err).endswith("(see docs)")
+
+
+def test_client_statuses_are_formatted_without_a_traceback_and_other_errors_as_before():
+    """pyarrow formats a handler's exception with traceback.format_exception for the status it
+    sends; the cache's refusals of a client's mistakes lose their frames there, nothing else does
+    (logs of real failures keep theirs)."""
+    import traceback
+
+    from kubeflow_data_cache.client_statuses import InvalidArgument, Unimplemented, install
+
+    install()
+
+    def raised(err: Exception) -> Exception:
+        try:
+            raise err
+        except Exception as caught:
+            return caught
+
+    for err in (raised(InvalidArgument("bad shard")), raised(Unimplemented("no DoPut"))):
+        assert traceback.format_exception(type(err), err, err.__traceback__) == [type(err).__name__]
+        assert traceback.format_exception(err) == [type(err).__name__]
+    other = raised(ValueError("a bug"))
+    formatted = "".join(traceback.format_exception(type(other), other, other.__traceback__))
+    assert formatted.startswith("Traceback (most recent call last):") and "ValueError: a bug" in formatted
+    assert "test_errors.py" in "".join(traceback.format_exception(other))
+    # INVALID_ARGUMENT and UNIMPLEMENTED as before: pyarrow maps ValueError and NotImplementedError.
+    assert isinstance(InvalidArgument("x"), pa.ArrowInvalid) and isinstance(Unimplemented("x"), NotImplementedError)

@@ -19,6 +19,7 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache import protocol
 from kubeflow_data_cache.allocator import GatherReclaim, reclaim_gather_memory
+from kubeflow_data_cache.client_statuses import InvalidArgument
 from kubeflow_data_cache.config import NodeConfig, host_port, same_table_location
 from kubeflow_data_cache.constants import (
     GATHER_AHEAD_BYTES,
@@ -684,7 +685,7 @@ class DataNode(ReadOnlyFlight):
         except StaleTicketError as err:
             self.metrics.errors.labels(method="DoGet", action="", code="INVALID_ARGUMENT").inc()
             log.info("%s", err)
-            raise pa.ArrowInvalid(str(err)) from None
+            raise InvalidArgument(str(err)) from None
         except Exception as err:
             # Raised here, Python's error would reach the client as its whole traceback with no
             # status; this says which node failed and where, and the node's log has the rest.

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.flight as flight
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kubeflow_data_cache.client_statuses import InvalidArgument, Unimplemented, install
 from kubeflow_data_cache.errors import (
     LOAD_FAILED_INFO,
     NOT_READY_INFO,
@@ -185,14 +185,14 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
                 return fn(*args, **kwargs)
             except (BadRequestError, StaleTicketError) as err:
                 metrics.errors.labels(**labels, code="INVALID_ARGUMENT").inc()
-                raise pa.ArrowInvalid(bounded_message(str(err))) from None
+                raise InvalidArgument(bounded_message(str(err))) from None
             except (NotReadyError, NodeBusyError) as err:
                 metrics.errors.labels(**labels, code="UNAVAILABLE").inc()
                 info = NOT_READY_INFO if isinstance(err, NotReadyError) else b""
                 raise flight.FlightUnavailableError(bounded_message(str(err)), info) from None
             except NotImplementedError as err:
                 metrics.errors.labels(**labels, code="UNIMPLEMENTED").inc()
-                raise NotImplementedError(bounded_message(str(err))) from None
+                raise Unimplemented(bounded_message(str(err))) from None
             except DataCacheError as err:
                 metrics.errors.labels(**labels, code="INTERNAL").inc()
                 info = LOAD_FAILED_INFO if isinstance(err, LoadFailedError) else b""
@@ -242,7 +242,9 @@ class ReadOnlyFlight(flight.FlightServerBase):
 
 def meter_calls(server: Any, metrics: Metrics) -> None:
     """Wrap every Flight handler of the server (on the instance) in ``flight_errors``, labelled by
-    Flight's names; a call made from inside the class bypasses the wrapper (not counted twice)."""
+    Flight's names; a call made from inside the class bypasses the wrapper (not counted twice).
+    A client's mistakes reach it without the server's traceback from here on (client_statuses)."""
+    install()
     for name, method in FLIGHT_CALLS.items():
         setattr(server, name, flight_errors(metrics, method)(getattr(server, name)))
 
