@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +18,7 @@ from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.memory import (
     LoadMemoryGuard,
+    LoadMemoryWatch,
     check_fits,
     load_guard_threshold,
     local_load_threads,
@@ -547,6 +549,37 @@ def test_the_load_guard_projects_by_the_estimate_where_rows_differ_in_size():
     with pytest.raises(MemoryBudgetError, match="its rows need about"):
         guard.check(2005, 10 * read, estimated, all_rows)  # 10x the estimate: ~510 MiB
     guard.check(1000, 100 << 20, 2 << 20, all_rows)  # under 10% of the estimate read: too early
+
+
+def test_the_load_memory_watch_reports_the_resident_check_once_and_stops():
+    """Between batches only resident memory is checked (the projection's figures change together
+    only at a batch), and a breach is handed on once, while the load runs on to its next batch."""
+    resident = resident_bytes()
+    LoadMemoryGuard(resident * 4, 100).check_resident(0)  # far under the limit
+    LoadMemoryGuard(None, 100).check_resident(0)  # no limit known
+    with pytest.raises(MemoryBudgetError) as err:
+        LoadMemoryGuard(resident, 1000, local=True).check_resident(250)
+    assert "reached" in str(err.value) and "25% of its 1000 rows" in str(err.value)
+    assert "at this rate" not in str(err.value)  # no projection between batches
+    calls, breaches = [], []
+    over = LoadMemoryGuard(resident, 1000, local=True)
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) >= 3:  # memory passes the margin on the third look
+            over.check_resident(0)
+
+    with LoadMemoryWatch(check, breaches.append, interval=0.005):
+        deadline = time.monotonic() + 10
+        while not breaches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # it has stopped looking
+    assert len(breaches) == 1 and isinstance(breaches[0], MemoryBudgetError)
+    assert len(calls) == 3
+    quiet: list = []
+    with LoadMemoryWatch(lambda: None, quiet.append, interval=0.005):
+        time.sleep(0.05)
+    assert quiet == []  # a load under its margin is left alone, and the watch ends with it
 
 
 def test_a_denied_local_metadata_read_says_nothing_of_aws():

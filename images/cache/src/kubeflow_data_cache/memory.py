@@ -254,14 +254,29 @@ class LoadMemoryGuard:
             early = rows_read < self.rows * LOAD_GUARD_PROJECT_AFTER  # too early to extrapolate
         if resident <= threshold and (early or projected <= threshold):
             return
+        self._refuse(rows_read, resident, threshold, projected, early)
+
+    def check_resident(self, rows_read: int) -> None:
+        """The resident check alone, for LoadMemoryWatch between batches (the projection's
+        figures change together only at a batch)."""
+        if self.limit is None:
+            return
+        threshold = load_guard_threshold(self.limit)
+        resident = resident_bytes()
+        if resident > threshold:
+            self._refuse(rows_read, resident, threshold, None, True)
+
+    def _refuse(self, rows_read: int, resident: int, threshold: int, projected: float | None, early: bool) -> None:
         share = rows_read / self.rows if self.rows else 0.0
         nodes_knob, memory_knob = _knobs(self.local)
         if resident > threshold:
             what = f"its resident memory reached {_fmt(resident)} of its {_fmt(self.limit)} limit"
         else:
             what = f"its resident memory is {_fmt(resident)} of its {_fmt(self.limit)} limit"
-        rate = f"; at this rate its rows need about {_fmt(projected)}, more at the load's peak" if rows_read else ""
-        if rows_read and not early and projected <= threshold:
+        rate = ""
+        if rows_read and projected is not None:
+            rate = f"; at this rate its rows need about {_fmt(projected)}, more at the load's peak"
+        if rows_read and projected is not None and not early and projected <= threshold:
             # The rows are on course to fit: what passes the limit is held beside them.
             why = (
                 "The load holds more than its rows while it reads: decode buffers, and a little per column of "
@@ -281,6 +296,46 @@ class LoadMemoryGuard:
             f"rows read{rate}. {why}; give each data node more memory ({memory_knob}) or use more "
             f"data nodes ({nodes_knob})"
         )
+
+
+# How often a load's resident memory is looked at between its batches. pyarrow decodes a row
+# group, and row groups ahead of it, before it hands out a batch: rows far wider than estimated
+# passed a node's limit inside one such step (a reviewer's table reached 3 GiB under a 1 GiB
+# limit before the first batch was checked), where the kernel's OOM kill would leave no reason.
+LOAD_WATCH_SECONDS = 0.02
+
+
+class LoadMemoryWatch:
+    """While a load runs (``with``), calls ``check`` (the guard's resident check) every
+    LOAD_WATCH_SECONDS in a daemon thread, and hands the first MemoryBudgetError it raises to
+    ``on_breach``: the node reports its reason while the read that brought it there is still
+    decoding (a decode cannot be interrupted; the load stops at its next batch)."""
+
+    def __init__(
+        self,
+        check: Callable[[], None],
+        on_breach: Callable[[MemoryBudgetError], None],
+        interval: float = LOAD_WATCH_SECONDS,
+    ) -> None:
+        self._check, self._on_breach, self._interval = check, on_breach, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-memory-watch", daemon=True)
+
+    def __enter__(self) -> LoadMemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._check()
+            except MemoryBudgetError as err:
+                self._on_breach(err)
+                return
 
 
 # What one gathering stream (shuffled or filtered) may hold on its node at once, in batches: the

@@ -34,6 +34,7 @@ from kubeflow_data_cache.constants import (
 from kubeflow_data_cache.errors import (
     BadRequestError,
     ClusterFormationError,
+    MemoryBudgetError,
     NodeBusyError,
     NotReadyError,
     StaleTicketError,
@@ -42,13 +43,14 @@ from kubeflow_data_cache.errors import (
 )
 from kubeflow_data_cache.filtering import FilterCache, matched_rows
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.memory import LoadMemoryGuard, ServeMemoryGuard, resident_bytes
+from kubeflow_data_cache.memory import LoadMemoryGuard, LoadMemoryWatch, ServeMemoryGuard, resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, rebaser
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.security import TLS_SCHEME, TokenAuthFactory, call_options, key_matches, speaks_tls
 from kubeflow_data_cache.sent_bytes import sent_nbytes
 from kubeflow_data_cache.service import (
+    FAILED,
     LOADING,
     READY,
     Lifecycle,
@@ -448,16 +450,27 @@ class DataNode(ReadOnlyFlight):
             missing = [p.path for p in order.pieces if p.path not in tasks]
             if missing:
                 raise TableLoadError(f"data files {missing[:3]} are not in the planned snapshot")
-            store = NodeStore.load(
-                table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress, order.expansions
-            )
+
+            def breached(err: MemoryBudgetError) -> None:
+                # Said now, while the decode that passed the margin runs on: /ready, /status and
+                # the head have the reason before the kernel might kill the process.
+                if self._current(order):
+                    self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+                    self._wake_register.set()
+
+            with LoadMemoryWatch(lambda: guard.check_resident(progress.settled_rows), breached):
+                store = NodeStore.load(
+                    table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress, order.expansions
+                )
             if store.num_rows != rows:
                 raise TableLoadError(f"read {store.num_rows} rows, expected {rows}")
         except LoadSuperseded:
             log.info("load %s stopped: a newer assignment arrived", order.generation)
             return
         except Exception as err:
-            if self._current(order):  # a superseded load's failure is not this node's state
+            # A superseded load's failure is not this node's state; one the memory watch
+            # reported already keeps the figures it was reported with.
+            if self._current(order) and self.lifecycle.state != FAILED:
                 self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
                 self._wake_register.set()
             return
