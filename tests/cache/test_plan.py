@@ -580,6 +580,13 @@ def test_the_load_memory_watch_reports_the_resident_check_once_and_stops():
     with LoadMemoryWatch(lambda: None, quiet.append, interval=0.005):
         time.sleep(0.05)
     assert quiet == []  # a load under its margin is left alone, and the watch ends with it
+    # A breach stops the load at its next batch even where memory came back under the margin
+    # (a decode's peak passed): the load had run on to READY holding its rows while failed.
+    roomy = LoadMemoryGuard(resident * 4, 1000, local=True)
+    roomy.breached = breaches[0]
+    with pytest.raises(MemoryBudgetError) as stopped:
+        roomy.check(500, 1 << 20)
+    assert stopped.value is breaches[0]
 
 
 def test_a_denied_local_metadata_read_says_nothing_of_aws():

@@ -236,12 +236,17 @@ class LoadMemoryGuard:
         self.limit, self.rows = limit, rows
         self.local = under_local() if local is None else local
         self.start = resident_bytes()  # the interpreter, and rows a superseded load may still hold
+        # Set by LoadMemoryWatch's breach: the next check stops the load with it, even where
+        # memory has come back under the margin since (a decode's peak passed).
+        self.breached: MemoryBudgetError | None = None
 
     def check(self, rows_read: int, bytes_read: int = 0, estimate_read: float = 0.0, estimate_all: int = 0) -> None:
         """``estimate_read`` and ``estimate_all``: the manifests' estimate of the rows read and of
         all the node's rows. Where given, the projection scales what the rows read decoded to by
         how far they were estimated to go (rows of 1 MiB images read first, among short ones,
         had the per-row projection stop a load that fits at 3x its size); else by rows."""
+        if self.breached is not None:
+            raise self.breached
         if self.limit is None:
             return
         threshold = load_guard_threshold(self.limit)
@@ -309,7 +314,8 @@ class LoadMemoryWatch:
     """While a load runs (``with``), calls ``check`` (the guard's resident check) every
     LOAD_WATCH_SECONDS in a daemon thread, and hands the first MemoryBudgetError it raises to
     ``on_breach``: the node reports its reason while the read that brought it there is still
-    decoding (a decode cannot be interrupted; the load stops at its next batch)."""
+    decoding (a decode cannot be interrupted); ``on_breach`` sets the guard's ``breached`` too, so
+    the load stops at its next batch whatever memory is by then."""
 
     def __init__(
         self,

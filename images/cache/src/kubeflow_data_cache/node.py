@@ -453,10 +453,14 @@ class DataNode(ReadOnlyFlight):
 
             def breached(err: MemoryBudgetError) -> None:
                 # Said now, while the decode that passed the margin runs on: /ready, /status and
-                # the head have the reason before the kernel might kill the process.
-                if self._current(order):
-                    self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
-                    self._wake_register.set()
+                # the head have the reason before the kernel might kill the process. The load
+                # stops at its next batch. Under the lock a newer assignment takes: one taken
+                # between the check and the failure was marked failed with this load's reason.
+                guard.breached = err
+                with self._load_lock:
+                    if self._current(order):
+                        self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+                        self._wake_register.set()
 
             with LoadMemoryWatch(lambda: guard.check_resident(progress.settled_rows), breached):
                 store = NodeStore.load(
