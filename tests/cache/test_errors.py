@@ -98,6 +98,9 @@ def test_client_statuses_are_formatted_without_a_traceback_and_other_errors_as_b
         assert traceback.format_exception(type(err), err, err.__traceback__) == [type(err).__name__]
         assert traceback.format_exception(err) == [type(err).__name__]
     other = raised(ValueError("a bug"))
+    # Where both are given, the value is what Python formats, whatever the first argument is.
+    mixed = traceback.format_exception(raised(InvalidArgument("x")), other, other.__traceback__)
+    assert "ValueError: a bug" in "".join(mixed) and "Traceback" in "".join(mixed)
     formatted = "".join(traceback.format_exception(type(other), other, other.__traceback__))
     assert formatted.startswith("Traceback (most recent call last):") and "ValueError: a bug" in formatted
     assert "test_errors.py" in "".join(traceback.format_exception(other))

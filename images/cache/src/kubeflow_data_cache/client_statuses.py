@@ -35,8 +35,9 @@ _format_exception = traceback.format_exception
 
 
 def _format_exception_hiding_client_statuses(exc, /, *args, **kwargs) -> list[str]:
-    # Called as format_exception(type, value, tb) by pyarrow, as format_exception(value) by others.
-    value = args[0] if args and isinstance(exc, type) else exc
+    # Called as format_exception(type, value, tb) by pyarrow, as format_exception(value) by others;
+    # where a value is given, it is the one formatted (whatever ``exc`` is), as in Python.
+    value = args[0] if args else kwargs.get("value", exc)
     if isinstance(value, ClientStatus):
         return [type(value).__name__]
     return _format_exception(exc, *args, **kwargs)
