@@ -64,7 +64,8 @@ def footer_expansions(table, tasks: dict, wanted: set[int]) -> dict[int, float]:
     paths = footer_files(tasks)
     if not wanted or not paths:
         return {}
-    calls = {path: DaemonCall(lambda p=path: _file_ratios(table, p, wanted), "footer") for path in paths}
+    sizes = {path: tasks[path].file.file_size_in_bytes for path in paths}
+    calls = {path: DaemonCall(lambda p=path: _file_ratios(table, p, sizes[p], wanted), "footer") for path in paths}
     deadline = time.monotonic() + FOOTER_TIMEOUT_SECONDS
     least: dict[int, float] = {}
     for path, call in calls.items():
@@ -81,14 +82,9 @@ def footer_expansions(table, tasks: dict, wanted: set[int]) -> dict[int, float]:
     return least
 
 
-def _file_ratios(table, path: str, wanted: set[int]) -> dict[int, float]:
-    # Imported here, as in expansion.py: pyarrow.parquet brings in pyarrow.fs's S3 client.
-    import pyarrow.parquet as pq
-
-    with table.io.new_input(path).open() as raw:
-        parquet = pq.ParquetFile(raw, pre_buffer=False)
-        metadata = parquet.metadata
-        leaves = list(leaf_fields(parquet.schema_arrow))
+def _file_ratios(table, path: str, size: int, wanted: set[int]) -> dict[int, float]:
+    metadata, schema = _footer(table, path, size)
+    leaves = list(leaf_fields(schema))
     if len(leaves) != metadata.num_columns:  # a layout this walk does not know: say nothing
         return {}
     compressed: dict[int, int] = {}
@@ -102,6 +98,27 @@ def _file_ratios(table, path: str, wanted: set[int]) -> dict[int, float]:
             compressed[field_id] = compressed.get(field_id, 0) + chunk.total_compressed_size
             uncompressed[field_id] = uncompressed.get(field_id, 0) + chunk.total_uncompressed_size
     return {k: uncompressed[k] / c for k, c in compressed.items() if c > 0}
+
+
+def _footer(table, path: str, size: int):
+    """A data file's Parquet metadata and Arrow schema. Where the table reads through pyarrow's
+    own filesystems (pyiceberg's PyArrowFileIO), the file is opened with the size its manifest
+    gives, so the object store is asked for the footer alone: opened by name, it is asked for
+    the file's size first, a second request per file (on moto S3, planning 8 files took 115 ms
+    instead of 70 ms)."""
+    # Imported here, as in expansion.py: pyarrow.parquet brings in pyarrow.fs's S3 client.
+    import pyarrow.dataset as ds
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    source = table.io.new_input(path)
+    filesystem, inner = getattr(source, "_filesystem", None), getattr(source, "_path", None)
+    if isinstance(filesystem, pafs.FileSystem) and isinstance(inner, str) and size > 0:
+        fragment = ds.ParquetFileFormat().make_fragment(inner, filesystem, file_size=size)
+        return fragment.metadata, fragment.physical_schema
+    with source.open() as raw:
+        parquet = pq.ParquetFile(raw, pre_buffer=False)
+        return parquet.metadata, parquet.schema_arrow
 
 
 def leaf_fields(schema: pa.Schema) -> Iterator[pa.Field]:
