@@ -28,6 +28,32 @@ MOTO_STOP_TIMEOUT_SECONDS = 10.0
 MOTO_REGION = "us-east-1"
 
 
+def table_in_files(tmp_path: Path, data: pa.Table, files: int = 1) -> str:
+    """``data`` as a fresh Iceberg table ``s.t`` in a local warehouse under ``tmp_path``, appended
+    in ``files`` equal parts (one data file each); its metadata location."""
+    from kubeflow_data_cache.sample import make_catalog
+
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    table = catalog.create_table("s.t", schema=data.schema)
+    for part in range(files):
+        table.append(data.slice(part * data.num_rows // files, data.num_rows // files))
+    return catalog.load_table("s.t").metadata_location
+
+
+def held_and_estimated(location: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Per column: what one node holding the whole table holds, and what the plan estimated."""
+    from kubeflow_data_cache.plan import assign_rows, open_table, plan_table
+    from kubeflow_data_cache.store import NodeStore
+
+    t = open_table(location)
+    plan, tasks = plan_table(t, location)
+    (a,) = assign_rows(plan, 1)
+    held = NodeStore.load(t, tasks, plan.schema, list(a.pieces), 1, None, plan.expansions).column_bytes
+    estimated = {name: sum(f.column_bytes[i] for f in plan.files) for i, name in enumerate(plan.schema.names)}
+    return held, estimated
+
+
 def read_descriptor(
     location: str,
     descriptor: flight.FlightDescriptor,

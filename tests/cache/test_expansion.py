@@ -23,6 +23,7 @@ from kubeflow_data_cache.plan import (
 )
 from kubeflow_data_cache.sample import make_catalog
 from kubeflow_data_cache.store import NodeStore
+from tests.cache.conftest import table_in_files
 from tests.conftest import json_from_a_fresh_process
 
 ROWS = 60_000
@@ -40,12 +41,7 @@ def _values(kind: str, rows: int) -> pa.Array:
 
 def _table(tmp_path, kind: str, rows: int = ROWS, files: int = 2) -> str:
     data = pa.table({"id": pa.array(range(rows), pa.int64()), "value": _values(kind, rows)})
-    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
-    catalog.create_namespace("s")
-    table = catalog.create_table("s.t", schema=data.schema)
-    for part in range(files):
-        table.append(data.slice(part * rows // files, rows // files))
-    return catalog.load_table("s.t").metadata_location
+    return table_in_files(tmp_path, data, files)
 
 
 def _estimate_and_held(location: str) -> tuple[int, int, int]:

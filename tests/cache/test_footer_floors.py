@@ -11,9 +11,9 @@ import pyarrow as pa
 import pytest
 
 from kubeflow_data_cache.footer_floors import FOOTER_FILES, footer_expansions, footer_files, leaf_fields
-from kubeflow_data_cache.plan import assign_rows, open_table, plan_table
+from kubeflow_data_cache.plan import open_table, plan_table
 from kubeflow_data_cache.sample import make_catalog
-from kubeflow_data_cache.store import NodeStore
+from tests.cache.conftest import held_and_estimated, table_in_files
 from tests.conftest import LocalCache
 
 TENSOR_BYTES = 4096
@@ -41,22 +41,7 @@ def _column(kind: str, rows: int) -> pa.Array:
 
 def _table(tmp_path, columns: dict[str, pa.Array], files: int = 1) -> str:
     rows = len(next(iter(columns.values())))
-    data = pa.table({"id": pa.array(range(rows), pa.int64()), **columns})
-    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
-    catalog.create_namespace("s")
-    table = catalog.create_table("s.t", schema=data.schema)
-    for part in range(files):
-        table.append(data.slice(part * rows // files, rows // files))
-    return catalog.load_table("s.t").metadata_location
-
-
-def _held_and_estimated(location: str) -> tuple[dict[str, int], dict[str, int]]:
-    table = open_table(location)
-    plan, tasks = plan_table(table, location)
-    (a,) = assign_rows(plan, 1)
-    held = NodeStore.load(table, tasks, plan.schema, list(a.pieces), 1, None, plan.expansions).column_bytes
-    estimated = {name: sum(f.column_bytes[i] for f in plan.files) for i, name in enumerate(plan.schema.names)}
-    return held, estimated
+    return table_in_files(tmp_path, pa.table({"id": pa.array(range(rows), pa.int64()), **columns}), files)
 
 
 @pytest.mark.parametrize("kind", ["top level", "struct", "list", "map"])
@@ -64,7 +49,7 @@ def test_compressible_tensors_are_estimated_at_what_a_node_holds_at_any_depth(tm
     """The review's case: tensors compressed ~190x on disk were estimated at 2 MiB for 82 MiB
     held (the fixed factor of 4 over their compressed size), and the fit check passed tables
     far too large for the nodes."""
-    held, estimated = _held_and_estimated(_table(tmp_path, {"tensor": _column(kind, 5000)}, files=2))
+    held, estimated = held_and_estimated(_table(tmp_path, {"tensor": _column(kind, 5000)}, files=2))
     assert held["tensor"] <= estimated["tensor"] <= 1.3 * held["tensor"], (estimated, held)
 
 
@@ -84,7 +69,7 @@ def test_one_file_that_compresses_far_better_does_not_raise_the_others(tmp_path)
     (tensor_id,) = (f.field_id for f in t.schema().fields if f.name == "tensor")
     ratios = footer_expansions(t, tasks, {tensor_id})
     assert 0.9 <= ratios[tensor_id] < 1.1, ratios  # the random file's, not the padded one's ~190x
-    held, estimated = _held_and_estimated(location)
+    held, estimated = held_and_estimated(location)
     assert estimated["tensor"] <= 4.5 * (256 + 4) * 4000 + 1.1 * 4 * 4000  # no more than the fixed factor's
     assert estimated["tensor"] < held["tensor"]  # the padded file is the load guard's to catch
 
@@ -121,7 +106,7 @@ def test_small_files_beside_one_that_compresses_far_better_are_not_raised_to_its
     for _ in range(20):  # ~10 KiB on disk each
         values = [rng.bytes(256) for _ in range(40)]
         table.append(pa.table({"id": np.arange(len(values)), "tensor": values}, schema=schema))
-    held, estimated = _held_and_estimated(catalog.load_table("s.t").metadata_location)
+    held, estimated = held_and_estimated(catalog.load_table("s.t").metadata_location)
     assert estimated["tensor"] <= held["tensor"], (estimated, held)  # not raised: the guard's to catch
 
 

@@ -38,6 +38,7 @@ from kubeflow_data_cache.plan import (
 )
 from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from kubeflow_data_cache.store import NodeStore
+from tests.cache.conftest import held_and_estimated
 from tests.conftest import json_from_a_fresh_process
 
 
@@ -637,16 +638,6 @@ def test_a_column_merged_by_pyarrow_counts_twice_whole_in_the_peak_while_copied_
     assert peak(pa.string()) < 200 << 20  # a file's column and the decode scratch, not the column
 
 
-def _held_and_estimated(location: str) -> tuple[dict[str, int], dict[str, int]]:
-    """Per column: what one node holding the whole table holds, and what the plan estimated."""
-    t = open_table(location)
-    plan, tasks = plan_table(t, location)
-    (a,) = assign_rows(plan, 1)
-    held = NodeStore.load(t, tasks, plan.schema, list(a.pieces), 1, None, plan.expansions).column_bytes
-    estimated = {name: sum(f.column_bytes[i] for f in plan.files) for i, name in enumerate(plan.schema.names)}
-    return held, estimated
-
-
 def _table_with_added_columns(tmp_path, later_rows: int):
     """100,000 rows of ``id``; then columns added (a string, an int, a list of strings, a struct),
     and ``later_rows`` rows written with them."""
@@ -679,7 +670,7 @@ def test_columns_added_after_a_file_was_written_are_estimated_as_the_nulls_they_
     """The older file has no size for them and reads them as nulls. Sized as values without
     statistics (32 bytes a row), 8 such string columns on a 400,000-row table came to 7.5x what a
     node held, and a table that fits was refused."""
-    held, estimated = _held_and_estimated(_table_with_added_columns(tmp_path, later_rows=2_000))
+    held, estimated = held_and_estimated(_table_with_added_columns(tmp_path, later_rows=2_000))
     for name in ("text", "score", "tags", "st"):
         assert held[name] <= estimated[name] <= 1.3 * held[name], (name, held[name], estimated[name])
 
@@ -714,7 +705,7 @@ def test_a_column_a_file_has_no_size_for_but_held_when_written_is_estimated_as_v
                 getattr(data_file, stats).pop(payload, None)  # as a writer in metrics mode none leaves it
             append.append_data_file(data_file)
     location = catalog.load_table("s.quiet").metadata_location
-    held, estimated = _held_and_estimated(location)
+    held, estimated = held_and_estimated(location)
     assert estimated["payload"] >= 32 * rows >= held["payload"], (held, estimated)  # values, not ~4 B of nulls
 
 
