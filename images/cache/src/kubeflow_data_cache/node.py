@@ -473,14 +473,18 @@ class DataNode(ReadOnlyFlight):
             return
         except Exception as err:
             # A superseded load's failure is not this node's state; one the memory watch
-            # reported already keeps the figures it was reported with.
-            if self._current(order) and self.lifecycle.state != FAILED:
-                self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
-                self._wake_register.set()
+            # reported already keeps the figures it was reported with. Under the lock a newer
+            # assignment takes, as in breached().
+            with self._load_lock:
+                if self._current(order) and self.lifecycle.state != FAILED:
+                    self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+                    self._wake_register.set()
             return
         with self._load_lock:
             if not self._current(order):
                 return  # superseded by a newer assignment while loading
+            if guard.breached is not None:
+                return  # failed by the memory watch after the load's last check: its rows go
             self.store, self.filters = store, FilterCache(store)
             self.table_rows = order.table_rows
             self.load_seconds = time.monotonic() - started
