@@ -87,16 +87,16 @@ def _file_ratios(table, path: str, size: int, wanted: set[int]) -> dict[int, flo
     leaves = list(leaf_fields(schema))
     if len(leaves) != metadata.num_columns:  # a layout this walk does not know: say nothing
         return {}
-    compressed: dict[int, int] = {}
-    uncompressed: dict[int, int] = {}
-    for j, leaf in enumerate(leaves):
-        field_id = _field_id(leaf)
-        if field_id not in wanted or not is_string_or_binary(leaf.type):
-            continue
-        for g in range(metadata.num_row_groups):
-            chunk = metadata.row_group(g).column(j)
-            compressed[field_id] = compressed.get(field_id, 0) + chunk.total_compressed_size
-            uncompressed[field_id] = uncompressed.get(field_id, 0) + chunk.total_uncompressed_size
+    measured = [(j, _field_id(leaf)) for j, leaf in enumerate(leaves) if is_string_or_binary(leaf.type)]
+    measured = [(j, field_id) for j, field_id in measured if field_id in wanted]
+    compressed = dict.fromkeys((field_id for _, field_id in measured), 0)
+    uncompressed = dict(compressed)
+    for g in range(metadata.num_row_groups):  # each row group's metadata object made once
+        group = metadata.row_group(g)
+        for j, field_id in measured:
+            chunk = group.column(j)
+            compressed[field_id] += chunk.total_compressed_size
+            uncompressed[field_id] += chunk.total_uncompressed_size
     return {k: uncompressed[k] / c for k, c in compressed.items() if c > 0}
 
 
