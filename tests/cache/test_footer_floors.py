@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 import pytest
+from pyiceberg.manifest import FileFormat
 
 from kubeflow_data_cache.footer_floors import FOOTER_FILES, footer_expansions, footer_files, leaf_fields
 from kubeflow_data_cache.plan import open_table, plan_table
@@ -75,11 +76,14 @@ def test_one_file_that_compresses_far_better_does_not_raise_the_others(tmp_path)
 
 
 def test_the_footers_read_are_the_largest_file_and_others_drawn_over_the_table():
-    def task(size: int, rows: int = 10):
-        return SimpleNamespace(file=SimpleNamespace(file_size_in_bytes=size, record_count=rows))
+    def task(size: int, rows: int = 10, file_format: FileFormat = FileFormat.PARQUET):
+        return SimpleNamespace(
+            file=SimpleNamespace(file_size_in_bytes=size, record_count=rows, file_format=file_format)
+        )
 
     small = {f"f{i:03d}": task(100) for i in range(5)}
-    assert footer_files({**small, "empty": task(10**9, rows=0)}) == sorted(small)  # every file with rows
+    others = {"empty": task(10**9, rows=0), "orc": task(10**9, file_format=FileFormat.ORC)}
+    assert footer_files({**small, **others}) == sorted(small)  # every Parquet file with rows
     many = {f"f{i:03d}": task(100 + (i == 77) * 10**6) for i in range(200)}
     chosen = footer_files(many)
     assert len(chosen) == len(set(chosen)) == FOOTER_FILES and chosen[0] == "f077"

@@ -44,13 +44,16 @@ FOOTER_TIMEOUT_SECONDS = 5.0
 
 
 def footer_files(tasks: dict) -> list[str]:
-    """The paths whose footers are read: the largest file, then FOOTER_FILES - 1 others drawn
+    """The Parquet files whose footers are read: the largest, then FOOTER_FILES - 1 others drawn
     by a hash of their paths (every file of a smaller table). Drawn, not taken at a fixed stride
     of the path order: partitions alternating in that order (source=image, source=text, ...) put
     every file of a stride in one kind, and the other kind, never read, was sized by its ratio
     (1 MiB of text estimated at 120 MiB). Drawn at random, a kind holding half the files is
     missed with odds of 2**-15; a kind missed is a few files, sized at most by the others' ratio."""
-    paths = sorted(p for p, t in tasks.items() if t.file.record_count > 0)
+    from pyiceberg.manifest import FileFormat
+
+    # ORC and Avro files have no Parquet footer: read, each would only log that it could not be.
+    paths = sorted(p for p, t in tasks.items() if t.file.record_count > 0 and t.file.file_format == FileFormat.PARQUET)
     if len(paths) <= FOOTER_FILES:
         return paths
     largest = min(paths, key=lambda p: (-tasks[p].file.file_size_in_bytes, p))
