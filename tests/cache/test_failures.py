@@ -78,9 +78,18 @@ def test_rows_that_decode_far_past_their_estimate_stop_the_load_before_an_oom_ki
     table = catalog.create_table("demo.repeated", schema=data.schema)
     table.append(data)
     del data
-    code, stderr = failed_local(catalog.load_table("demo.repeated").metadata_location, "--memory-limit", "500Mi")
+    termination_log = tmp_path / "termination-log"  # what Kubernetes shows as the pod's message
+    cache = LocalCache(
+        catalog.load_table("demo.repeated").metadata_location,
+        2,
+        env={"TERMINATION_LOG": str(termination_log)},
+        args=("--memory-limit", "500Mi"),
+    )
+    stderr = cache.wait_failure(timeout=DEADLINE)
+    code = cache.proc.returncode
     assert code == 1
     assert "stopped its load before the kernel's OOM kill" in stderr
+    assert "stopped its load before the kernel's OOM kill" in termination_log.read_text()
     assert "give each data node more memory (--memory-limit) or use more data nodes (--data-nodes)" in stderr
     # Its one row group, ~390 MiB, decodes before pyarrow hands out a batch: checked only at each
     # batch, the node first reported itself at ~560 MiB, past the limit where a cgroup's OOM kill

@@ -88,8 +88,10 @@ def run_node(cfg: NodeConfig) -> NoReturn:
     else:
         server.start_registering()
     code = 0
-    while not stop_wait(STOP_POLL_SECONDS):
-        if server.lifecycle.failed_event.is_set():
+    while not signals:
+        # Woken at once by a failure, not at the next poll: a data node whose load passed its
+        # memory margin mid-decode writes its termination message before the kernel may kill it.
+        if server.lifecycle.failed_event.wait(STOP_POLL_SECONDS):
             error = server.lifecycle.error or "unknown error"
             _write_termination_log(cfg.termination_log, error)
             log.error("exiting in %.0fs: %s", cfg.failure_grace, error)
