@@ -21,6 +21,7 @@ from kubeflow_data_cache.memory import (
     LoadMemoryWatch,
     check_fits,
     load_guard_threshold,
+    load_watch_threshold,
     local_load_threads,
     parse_bytes,
     resident_bytes,
@@ -562,6 +563,11 @@ def test_the_load_memory_watch_reports_the_resident_check_once_and_stops():
         LoadMemoryGuard(resident, 1000, local=True).check_resident(250)
     assert "reached" in str(err.value) and "25% of its 1000 rows" in str(err.value)
     assert "at this rate" not in str(err.value)  # no projection between batches
+    # Looking every few ms, the watch waits closer to the limit than the per-batch check: at 10%
+    # it stopped loads that fit, on a decode's passing peak the per-batch checks fall between.
+    assert load_watch_threshold(500 << 20) == int((500 << 20) * 0.96) > load_guard_threshold(500 << 20)
+    assert load_watch_threshold(16 << 30) == (16 << 30) - (64 << 20)
+    LoadMemoryGuard(int(resident / 0.93), 1000).check_resident(0)  # within 10% of its limit, not 4%
     calls, breaches = [], []
     over = LoadMemoryGuard(resident, 1000, local=True)
 
@@ -836,7 +842,11 @@ def test_a_table_of_skewed_rows_that_fits_split_by_bytes_loads_every_row(tmp_pat
     evenly = max(estimated_node_memory(plan, a, threads)[1] for a in assign_rows(plan, 2))
     monkeypatch.undo()
     assert evenly > by_bytes + (16 << 20)  # room for a limit between the two
-    limit = BASELINE_MEMORY_BYTES + (by_bytes + evenly) // 2  # fits split by bytes, not split evenly
+    # Fits split by bytes, not split evenly; as high as that allows: the load's real peak runs
+    # past the estimate's (pyarrow decodes the image file's row groups ahead at once, where the
+    # estimate counts a 64 MiB window), and at the two estimates' midpoint a node reached 570 MiB
+    # of 632, close to where the load's memory watch stops it.
+    limit = BASELINE_MEMORY_BYTES + evenly - (1 << 20)
     args = ("--memory-limit", str(limit))
     with running_cache(location, data_nodes=2, args=args) as cache, CacheClient(cache.endpoint) as client:
         ids = np.concatenate([b.column("id").to_numpy() for b in client.read_shard(ShardRequest())])
