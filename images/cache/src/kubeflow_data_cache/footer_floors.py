@@ -10,8 +10,8 @@ tensors of 4 KiB in a struct, compressed 190x by zstd, were estimated at 2 MiB f
 so the fit check passed tables many times too large and the load ran into its memory guard, or
 past it, one 131,072-row batch at a time.
 
-So the head reads the footers of up to FOOTER_FILES data files (the largest, and others spread
-over the table's path order), at once, for at most FOOTER_TIMEOUT_SECONDS, and takes for each
+So the head reads the footers of up to FOOTER_FILES Parquet data files (the largest, and others
+drawn by a hash of their paths), at once, for at most FOOTER_TIMEOUT_SECONDS, and takes for each
 string or binary leaf (top level, or inside lists, maps and structs) its uncompressed bytes per
 compressed byte, the least across the files read: one file that compresses far better than the
 rest does not speak for them (the sample's lesson: one file of nulls measured 500x). Every file
@@ -37,7 +37,7 @@ from kubeflow_data_cache.offsets import is_string_or_binary
 
 log = logging.getLogger(__name__)
 
-# Footers read per plan: one or two small reads each, all at once (on S3, one request each).
+# Footers read per plan, all at once: one read each (_footer), two where a footer is over 64 KiB.
 FOOTER_FILES = 16
 # How long planning waits for them: a footer whose read stalls leaves its file out.
 FOOTER_TIMEOUT_SECONDS = 5.0
@@ -107,8 +107,8 @@ def _footer(table, path: str, size: int):
     """A data file's Parquet metadata and Arrow schema. Where the table reads through pyarrow's
     own filesystems (pyiceberg's PyArrowFileIO), the file is opened with the size its manifest
     gives, so the object store is asked for the footer alone: opened by name, it is asked for
-    the file's size first, a second request per file (on moto S3, planning 8 files took 115 ms
-    instead of 70 ms)."""
+    the file's size first, a second request per file (on moto S3, planning 8 files took ~115 ms
+    by name, ~97 ms by size, ~70 ms without footers)."""
     # Imported here, as in expansion.py: pyarrow.parquet brings in pyarrow.fs's S3 client.
     import pyarrow.dataset as ds
     import pyarrow.fs as pafs
