@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from kubeflow_data_cache.constants import MAX_EXPANSION
 from kubeflow_data_cache.daemon_call import DaemonCall
-from kubeflow_data_cache.footer_floors import footer_expansions
+from kubeflow_data_cache.footer_floors import footer_expansions, parquet_field_id
 from kubeflow_data_cache.offsets import is_string_or_binary
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def measure_expansions(table, tasks: dict, schema: pa.Schema, iceberg_fields: li
         call = DaemonCall(lambda: _measure(table, path, wanted), "sample")
     started = time.monotonic()
     # Read while the sample decodes: planning waits for the slower of the two, not their sum.
-    floors = footer_expansions(table, tasks, string_leaf_ids(iceberg_fields))
+    floors = footer_expansions(table, tasks, string_leaf_ids(schema, iceberg_fields))
     ratios = _sampled(call, path, SAMPLE_TIMEOUT_SECONDS - (time.monotonic() - started)) if call else {}
     ratios = {k: min(ceiling, v) for k, v in ratios.items()}
     for field_id, floor in floors.items():
@@ -104,27 +104,17 @@ def _sampled(call: DaemonCall, path: str, seconds: float) -> dict[int, float]:
         return {}
 
 
-def string_leaf_ids(iceberg_fields: list) -> set[int]:
-    """The field ids of the string and binary leaves under ``iceberg_fields``, at any depth."""
-    from pyiceberg.types import BinaryType, ListType, MapType, StringType, StructType
+def string_leaf_ids(schema: pa.Schema, iceberg_fields: list) -> set[int]:
+    """The field ids of the string and binary leaves of ``schema``'s columns, at any depth."""
+    # Imported here: plan imports this module at its top.
+    from kubeflow_data_cache.plan import column_leaves
 
-    found: set[int] = set()
-
-    def visit(field_id: int, field_type) -> None:
-        if isinstance(field_type, (StringType, BinaryType)):
-            found.add(field_id)
-        elif isinstance(field_type, StructType):
-            for child in field_type.fields:
-                visit(child.field_id, child.field_type)
-        elif isinstance(field_type, ListType):
-            visit(field_type.element_id, field_type.element_type)
-        elif isinstance(field_type, MapType):
-            visit(field_type.key_id, field_type.key_type)
-            visit(field_type.value_id, field_type.value_type)
-
-    for field in iceberg_fields:
-        visit(field.field_id, field.field_type)
-    return found
+    return {
+        leaf_id
+        for field, iceberg_field in zip(schema, iceberg_fields, strict=True)
+        for leaf_id, leaf_type in column_leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)[0]
+        if is_string_or_binary(leaf_type)
+    }
 
 
 def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
@@ -195,7 +185,7 @@ def _columns_by_field_id(schema: pa.Schema, wanted: dict[int, str]) -> dict[int,
     """The file's top-level column name of each wanted field id (files may name them otherwise)."""
     found = {}
     for field in schema:
-        raw = (field.metadata or {}).get(b"PARQUET:field_id")
-        if raw is not None and int(raw) in wanted and measured(field):
-            found[int(raw)] = field.name
+        field_id = parquet_field_id(field)
+        if field_id in wanted and measured(field):
+            found[field_id] = field.name
     return found

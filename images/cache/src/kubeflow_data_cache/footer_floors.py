@@ -90,7 +90,7 @@ def _file_ratios(table, path: str, size: int, wanted: set[int]) -> dict[int, flo
     leaves = list(leaf_fields(schema))
     if len(leaves) != metadata.num_columns:  # a layout this walk does not know: say nothing
         return {}
-    measured = [(j, _field_id(leaf)) for j, leaf in enumerate(leaves) if is_string_or_binary(leaf.type)]
+    measured = [(j, parquet_field_id(leaf)) for j, leaf in enumerate(leaves) if is_string_or_binary(leaf.type)]
     measured = [(j, field_id) for j, field_id in measured if field_id in wanted]
     compressed = dict.fromkeys((field_id for _, field_id in measured), 0)
     uncompressed = dict(compressed)
@@ -145,6 +145,7 @@ def _leaves(field: pa.Field) -> Iterator[pa.Field]:
         yield field
 
 
-def _field_id(field: pa.Field) -> int | None:
+def parquet_field_id(field: pa.Field) -> int | None:
+    """The Iceberg field id a Parquet file's writer put on an Arrow field (None: none)."""
     raw = (field.metadata or {}).get(b"PARQUET:field_id")
     return int(raw) if raw is not None else None

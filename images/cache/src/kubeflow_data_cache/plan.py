@@ -352,23 +352,23 @@ def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:
     return rows * 32  # no statistics: a generous guess per value
 
 
-def _leaves(arrow_type: pa.DataType, iceberg_type, field_id: int) -> tuple[list[tuple[int, pa.DataType]], int]:
+def column_leaves(arrow_type: pa.DataType, iceberg_type, field_id: int) -> tuple[list[tuple[int, pa.DataType]], int]:
     """The primitive leaves under a column, as (Iceberg field id, Arrow type), and how many
     list or map levels lie above them (each adds an offsets buffer)."""
     from pyiceberg.types import ListType, MapType, StructType
 
     if isinstance(iceberg_type, ListType):
-        leaves, levels = _leaves(arrow_type.value_type, iceberg_type.element_type, iceberg_type.element_id)
+        leaves, levels = column_leaves(arrow_type.value_type, iceberg_type.element_type, iceberg_type.element_id)
         return leaves, levels + 1
     if isinstance(iceberg_type, MapType):
-        keys, key_levels = _leaves(arrow_type.key_type, iceberg_type.key_type, iceberg_type.key_id)
-        values, value_levels = _leaves(arrow_type.item_type, iceberg_type.value_type, iceberg_type.value_id)
+        keys, key_levels = column_leaves(arrow_type.key_type, iceberg_type.key_type, iceberg_type.key_id)
+        values, value_levels = column_leaves(arrow_type.item_type, iceberg_type.value_type, iceberg_type.value_id)
         return keys + values, key_levels + value_levels + 1
     if isinstance(iceberg_type, StructType):
         found: list[tuple[int, pa.DataType]] = []
         levels = 0
         for arrow_child, child in zip(arrow_type, iceberg_type.fields, strict=True):
-            leaves, child_levels = _leaves(arrow_child.type, child.field_type, child.field_id)
+            leaves, child_levels = column_leaves(arrow_child.type, child.field_type, child.field_id)
             found += leaves
             levels += child_levels
         return found, levels
@@ -383,7 +383,7 @@ def _nested_estimate(
     leaf's entry in ``expansions`` (a footer's floor, expansion.py) raises its estimate only."""
     sizes = data_file.column_sizes or {}
     counts = data_file.value_counts or {}
-    leaves, levels = _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)
+    leaves, levels = column_leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)
     total = rows // 8 + levels * rows * 4  # the column's validity, and offsets (a lower bound inside lists)
     for leaf_id, leaf_type in leaves:
         # A leaf's value count (a list's elements in all rows) sizes a fixed-width leaf exactly,
@@ -413,7 +413,9 @@ def _added_after(field: pa.Field, iceberg_field, written_fields: frozenset[int] 
         return False
     ids = [iceberg_field.field_id]
     if pa.types.is_nested(field.type):
-        ids += [leaf_id for leaf_id, _ in _leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)[0]]
+        ids += [
+            leaf_id for leaf_id, _ in column_leaves(field.type, iceberg_field.field_type, iceberg_field.field_id)[0]
+        ]
     return not any(i in written_fields for i in ids)
 
 
