@@ -417,6 +417,16 @@ class DataNode(ReadOnlyFlight):
     def _current(self, order: LoadOrder) -> bool:
         return self.generation == order.generation
 
+    def _fail_load(self, order: LoadOrder, err: Exception) -> None:
+        """Fail the node with ``order``'s error. A superseded load's failure is not this node's
+        state, and one the memory watch reported already keeps the figures it was reported with.
+        Under the lock a newer assignment takes: one taken between the check and the failure was
+        marked failed with the old load's reason (and FAILED is final)."""
+        with self._load_lock:
+            if self._current(order) and self.lifecycle.state != FAILED:
+                self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
+                self._wake_register.set()
+
     def _load(self, order: LoadOrder, previous: threading.Thread | None) -> None:
         if previous is not None:
             previous.join()
@@ -454,13 +464,9 @@ class DataNode(ReadOnlyFlight):
             def breached(err: MemoryBudgetError) -> None:
                 # Said now, while the decode that passed the margin runs on: /ready, /status and
                 # the head have the reason before the kernel might kill the process. The load
-                # stops at its next batch. Under the lock a newer assignment takes: one taken
-                # between the check and the failure was marked failed with this load's reason.
+                # stops at its next batch.
                 guard.breached = err
-                with self._load_lock:
-                    if self._current(order):
-                        self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
-                        self._wake_register.set()
+                self._fail_load(order, err)
 
             with LoadMemoryWatch(lambda: guard.check_resident(progress.settled_rows), breached):
                 store = NodeStore.load(
@@ -472,13 +478,7 @@ class DataNode(ReadOnlyFlight):
             log.info("load %s stopped: a newer assignment arrived", order.generation)
             return
         except Exception as err:
-            # A superseded load's failure is not this node's state; one the memory watch
-            # reported already keeps the figures it was reported with. Under the lock a newer
-            # assignment takes, as in breached().
-            with self._load_lock:
-                if self._current(order) and self.lifecycle.state != FAILED:
-                    self.lifecycle.fail(f"data node {self.cfg.node_index}: {err}")
-                    self._wake_register.set()
+            self._fail_load(order, err)
             return
         with self._load_lock:
             if not self._current(order):
