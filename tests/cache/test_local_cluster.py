@@ -229,3 +229,28 @@ def test_under_nohup_a_closed_terminal_leaves_every_process_serving(table_factor
         assert cache.stop() == 0  # SIGTERM still stops it the ordinary way
     finally:
         cache.stop()
+
+
+def test_the_nodes_ports_are_drawn_below_the_ephemeral_range_skipping_taken_ones(monkeypatch):
+    """Picked by binding port 0, a node's port was one the OS then handed to an outgoing
+    connection before the node bound it: the head failed "Address already in use" in a CI run."""
+    import socket
+
+    from kubeflow_data_cache import local
+
+    with socket.socket() as listener:  # something listening where the scan starts
+        for port in local.LOCAL_PORTS:
+            try:
+                listener.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            break
+        listener.listen()
+        held = listener.getsockname()[1]
+        start = local.LOCAL_PORTS.index(held)
+        monkeypatch.setattr(local.secrets, "randbelow", lambda n: start)
+        ports = local._free_ports("127.0.0.1", 5, taken={held + 1})
+    assert len(set(ports)) == 5 and all(p in local.LOCAL_PORTS for p in ports), ports
+    assert held not in ports and held + 1 not in ports
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", ports[0]))  # free, as handed out

@@ -59,15 +59,30 @@ WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 MAX_LOCAL_DATA_NODES = 256
 
 
+# Ports handed to the nodes, which bind them a moment later: drawn from below the kernel's
+# ephemeral range (ip_local_port_range, 32768-60999 by default), not by binding port 0. A port the
+# OS picks for port 0 is one it hands to any outgoing connection too, and one taken so between
+# the pick and the node's bind failed the head in a CI run ("the health server could not listen
+# on 127.0.0.1:46285 (Address already in use)").
+LOCAL_PORTS = range(10000, 20000)
+
+
 def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
-    """``count`` distinct free ports on ``host``, none of them in ``taken``."""
+    """``count`` distinct free ports of LOCAL_PORTS on ``host``, none of them in ``taken``,
+    scanned from a random start (another `local` on this machine scans from its own)."""
+    claim_port(host, 0, label("--port"), label("--host"))  # a host that cannot be bound, named
     ports: list[int] = []
-    for _ in range(10 * count + 100):  # the OS hands out a port again at times; not for ever
+    start = secrets.randbelow(len(LOCAL_PORTS))
+    for k in range(len(LOCAL_PORTS)):
         if len(ports) == count:
             break
-        port = claim_port(host, 0, label("--port"), label("--host"))
-        if port not in taken and port not in ports:
-            ports.append(port)
+        port = LOCAL_PORTS[(start + k) % len(LOCAL_PORTS)]
+        if port in taken:
+            continue
+        try:
+            ports.append(claim_port(host, port, label("--port"), label("--host")))
+        except ConfigError:  # something listens there
+            continue
     if len(ports) < count:
         raise ConfigError(f"found {len(ports)} of the {count} free ports needed on {host}; start fewer data nodes")
     return ports
