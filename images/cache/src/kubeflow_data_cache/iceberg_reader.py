@@ -1,16 +1,26 @@
-"""The two pyiceberg internals the cache reads through, kept in one place.
+"""The pyiceberg internals the cache reads through, kept in one place.
 
 pyiceberg's public readers decode each data file whole before yielding anything (0.9-0.12
 collect a file's batches into a list, to run the decode in their executor). A data node keeps
 a range of a file's rows and the head only needs a file's live row count, so both go one level
 down: the per-file batch stream, and the delete-file reader. Where a pyiceberg lacks them, the
 public path is used (same results, more memory), with a warning once.
+
+pyiceberg also opens every Parquet file with ``pre_buffer=True``: pyarrow then reads the
+compressed column chunks of all the file's row groups up front and keeps them until the file is
+done, beside what it decodes. From an object store that is what makes a read fast (a few
+large requests; unbuffered, a 400 MB file took 3-6x as long on moto). From a local path it buys
+nothing and holds the whole compressed file: a data node reading two local 200 MB files peaked
+~300 MiB higher with it than without, and loaded no faster. So local data files are read
+without it (``task_batches``), through the one switch below; the head's plan counts the
+pre-buffered bytes of remote reads (plan.estimated_node_memory).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -47,6 +57,70 @@ def task_deletes(table, task):
     return None if read_deletes is None else read_deletes(table.io, [task])
 
 
+def is_remote(path: str) -> bool:
+    """Whether a data file lives in an object store (s3://, s3a://), not on a local path."""
+    return "://" in path and not path.startswith("file:")
+
+
+# Set while this thread pulls a batch of a local file: pyiceberg's file formats are made then.
+_local_read = threading.local()
+_switch_lock = threading.Lock()
+_switch_installed: bool | None = None
+
+
+def _install_prebuffer_switch() -> bool:
+    """Wrap pyiceberg's file-format factory so that reads marked local are not pre-buffered.
+    Returns False (reads stay pre-buffered, with a warning once) where this pyiceberg has no
+    such factory."""
+    global _switch_installed
+    with _switch_lock:
+        if _switch_installed is None:
+            from pyiceberg.io import pyarrow as pyiceberg_arrow
+
+            make_format = getattr(pyiceberg_arrow, "_get_file_format", None)
+            _switch_installed = make_format is not None
+            if make_format is None:
+                log.warning(
+                    "this pyiceberg reads every Parquet file pre-buffered: loads from local paths "
+                    "hold each file's compressed bytes while it is read; use the pyiceberg of the "
+                    "image's requirements lock"
+                )
+            else:
+
+                def file_format(file_format, **kwargs):
+                    if getattr(_local_read, "active", False) and "pre_buffer" in kwargs:
+                        kwargs["pre_buffer"] = False
+                    return make_format(file_format, **kwargs)
+
+                pyiceberg_arrow._get_file_format = file_format
+        return _switch_installed
+
+
+def reads_prebuffered(path: str) -> bool:
+    """Whether ``task_batches`` reads this data file pre-buffered (the plan's memory model): one
+    in an object store, or any where this pyiceberg lacks the per-file stream (its public path
+    reads in its own threads) or the format factory."""
+    return is_remote(path) or _delete_reader() is None or not _install_prebuffer_switch()
+
+
+def _unbuffered(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``batches``, with each one pulled while this thread's reads are marked local."""
+    try:
+        while True:
+            _local_read.active = True
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:
+                _local_read.active = False
+            yield batch
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # a read stopped early closes its file
+
+
 def task_batches(table, task, field_ids=None, deletes=None) -> Iterator[pa.RecordBatch]:
     """One data file's batches in file order, positional deletes applied, decoded as consumed
     (pyarrow's scanner reads a window ahead). pyiceberg's reader also handles schema evolution
@@ -69,7 +143,8 @@ def task_batches(table, task, field_ids=None, deletes=None) -> Iterator[pa.Recor
         deletes = task_deletes(table, task)
     if deletes is None:
         return scan.to_record_batches([task])
-    return scan._record_batches_from_scan_tasks_and_deletes([task], deletes)
+    batches = scan._record_batches_from_scan_tasks_and_deletes([task], deletes)
+    return batches if reads_prebuffered(task.file.file_path) else _unbuffered(batches)
 
 
 def rows_after_deletes(table, task) -> int:
