@@ -15,9 +15,9 @@ import pytest
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.errors import CacheUnavailableError
-from kubeflow_data_cache.security import TokenAuthFactory
+from kubeflow_data_cache.security import MAX_TOKEN_CHARS, TokenAuthFactory
 from tests.cache.conftest import Certificate, make_cert, read_path_shards, run_data_cache
-from tests.conftest import LocalCache
+from tests.conftest import LocalCache, running_cache
 
 TOKEN = "s3cr3t-T0ken-5f2b9c"
 ROWS, FILES = 3000, 3
@@ -406,6 +406,33 @@ def test_a_token_files_surrounding_whitespace_is_not_part_of_the_token(tmp_path,
     token_file.write_bytes(content.encode())
     assert load_token(None, str(token_file)) == "s3cr3t"
     assert default_token({"DATA_CACHE_TOKEN_FILE": str(token_file)}) == "s3cr3t"
+
+
+@pytest.mark.slow
+def test_the_longest_token_taken_serves_every_call_and_a_longer_one_is_refused_at_start(
+    small_table, tmp_path, no_ambient_secrets
+):
+    """gRPC refuses a call whose headers pass 8 KiB at random, past 16 KiB always: a 7,900-character
+    token failed the load, 8,050 let the cache say READY and then failed its readers. Such a
+    token is refused at start, naming the limit; the longest one taken works for every call."""
+    longest = "t" * MAX_TOKEN_CHARS
+    with running_cache(small_table.metadata_location, data_nodes=2, env={"DATA_CACHE_TOKEN": longest}) as cache:
+        for _ in range(3):
+            ids = read_path_shards(cache.endpoint, total=3, options=bearer(longest)).column("id").to_pylist()
+            assert sorted(ids) == list(range(small_table.rows))
+        with CacheClient(cache.endpoint, token=longest) as client:
+            assert client.status()["state"] == "ready"
+    token_file = tmp_path / "token"
+    token_file.write_text(longest + "t")
+    for env in ({"DATA_CACHE_TOKEN": longest + "t"}, {"DATA_CACHE_TOKEN_FILE": str(token_file)}):
+        result = run_data_cache(
+            "local", "--metadata-loc", small_table.metadata_location, env={**os.environ, **env}, timeout=60
+        )
+        assert result.returncode == 2, result.stderr
+        assert f"is {MAX_TOKEN_CHARS + 1} characters long, more than {MAX_TOKEN_CHARS}" in result.stderr
+        assert longest not in result.stderr
+    with pytest.raises(ValueError, match="more than 6144"):
+        CacheClient("grpc://127.0.0.1:1", token=longest + "t")
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfes3cr3t", b"tok\x80en"])

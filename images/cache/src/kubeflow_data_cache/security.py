@@ -142,6 +142,13 @@ def key_matches(expected: str | None, given: object) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
 
 
+# The longest token taken. gRPC servers refuse request metadata past 8 KiB at random (16 KiB
+# always); a call's other headers (path, authority, user agent, deadline) take a few hundred
+# bytes: a 7,900-character token failed a cache's loads, 8,050 let it report ready and then
+# failed every reader. A signed JWT with a few claims is 1-2 KB.
+MAX_TOKEN_CHARS = 6144
+
+
 def check_token(token: object, source: str = "token") -> None:
     """None (send no token) or a token a bearer header can carry; a ValueError naming where it
     came from (``source``) otherwise. The value is never shown: it is a secret."""
@@ -163,6 +170,12 @@ def check_token(token: object, source: str = "token") -> None:
     if token.strip() != token:
         # A copy-paste slip: no peer's copy matches it, and "the token was rejected" would not say why.
         raise ValueError(f"{source} starts or ends with a space: remove it")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(
+            f"{source} is {len(token)} characters long, more than {MAX_TOKEN_CHARS}: gRPC refuses a call whose "
+            "headers pass 8 KiB (at random from there, always past 16 KiB), and the token travels in one; "
+            "use a shorter token"
+        )
 
 
 def call_options(token: str | None, timeout: float | None = None) -> flight.FlightCallOptions:
