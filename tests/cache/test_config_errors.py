@@ -197,6 +197,21 @@ def test_bad_values_exit_2_with_one_line(args, env, fragments):
         (["worker", "--index", "0", "--head", "127.0.0.1:50051"], ["grpc:// (or grpc+tls://) URI with a port"]),
         (["worker", "--index", "0", "--head", "grpc://head"], ["URI with a port", "'grpc://head'"]),
         (["worker", "--index", "0", "--head", "grpc://[::1:50051"], ["URI with a port", "'grpc://[::1:50051'"]),
+        (["worker", "--index", "0", "--head", "grpc://bad host:50051"], ["URI with a port", "'grpc://bad host:50051'"]),
+        # Taken as they came, these failed the load later, blamed on a data node ("refused its
+        # assignment: Cannot parse URI"), or a port read as an IPv6 address ("[127.0.0.1:5000]").
+        (
+            ["worker", "--index", "0", "--head", "grpc://127.0.0.1:1", "--advertise-host", "bad host"],
+            ["`POD_IP` (--advertise-host) should be the host name or IP address", "got 'bad host'"],
+        ),
+        (
+            ["head", "--data-nodes", "1", "--metadata-loc", "x", "--advertise-host", "127.0.0.1:5000"],
+            ["`POD_IP` (--advertise-host)", "(no scheme, no port), got '127.0.0.1:5000'"],
+        ),
+        (
+            ["local", "--metadata-loc", "x", "--advertise-host", "10.0.0.7:5000"],
+            ["`--advertise-host` should be the host name or IP address", "got '10.0.0.7:5000'"],
+        ),
         # Two ports a node: the free-port search looped for ever past what the OS has.
         (["local", "--metadata-loc", "x", "--data-nodes", "100000"], ["--data-nodes should be from 1 to 256"]),
     ],

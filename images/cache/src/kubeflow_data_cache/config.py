@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import math
 import os
+import re
 import socket
 import ssl
 import threading
@@ -203,6 +205,35 @@ def same_table_location(a: str, b: str) -> bool:
     return canonical(a) == canonical(b)
 
 
+# A DNS name's label (RFC 1123, what a pod's or a Service's name is made of), with underscores,
+# which some machines' own names hold and their resolvers take.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def valid_host(host: str) -> bool:
+    """Whether ``host`` is an IP address (an IPv6 one with or without brackets) or a DNS name
+    (RFC 1123 labels, underscores allowed, at most 253 characters, a final dot allowed)."""
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        return True
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(part) for part in name.split("."))
+
+
+def check_advertise_host(host: str, source: str) -> str:
+    """``host``, where readers could dial it; a ConfigError naming ``source`` otherwise. Unchecked,
+    a space or a port in it (``10.0.0.7:5000`` reads as an IPv6 address) failed the load later,
+    blamed on a data node ("refused its assignment: Cannot parse URI")."""
+    if not valid_host(host):
+        raise ConfigError(
+            f"{source} should be the host name or IP address readers reach this process at, such as "
+            f"10.0.0.7, fd00::7 or cache-0.cache (no scheme, no port), got {host!r}"
+        )
+    return host
+
+
 def dialable(location: str) -> bool:
     """Whether ``location`` is a Flight URI a cache process can dial: grpc:// (grpc+tcp://,
     grpc+tls://) with a host and a port."""
@@ -213,7 +244,13 @@ def dialable(location: str) -> bool:
         hostname = parts.hostname
     except ValueError:  # an unclosed [ (urllib reads it as an IPv6 host)
         return False
-    return "://" in location and parts.scheme in HEAD_SCHEMES and bool(hostname) and bool(uri_port(location))
+    return (
+        "://" in location
+        and parts.scheme in HEAD_SCHEMES
+        and bool(hostname)
+        and valid_host(hostname)
+        and bool(uri_port(location))
+    )
 
 
 def check_head_location(location: str) -> None:
@@ -409,6 +446,11 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     if memory_limit == 0:  # resourceFieldRef gives 0 when no limit is set on the container
         memory_limit = container_memory_limit()
 
+    advertise_host = pick("advertise_host", "POD_IP")
+    if advertise_host:
+        check_advertise_host(advertise_host, label("POD_IP", "--advertise-host"))
+    else:
+        advertise_host = socket.gethostname()  # a name the machine gave itself: not checked
     if flags.get("token") is not None:
         # Every local user can read a process's arguments (ps, /proc/PID/cmdline); not the value.
         log.warning("--token is visible to every user of this machine in the process list: prefer "
@@ -421,7 +463,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
         bind_host=pick("host", "BIND_HOST") or "0.0.0.0",
         flight_port=flight_port,
         health_port=health_port,
-        advertise_host=pick("advertise_host", "POD_IP") or socket.gethostname(),
+        advertise_host=advertise_host,
         data_nodes=data_nodes,
         node_index=node_index,
         head_location=head_location,

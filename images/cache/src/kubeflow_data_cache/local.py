@@ -18,6 +18,7 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache import constants, protocol
 from kubeflow_data_cache.config import (
+    check_advertise_host,
     check_metadata_location,
     claim_port,
     host_port,
@@ -135,6 +136,8 @@ class LocalCluster:
         loopback = WILDCARD_HOSTS.get(host.strip("[]"))  # set for a wildcard bind only
         if advertise_host is not None and not advertise_host.strip():
             raise ConfigError("--advertise-host is empty: give the name or address readers reach this machine at")
+        if advertise_host is not None:
+            check_advertise_host(advertise_host, label("--advertise-host"))
         # What readers are told (the READY line, the data nodes' endpoints). A wildcard bind is no
         # address to connect to: the machine's name stands for it, as in a pod without POD_IP.
         self.advertise_host = advertise_host or (socket.gethostname() if loopback else host)
