@@ -261,6 +261,24 @@ def test_sample_table_names_a_warehouse_it_cannot_write(tmp_path):
     )
 
 
+def test_sample_table_writes_a_warehouse_with_a_space_in_one_folder_and_refuses_uri_syntax(tmp_path):
+    """Written as a percent-escaped URI, a table under "my wh" went to a literal "my%20wh" folder
+    (pyiceberg does not decode it) beside its catalog in "my wh"; '#' split the path the same way."""
+    warehouse = tmp_path / "my wh"
+    result = data_cache("sample-table", "--warehouse", str(warehouse), "--rows", "100", "--files", "2")
+    assert result.returncode == 0, result.stderr
+    location = result.stdout.strip()
+    assert location == f"file://{warehouse}/" + location.split(" wh/", 1)[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my wh"]
+    assert len(list((warehouse / "demo" / "events" / "data").glob("*.parquet"))) == 2
+    for odd in ("a#b", "what?", "p%41"):
+        assert_one_line_error(
+            data_cache("sample-table", "--warehouse", str(tmp_path / odd)),
+            f"the warehouse folder '{tmp_path / odd}' holds one of # ? %",
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my wh"]
+
+
 def test_local_help_describes_every_flag():
     result = subprocess.run(
         [sys.executable, "-m", "kubeflow_data_cache", "local", "--help"],

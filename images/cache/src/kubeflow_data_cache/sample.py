@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from kubeflow_data_cache.errors import ConfigError
+
 EMBEDDING_DIM = 4
 
 
@@ -46,13 +48,25 @@ def sample_batch(start: int, stop: int, with_text: bool = True) -> pa.Table:
     return pa.table(columns)
 
 
+# Characters pyiceberg's file IO and sqlite's URI read as URI syntax in a local path: a table
+# written under them was split across two folders, its data in a literal "my%20wh".
+URI_SYNTAX_CHARS = "#?%"
+
+
 def make_catalog(warehouse: str, catalog_db: Path, properties: dict[str, str] | None = None):
     """A SQL catalog on sqlite; ``warehouse`` is a folder or an ``s3://bucket/prefix``."""
     from pyiceberg.catalog.sql import SqlCatalog
 
+    for path, what in ((warehouse, "warehouse folder"), (str(catalog_db), "catalog database")):
+        if "://" not in path and any(char in URI_SYNTAX_CHARS for char in path):
+            raise ConfigError(
+                f"the {what} {path!r} holds one of {' '.join(URI_SYNTAX_CHARS)}, which pyiceberg and sqlite read "
+                "as URI syntax: choose a folder without them"
+            )
     if "://" not in warehouse:
         Path(warehouse).mkdir(parents=True, exist_ok=True)
-        warehouse = Path(warehouse).resolve().as_uri()
+        # Not Path.as_uri(): pyiceberg reads its percent-escapes (a space's "%20") as they stand.
+        warehouse = "file://" + str(Path(warehouse).resolve())
     catalog_db.parent.mkdir(parents=True, exist_ok=True)
     return SqlCatalog(
         "sample",
