@@ -34,6 +34,21 @@ _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
+# The CRDs' integer formats, checked as the API server's decoding does (a Go int32 field refuses a
+# larger number); no other format is checked.
+_INTEGER_FORMATS = jsonschema.FormatChecker(formats=())
+
+
+@_INTEGER_FORMATS.checks("int32")
+def _int32(value) -> bool:
+    return not isinstance(value, int) or -(1 << 31) <= value < 1 << 31
+
+
+@_INTEGER_FORMATS.checks("int64")
+def _int64(value) -> bool:
+    return not isinstance(value, int) or -(1 << 63) <= value < 1 << 63
+
+
 class ObjectInvalid(AssertionError):
     """An object breaks its schema; the message names the object, the field and the rule."""
 
@@ -82,7 +97,7 @@ def _crd_validators() -> dict[tuple[str, str], tuple[jsonschema.protocols.Valida
                 schema["properties"]["metadata"] = {"type": "object"}
                 api_version = f"{spec['group']}/{version['name']}"
                 validators[(api_version, spec["names"]["kind"])] = (
-                    jsonschema.Draft7Validator(schema),
+                    jsonschema.Draft7Validator(schema, format_checker=_INTEGER_FORMATS),
                     spec["scope"],
                 )
     return validators

@@ -20,7 +20,7 @@ from kubeflow_cache_initializer.builders import (
     shared_cache_name,
     with_cluster_key_entry,
 )
-from kubeflow_cache_initializer.config import load_config
+from kubeflow_cache_initializer.config import MAX_INT32, load_config
 from tests.cache.conftest import make_tls_secret_folder
 
 from .object_schemas import ObjectInvalid, validate_sent_object
@@ -148,7 +148,7 @@ def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but
     assert "never-in-a-pod-spec" not in str(lws)
 
 
-@pytest.mark.parametrize("timeout", ["0.5", "1.9", "600", "86400"])
+@pytest.mark.parametrize("timeout", ["0.5", "1.9", "600", "86400", "9223372036"])  # the last: the most accepted
 def test_the_cache_pods_accept_the_env_they_are_given(timeout, tmp_path):
     """The contract between the two packages: the cache's own config parser takes the pods' env
     (with what Kubernetes and LWS fill in), and its startup deadline is the initializer's. In a
@@ -253,6 +253,19 @@ def test_the_validator_rejects_what_the_api_server_would_prune_or_refuse():
     service["spec"]["ports"][0]["port"] = "50051"
     with pytest.raises(ObjectInvalid, match="port"):
         validate_sent_object(service)
+    # An int32 field past its range: the LWS webhook's decoding refuses it.
+    lws = build_leader_worker_set(load_config(MINIMAL), [OWNER])
+    _container(lws, "workerTemplate")["readinessProbe"]["periodSeconds"] = 1 << 31
+    with pytest.raises(ObjectInvalid, match="int32"):
+        validate_sent_object(lws)
+
+
+def test_the_largest_readiness_settings_accepted_are_valid_probe_fields():
+    settings = ("INITIAL_DELAY_SECONDS", "PERIOD_SECONDS", "TIMEOUT_SECONDS", "FAILURE_THRESHOLD")
+    env = {**MINIMAL, **{f"READINESS_{name}": str(MAX_INT32) for name in settings}}
+    lws = build_leader_worker_set(load_config(env), [OWNER])
+    validate_sent_object(lws)
+    assert _container(lws, "workerTemplate")["readinessProbe"]["periodSeconds"] == MAX_INT32
 
 
 def test_head_and_data_nodes_read_the_same_cluster_key_from_the_caches_secret_and_the_cache_takes_it(tmp_path):

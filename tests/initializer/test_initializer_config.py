@@ -165,12 +165,43 @@ BAD_INPUT = [
     ({"HEAD_MEM": "lots"}, "`HEAD_MEM` should be a Kubernetes quantity such as 512Mi, 4Gi or 8G, got 'lots'", ""),
     ({"WORKER_CPU": "-1"}, "`WORKER_CPU` should be a Kubernetes quantity", "'-1'"),
     ({"IAM_ROLE": "admin"}, "`IAM_ROLE` should be an IAM role ARN, arn:aws:iam::<account>:role/<name>", "'admin'"),
-    ({"READINESS_PERIOD_SECONDS": "0"}, "`READINESS_PERIOD_SECONDS` should be an integer >= 1, got '0'", ""),
+    (
+        {"READINESS_PERIOD_SECONDS": "0"},
+        "`READINESS_PERIOD_SECONDS` should be an integer >= 1 and <= 2147483647, got '0'",
+        "",
+    ),
     ({"READINESS_INITIAL_DELAY_SECONDS": "soon"}, "`READINESS_INITIAL_DELAY_SECONDS` should be an integer >= 0", ""),
-    ({"READINESS_TIMEOUT_SECONDS": "1.5"}, "`READINESS_TIMEOUT_SECONDS` should be an integer >= 1, got '1.5'", ""),
+    (
+        {"READINESS_TIMEOUT_SECONDS": "1.5"},
+        "`READINESS_TIMEOUT_SECONDS` should be an integer >= 1 and <= 2147483647, got '1.5'",
+        "",
+    ),
     ({"READINESS_FAILURE_THRESHOLD": "-3"}, "`READINESS_FAILURE_THRESHOLD` should be an integer >= 1", ""),
     ({"CACHE_READY_TIMEOUT_SECONDS": "ten"}, "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0", ""),
     ({"CACHE_READY_TIMEOUT_SECONDS": "0"}, "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0", ""),
+    # int32 in the API: accepted here, the LWS webhook refused the LeaderWorkerSet after the Service was made.
+    (
+        {"READINESS_PERIOD_SECONDS": "3000000000"},
+        "`READINESS_PERIOD_SECONDS` should be an integer >= 1 and <= 2147483647",
+        "",
+    ),
+    (
+        {"READINESS_TIMEOUT_SECONDS": "99999999999999"},
+        "`READINESS_TIMEOUT_SECONDS` should be an integer >= 1 and <=",
+        "",
+    ),
+    # Past a thread's longest wait: the cache pods refused the startup deadline they were handed,
+    # and a poll this long crashed the initializer with OverflowError.
+    (
+        {"CACHE_READY_TIMEOUT_SECONDS": "1e10"},
+        "`CACHE_READY_TIMEOUT_SECONDS` should be a number of seconds > 0 and <= 9223372036",
+        "",
+    ),
+    (
+        {"CACHE_STATUS_POLL_SECONDS": "1e10"},
+        "`CACHE_STATUS_POLL_SECONDS` should be a number of seconds > 0 and <=",
+        "'1e10'",
+    ),
     ({"DATA_CACHE_SHARED": "maybe"}, "`DATA_CACHE_SHARED` should be one of true, 1, yes, on, false", "'maybe'"),
     ({"CACHE_TOKEN_SECRET": "Team_Token"}, "`CACHE_TOKEN_SECRET` should be a Secret name", "or none"),
     ({"CACHE_TLS_SECRET": "Team_TLS"}, "`CACHE_TLS_SECRET` should be a Secret name", "or none, got 'Team_TLS'"),

@@ -7,6 +7,7 @@ whose message names each bad variable, the value it got and the form it expects.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -39,6 +40,9 @@ _CPU = re.compile(_NUMBER + "m?")
 MAX_CPUS = 1024  # per pod: past any node's
 # CLUSTER_SIZE: the head and at most the cache's 2^14 data nodes.
 MAX_CLUSTER_SIZE = (1 << 14) + 1
+# The Kubernetes API's probe fields are int32: a larger value passes here, but the LWS webhook
+# refuses the whole LeaderWorkerSet with a decode error, after the Service is created.
+MAX_INT32 = (1 << 31) - 1
 # Plain decimal digits: int() and float() also take "1_0" (10) and other scripts' digits.
 _DIGITS = re.compile(r"[0-9]+")
 _DECIMAL = re.compile(_NUMBER + r"([eE][+-]?[0-9]+)?")
@@ -166,8 +170,10 @@ class _Reader:
         if not raw:
             return default
         value = float(raw) if _DECIMAL.fullmatch(raw) else -1.0
-        if not value > 0 or value == float("inf"):
-            self._bad(name, "a number of seconds > 0", raw)
+        # Past what a thread can wait for, a wait raises OverflowError when it is reached; the
+        # cache, handed the ready timeout as its startup deadline, refuses such a value too.
+        if not 0 < value <= threading.TIMEOUT_MAX:
+            self._bad(name, f"a number of seconds > 0 and <= {int(threading.TIMEOUT_MAX)}", raw)
             return default
         return value
 
@@ -318,11 +324,17 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     iam_role = r.matching("IAM_ROLE", _IAM_ROLE, "an IAM role ARN, arn:aws:iam::<account>:role/<name>", "") or None
     readiness = Probe(
         initial_delay_seconds=r.integer(
-            "READINESS_INITIAL_DELAY_SECONDS", c.DEFAULT_READINESS_INITIAL_DELAY_SECONDS, minimum=0
+            "READINESS_INITIAL_DELAY_SECONDS", c.DEFAULT_READINESS_INITIAL_DELAY_SECONDS, minimum=0, maximum=MAX_INT32
         ),
-        period_seconds=r.integer("READINESS_PERIOD_SECONDS", c.DEFAULT_READINESS_PERIOD_SECONDS, minimum=1),
-        timeout_seconds=r.integer("READINESS_TIMEOUT_SECONDS", c.DEFAULT_READINESS_TIMEOUT_SECONDS, minimum=1),
-        failure_threshold=r.integer("READINESS_FAILURE_THRESHOLD", c.DEFAULT_READINESS_FAILURE_THRESHOLD, minimum=1),
+        period_seconds=r.integer(
+            "READINESS_PERIOD_SECONDS", c.DEFAULT_READINESS_PERIOD_SECONDS, minimum=1, maximum=MAX_INT32
+        ),
+        timeout_seconds=r.integer(
+            "READINESS_TIMEOUT_SECONDS", c.DEFAULT_READINESS_TIMEOUT_SECONDS, minimum=1, maximum=MAX_INT32
+        ),
+        failure_threshold=r.integer(
+            "READINESS_FAILURE_THRESHOLD", c.DEFAULT_READINESS_FAILURE_THRESHOLD, minimum=1, maximum=MAX_INT32
+        ),
     )
     ready_timeout = r.seconds("CACHE_READY_TIMEOUT_SECONDS", c.DEFAULT_READY_TIMEOUT_SECONDS)
     shared = r.flag("DATA_CACHE_SHARED")
