@@ -149,7 +149,8 @@ def test_kustomize_labels_the_cache_with_the_same_version_as_the_chart():
         (o["kind"], o["metadata"]["name"]): o["metadata"]["labels"][VERSION]
         for o in cache_objects_of(render_chart(ALL_OF_THE_CACHE))
     }
-    for overlay in ("overlays/data-cache", "overlays/data-cache/addon"):
+    overlays = ("", "/addon", "/namespace-rbac", "/monitoring")
+    for overlay in (f"overlays/data-cache{part}" for part in overlays):
         for obj in build_kustomize(overlay):
             labels = obj["metadata"].get("labels", {})
             key = (obj["kind"], obj["metadata"]["name"])
