@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -307,6 +308,18 @@ def test_parse_bytes_refuses_what_kubernetes_would_not_read_as_bytes(text, messa
 def test_missing_metadata_names_the_variable(tmp_path):
     with pytest.raises(TableLoadError, match="METADATA_LOC .* does not exist"):
         open_table(str(tmp_path / "nope.metadata.json"))
+
+
+def test_a_percent_escaped_local_uri_is_named_with_the_path_as_pyiceberg_reads_it(tmp_path):
+    """Path.as_uri() writes "my wh" as "my%20wh"; pyiceberg reads a local URI as it stands, so the
+    file it names was called missing with no hint of why."""
+    table = create_sample_table(str(tmp_path / "my wh"), 10, 1)
+    escaped = Path(table.metadata_location.removeprefix("file://")).as_uri()
+    assert "%20" in escaped
+    with pytest.raises(TableLoadError, match="pyiceberg does not decode percent-escapes") as err:
+        open_table(escaped)
+    assert repr(table.metadata_location) in str(err.value)
+    assert open_table(table.metadata_location).metadata_location == table.metadata_location
 
 
 def test_a_directory_is_not_called_missing(tmp_path):

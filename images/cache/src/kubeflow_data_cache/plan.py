@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from functools import cached_property
 from typing import Any
+from urllib.parse import unquote
 
 import pyarrow as pa
 
@@ -290,6 +291,13 @@ def _open_error(
             return TableLoadError(
                 f"METADATA_LOC {metadata_location!r} is a directory: METADATA_LOC must be a table's "
                 "metadata.json file (for example .../warehouse/db/table/metadata/00003-....metadata.json)"
+            )
+        unescaped = unquote(location)
+        if location.startswith("file:") and unescaped != location and os.path.isfile(unescaped.removeprefix("file://")):
+            # Path.as_uri() writes a space as %20; pyiceberg reads a local URI as it stands.
+            return TableLoadError(
+                f"METADATA_LOC {metadata_location!r} does not exist as written: pyiceberg does not decode "
+                f"percent-escapes in a local path; write it unescaped, {unescaped!r}"
             )
         return TableLoadError(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
