@@ -220,6 +220,12 @@ def test_locations_the_cache_cannot_use_exit_2_at_once(args, fragments):
     assert_one_line_error(data_cache(*args), *fragments)
 
 
+def test_local_checks_a_memory_limit_its_nodes_would_inherit_from_the_environment():
+    """Unchecked, a bad MEMORY_LIMIT showed only as "data node 0 exited with code 2"."""
+    result = data_cache("local", "--metadata-loc", "x", env={"MEMORY_LIMIT": "2GB"})
+    assert_one_line_error(result, "`MEMORY_LIMIT` (from the environment; --memory-limit overrides it)", "'2GB'")
+
+
 def test_a_config_error_is_printed_once():
     result = data_cache("head", "--data-nodes", "1")
     assert_one_line_error(result, "`METADATA_LOC` is required")

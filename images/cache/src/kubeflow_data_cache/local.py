@@ -127,6 +127,12 @@ class LocalCluster:
         self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
         if memory_limit:
             parse_bytes(memory_limit, "`--memory-limit`")
+        elif os.environ.get("MEMORY_LIMIT", "").strip():
+            # The nodes inherit it: unchecked here, a bad one showed only as "data node 0 exited
+            # with code 2", the reason in that node's log.
+            parse_bytes(
+                os.environ["MEMORY_LIMIT"], "`MEMORY_LIMIT` (from the environment; --memory-limit overrides it)"
+            )
         if not metadata_loc.strip():
             raise ConfigError(
                 "--metadata-loc is empty: give the table's metadata.json (s3://, s3a://, file:// or a path)"
