@@ -220,6 +220,43 @@ def test_a_process_handed_the_dataset_that_is_no_dataloader_worker_has_its_own_e
     assert rank.exitcode == 0 and ds.epoch == 3
 
 
+def _epochs_in_a_rank(ds: DataCacheDataset, epochs: int, out) -> None:
+    """A rank's loop: persistent forked workers made before the rank touched the epoch, then
+    set_epoch after each epoch, as the docs ask."""
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="fork")
+    for epoch in range(epochs):
+        out.put(torch.cat([b["id"] for b in loader]).tolist())
+        ds.set_epoch(epoch + 1)
+
+
+def test_a_handed_over_rank_reaches_its_persistent_forked_workers_with_set_epoch(cache):
+    """A rank handed the dataset (mp.spawn(train, args=(dataset,))) that forked its DataLoader
+    workers before it first used the epoch left them on the memory it was handed; its set_epoch
+    went to its own copy, and every epoch repeated epoch 0's shuffle (a review's run), with only a
+    warning to call set_epoch, which it did."""
+
+    def dataset() -> DataCacheDataset:
+        return DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"], shuffle=True, seed=5)
+
+    expected = []
+    for epoch in range(3):
+        reference = dataset()
+        reference.set_epoch(epoch)
+        expected.append(torch.cat([b["id"] for b in DataLoader(reference, batch_size=None, **WORKERS)]).tolist())
+    assert expected[0] != expected[1] != expected[2]
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    rank = context.Process(target=_epochs_in_a_rank, args=(dataset(), 3, out))
+    rank.start()
+    try:
+        got = [out.get(timeout=120) for _ in range(3)]
+    finally:
+        rank.join(60)
+    assert rank.exitcode == 0
+    for epoch in range(3):
+        assert got[epoch] == expected[epoch], f"epoch {epoch}"
+
+
 def test_a_copy_of_the_dataset_has_its_own_epoch():
     ds = DataCacheDataset("grpc://127.0.0.1:1", shuffle=True)
     ds.set_epoch(4)

@@ -14,7 +14,10 @@ Only DataLoader workers share it. A dataset handed to other processes (``mp.spaw
 args=(dataset,))``, a forked rank) reaches them the same way, and every rank then wrote the
 same worker slots: one rank's finished worker hid another's read in progress from its
 state_dict(). So the first use in a process that is neither the one that made the memory nor a
-DataLoader worker copies the numbers into memory of its own.
+DataLoader worker copies the numbers into memory of its own; and so does such a process's first
+fork, before it happens: a rank that forked its DataLoader workers before it first touched the
+numbers left them on the memory it was handed, and its own set_epoch, the first touch, went to
+its new copy, which they never saw (every epoch repeated epoch 0's shuffle).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import threading
+import weakref
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -42,14 +47,19 @@ class _Shared:
 
     def _adopt(self, memory: Any) -> None:
         self._shared_memory, self._owner = memory, os.getpid()
+        _track(self)
 
     @property
     def _shared(self) -> Any:
         if self._owner != os.getpid():  # a process started with us (forked or handed the memory)
-            if not _in_dataloader_worker():
-                self._restore(self._plain_of(self._shared_memory))  # a copy of its own
-            self._owner = os.getpid()
+            self._settle()
         return self._shared_memory
+
+    def _settle(self) -> None:
+        """Keep the memory this process was handed (a DataLoader worker) or copy it (any other)."""
+        if not _in_dataloader_worker():
+            self._restore(self._plain_of(self._shared_memory))  # a copy of its own
+        self._owner = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         if get_spawning_popen() is not None:  # multiprocessing is starting a process with us
@@ -59,6 +69,7 @@ class _Shared:
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "shared" in state:
             self._shared_memory, self._owner = state["shared"], None
+            _track(self)
         else:
             self._restore(state)
 
@@ -71,6 +82,29 @@ class _Shared:
 
     def _restore(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+
+_live: weakref.WeakSet[_Shared] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _track(shared: _Shared) -> None:
+    with _live_lock:
+        _live.add(shared)
+
+
+def _settle_before_fork() -> None:
+    """Before this process forks, each number it was handed and has not used yet is settled as
+    its first use would settle it (``_Shared._shared``), so the children share what this
+    process will read and write."""
+    pid = os.getpid()
+    with _live_lock:
+        handed = [shared for shared in _live if shared._owner != pid]
+    for shared in handed:
+        shared._settle()
+
+
+os.register_at_fork(before=_settle_before_fork)
 
 
 class SharedInt(_Shared):
