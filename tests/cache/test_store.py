@@ -125,3 +125,25 @@ def test_gathering_does_not_import_numpy_ma():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_figures_of_a_filters_matches_count_their_nulls_and_list_lengths_across_batches():
+    """What the head tells readers of a filter, before their first batch: only the matched rows'
+    nulls and list lengths, wherever the node's batches split them."""
+    schema = pa.schema([("x", pa.int64()), ("v", pa.list_(pa.float32())), ("n", pa.int64())])
+
+    def batch(xs, vs):
+        return pa.record_batch(
+            [pa.array(xs, pa.int64()), pa.array(vs, schema.field("v").type), pa.array([1] * len(xs))], schema=schema
+        )
+
+    store = NodeStore(
+        schema, [batch([None, 1, 2], [[1.0], [1.0, 2.0], None]), batch([3, None], [[1.0, 2.0, 3.0], [4.0]])]
+    )
+    assert store.figures_of(np.array([0, 1, 2, 3, 4])) == {
+        "null_counts": {"x": 2, "v": 1},
+        "list_lengths": {"v": [1, 3]},
+    }
+    assert store.figures_of(np.array([1, 3])) == {"null_counts": {}, "list_lengths": {"v": [2, 3]}}
+    assert store.figures_of(np.array([2])) == {"null_counts": {"v": 1}, "list_lengths": {}}
+    assert store.figures_of(np.array([], dtype=np.int64)) == {"null_counts": {}, "list_lengths": {}}

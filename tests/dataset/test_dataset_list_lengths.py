@@ -1,18 +1,20 @@
 """List columns whose rows hold lists of different lengths do not stack into one tensor: refused
-before the first batch where the head's counts say so, and, for a filter's rows, at the first run
-whose rows have another shape, never yielded as tensors that change width half way."""
+before the first batch from the head's counts (of the table, or of a filter's matches), and, where
+a cache sends none, at the first run whose rows have another shape, never yielded as tensors that
+change width half way."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from kubeflow_data_cache.client import CacheClient
-from kubeflow_data_cache.dataset import DataCacheDataset, column_to_tensor, null_refusal
+from kubeflow_data_cache.dataset import DataCacheDataset, _check_row_shapes, column_to_tensor, null_refusal
 from kubeflow_data_cache.filtering import matching_rows
 from kubeflow_data_cache.protocol import ShardRequest, info_list_lengths
 from kubeflow_data_cache.sample import make_catalog
@@ -56,21 +58,37 @@ def test_a_ragged_list_column_is_refused_before_the_first_batch(ragged_cache):
     assert "column 'emb' holds lists of 8 to 9 values" in message and "before the first batch" in message, message
 
 
-def test_a_filtered_read_is_refused_where_the_shape_changes_not_yielded_wider(ragged_cache):
-    """A filter's rows are not counted by the head: the reader refuses at the change. Before, the
-    epoch ran to its end, 100 batches of one width and then 100 of the other. (Which file comes
-    first goes by the files' names.)"""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_filtered_read_is_refused_before_the_first_batch_with_workers_or_without(ragged_cache, workers):
+    """A filter's rows were not counted by the head: a lone reader refused at the change of width,
+    100 batches in; two DataLoader workers, each reading rows of one width, yielded tensors of
+    both widths in one epoch with no error (a review's run)."""
     dataset = DataCacheDataset(ragged_cache.endpoint, batch_size=1024, columns=["id", "emb"], filter="id >= 0")
-    widths = []
-    with pytest.raises(ValueError) as refused:
-        for batch in dataset:
-            widths.append(batch["emb"].shape[1])
-    shapes = re.search(
-        r"column 'emb' holds lists shaped \[(\d+)\] in this reader's earlier rows and \[(\d+)\]", str(refused.value)
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        **({"multiprocessing_context": "forkserver", "timeout": 60} if workers else {}),
     )
-    assert shapes, refused.value
-    first, later = int(shapes[1]), int(shapes[2])
-    assert {first, later} == {8, 9} and set(widths) == {first} and len(widths) >= 64
+    with pytest.raises(ValueError, match=r"column 'emb' holds lists of 8 to 9 values.*before the first batch"):
+        next(iter(loader))
+    # A filter that keeps rows of one width reads them.
+    one_width = DataCacheDataset(
+        ragged_cache.endpoint, batch_size=1024, columns=["id", "emb"], filter=f"id < {PER_FILE}"
+    )
+    widths = {batch["emb"].shape[1] for batch in one_width}
+    assert widths == {8}
+
+
+def test_a_reader_refuses_rows_that_change_shape_where_the_cache_sent_no_counts():
+    """The check that stands where a cache does not send the lengths (one older than its readers)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    _check_row_shapes({"emb": torch.zeros(4, 8), "id": torch.zeros(4)}, shapes)
+    _check_row_shapes({"emb": torch.zeros(2, 8)}, shapes)
+    with pytest.raises(
+        ValueError, match=r"column 'emb' holds lists shaped \[8\] in this reader's earlier rows and \[9\]"
+    ):
+        _check_row_shapes({"emb": torch.zeros(4, 9)}, shapes)
 
 
 def test_uniform_list_columns_read_as_2d_tensors(ragged_cache):
@@ -79,12 +97,17 @@ def test_uniform_list_columns_read_as_2d_tensors(ragged_cache):
     assert {tuple(b["four"].shape[1:]) for b in batches} == {(4,)}
 
 
-def test_the_head_sends_the_ragged_columns_lengths_unless_a_filter_may_drop_them(ragged_cache):
+def test_the_head_sends_the_ragged_columns_lengths_in_the_table_or_in_a_filters_matches(ragged_cache):
     with CacheClient(ragged_cache.endpoint) as client:
         info = client.get_flight_info(ShardRequest(columns=("id", "emb", "four")))
         assert info_list_lengths(info.app_metadata) == {"emb": (8, 9)}  # `four` is uniform: not sent
         assert info_list_lengths(client.get_flight_info(ShardRequest(columns=("id", "four"))).app_metadata) == {}
-        assert info_list_lengths(client.get_flight_info(ShardRequest(filter="id >= 0")).app_metadata) == {}
+        assert info_list_lengths(client.get_flight_info(ShardRequest(filter="id >= 0")).app_metadata) == {"emb": (8, 9)}
+        # Each node's matches are of one width, a different one on each: ragged all the same.
+        across = f"id < 10 OR id >= {2 * PER_FILE - 10}"
+        assert info_list_lengths(client.get_flight_info(ShardRequest(filter=across)).app_metadata) == {"emb": (8, 9)}
+        one_width = ShardRequest(filter=f"id >= {PER_FILE}")
+        assert info_list_lengths(client.get_flight_info(one_width).app_metadata) == {}
 
 
 def test_a_conversion_of_ones_own_may_pad_them(ragged_cache):

@@ -97,12 +97,23 @@ def test_a_conversion_of_ones_own_gets_the_nulls(null_cache):
     assert len(filled) == ROWS and filled.count(-1) == 1
 
 
-def test_the_head_counts_nulls_per_requested_column_unless_a_filter_may_drop_them(null_cache):
+def test_the_head_counts_nulls_per_requested_column_in_the_table_or_in_a_filters_matches(null_cache):
     with CacheClient(null_cache.endpoint) as client:
         info = client.get_flight_info(ShardRequest(columns=("id", "x", "f")))
         assert info_null_counts(info.app_metadata) == {"x": 1, "f": len(range(0, ROWS, 7))}
-        filtered = client.get_flight_info(ShardRequest(columns=("x",), filter="id >= 0"))
-        assert info_null_counts(filtered.app_metadata) == {}
+        filtered = client.get_flight_info(ShardRequest(columns=("x", "f"), filter="id >= 14"))
+        assert info_null_counts(filtered.app_metadata) == {"x": 1, "f": len(range(14, ROWS, 7))}
+        # A filter that leaves them out has none to count.
+        kept = client.get_flight_info(ShardRequest(columns=("x", "vec"), filter=f"id < {ROWS - 2}"))
+        assert info_null_counts(kept.app_metadata) == {}
+
+
+def test_a_filter_that_keeps_a_null_is_refused_before_the_first_batch(null_cache):
+    """Only the head's count over the filter's matches tells: before, such a read failed at the
+    batch that held the null, the last of the epoch here."""
+    dataset = DataCacheDataset(null_cache.endpoint, batch_size=100, columns=["id", "x"], filter="id >= 100")
+    with pytest.raises(ValueError, match=r"column 'x' \(int64\) has 1 null value\(s\).*before the first batch"):
+        next(iter(dataset))
 
 
 @pytest.mark.parametrize(

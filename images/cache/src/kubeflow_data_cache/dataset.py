@@ -593,7 +593,7 @@ class DataCacheDataset(IterableDataset):
         """Refuse, before the first batch, a column the default conversion cannot take because
         the table holds nulls in it, or lists of different lengths: found at the batch that holds
         one, that could be hours into an epoch (and one rank failing alone leaves its DDP peers
-        waiting). The head says so for requests without a filter; an overridden
+        waiting). The head counts them in the table, or in a filter's matches; an overridden
         from_arrow_rb_to_tensor may fill nulls or pad lists itself."""
         if not self._default_conversion():
             return
@@ -887,8 +887,8 @@ def ragged_refusal(name: str, low: int, high: int) -> str:
 def _check_row_shapes(converted: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse a list column whose rows change shape between conversion runs of one read: each run
     stacks its own rows, so lists of 8 values in one and 9 in the next made tensors of two widths
-    with no error. (A read without a filter is refused before its first batch, from the head's
-    counts; a filter's rows are seen only as they come.)"""
+    with no error. (A read is refused before its first batch from the head's counts, which a
+    cache older than its readers may not send: then this is the check.)"""
     for name, value in converted.items():
         if isinstance(value, torch.Tensor) and value.dim() > 1:
             shape = tuple(value.shape[1:])

@@ -80,7 +80,7 @@ class Head(ReadOnlyFlight):
         self.generation = uuid.uuid4().hex[:12]
         self.load_seconds = 0.0
         self.plan_seconds = 0.0
-        self._filter_counts: OrderedDict[str, list[int]] = OrderedDict()  # LRU, CACHED_FILTER_COUNTS
+        self._filter_counts: OrderedDict[str, list[dict]] = OrderedDict()  # LRU, CACHED_FILTER_COUNTS
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
@@ -441,17 +441,24 @@ class Head(ReadOnlyFlight):
         """Rows per data node in the request's virtual space (all rows, or the filter's matches)."""
         if predicate is None:
             return [a.rows for a in self.assignments]
+        return [int(answer["rows"]) for answer in self._filter_answers(predicate)]
+
+    def _filter_answers(self, predicate: str) -> list[dict]:
+        """Each data node's ``count`` answer for ``predicate``: its matches, and their nulls and
+        list lengths per column (NodeStore.figures_of)."""
         with self._lock:
             cached = self._filter_counts.get(predicate)
             if cached is not None:
                 self._filter_counts.move_to_end(predicate)
                 return cached
 
-        def count(node: int) -> int:
+        def count(node: int) -> dict:
             location = self._location(node)
             try:
                 body = {"filter": predicate}
-                return int(self._call(location, protocol.ACTION_COUNT, body, COUNT_TIMEOUT_SECONDS)["rows"])
+                answer = self._call(location, protocol.ACTION_COUNT, body, COUNT_TIMEOUT_SECONDS)
+                int(answer["rows"])  # a node that answers without a count fails here, not later
+                return answer
             except pa.ArrowInvalid as err:  # the data node's message says what is wrong with the filter
                 raise BadRequestError(server_message(err)) from None
             except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
@@ -465,12 +472,12 @@ class Head(ReadOnlyFlight):
                 ) from None
 
         with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
-            counts = list(pool.map(count, range(self.cfg.data_nodes)))
+            answers = list(pool.map(count, range(self.cfg.data_nodes)))
         with self._lock:
-            self._filter_counts[predicate] = counts
+            self._filter_counts[predicate] = answers
             while len(self._filter_counts) > CACHED_FILTER_COUNTS:
                 self._filter_counts.popitem(last=False)
-        return counts
+        return answers
 
     def _ready(self) -> None:
         if self.lifecycle.state != READY:
@@ -497,36 +504,38 @@ class Head(ReadOnlyFlight):
                 )
                 endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
         rows = sum(per_node)
-        figures = {}
-        if req.filter is None:
-            figures = {
-                protocol.INFO_NULL_COUNTS: self._null_counts(schema),
-                protocol.INFO_LIST_LENGTHS: self._ragged_lists(schema),
-            }
+        # What readers that stack columns into tensors must refuse before their first batch.
+        statuses = list(self.node_status.values()) if req.filter is None else self._filter_answers(req.filter)
+        figures = {
+            protocol.INFO_NULL_COUNTS: self._null_counts(schema, statuses),
+            protocol.INFO_LIST_LENGTHS: self._ragged_lists(schema, statuses),
+        }
         figures = {key: value for key, value in figures.items() if value}
         metadata = json.dumps(figures).encode() if figures else b""
         return flight.FlightInfo(
             schema, descriptor, endpoints, rows, round(rows * self._row_bytes(schema)), app_metadata=metadata
         )
 
-    def _column_totals(self, key: str) -> dict[str, int]:
-        """A per-column figure of the nodes' status (``column_bytes``, ``null_counts``), summed."""
+    def _column_totals(self, key: str, statuses: list[dict] | None = None) -> dict[str, int]:
+        """A per-column figure (``column_bytes``, ``null_counts``) of ``statuses`` (default: the
+        nodes' status), summed."""
         totals: dict[str, int] = {}
-        for s in self.node_status.values():
+        for s in self.node_status.values() if statuses is None else statuses:
             for name, n in (s.get(key) or {}).items():
                 totals[name] = totals.get(name, 0) + n
         return totals
 
-    def _null_counts(self, schema: pa.Schema) -> dict[str, int]:
-        """The table's nulls in each of ``schema``'s columns that has any, from the nodes' status."""
+    def _null_counts(self, schema: pa.Schema, statuses: list[dict]) -> dict[str, int]:
+        """The nulls in each of ``schema``'s columns that has any, from the nodes' figures (their
+        status: the table's; their ``count`` answers: a filter's matches')."""
         names = set(schema.names)
-        return {name: n for name, n in self._column_totals("null_counts").items() if n and name in names}
+        return {name: n for name, n in self._column_totals("null_counts", statuses).items() if n and name in names}
 
-    def _ragged_lists(self, schema: pa.Schema) -> dict[str, list[int]]:
+    def _ragged_lists(self, schema: pa.Schema, statuses: list[dict]) -> dict[str, list[int]]:
         """Each of ``schema``'s list columns whose rows hold lists of different lengths, with the
-        fewest and most values, from the nodes' status."""
+        fewest and most values, from the nodes' figures (as for ``_null_counts``)."""
         bounds: dict[str, list[int]] = {}
-        for s in self.node_status.values():
+        for s in statuses:
             for name, (low, high) in (s.get("list_lengths") or {}).items():
                 seen = bounds.setdefault(name, [low, high])
                 seen[:] = [min(seen[0], low), max(seen[1], high)]

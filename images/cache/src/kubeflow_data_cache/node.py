@@ -553,8 +553,10 @@ class DataNode(ReadOnlyFlight):
             predicate = parse_action_body(action).get("filter")
             if not isinstance(predicate, str) or not predicate.strip():
                 raise BadRequestError('count needs {"filter": "<SQL predicate>"}')
-            _, filters, _, _ = self._loaded()
-            return [json.dumps({"rows": len(filters.rows(predicate))}).encode()]
+            store, filters, _, _ = self._loaded()
+            matches = filters.rows(predicate)
+            # The matches' nulls and list lengths, for the readers' checks before their first batch.
+            return [json.dumps({"rows": len(matches), **store.figures_of(matches)}).encode()]
         raise NotImplementedError(f"action {action.type!r} is not implemented by data nodes")
 
     def list_actions(self, context):

@@ -386,6 +386,36 @@ class NodeStore:
         # and the largest row's in it (_chunk_offsets: where served batches are cut by bytes).
         self._offsets: dict[tuple[int, tuple[int, ...]], tuple[list[row_bytes.Term], int, int]] = {}
 
+    def figures_of(self, rows: np.ndarray) -> dict[str, dict]:
+        """``null_counts`` and ``list_lengths`` as above, of the sorted row indices ``rows`` (a
+        filter's matches) alone: a filter may keep some, all or none of the nulls, and lists of
+        some lengths only. Columns without nulls in the node's rows are left out (none in any
+        subset); every list column is measured, since lists of one length here and another on
+        the next node are ragged too."""
+        nulls = {name: 0 for name, n in self.null_counts.items() if n}
+        lists = list(self.list_lengths)
+        lengths: dict[str, tuple[int, int]] = {}
+        if not nulls and not lists:
+            return {"null_counts": {}, "list_lengths": {}}
+        edges = np.searchsorted(rows, self.offsets)
+        for b, batch in enumerate(self.batches):
+            local = rows[edges[b] : edges[b + 1]] - self.offsets[b]
+            if not len(local):
+                continue
+            for name in nulls:
+                nulls[name] += int(np.count_nonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False)[local]))
+            for name in lists:
+                kept = pc.list_value_length(batch.column(name)).take(pa.array(local))
+                bounds = pc.min_max(kept)
+                lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+                if lo is not None:
+                    low, high = lengths.get(name, (lo, hi))
+                    lengths[name] = (min(low, lo), max(high, hi))
+        return {
+            "null_counts": {name: n for name, n in nulls.items() if n},
+            "list_lengths": {name: list(bounds) for name, bounds in lengths.items()},
+        }
+
     @classmethod
     def load(
         cls,
