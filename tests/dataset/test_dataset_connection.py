@@ -428,3 +428,35 @@ def test_kept_client_reconnects_after_a_long_idle():
     with fresh.lease(*settings) as again:
         assert _connected(again)
     fresh.close()
+
+
+def test_a_client_closes_its_unused_connections_to_the_data_nodes_of_a_replaced_cache(small_table):
+    """A cache that restarts at the same endpoint, its data nodes at new addresses (new pod IPs):
+    the client's connections to the old nodes were kept for its whole life, two more per restart
+    (a review's run). The first FlightInfo of the new load closes them."""
+    from kubeflow_data_cache.protocol import ShardRequest
+    from tests.conftest import LocalCache
+
+    def read_all(client: CacheClient) -> int:
+        return sum(batch.num_rows for batch in client.read_shard(ShardRequest(columns=("id",))))
+
+    first = LocalCache(small_table.metadata_location, 2)
+    first.wait_ready()
+    with CacheClient(first.endpoint) as client:
+        try:
+            assert read_all(client) == small_table.rows
+            old_nodes = set(client._clients) - {first.endpoint}
+            assert len(old_nodes) == 2
+        finally:
+            first.stop()
+        second = LocalCache(small_table.metadata_location, 2, args=("--port", str(first.port)))
+        try:
+            second.wait_ready()
+            assert read_all(client) == small_table.rows
+            open_now = set(client._clients)
+        finally:
+            second.stop()
+    new_nodes = open_now - {first.endpoint}
+    assert len(new_nodes) == 2, open_now  # the head and the two nodes of the new load, no more
+    assert first.endpoint in open_now
+    assert not (old_nodes - new_nodes) & open_now

@@ -246,6 +246,7 @@ class CacheClient:
         # full deadline, the first stall used it all up and was never retried).
         self._stall_watch = StallWatch(min(self.deadline_seconds / 2, STREAM_STALL_SECONDS))
         self._head_answered = False  # a head that answered once is at the right address
+        self._generation: str | None = None  # the load the last FlightInfo's tickets came from
         tune_glibc_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
     # -- connections -------------------------------------------------------------------------
@@ -439,7 +440,32 @@ class CacheClient:
             with self._connection(self.endpoint) as head:
                 return head.get_flight_info(descriptor, self._options(min(remaining, UNARY_TIMEOUT_SECONDS)))
 
-        return self._retry(self.endpoint, "GetFlightInfo", call)
+        info = self._retry(self.endpoint, "GetFlightInfo", call)
+        self._forget_replaced_nodes(info)
+        return info
+
+    def _forget_replaced_nodes(self, info: flight.FlightInfo) -> None:
+        """On the first FlightInfo of a new load (the cache restarted or reloaded: its tickets
+        carry another generation), close the unused connections to data-node locations it does
+        not name. Kept, every restart of a cache whose pods came back at new addresses left its
+        old nodes' connections open for the client's life (two more per restart, a review saw)."""
+        named = {location.uri.decode() for endpoint in info.endpoints for location in endpoint.locations}
+        try:
+            generation = Ticket.from_json(info.endpoints[0].ticket.ticket).generation if info.endpoints else None
+        except BadRequestError:  # not this cache's ticket: nothing to compare
+            return
+        with self._lock:
+            if generation is None or generation == self._generation:
+                return
+            replaced = self._generation is not None
+            self._generation = generation
+            if not replaced:
+                return
+            for location, connection in list(self._clients.items()):
+                if location != self.endpoint and location not in named and not connection.users:
+                    del self._clients[location]
+                    self._retired.add(connection)
+                    self._close_retired(connection)
 
     def status(self, location: str | None = None) -> dict[str, Any]:
         """The ``status`` action of the head (or of the node at ``location``) as a dict."""
