@@ -305,13 +305,13 @@ def test_local_help_describes_every_flag():
 
 
 def test_local_exits_2_when_its_nodes_refuse_their_settings():
-    """A setting only the nodes read (MEMORY_LIMIT from the environment) is still a settings
+    """A setting only the nodes read (LOAD_THREADS from the environment) is still a settings
     error: local exits 2 as its nodes did, after their error line, not 1 as for a failed load."""
     result = data_cache(
-        "local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env={"MEMORY_LIMIT": "lots"}
+        "local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env={"LOAD_THREADS": "zero"}
     )
     assert result.returncode == 2, result.stderr
-    assert "error: `MEMORY_LIMIT` (--memory-limit) should be a byte count" in result.stderr
+    assert "error: `LOAD_THREADS` (--load-threads) should be an integer, got 'zero'" in result.stderr
     assert "exited with code 2" in result.stderr
 
 

@@ -63,8 +63,9 @@ def test_the_heads_per_column_figures_read_the_schemas_names_once_not_per_column
     lengths = {name: [1, 2] for name in schema.names}
     head.node_status = {0: {"null_counts": nulls, "list_lengths": lengths}, 1: {"null_counts": nulls}}
     counting = CountingSchema(schema)
-    assert head._null_counts(counting) == {name: 2 for name in schema.names}
-    assert head._ragged_lists(counting) == lengths
+    statuses = list(head.node_status.values())
+    assert head._null_counts(counting, statuses) == {name: 2 for name in schema.names}
+    assert head._ragged_lists(counting, statuses) == lengths
     assert head.plan.schema.names_read + counting.names_read <= 4
 
 
