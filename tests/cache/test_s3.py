@@ -160,41 +160,6 @@ def test_footers_are_read_from_s3_by_their_manifest_size(moto_s3, tmp_path, capl
     assert metadata.num_rows == rows
 
 
-def test_a_read_from_s3_is_estimated_with_the_file_it_pre_buffers(moto_s3, tmp_path):
-    """From an object store, a data file is read pre-buffered: pyarrow fetches the compressed
-    chunks of all its row groups in a few large requests and keeps them until the file is done.
-    A node keeping the last 1% of a 128 MB file of random bytes held ~225 MiB at its peak, where
-    the head had estimated ~147 MiB (a read-ahead window); the estimate counts the stored file."""
-    import numpy as np
-    import pyarrow as pa
-
-    from kubeflow_data_cache.plan import assign_rows, estimated_node_memory, open_table, plan_table
-    from kubeflow_data_cache.sample import make_catalog
-    from tests.cache.conftest import pool_peak_in_a_fresh_process
-
-    moto_s3.client().create_bucket(Bucket="prebuffer-bucket")
-    catalog = make_catalog("s3://prebuffer-bucket/wh", tmp_path / "c.db", moto_s3.iceberg_properties())
-    catalog.create_namespace("s")
-    rng = np.random.default_rng(0)
-    blobs = pa.array([rng.bytes(1 << 20) for _ in range(128)], pa.binary())  # random bytes do not compress
-    data = pa.table({"id": pa.array(range(128), pa.int64()), "blob": blobs})
-    table = catalog.create_table("s.blobs", schema=data.schema, properties={"write.parquet.row-group-limit": "8"})
-    table.append(data)
-    location = catalog.load_table("s.blobs").metadata_location
-    plan, _ = plan_table(open_table(location, moto_s3.iceberg_properties()), location)
-    last = assign_rows(plan, 100)[-1]
-    measured = pool_peak_in_a_fresh_process(
-        location,
-        "pieces = list(assign_rows(plan, 100)[-1].pieces)",
-        "store = NodeStore.load(t, tasks, plan.schema, pieces, 1)",
-        "{'rows': store.num_rows}",
-        properties=moto_s3.iceberg_properties(),
-    )
-    assert measured["rows"] == last.rows
-    estimate = estimated_node_memory(plan, last, load_threads=1)[1]
-    assert measured["peak"] <= estimate <= 2 * measured["peak"], (measured, estimate)
-
-
 @pytest.fixture
 def plain_http_port():
     """A plain-HTTP server that answers nothing useful: a store reached with the wrong scheme."""

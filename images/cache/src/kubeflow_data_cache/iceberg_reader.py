@@ -12,8 +12,7 @@ done, beside what it decodes. From an object store that is what makes a read fas
 large requests; unbuffered, a 400 MB file took 3-6x as long on moto). From a local path it buys
 nothing and holds the whole compressed file: a data node reading two local 200 MB files peaked
 ~300 MiB higher with it than without, and loaded no faster. So local data files are read
-without it (``task_batches``), through the one switch below; the head's plan counts the
-pre-buffered bytes of remote reads (plan.estimated_node_memory).
+without it (``task_batches``), through the one switch below.
 """
 
 from __future__ import annotations
@@ -97,9 +96,9 @@ def _install_prebuffer_switch() -> bool:
 
 
 def reads_prebuffered(path: str) -> bool:
-    """Whether ``task_batches`` reads this data file pre-buffered (the plan's memory model): one
-    in an object store, or any where this pyiceberg lacks the per-file stream (its public path
-    reads in its own threads) or the format factory."""
+    """Whether ``task_batches`` reads this data file pre-buffered: one in an object store, or any
+    where this pyiceberg lacks the per-file stream (its public path reads in its own threads) or
+    the format factory."""
     return is_remote(path) or _delete_reader() is None or not _install_prebuffer_switch()
 
 

@@ -29,7 +29,7 @@ from kubeflow_data_cache.constants import (
 )
 from kubeflow_data_cache.errors import ConfigError, TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.expansion import measure_expansions
-from kubeflow_data_cache.iceberg_reader import is_remote, reads_prebuffered, rows_after_deletes
+from kubeflow_data_cache.iceberg_reader import is_remote, rows_after_deletes
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ class FilePlan:
     column_bytes: tuple[int, ...]  # estimated Arrow bytes of each column, in schema order
     has_deletes: bool
     row_groups: int = 1  # Parquet row groups (the manifest's split offsets): the unit a read decodes
-    stored_bytes: int = 0  # the file's size in the store (its manifest's): what a pre-buffered read holds
 
     @property
     def estimated_bytes(self) -> int:
@@ -641,7 +640,6 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
                 estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, written.get(path)),
                 bool(deletes),
                 max(1, len(task.file.split_offsets or ())),
-                task.file.file_size_in_bytes,
             )
         )
     snapshot = table.current_snapshot()
@@ -770,10 +768,6 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
       at once within READ_SCRATCH_SHARE of the node's rows, plus one column group per reader
       of at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less) once that
       share is spent: whichever of the two models is smaller bounds it;
-    - a reader of a file in an object store reads it pre-buffered (iceberg_reader): the
-      compressed bytes of every row group of the columns it reads, held until the file is done,
-      beside what it decodes. Counted as the whole stored file, for the ``load_threads``
-      largest such files: a 400 MB file of random floats read from moto held ~300-400 MiB so;
     - the read batches' arrays each hold a little beside their values until the merge
       (LOAD_ARRAY_OVERHEAD_BYTES): a load of many small files holds far more than its rows;
     - merging the read batches copies a column at a time into its merged buffers, releasing each
@@ -784,15 +778,12 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     columns = _node_column_bytes(plan, assignment)
     by_path = plan.files_by_path
     in_decode = []  # per piece: the most of its file in decode at once
-    prebuffered = {}  # per file read pre-buffered: its stored bytes
     largest_chunk = largest_group = 0
     for p in assignment.pieces:
         # The reader decodes its file from the start and a window ahead of the rows it hands
         # out, however few of them the piece keeps: the file's size bounds it, not the piece's.
         f = by_path[p.path]
         in_decode.append(min(f.estimated_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
-        if reads_prebuffered(p.path):
-            prebuffered[p.path] = f.stored_bytes
         largest_chunk = max(largest_chunk, *f.column_bytes, 0)
         # A column is never split: one larger than the group limit is a group of its own.
         least = READ_GROUP_MIN_REMOTE_BYTES if is_remote(p.path) else READ_GROUP_MIN_BYTES
@@ -808,7 +799,6 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     whole_files = sum(in_decode[:threads])
     budgeted = READ_SCRATCH_SHARE * loaded + threads * largest_group
     reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted)) + threads * READ_FIXED_BYTES
-    reading += sum(sorted(prebuffered.values(), reverse=True)[:threads])
     held = LOAD_ARRAY_OVERHEAD_BYTES * _read_arrays(plan, assignment)
     return loaded, loaded + held + max(largest_chunk, *merged_whole, reading)
 
