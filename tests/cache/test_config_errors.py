@@ -208,6 +208,11 @@ def test_bad_values_exit_2_with_one_line(args, env, fragments):
             ["head", "--data-nodes", "1", "--metadata-loc", "x", "--advertise-host", "127.0.0.1:5000"],
             ["`POD_IP` (--advertise-host)", "(no scheme, no port), got '127.0.0.1:5000'"],
         ),
+        # Arrow cannot parse a URI with an IPv6 zone id: the load failed, "Cannot parse URI".
+        (
+            ["local", "--metadata-loc", "x", "--host", "::1", "--advertise-host", "fe80::1%lo"],
+            ["`--advertise-host` should be the host name or IP address", "got 'fe80::1%lo'"],
+        ),
         (
             ["local", "--metadata-loc", "x", "--advertise-host", "10.0.0.7:5000"],
             ["`--advertise-host` should be the host name or IP address", "got '10.0.0.7:5000'"],

@@ -211,8 +211,10 @@ _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def valid_host(host: str) -> bool:
-    """Whether ``host`` is an IP address (an IPv6 one with or without brackets) or a DNS name
-    (RFC 1123 labels, underscores allowed, at most 253 characters, a final dot allowed)."""
+    """Whether ``host`` is an IP address (an IPv6 one with or without brackets, no zone id) or a
+    DNS name (RFC 1123 labels, underscores allowed, at most 253 characters, a final dot allowed)."""
+    if "%" in host:  # an IPv6 zone id (fe80::1%eth0): Arrow cannot parse a URI holding one
+        return False
     try:
         ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
         return True
