@@ -56,10 +56,15 @@ class _Shared:
         return self._shared_memory
 
     def _settle(self) -> None:
-        """Keep the memory this process was handed (a DataLoader worker) or copy it (any other)."""
-        if not _in_dataloader_worker():
-            self._restore(self._plain_of(self._shared_memory))  # a copy of its own
-        self._owner = os.getpid()
+        """Keep the memory this process was handed (a DataLoader worker) or copy it (any other),
+        once: two threads settling at once (a fork's hook and a first use) made two copies, and
+        a number written to the first was lost."""
+        with _settle_lock:
+            if self._owner == os.getpid():
+                return
+            if not _in_dataloader_worker():
+                self._restore(self._plain_of(self._shared_memory))  # a copy of its own
+            self._owner = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         if get_spawning_popen() is not None:  # multiprocessing is starting a process with us
@@ -86,6 +91,7 @@ class _Shared:
 
 _live: weakref.WeakSet[_Shared] = weakref.WeakSet()
 _live_lock = threading.Lock()
+_settle_lock = threading.RLock()  # reentrant: a copy's own tracking runs inside a settle
 
 
 def _track(shared: _Shared) -> None:
@@ -104,7 +110,13 @@ def _settle_before_fork() -> None:
         shared._settle()
 
 
-os.register_at_fork(before=_settle_before_fork)
+def _fresh_locks_in_child() -> None:
+    """A child forked while another thread of its parent held a lock would wait on it for ever."""
+    global _live_lock, _settle_lock
+    _live_lock, _settle_lock = threading.Lock(), threading.RLock()
+
+
+os.register_at_fork(before=_settle_before_fork, after_in_child=_fresh_locks_in_child)
 
 
 class SharedInt(_Shared):
