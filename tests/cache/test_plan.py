@@ -805,8 +805,11 @@ def test_a_load_of_many_small_files_is_estimated_with_what_its_batches_hold_and_
     )
     seen = json_from_a_fresh_process(script, location)
     assert seen["before_merge"] > 4 * seen["rows"], seen  # what the batches hold beside their values
-    # Handed back once merged (kept, it stayed: 20.6 of 21.1 MB here; handed back, 5-7 MB stay).
-    assert seen["after"] < seen["before_merge"] / 2, seen
+    # Handed back once merged. Kept, it stayed: 20.6 of 21.1 MB here. Handed back, 5-7 MB stayed
+    # when this was written, and 9.8-10.7 MB of ~21 MB now (the reader's own set-up, the same at
+    # 818f016), which a half-way bound failed once in a fresh-clone CI run (0.502): three quarters
+    # tells the two apart.
+    assert seen["after"] < 0.75 * seen["before_merge"], seen
     # What the load held beyond what stays (the rows, and the reader's own set-up, which the
     # baseline allowance covers) is within what the estimate adds to the rows.
     assert seen["before_merge"] - seen["after"] <= estimate - loaded, (seen, loaded, estimate)
