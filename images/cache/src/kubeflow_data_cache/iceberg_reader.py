@@ -6,9 +6,10 @@ a range of a file's rows and the head only needs a file's live row count, so bot
 down: the per-file batch stream, and the delete-file reader. Where a pyiceberg lacks them, the
 public path is used (same results, more memory), with a warning once.
 
-pyiceberg also opens every Parquet file with ``pre_buffer=True``: pyarrow then reads the
-compressed column chunks of all the file's row groups up front and keeps them until the file is
-done, beside what it decodes. From an object store that is what makes a read fast (a few
+pyiceberg also opens every Parquet file with ``pre_buffer=True``: pyarrow then fetches the
+compressed column chunks of the file's row groups ahead of the decode, in a few large requests,
+and holds what it fetched beside what it decodes: up to the whole file where the fetches run far
+ahead. From an object store that is what makes a read fast (a few
 large requests; unbuffered, a 400 MB file took 3-6x as long on moto). From a local path it buys
 nothing for large files and holds up to the whole compressed file: a data node reading two
 local 200 MB files peaked ~300 MiB higher with it than without, and loaded no faster. Small
