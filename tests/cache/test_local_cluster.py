@@ -254,3 +254,42 @@ def test_the_nodes_ports_are_drawn_below_the_ephemeral_range_skipping_taken_ones
     assert held not in ports and held + 1 not in ports
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", ports[0]))  # free, as handed out
+
+
+_DRAW_AND_HOLD = """
+import sys
+from kubeflow_data_cache import local
+local.secrets.randbelow = lambda n: int(sys.argv[1])  # both draws scan from the same start
+print(",".join(map(str, local._free_ports("127.0.0.1", 8, set()))), flush=True)
+sys.stdin.read()  # a `local` lives on, its nodes about to bind
+"""
+
+
+def test_two_locals_drawing_at_once_never_hand_out_the_same_port():
+    """Two `local`s started together (parallel test workers) scanned the same free ports before
+    either's nodes bound them, and one head failed "port 16953 on 0.0.0.0 is already in use" in a
+    fresh-clone CI run. A port handed out stays locked to its `local` until that one exits."""
+    import secrets
+
+    from kubeflow_data_cache import local
+
+    start = str(secrets.randbelow(len(local.LOCAL_PORTS) - 100))
+    children, drawn = [], []
+    try:
+        for _ in range(2):
+            child = subprocess.Popen(
+                [sys.executable, "-c", _DRAW_AND_HOLD, start], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            children.append(child)
+            drawn.append(set(map(int, child.stdout.readline().split(","))))
+    finally:
+        for child in children:
+            child.stdin.close()
+            child.wait(30)
+    assert len(drawn[0]) == len(drawn[1]) == 8, drawn
+    assert not drawn[0] & drawn[1], drawn
+    # Once the first has exited, its ports are free to hand out again.
+    again = subprocess.run(
+        [sys.executable, "-c", _DRAW_AND_HOLD, start], input="", capture_output=True, text=True, timeout=30
+    )
+    assert set(map(int, again.stdout.split(","))) & drawn[0], (again.stdout, drawn)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -11,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pyarrow.flight as flight
 
@@ -66,11 +70,37 @@ MAX_LOCAL_DATA_NODES = 256
 # the pick and the node's bind failed the head in a CI run ("the health server could not listen
 # on 127.0.0.1:46285 (Address already in use)").
 LOCAL_PORTS = range(10000, 20000)
+# Each port a `local` hands out is also locked (flock on a file named after it here) for the
+# life of that `local`: two started at once (parallel test workers) each found the same ports
+# free, since neither's nodes had bound them yet, and one's head then failed to bind ("port
+# 16953 on 0.0.0.0 is already in use", in a fresh-clone CI run). The lock ends with the process.
+PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "data-cache-local-ports"
+_port_locks: list[int] = []  # this process's lock files, open until it exits
+
+
+def _reserve(port: int) -> bool:
+    """Lock ``port`` for this process; False where another `local` holds it. Where no lock file
+    can be opened (a read-only temp folder), True: the bind check alone stands."""
+    try:
+        PORT_LOCK_DIR.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # every user's `local`s share it (the umask narrows mkdir's mode)
+            os.chmod(PORT_LOCK_DIR, 0o1777)
+        # Read-only is enough for flock, so another user's lock file (0644) is taken as well.
+        fd = os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_CREAT | os.O_RDONLY, 0o644)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _port_locks.append(fd)
+    return True
 
 
 def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
-    """``count`` distinct free ports of LOCAL_PORTS on ``host``, none of them in ``taken``,
-    scanned from a random start (another `local` on this machine scans from its own)."""
+    """``count`` distinct free ports of LOCAL_PORTS on ``host``, none of them in ``taken`` or
+    handed out by another `local` still running, scanned from a random start."""
     claim_port(host, 0, label("--port"), label("--host"))  # a host that cannot be bound, named
     ports: list[int] = []
     start = secrets.randbelow(len(LOCAL_PORTS))
@@ -81,9 +111,11 @@ def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
         if port in taken:
             continue
         try:
-            ports.append(claim_port(host, port, label("--port"), label("--host")))
+            claim_port(host, port, label("--port"), label("--host"))
         except ConfigError:  # something listens there
             continue
+        if _reserve(port):
+            ports.append(port)
     if len(ports) < count:
         raise ConfigError(f"found {len(ports)} of the {count} free ports needed on {host}; start fewer data nodes")
     return ports
