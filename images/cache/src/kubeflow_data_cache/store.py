@@ -348,9 +348,14 @@ def _runs(prefix: np.ndarray, max_bytes: int) -> Iterator[tuple[int, int]]:
 
 def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The fewest and most values of the lists in ``columns`` (null lists aside); None: no list."""
+    return _bounds(pc.list_value_length(col) for col in columns)
+
+
+def _bounds(arrays: Iterator[pa.Array]) -> tuple[int, int] | None:
+    """The least and the most value over ``arrays`` (nulls aside); None where there is none."""
     low = high = None
-    for col in columns:
-        bounds = pc.min_max(pc.list_value_length(col))
+    for values in arrays:
+        bounds = pc.min_max(values)
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         if lo is not None:
             low, high = (lo, hi) if low is None else (min(low, lo), max(high, hi))
@@ -392,28 +397,27 @@ class NodeStore:
         some lengths only. Columns without nulls in the node's rows are left out (none in any
         subset); every list column is measured, since lists of one length here and another on
         the next node are ragged too."""
-        nulls = {name: 0 for name, n in self.null_counts.items() if n}
-        lists = list(self.list_lengths)
-        lengths: dict[str, tuple[int, int]] = {}
-        if not nulls and not lists:
-            return {"null_counts": {}, "list_lengths": {}}
+        nulls = [name for name, n in self.null_counts.items() if n]
         edges = np.searchsorted(rows, self.offsets)
-        for b, batch in enumerate(self.batches):
-            local = rows[edges[b] : edges[b + 1]] - self.offsets[b]
-            if not len(local):
-                continue
-            for name in nulls:
-                nulls[name] += int(np.count_nonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False)[local]))
-            for name in lists:
-                kept = pc.list_value_length(batch.column(name)).take(pa.array(local))
-                bounds = pc.min_max(kept)
-                lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-                if lo is not None:
-                    low, high = lengths.get(name, (lo, hi))
-                    lengths[name] = (min(low, lo), max(high, hi))
+        parts = [  # each batch holding matches, with their positions in it
+            (batch, rows[edges[b] : edges[b + 1]] - self.offsets[b])
+            for b, batch in enumerate(self.batches)
+            if edges[b + 1] > edges[b]
+        ]
+        null_counts = {
+            name: sum(
+                int(np.count_nonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False)[local]))
+                for batch, local in parts
+            )
+            for name in nulls
+        }
+        lengths = {
+            name: _bounds(pc.list_value_length(batch.column(name)).take(indices(local)) for batch, local in parts)
+            for name in self.list_lengths
+        }
         return {
-            "null_counts": {name: n for name, n in nulls.items() if n},
-            "list_lengths": {name: list(bounds) for name, bounds in lengths.items()},
+            "null_counts": {name: n for name, n in null_counts.items() if n},
+            "list_lengths": {name: list(bounds) for name, bounds in lengths.items() if bounds is not None},
         }
 
     @classmethod
