@@ -224,8 +224,8 @@ def valid_host(host: str) -> bool:
     return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(part) for part in name.split("."))
 
 
-def check_advertise_host(host: str, source: str) -> str:
-    """``host``, where readers could dial it; a ConfigError naming ``source`` otherwise. Unchecked,
+def check_advertise_host(host: str, source: str) -> None:
+    """A ConfigError naming ``source`` where readers could not dial ``host``. Unchecked,
     a space or a port in it (``10.0.0.7:5000`` reads as an IPv6 address) failed the load later,
     blamed on a data node ("refused its assignment: Cannot parse URI")."""
     if not valid_host(host):
@@ -233,7 +233,6 @@ def check_advertise_host(host: str, source: str) -> str:
             f"{source} should be the host name or IP address readers reach this process at, such as "
             f"10.0.0.7, fd00::7 or cache-0.cache (no scheme, no port), got {host!r}"
         )
-    return host
 
 
 def dialable(location: str) -> bool:

@@ -28,10 +28,10 @@ from kubeflow_data_cache.constants import (
 )
 from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
-from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
+from kubeflow_data_cache.iceberg_reader import is_remote, task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.offsets import value_offsets
-from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes, is_remote
+from kubeflow_data_cache.plan import Piece, credential_source, estimate_column_bytes
 
 log = logging.getLogger(__name__)
 
