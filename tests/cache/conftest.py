@@ -55,25 +55,24 @@ def held_and_estimated(location: str) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def pool_peak_in_a_fresh_process(
-    location: str, setup: str, read: str, also: str, decode_threads: int | None = None, properties: dict | None = None
+    location: str, setup: str, read: str, also: str, decode_threads: int | None = None
 ) -> dict:
     """Run ``read`` as a data node would, in a fresh interpreter with the table planned and
     ``setup`` done; its Arrow pool's peak above where it started (everything the read held at
     once), with the figures of the ``also`` dict expression. ``decode_threads``: pyarrow's CPU
-    threads (None: this machine's). ``properties``: the table's catalog properties (an object
-    store's endpoint and keys)."""
+    threads (None: this machine's)."""
     script = (
         "import json, sys, pyarrow as pa\n"
         f"if {decode_threads!r}: pa.set_cpu_count({decode_threads!r})\n"
         "from kubeflow_data_cache.plan import assign_rows, open_table, plan_table\n"
         "from kubeflow_data_cache.store import NodeStore, read_piece\n"
-        "t = open_table(sys.argv[1], json.loads(sys.argv[2])); plan, tasks = plan_table(t, sys.argv[1])\n"
+        "t = open_table(sys.argv[1]); plan, tasks = plan_table(t, sys.argv[1])\n"
         f"{setup}\n"
         "pool = pa.default_memory_pool(); before = pool.bytes_allocated()\n"
         f"{read}\n"
         f"print(json.dumps({{'peak': pool.max_memory() - before, **{also}}}))\n"
     )
-    return json_from_a_fresh_process(script, location, json.dumps(properties or {}))
+    return json_from_a_fresh_process(script, location)
 
 
 def read_descriptor(
