@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kubeflow_data_cache.processes import stop_processes
+from tests.freeze import freeze
 
 # A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
 # first starts a grandchild in its group (printing its pid) that does not exit on SIGTERM but
@@ -89,7 +90,7 @@ def test_a_stopped_process_gets_its_sigterm_at_once_not_a_sigkill_after_the_grac
     for session in (False, True):
         proc = start(session=session)
         wait_ready(proc)
-        os.kill(proc.pid, signal.SIGSTOP)
+        freeze(proc.pid)
         started = time.monotonic()
         stop_processes([proc], grace=20, term_group=session)
         assert time.monotonic() - started < 10

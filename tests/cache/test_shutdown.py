@@ -19,6 +19,7 @@ from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.protocol import ShardRequest
 from tests.cache.inprocess import get, wait_for
 from tests.conftest import free_port
+from tests.freeze import freeze
 
 
 def probe(port: int, path: str) -> tuple[int, str]:
@@ -90,14 +91,6 @@ def _catches(pid: int, sig: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
 
 
-def _freeze(process, deadline: float) -> None:
-    """SIGSTOP ``process`` (a psutil.Process) and wait until it is stopped: it changes nothing meanwhile."""
-    process.suspend()
-    while process.status() != "stopped":
-        assert time.monotonic() < deadline, f"{process.cmdline()} did not stop on SIGSTOP"
-        time.sleep(0.001)
-
-
 def _start_local_with(table, sitecustomize: str, tmp_path) -> subprocess.Popen:
     """`data-cache local` (2 data nodes) with ``sitecustomize`` first on its process tree's path,
     in a process group of its own, as a terminal's foreground job is (a Ctrl-C reaches it all)."""
@@ -156,7 +149,7 @@ def test_ctrl_c_while_the_nodes_still_start_stops_local_without_tracebacks(small
         # Local is frozen too, until each node that catches the SIGINT (as Python does unless it is
         # ignored) has dealt with it: otherwise local's SIGTERM could end it first, hiding its traceback.
         catching = [child for child in frozen.values() if _catches(child.pid, signal.SIGINT)]
-        _freeze(parent, deadline)
+        freeze(parent.pid, timeout=max(deadline - time.monotonic(), 1.0))
         os.killpg(proc.pid, signal.SIGINT)
         for child in frozen.values():
             child.resume()
@@ -210,7 +203,7 @@ def test_ctrl_c_while_the_cache_loads_exits_0_though_the_nodes_exit_first(small_
                     break
             time.sleep(0.01)
         deadline = time.monotonic() + 60  # the start's time, slow on a busy machine, is not the exit's
-        _freeze(parent, deadline)
+        freeze(parent.pid, timeout=max(deadline - time.monotonic(), 1.0))
         os.killpg(proc.pid, signal.SIGINT)
         for child in children:
             while child.status() != psutil.STATUS_ZOMBIE:

@@ -28,6 +28,7 @@ from kubeflow_data_cache.errors import CacheUnavailableError
 from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.protocol import ShardRequest
 from tests.conftest import free_port
+from tests.freeze import freeze
 
 # Enough bytes per node (text and embedding columns) that a stream is still in flight when the
 # node is killed, rather than already sitting in the client's buffers.
@@ -169,7 +170,7 @@ def node_frozen_mid_stream(cluster, deadline_seconds: float) -> Iterator[tuple[s
     batches = client.read_shard(ShardRequest(columns=None, batch_size=1000), interleave=False)
     next(batches)
     frozen = cluster.procs["node-0"]
-    os.kill(frozen.pid, signal.SIGSTOP)
+    freeze(frozen.pid)
     try:
         yield location, batches
     finally:
@@ -246,7 +247,7 @@ def test_a_head_that_stops_answering_is_named_not_the_endpoint_setting(cluster):
     client = CacheClient(cluster.endpoint, deadline_seconds=2)
     client.status()
     head = cluster.procs["head"]
-    os.kill(head.pid, signal.SIGSTOP)
+    freeze(head.pid)
     try:
         with pytest.raises(CacheUnavailableError, match=rf"head at {cluster.endpoint} stopped answering") as err:
             client.status()
@@ -297,7 +298,7 @@ def test_a_frozen_head_does_not_hold_a_read_of_a_dead_node_past_the_deadline(clu
     for _ in range(10):
         next(batches)
     head = cluster.procs["head"]
-    os.kill(head.pid, signal.SIGSTOP)
+    freeze(head.pid)
     try:
         cluster.kill_node(0)
         started = time.monotonic()
