@@ -310,14 +310,30 @@ def test_local_help_describes_every_flag():
 
 
 def test_local_exits_2_when_its_nodes_refuse_their_settings():
-    """A setting only the nodes read (LOAD_THREADS from the environment) is still a settings
-    error: local exits 2 as its nodes did, after their error line, not 1 as for a failed load."""
+    """A setting only the nodes read (an empty DATA_CACHE_CLUSTER_KEY from the environment) is
+    still a settings error: local exits 2 as its nodes did, after their error line, not 1 as for
+    a failed load."""
     result = data_cache(
-        "local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env={"LOAD_THREADS": "zero"}
+        "local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env={"DATA_CACHE_CLUSTER_KEY": ""}
     )
     assert result.returncode == 2, result.stderr
-    assert "error: `LOAD_THREADS` (--load-threads) should be an integer, got 'zero'" in result.stderr
+    assert "error: DATA_CACHE_CLUSTER_KEY is set but empty" in result.stderr
     assert "exited with code 2" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"LOAD_THREADS": "zero"}, "`LOAD_THREADS` should be an integer, got 'zero'"),
+        ({"LOAD_THREADS": "0"}, "`LOAD_THREADS` should be >= 1, got 0"),
+        ({"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "-5"}, "`DATA_CACHE_STARTUP_TIMEOUT_SECONDS` (--startup-timeout)"),
+    ],
+)
+def test_local_refuses_a_bad_setting_it_hands_its_nodes_before_starting_them(env, fragment):
+    """local takes these from its environment for its nodes: it checks them itself, at once."""
+    result = data_cache("local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env=env)
+    assert_one_line_error(result, fragment)
+    assert "exited with code" not in result.stderr
 
 
 def test_ctrl_c_before_a_commands_handlers_are_in_exits_130_without_a_traceback(monkeypatch):

@@ -13,6 +13,7 @@ import time
 import psutil
 
 from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.memory import available_cpus
 from kubeflow_data_cache.processes import DUMP_STACKS_SIGNAL
 from tests.cache.conftest import read_path_shards
 from tests.cache.test_config_errors import assert_one_line_error
@@ -293,3 +294,34 @@ def test_two_locals_drawing_at_once_never_hand_out_the_same_port():
         [sys.executable, "-c", _DRAW_AND_HOLD, start], input="", capture_output=True, text=True, timeout=30
     )
     assert set(map(int, again.stdout.split(","))) & drawn[0], (again.stdout, drawn)
+
+
+def _flag(cmdline: list[str], flag: str) -> str:
+    return cmdline[cmdline.index(flag) + 1]
+
+
+def test_local_gives_its_nodes_the_startup_timeout_and_load_threads_of_its_environment(table_factory):
+    """local passes its nodes these settings as flags, which beat the env: its own values (300 s,
+    a share of the CPUs) ignored an exported DATA_CACHE_STARTUP_TIMEOUT_SECONDS or LOAD_THREADS
+    without a word."""
+    table = table_factory(2000, 1)
+    env = {"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "45", "LOAD_THREADS": "3"}
+    cache = LocalCache(table.metadata_location, 2, env=env)
+    try:
+        cache.wait_ready(timeout=DEADLINE)
+        nodes = [child.cmdline() for child in psutil.Process(cache.proc.pid).children()]
+        assert len(nodes) == 3, nodes
+        assert {_flag(cmd, "--startup-timeout") for cmd in nodes} == {"45.0"}
+        assert [_flag(cmd, "--load-threads") for cmd in nodes if "worker" in cmd] == ["3", "3"]
+    finally:
+        cache.stop()
+    # The flag still wins over the env, and without either each node gets its share of the CPUs.
+    cache = LocalCache(table.metadata_location, 2, env={**env, "LOAD_THREADS": ""}, args=("--startup-timeout", "50"))
+    try:
+        cache.wait_ready(timeout=DEADLINE)
+        nodes = [child.cmdline() for child in psutil.Process(cache.proc.pid).children()]
+        assert {_flag(cmd, "--startup-timeout") for cmd in nodes} == {"50.0"}
+        share = str(max(1, available_cpus() // 2))
+        assert [_flag(cmd, "--load-threads") for cmd in nodes if "worker" in cmd] == [share, share]
+    finally:
+        cache.stop()

@@ -115,15 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--schema-name", help="schema (namespace) name the cache reports (env SCHEMA_NAME)")
     local.add_argument("--table-name", help="table name the cache reports (env TABLE_NAME)")
     local.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds to start and load before giving up (default 300)"
+        "--startup-timeout",
+        type=float,
+        help="seconds to start and load before giving up (env DATA_CACHE_STARTUP_TIMEOUT_SECONDS, default 300)",
     )
 
     sample = sub.add_parser("sample-table", help="write a sample Iceberg table and print its metadata location")
     sample.add_argument("--warehouse", required=True, help="warehouse folder (or s3://bucket/prefix)")
-    sample.add_argument("--rows", type=at_least(0), default=100_000)
-    sample.add_argument("--files", type=at_least(1), default=4)
-    sample.add_argument("--schema-name", default="demo")
-    sample.add_argument("--table-name", default="events")
+    sample.add_argument("--rows", type=at_least(0), default=100_000, help="rows to write (default 100000)")
+    sample.add_argument("--files", type=at_least(1), default=4, help="data files to split them into (default 4)")
+    sample.add_argument(
+        "--schema-name",
+        default="demo",
+        help="schema (namespace) of the table (default demo; give `local` the same --schema-name)",
+    )
+    sample.add_argument(
+        "--table-name", default="events", help="table name (default events; give `local` the same --table-name)"
+    )
     return parser
 
 

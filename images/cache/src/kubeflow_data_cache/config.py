@@ -268,7 +268,8 @@ def label(var: str, flag: str | None = None) -> str:
     return f"`{var}` ({flag})" if flag else f"`{var}`"
 
 
-def _int(name: str, raw: str | int | None, default: int, minimum: int = 0, maximum: int | None = None) -> int:
+def int_setting(name: str, raw: str | int | None, default: int, minimum: int = 0, maximum: int | None = None) -> int:
+    """An integer setting from ``minimum`` to ``maximum``: ``default`` when unset or empty."""
     if raw is None or raw == "":
         return default
     try:
@@ -286,7 +287,7 @@ def _int(name: str, raw: str | int | None, default: int, minimum: int = 0, maxim
 
 def port_setting(name: str, raw: str | int | None, default: int) -> int:
     """A TCP port, 0 (any free one) to 65535: checked here rather than by a traceback from the bind."""
-    value = _int(name, raw, default)
+    value = int_setting(name, raw, default)
     if value > 65535:
         raise ConfigError(f"{name} should be a port number from 0 to 65535, got {value}")
     return value
@@ -405,12 +406,14 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     if role == "head":
         explicit = pick("data_nodes", "DATA_NODES")
         if explicit not in (None, ""):  # empty, as every other setting: not set
-            data_nodes = _int(
+            data_nodes = int_setting(
                 label("DATA_NODES", "--data-nodes"), explicit, 1, minimum=1, maximum=constants.MAX_DATA_NODES
             )
         elif env.get("LWS_GROUP_SIZE"):
             group = env["LWS_GROUP_SIZE"]
-            data_nodes = _int(label("LWS_GROUP_SIZE"), group, 2, minimum=2, maximum=constants.MAX_DATA_NODES + 1) - 1
+            data_nodes = (
+                int_setting(label("LWS_GROUP_SIZE"), group, 2, minimum=2, maximum=constants.MAX_DATA_NODES + 1) - 1
+            )
         else:
             raise ConfigError(
                 "the head needs the number of data nodes: run it in a LeaderWorkerSet (LWS_GROUP_SIZE) "
@@ -419,9 +422,9 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
     else:
         explicit = flags.get("index")
         if explicit is not None:
-            node_index = _int(label("--index"), explicit, 0)
+            node_index = int_setting(label("--index"), explicit, 0)
         elif env.get("LWS_WORKER_INDEX"):
-            node_index = _int(label("LWS_WORKER_INDEX"), env["LWS_WORKER_INDEX"], 1, minimum=1) - 1
+            node_index = int_setting(label("LWS_WORKER_INDEX"), env["LWS_WORKER_INDEX"], 1, minimum=1) - 1
         else:
             raise ConfigError("a data node needs its index: LWS_WORKER_INDEX (set by LWS) or --index N")
         head_location = flags.get("head") or ""
@@ -482,7 +485,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             pick("failure_grace", "DATA_CACHE_FAILURE_GRACE_SECONDS"),
             constants.FAILURE_GRACE_SECONDS,
         ),
-        load_threads=_int(
+        load_threads=int_setting(
             label("LOAD_THREADS", "--load-threads"), pick("load_threads", "LOAD_THREADS"), available_cpus(), minimum=1
         ),
         # Empty counts as unset: an empty path wrote no termination message, without a word.

@@ -26,6 +26,7 @@ from kubeflow_data_cache.config import (
     check_metadata_location,
     claim_port,
     host_port,
+    int_setting,
     label,
     port_setting,
     seconds_setting,
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 # The nodes' own grace for open streams, then time to exit: a node that is SIGKILLed at the end
 # of that grace cannot log which streams it left.
 STOP_GRACE_SECONDS = constants.SHUTDOWN_GRACE_SECONDS + 5.0
+# Shorter than a pod's (constants.STARTUP_TIMEOUT_SECONDS): someone is waiting at a terminal.
+LOCAL_STARTUP_TIMEOUT_SECONDS = 300.0
 # While the cache loads, a detail whose numbers alone change (rows read, a stalled read's age)
 # is logged at most this often.
 PROGRESS_LOG_SECONDS = 5.0
@@ -148,7 +151,7 @@ class LocalCluster:
         port: int,
         host: str = "127.0.0.1",
         memory_limit: str | None = None,
-        startup_timeout: float = 120.0,
+        startup_timeout: float | None = None,
         extra_args: tuple[str, ...] = (),
         advertise_host: str | None = None,
         health_port: int = 0,
@@ -156,7 +159,19 @@ class LocalCluster:
         # Checked before any process starts: a bad value would otherwise show only as a node's exit code.
         self.port = port_setting(label("--port"), port, constants.FLIGHT_PORT)
         self.health_port = port_setting(label("--health-port"), health_port, 0)
-        self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 120.0)
+        # The settings local passes its nodes as flags are taken from the env it was started with
+        # when their flag is not given, as a node would take them: passing local's own values
+        # instead ignored an exported DATA_CACHE_STARTUP_TIMEOUT_SECONDS or LOAD_THREADS unsaid.
+        if startup_timeout is None:
+            self.startup_timeout = seconds_setting(
+                label("DATA_CACHE_STARTUP_TIMEOUT_SECONDS", "--startup-timeout"),
+                os.environ.get("DATA_CACHE_STARTUP_TIMEOUT_SECONDS"),
+                LOCAL_STARTUP_TIMEOUT_SECONDS,
+            )
+        else:
+            self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 0.0)
+        int_setting(label("LOAD_THREADS"), os.environ.get("LOAD_THREADS", "").strip(), 1, minimum=1)
+        self.load_threads = local_load_threads(data_nodes)
         if memory_limit:
             parse_bytes(memory_limit, "`--memory-limit`")
         elif os.environ.get("MEMORY_LIMIT", "").strip():
@@ -240,14 +255,12 @@ class LocalCluster:
         # The nodes log to stderr; stdout is ours alone, for the one READY line (a node holding it
         # open also kept `data-cache local ... | head -1`'s pipe open after we were gone).
         self.procs.append(("head", subprocess.Popen(head, env=env, preexec_fn=preexec, stdout=subprocess.DEVNULL)))
-        # The nodes share this machine's CPUs; each reads with its share of them.
-        threads = str(local_load_threads(self.data_nodes))
         for k in range(self.data_nodes):
             worker = _node_cmd(
                 "worker", "--index", str(k), "--head", self.head_location, "--port", str(flight_ports[k])
             )
             worker += ["--health-port", str(health_ports[k]), *common]
-            worker += ["--metadata-loc", self.metadata_loc, "--load-threads", threads]
+            worker += ["--metadata-loc", self.metadata_loc, "--load-threads", str(self.load_threads)]
             if self.memory_limit:
                 worker += ["--memory-limit", self.memory_limit]
             node = subprocess.Popen(worker, env=env, preexec_fn=preexec, stdout=subprocess.DEVNULL)
