@@ -64,8 +64,13 @@ load() {
     echo "kind load docker-image failed for $image; retrying with a single-platform archive" >&2
     arch="$("$DOCKER" version --format '{{.Server.Arch}}')"
     archive="$(mktemp "${TMPDIR:-/tmp}/e2e-image.XXXXXX")"
-    "$DOCKER" image save --platform "linux/$arch" --output "$archive" "$image"
-    "$KIND" load image-archive "${where[@]}" "$archive"
+    # A GB or more: removed whether or not the load works.
+    if ! { "$DOCKER" image save --platform "linux/$arch" --output "$archive" "$image" &&
+      "$KIND" load image-archive "${where[@]}" "$archive"; }; then
+      rm -f "$archive"
+      echo "error: loading $image into kind cluster $CLUSTER failed" >&2
+      exit 1
+    fi
     rm -f "$archive"
   done
 }

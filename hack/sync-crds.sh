@@ -33,7 +33,9 @@ v2.1.0 trainer.kubeflow.org_clustertrainingruntimes.yaml be1a629914db7bef3b4f864
 v2.1.0 trainer.kubeflow.org_trainingruntimes.yaml bcf07e6094259d389a00d84013e7723b975570373ee00f07dc5faec7b002f155
 v2.1.0 trainer.kubeflow.org_trainjobs.yaml 65ea8f95f298103275e00b690bda5e090355f7eb5d6e4d15236b557f088b8078
 "
-mapfile -t FILES < <(awk -v v="$TRAINER_VERSION" '$1 == v {print $2}' <<<"$SUMS")
+# A read loop, not mapfile: macOS's /bin/bash is 3.2.
+FILES=()
+while IFS= read -r f; do FILES+=("$f"); done < <(awk -v v="$TRAINER_VERSION" '$1 == v {print $2}' <<<"$SUMS")
 if [[ ${#FILES[@]} -eq 0 ]]; then
   echo "error: no sha256 sums recorded for Trainer $TRAINER_VERSION in $0; add its CRD files and sums" >&2
   exit 1
@@ -43,7 +45,11 @@ expected_sum() { awk -v v="$TRAINER_VERSION" -v f="$1" '$1 == v && $2 == f {prin
 
 check_sum() { # file, name-for-messages
   local got want
-  got=$(sha256sum "$1" | cut -d' ' -f1)
+  if command -v sha256sum >/dev/null; then
+    got=$(sha256sum "$1" | cut -d' ' -f1)
+  else # macOS
+    got=$(shasum -a 256 "$1" | cut -d' ' -f1)
+  fi
   want=$(expected_sum "$(basename "$1")")
   if [[ "$got" != "$want" ]]; then
     echo "error: $2 has sha256 $got, expected $want (recorded in $0)" >&2

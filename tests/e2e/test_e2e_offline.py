@@ -594,8 +594,10 @@ def _fake_kind(tmp_path: Path, script: str) -> tuple[Path, Path]:
     return kind, calls
 
 
-def test_a_cluster_creation_that_fails_deletes_what_it_left(tmp_path) -> None:
+def test_a_cluster_creation_that_fails_deletes_what_it_left(tmp_path, monkeypatch) -> None:
     from tests.e2e.e2e_kube import CommandError, E2EKindCluster
+
+    monkeypatch.chdir(tmp_path)  # pytest-kind makes ./.pytest-kind/<name>: not in the checkout
 
     kind, calls = _fake_kind(tmp_path, 'case "$1 $2" in "get clusters") ;; "create cluster") exit 1 ;; esac')
     cluster = E2EKindCluster("e2e", kubeconfig=tmp_path / "kubeconfig", kind_path=kind, kubectl_path=kind)
@@ -605,9 +607,11 @@ def test_a_cluster_creation_that_fails_deletes_what_it_left(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("nodes_found", "recreated"), [(3, False), (1, True)])
-def test_an_existing_cluster_is_reused_only_whole(tmp_path, nodes_found: int, recreated: bool) -> None:
+def test_an_existing_cluster_is_reused_only_whole(tmp_path, monkeypatch, nodes_found: int, recreated: bool) -> None:
     """A leftover of a creation that died half-way was reused, failing far from its cause."""
     from tests.e2e.e2e_kube import E2EKindCluster
+
+    monkeypatch.chdir(tmp_path)  # pytest-kind makes ./.pytest-kind/<name>: not in the checkout
 
     node_names = " ".join(f"e2e-node-{i}" for i in range(nodes_found))
     kind, calls = _fake_kind(
