@@ -47,6 +47,18 @@ def test_corrupt_data_file_fails_the_load(tmp_path):
     assert "cannot read data file" in stderr and victim.name in stderr
 
 
+def test_a_data_file_deleted_after_the_table_was_written_is_named_with_the_fix(tmp_path):
+    """It named the file and errno 2 only: not why a file the metadata names can be gone."""
+    table = create_sample_table(str(tmp_path / "wh"), 2000, 2)
+    victim = sorted(Path(tmp_path / "wh").rglob("*.parquet"))[0]
+    victim.unlink()
+    code, stderr = failed_local(table.metadata_location)
+    assert code == 1
+    assert f"cannot read data file {victim}" in stderr or victim.name in stderr
+    assert "it is gone, though the table's metadata names it" in stderr, stderr[-2000:]
+    assert "snapshot expiry or orphan-file cleanup" in stderr
+
+
 def test_memory_budget_refusal_says_what_is_needed(table_factory):
     table = table_factory(20_000, 3)
     # 402.375Mi leaves 2.375 MiB per node after the 400 MiB interpreter baseline: 2 nodes need ~2.6

@@ -36,12 +36,15 @@ from kubeflow_data_cache.plan import (
     estimated_node_memory,
     open_table,
     plan_table,
-    s3_properties_from_env,
 )
+from kubeflow_data_cache.s3_settings import s3_properties_from_env
 from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from kubeflow_data_cache.store import NodeStore
 from tests.cache.conftest import held_and_estimated, pool_peak_in_a_fresh_process
 from tests.conftest import json_from_a_fresh_process
+
+# What the trust check looks for; the S3 client itself never reads it in these tests.
+PEM_SHAPED = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 
 
 def planned(table):
@@ -381,10 +384,10 @@ def test_s3_settings_that_cannot_work_are_refused_naming_the_variable():
 def test_aws_ca_bundle_is_trusted_by_the_s3_client(tmp_path):
     """pyarrow's S3 client reads SSL_CERT_FILE, not AWS_CA_BUNDLE (which a review proved was
     ignored against a TLS store with a private CA, where SSL_CERT_FILE worked)."""
-    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+    from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
 
     bundle = tmp_path / "ca.pem"
-    bundle.write_text("PEM")
+    bundle.write_text(PEM_SHAPED)
     environ = {"AWS_CA_BUNDLE": str(bundle)}
     trust_aws_ca_bundle(environ)
     assert environ["SSL_CERT_FILE"] == str(bundle)
@@ -395,7 +398,7 @@ def test_aws_ca_bundle_is_trusted_by_the_s3_client(tmp_path):
 
 def test_a_missing_aws_ca_bundle_is_refused_naming_it(tmp_path):
     """Made SSL_CERT_FILE as it was, it failed every TLS handshake with the store, saying nothing of the file."""
-    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+    from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
 
     for environ in ({}, {"SSL_CERT_FILE": "/etc/ssl/mine.pem"}):  # also where SSL_CERT_FILE wins
         with pytest.raises(ConfigError, match=r"AWS_CA_BUNDLE='.*/gone.pem' is not a file: give the path"):
@@ -405,16 +408,16 @@ def test_a_missing_aws_ca_bundle_is_refused_naming_it(tmp_path):
 def test_the_store_ca_mounted_by_the_initializer_is_trusted_where_the_folder_has_one(tmp_path):
     """DATA_CACHE_S3_CA_DIR: the optional ConfigMap volume. Empty (no ConfigMap in the namespace),
     the image's own CAs stay; AWS_CA_BUNDLE, given explicitly, wins over it."""
-    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+    from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
 
     environ = {"DATA_CACHE_S3_CA_DIR": str(tmp_path)}
     trust_aws_ca_bundle(environ)
     assert "SSL_CERT_FILE" not in environ
-    (tmp_path / "ca.crt").write_text("PEM")
+    (tmp_path / "ca.crt").write_text(PEM_SHAPED)
     trust_aws_ca_bundle(environ)
     assert environ["SSL_CERT_FILE"] == str(tmp_path / "ca.crt")
     explicit = tmp_path / "other.pem"
-    explicit.write_text("PEM")
+    explicit.write_text(PEM_SHAPED)
     environ = {"DATA_CACHE_S3_CA_DIR": str(tmp_path), "AWS_CA_BUNDLE": str(explicit)}
     trust_aws_ca_bundle(environ)
     assert environ["SSL_CERT_FILE"] == str(explicit)
@@ -428,6 +431,58 @@ def test_a_bad_request_on_the_metadata_names_the_session_token_and_region():
     )
     refusal = _open_error("s3://b/m.json", "s3://b/m.json", err)
     assert refusal is not None and "AWS_SESSION_TOKEN" in str(refusal) and "AWS_REGION" in str(refusal)
+
+
+# What pyarrow's S3 filesystem raised for each, word for word (a review's runs against fake
+# stores and moto); the data files' errors come through the same text.
+S3_ERRORS = {
+    "wrong region": "When reading information for key 'd.parquet' in bucket 'b': AWS Error UNKNOWN (HTTP status "
+    "301) during HeadObject operation: No response body.",
+    "unreachable": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION "
+    "during HeadObject operation: curlCode: 28, Timeout was reached; Details: Operation too slow.",
+    "other name": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION during "
+    "HeadObject operation: curlCode: 60, SSL peer certificate or SSH remote key was not OK; Details: SSL: no "
+    "alternative certificate subject name matches target IPv4 address '127.0.0.1'",
+    "bad CA file": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION during "
+    "HeadObject operation: curlCode: 77, Problem with the SSL CA cert (path? access rights?); Details: error "
+    "adding trust anchors from file: /etc/ca.pem",
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "problem", "fix"),
+    [
+        ("wrong region", "the bucket is in another region than the one requests were sent to", "set AWS_REGION"),
+        (
+            "unreachable",
+            "cannot reach the object store at http://minio:9000 (AWS_ENDPOINT_URL)",
+            "check that AWS_ENDPOINT_URL names the store's host and port",
+        ),
+        (
+            "other name",
+            "the object store's certificate does not name the host it was reached at",
+            "reach the store by a name its certificate carries (in AWS_ENDPOINT_URL)",
+        ),
+        (
+            "bad CA file",
+            "the CA file for the object store could not be loaded",
+            "check that SSL_CERT_FILE (or AWS_CA_BUNDLE) names a readable file of PEM certificates",
+        ),
+    ],
+)
+def test_a_data_file_the_store_fails_names_the_setting_to_check(monkeypatch, case, problem, fix):
+    """A data file's read named the file and the S3 client's text only: the endpoint and its
+    variable, the region, the certificate went unsaid (the metadata read named some of them)."""
+    from kubeflow_data_cache.store import _read_error
+
+    for name in ("AWS_ENDPOINT_URL_S3", "SSL_CERT_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    err = OSError(S3_ERRORS[case])
+    message = _read_error("s3://b/d.parquet", err, "http://minio:9000")
+    assert message.startswith(f"cannot read data file s3://b/d.parquet: {problem}: {fix}"), message
+    assert message.endswith(f"({S3_ERRORS[case]})")  # the client's own words are kept, after the fix
+    metadata = str(_open_error("s3://b/m.metadata.json", "s3://b/m.metadata.json", err, "http://minio:9000"))
+    assert metadata.startswith(f"{problem}, reading METADATA_LOC 's3://b/m.metadata.json': {fix}"), metadata
 
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -624,7 +679,7 @@ def test_the_head_and_data_nodes_trust_aws_ca_bundle_from_their_start(monkeypatc
     seen = []
     monkeypatch.setattr(runner, "run_node", lambda cfg: seen.append(os.environ.get("SSL_CERT_FILE")) or 0)
     bundle = tmp_path / "ca.pem"
-    bundle.write_text("PEM")
+    bundle.write_text(PEM_SHAPED)
     monkeypatch.setenv("AWS_CA_BUNDLE", str(bundle))
     monkeypatch.setenv("SSL_CERT_FILE", "recorded")  # so the one main() sets is undone after the test
     monkeypatch.delenv("SSL_CERT_FILE")

@@ -195,6 +195,51 @@ def test_an_endpoint_nothing_listens_on_is_named_with_its_setting():
     assert "check that AWS_ENDPOINT_URL names the store's host and port" in stderr
 
 
+class _MovedPermanently(http.server.BaseHTTPRequestHandler):
+    """What AWS answers a request sent to another region's endpoint than the bucket's: 301, and
+    for a HEAD no body, so the status is the only sign."""
+
+    def do_HEAD(self):
+        self.send_response(301)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_bucket_of_another_region_names_aws_region():
+    """It said only "AWS Error UNKNOWN (HTTP status 301) ... No response body", naming no setting."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MovedPermanently)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}",
+            "AWS_REGION": "us-west-2",
+            "AWS_ACCESS_KEY_ID": "a",
+            "AWS_SECRET_ACCESS_KEY": "s",
+        }
+        code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 1
+    assert "the bucket is in another region than the one requests were sent to" in stderr, stderr[-2000:]
+    assert "set AWS_REGION to the bucket's region" in stderr
+
+
+@pytest.mark.parametrize("endpoint", [" http://127.0.0.1:9", "http://127.0.0.1:9\n"])
+def test_an_endpoint_with_blanks_around_it_is_refused_naming_it(endpoint):
+    """A ConfigMap made from a file keeps its newline: the S3 client's error, split over two log
+    lines, named no setting; a leading blank read as a missing scheme."""
+    code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", {"AWS_ENDPOINT_URL": endpoint})
+    assert code == 1
+    assert f"AWS_ENDPOINT_URL={endpoint!r} has blanks or a line break around it" in stderr
+    assert "set it to the URL alone, 'http://127.0.0.1:9'" in stderr
+
+
 def test_wrong_bucket_fails_with_the_location_it_tried(moto_s3):
     location = "s3://no-such-bucket/wh/demo/events/metadata/00003-0a1b2c3d.metadata.json"
     code, stderr = failed_run(location, moto_s3.env())
@@ -207,6 +252,8 @@ def test_missing_data_file_fails_the_load_naming_the_file(moto_s3, s3_tables):
     code, stderr = failed_run(s3_tables["broken"].metadata_location, moto_s3.env())
     assert code != 0
     assert "cannot read data file s3://bucket/wh/demo/broken/data/" in stderr
+    assert "it is gone, though the table's metadata names it" in stderr
+    assert "point METADATA_LOC at the current metadata.json" in stderr
 
 
 @pytest.mark.slow
@@ -258,7 +305,7 @@ def test_a_denied_data_file_read_names_the_file_and_the_credentials(moto_s3, s3_
 )
 def test_the_credentials_in_play_are_named_never_their_values(env, says):
     """What a denied read adds to its error (the SDK's chain picks credentials silently)."""
-    from kubeflow_data_cache.plan import credential_source
+    from kubeflow_data_cache.s3_settings import credential_source
 
     said = credential_source(env)
     assert says in said

@@ -136,3 +136,51 @@ def test_a_missing_aws_ca_bundle_stops_the_cache_at_start(tls_store, tmp_path):
         assert "is not a file: give the path of the store's CA certificate(s)" in cache.read_stderr()
     finally:
         cache.stop()
+
+
+def test_a_certificate_for_another_name_is_named_as_such_not_as_an_untrusted_ca(tls_store):
+    """Reached at 127.0.0.1, a store whose certificate names only localhost: with its CA given,
+    the error said to give the CA."""
+    port = tls_store.endpoint.rsplit(":", 1)[1]
+    env = tls_store.env(AWS_CA_BUNDLE=str(tls_store.ca_dir / "ca.crt"), AWS_ENDPOINT_URL=f"https://127.0.0.1:{port}")
+    cache = LocalCache(tls_store.metadata_location, 1, env=env)
+    try:
+        assert cache.proc.wait(timeout=DATA_CACHE_TIMEOUT_SECONDS) == 1
+        err = cache.read_stderr()
+        assert "the object store's certificate does not name the host it was reached at" in err, err[-3000:]
+        assert "reach the store by a name its certificate carries (in AWS_ENDPOINT_URL)" in err
+        assert "give the store's CA" not in err
+    finally:
+        cache.stop()
+
+
+def test_an_ssl_cert_file_set_by_hand_is_named_when_it_hides_the_stores_ca(tls_store):
+    """SSL_CERT_FILE (a base image may set it) wins over AWS_CA_BUNDLE: that was silent, and the
+    failure then said to set AWS_CA_BUNDLE, which was set."""
+    system = "/etc/ssl/certs/ca-certificates.crt"
+    if not os.path.isfile(system):
+        pytest.skip(f"no system CA bundle at {system}")
+    env = tls_store.env(AWS_CA_BUNDLE=str(tls_store.ca_dir / "ca.crt"), SSL_CERT_FILE=system)
+    cache = LocalCache(tls_store.metadata_location, 1, env=env)
+    try:
+        assert cache.proc.wait(timeout=DATA_CACHE_TIMEOUT_SECONDS) == 1
+        err = cache.read_stderr()
+        assert f"SSL_CERT_FILE='{system}' is set, so the object store's CA in" in err, err[-3000:]
+        assert f"SSL_CERT_FILE='{system}' is the CA file in use, and it wins over AWS_CA_BUNDLE" in err
+    finally:
+        cache.stop()
+
+
+@pytest.mark.parametrize("where", ["AWS_CA_BUNDLE", "DATA_CACHE_S3_CA_DIR"])
+def test_a_ca_file_that_holds_no_certificate_stops_the_cache_at_start(tls_store, tmp_path, where):
+    """curl's "error adding trust anchors" (curlCode 77) was reported as a store that cannot be reached."""
+    (tmp_path / "ca.crt").write_text("not a certificate\n")
+    value = str(tmp_path / "ca.crt") if where == "AWS_CA_BUNDLE" else str(tmp_path)
+    cache = LocalCache(tls_store.metadata_location, 1, env=tls_store.env(**{where: value}))
+    try:
+        assert cache.proc.wait(timeout=DATA_CACHE_TIMEOUT_SECONDS) == 2
+        err = cache.read_stderr()
+        assert "holds no PEM certificate (no -----BEGIN CERTIFICATE----- line)" in err, err[-3000:]
+        assert "cannot reach" not in err
+    finally:
+        cache.stop()

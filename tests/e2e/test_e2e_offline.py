@@ -135,7 +135,7 @@ def test_the_cache_pods_of_the_suites_trainjobs_can_sign_their_requests_to_minio
     The initializer never forwards AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its env: given
     only there, the cache would read MinIO unsigned, be denied, and every TrainJob would fail.
     """
-    from kubeflow_data_cache.plan import s3_properties_from_env
+    from kubeflow_data_cache.s3_settings import s3_properties_from_env
 
     _, lws, secrets = stream_cache()
     for template in ("leaderTemplate", "workerTemplate"):

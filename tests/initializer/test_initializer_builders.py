@@ -371,11 +371,14 @@ def test_cache_pods_mount_the_namespaces_s3_ca_configmap_where_it_is():
 def test_cache_pods_trust_the_store_ca_the_configmap_gives_and_only_then(tmp_path):
     """The other half: the folder the kubelet mounts (ca.crt where the ConfigMap exists, empty
     where not) becomes the S3 client's trust, through the cache's own start-up step."""
-    from kubeflow_data_cache.plan import trust_aws_ca_bundle
+    from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
 
     lws = build_leader_worker_set(load_config(FULL), [OWNER])
     container = _container(lws, "workerTemplate")
-    for files, trusted in [({}, None), ({"ca.crt": b"PEM"}, "ca.crt")]:
+    for files, trusted in [
+        ({}, None),
+        ({"ca.crt": b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}, "ca.crt"),
+    ]:
         folder = tmp_path / str(len(files)) / S3_CA_DIR.lstrip("/")
         folder.mkdir(parents=True)
         for name, data in files.items():

@@ -205,8 +205,8 @@ def _main(args: argparse.Namespace) -> int:
                 # Before pyarrow loads (it reads the pool choice once) and before threads start.
                 allocator.prepare_data_node()
             from kubeflow_data_cache.config import build_config
-            from kubeflow_data_cache.plan import trust_aws_ca_bundle
             from kubeflow_data_cache.runner import run_node
+            from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
 
             # Once, before any S3 client exists in this process (head and data nodes open the
             # table with it); `local` hands its environment to the processes it starts.

@@ -128,7 +128,7 @@ def _measure(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
 
 def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
     # Imported here: pyarrow.parquet brings in pyarrow.fs, whose S3 client reads SSL_CERT_FILE once,
-    # when first imported, and plan.py is imported before plan.trust_aws_ca_bundle sets it.
+    # when first imported, and plan.py is imported before s3_settings.trust_aws_ca_bundle sets it.
     import pyarrow.parquet as pq
 
     with table.io.new_input(path).open() as raw:

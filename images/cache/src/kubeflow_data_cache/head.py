@@ -45,8 +45,8 @@ from kubeflow_data_cache.plan import (
     estimated_node_memory,
     open_table,
     plan_table,
-    s3_properties_from_env,
 )
+from kubeflow_data_cache.s3_settings import s3_properties_from_env
 from kubeflow_data_cache.security import TLS_SCHEME, call_options, is_tls, key_matches
 from kubeflow_data_cache.service import (
     DEGRADED,

@@ -45,8 +45,9 @@ from kubeflow_data_cache.filtering import FilterCache, matched_rows
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.memory import LoadMemoryGuard, LoadMemoryWatch, ServeMemoryGuard, resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, rebaser
-from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, s3_properties_from_env, scan_tasks
+from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
+from kubeflow_data_cache.s3_settings import s3_properties_from_env
 from kubeflow_data_cache.security import TLS_SCHEME, TokenAuthFactory, call_options, key_matches, speaks_tls
 from kubeflow_data_cache.sent_bytes import sent_nbytes
 from kubeflow_data_cache.service import (

@@ -27,9 +27,10 @@ from kubeflow_data_cache.constants import (
     READ_SCRATCH_SHARE,
     STORE_CHUNK_VARIABLE_BYTES,
 )
-from kubeflow_data_cache.errors import ConfigError, TableLoadError, UnsupportedTableError
+from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.expansion import measure_expansions
 from kubeflow_data_cache.iceberg_reader import is_remote, rows_after_deletes
+from kubeflow_data_cache.s3_settings import store_trouble
 
 log = logging.getLogger(__name__)
 
@@ -138,118 +139,6 @@ class TablePlan:
         return [0, *itertools.accumulate(f.rows for f in self.files)][:-1]
 
 
-# The region requests are signed for when AWS_ENDPOINT_URL(_S3) is set without AWS_REGION: the
-# AWS SDKs' default for S3, and what MinIO and most S3-compatible stores expect.
-ENDPOINT_DEFAULT_REGION = "us-east-1"
-
-
-def endpoint_variable(env: dict[str, str] | None = None) -> str:
-    """The variable the S3 endpoint is taken from: the service-specific one wins, as in the AWS SDKs."""
-    env = os.environ if env is None else env
-    return "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
-
-
-def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """pyiceberg FileIO properties from the standard AWS settings.
-
-    Credentials are passed only when set explicitly; otherwise pyarrow's S3 filesystem walks
-    the AWS default chain (web identity / IRSA, instance profile, shared credentials file).
-    Region and endpoint come from these variables only, not from a profile's config.
-    """
-    env = dict(os.environ if env is None else env)
-    props: dict[str, str] = {}
-    name = endpoint_variable(env)
-    endpoint = env.get(name)
-    if endpoint:
-        if not endpoint.lower().startswith(("http://", "https://")):
-            # Without a scheme the S3 client assumes https: a plain-HTTP MinIO at minio:9000
-            # then fails with "SSL connect error ... wrong version number", naming no setting.
-            raise ConfigError(f"{name}={endpoint!r} has no scheme: write http://{endpoint} or https://{endpoint}")
-        # The S3 client takes a lower-case scheme only: HTTP://minio:9000 resolved "HTTP" as a host.
-        scheme, rest = endpoint.split("://", 1)
-        props["s3.endpoint"] = f"{scheme.lower()}://{rest}"
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    if not region and endpoint:
-        # Without a region pyiceberg asks public AWS where the bucket lives: seconds per process
-        # on a network without AWS, the bucket's name sent out, and a same-named AWS bucket's
-        # region used to sign requests for this store. S3-compatible stores take the SDKs' default.
-        region = ENDPOINT_DEFAULT_REGION
-    if region:
-        props["s3.region"] = region
-    key_id, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    if bool(key_id) != bool(secret):
-        missing = "AWS_SECRET_ACCESS_KEY" if key_id else "AWS_ACCESS_KEY_ID"
-        raise ConfigError(
-            f"{missing} is not set but {'AWS_ACCESS_KEY_ID' if key_id else 'AWS_SECRET_ACCESS_KEY'} is: set both, or "
-            "neither to use the AWS default chain (web identity / IRSA, a profile, the instance role)"
-        )
-    # Static keys only as a pair, with their session token; a token on its own is ignored, as
-    # the AWS SDKs ignore incomplete environment credentials and go on down the chain.
-    if key_id and secret:
-        props["s3.access-key-id"], props["s3.secret-access-key"] = key_id, secret
-        if env.get("AWS_SESSION_TOKEN"):
-            props["s3.session-token"] = env["AWS_SESSION_TOKEN"]
-    return props
-
-
-# A folder that may hold the object store's CA as `ca.crt`: where the initializer mounts the
-# namespace's `data-cache-s3-ca` ConfigMap, an optional volume (empty where there is none).
-S3_CA_DIR_ENV = "DATA_CACHE_S3_CA_DIR"
-S3_CA_FILE = "ca.crt"
-
-
-def trust_aws_ca_bundle(environ) -> None:
-    """Make the object store's private CA (MinIO or Ceph behind an internal CA) trusted by
-    pyarrow's S3 client, which reads SSL_CERT_FILE (pyiceberg passes it no CA of its own).
-
-    The CA is AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting), else ``ca.crt`` in
-    DATA_CACHE_S3_CA_DIR where the folder has one. A SSL_CERT_FILE already set wins. A bundle
-    named but missing is refused here: the S3 client would fail every TLS handshake with an
-    error that says nothing of the file.
-    """
-    bundle = environ.get("AWS_CA_BUNDLE")
-    if bundle and not os.path.isfile(bundle):  # checked even where SSL_CERT_FILE wins: a mistake either way
-        raise ConfigError(
-            f"AWS_CA_BUNDLE={bundle!r} is not a file: give the path of the store's CA certificate(s) in PEM, "
-            "or unset it to use the image's trusted CAs"
-        )
-    if environ.get("SSL_CERT_FILE"):
-        return
-    if not bundle and environ.get(S3_CA_DIR_ENV):
-        mounted = os.path.join(environ[S3_CA_DIR_ENV], S3_CA_FILE)
-        bundle = mounted if os.path.isfile(mounted) else None
-    if bundle:
-        environ["SSL_CERT_FILE"] = bundle
-
-
-def credential_source(env: dict[str, str] | None = None) -> str:
-    """Which AWS credentials a request was signed with (never their values), and what to check,
-    in the order the SDK's default chain takes them.
-
-    The SDK walks its chain silently: a web-identity exchange that cannot reach STS, or no
-    credentials found at all, falls through to the next source or sends the request unsigned,
-    and the store's 403 then reads just like a key without permission."""
-    env = dict(os.environ if env is None else env)
-    if env.get("AWS_ACCESS_KEY_ID"):
-        with_token = " with AWS_SESSION_TOKEN" if env.get("AWS_SESSION_TOKEN") else ""
-        return f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
-    if env.get("AWS_PROFILE"):
-        return f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
-    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
-        return (
-            f"credentials from web identity (IRSA) for role {env['AWS_ROLE_ARN']}; check that role's policy on "
-            "the bucket, and that the pod reaches AWS STS: when the exchange fails the SDK falls back to the "
-            "node's instance role, or sends the request unsigned, which is denied the same way"
-        )
-    if env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI") or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
-        return "credentials from the container credentials endpoint (EKS Pod Identity, ECS); check that role's policy"
-    return (
-        "no AWS credentials are set in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, or AWS_ROLE_ARN with "
-        "AWS_WEB_IDENTITY_TOKEN_FILE), so the SDK's default chain was used: a shared credentials file's default "
-        "profile, else the node's instance role, else the request went unsigned"
-    )
-
-
 def open_table(metadata_location: str, properties: dict[str, str] | None = None):
     """Open the table a ``metadata.json`` describes, with errors that say what to fix."""
     from pyiceberg.table import StaticTable
@@ -302,46 +191,14 @@ def _open_error(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
             "metadata.json (for example s3://bucket/warehouse/db/table/metadata/00003-....metadata.json)"
         )
-    # pyarrow's S3 filesystem reports a 403 as a plain OSError naming the AWS error.
-    if isinstance(err, PermissionError) or (isinstance(err, OSError) and "ACCESS_DENIED" in str(err)):
-        if not location.startswith(("s3://", "s3a://")):
+    if not location.startswith(("s3://", "s3a://")):
+        if isinstance(err, PermissionError):
             return TableLoadError(f"access to METADATA_LOC {metadata_location!r} was denied ({err})")
-        return TableLoadError(
-            f"access to METADATA_LOC {metadata_location!r} was denied ({err}); check the AWS credentials "
-            f"or the pod's IAM role: {credential_source()}"
-        )
-    # curl's certificate check (curlCode 60): a store behind a CA the image does not trust.
-    if isinstance(err, OSError) and "SSL peer certificate" in str(err):
-        return TableLoadError(
-            f"the object store's certificate is not trusted, reading METADATA_LOC {metadata_location!r} ({err}): "
-            f"give the store's CA: AWS_CA_BUNDLE, or on Kubernetes a ConfigMap `data-cache-s3-ca` with key "
-            f"`{S3_CA_FILE}` in the TrainJob's namespace (mounted at {S3_CA_DIR_ENV})"
-        )
-    # curl could not talk to the store (refused, silent, TLS to a plain-HTTP port): its text names
-    # neither the endpoint nor the setting it came from.
-    if isinstance(err, OSError) and "NETWORK_CONNECTION" in str(err):
-        return _unreachable_store(metadata_location, endpoint, err)
-    # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
-    if isinstance(err, OSError) and "HTTP status 400" in str(err):
-        return TableLoadError(
-            f"reading METADATA_LOC {metadata_location!r} was refused as a bad request ({err}); on S3 that is "
-            "usually an invalid or expired AWS_SESSION_TOKEN, or an AWS_REGION other than the bucket's: "
-            "check the AWS credentials and the region"
-        )
-    return None
-
-
-def _unreachable_store(metadata_location: str, endpoint: str | None, err: Exception) -> TableLoadError:
-    if endpoint:
-        name = endpoint_variable()
-        store = f"the object store at {endpoint} ({name})"
-        fix = f"check that {name} names the store's host and port, reachable from here"
-        if "wrong version number" in str(err) and endpoint.lower().startswith("https://"):
-            fix = f"the store answered in plain HTTP: write {name}=http://{endpoint.split('://', 1)[1]}"
-    else:
-        store = "AWS S3 (no AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL is set)"
-        fix = "for an S3-compatible store (MinIO, Ceph) set AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL to its URL"
-    return TableLoadError(f"cannot reach {store}, reading METADATA_LOC {metadata_location!r}: {fix} ({err})")
+        return None
+    trouble = store_trouble(err, endpoint)
+    if trouble is None:
+        return None
+    return TableLoadError(f"{trouble.problem}, reading METADATA_LOC {metadata_location!r}: {trouble.fix} ({err})")
 
 
 def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:

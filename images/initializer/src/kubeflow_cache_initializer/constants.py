@@ -103,7 +103,7 @@ TLS_MOUNT_PATH = "/etc/data-cache/tls"
 # The object store's CA (MinIO or Ceph behind an internal CA), like the TLS Secret: a ConfigMap
 # of the namespace (key `ca.crt`; a CA is no secret) mounted as an *optional* volume, so creating
 # it makes the namespace's caches trust the store, without the initializer reading it. The cache
-# uses the folder's ca.crt where there is one (kubeflow_data_cache.plan.trust_aws_ca_bundle).
+# uses the folder's ca.crt where there is one (kubeflow_data_cache.s3_settings.trust_aws_ca_bundle).
 S3_CA_DIR_ENV = "DATA_CACHE_S3_CA_DIR"
 DEFAULT_S3_CA_CONFIGMAP = "data-cache-s3-ca"
 NO_S3_CA_CONFIGMAP = "none"

@@ -1,0 +1,246 @@
+"""The object store: S3 settings from the standard AWS environment, the store's CA, and what to
+fix when a read from the store fails.
+
+pyarrow's S3 client reports curl's and the AWS SDK's failures as OSError text that names no
+setting ("curlCode: 60", "HTTP status 301 ... No response body"): ``store_trouble`` reads that
+text and says which setting to check, for the metadata read and the data files alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from kubeflow_data_cache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The region requests are signed for when AWS_ENDPOINT_URL(_S3) is set without AWS_REGION: the
+# AWS SDKs' default for S3, and what MinIO and most S3-compatible stores expect.
+ENDPOINT_DEFAULT_REGION = "us-east-1"
+
+# A folder that may hold the object store's CA as `ca.crt`: where the initializer mounts the
+# namespace's `data-cache-s3-ca` ConfigMap, an optional volume (empty where there is none).
+S3_CA_DIR_ENV = "DATA_CACHE_S3_CA_DIR"
+S3_CA_FILE = "ca.crt"
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
+def endpoint_variable(env: dict[str, str] | None = None) -> str:
+    """The variable the S3 endpoint is taken from: the service-specific one wins, as in the AWS SDKs."""
+    env = os.environ if env is None else env
+    return "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+
+
+def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """pyiceberg FileIO properties from the standard AWS settings.
+
+    Credentials are passed only when set explicitly; otherwise pyarrow's S3 filesystem walks
+    the AWS default chain (web identity / IRSA, instance profile, shared credentials file).
+    Region and endpoint come from these variables only, not from a profile's config.
+    """
+    env = dict(os.environ if env is None else env)
+    props: dict[str, str] = {}
+    name = endpoint_variable(env)
+    endpoint = env.get(name)
+    if endpoint:
+        if endpoint != endpoint.strip():
+            # A ConfigMap made from a file keeps its trailing newline: the S3 client then said
+            # "Custom endpoint ... was not a valid URI", split over two log lines, naming no setting.
+            raise ConfigError(
+                f"{name}={endpoint!r} has blanks or a line break around it: set it to the URL alone, "
+                f"{endpoint.strip()!r}"
+            )
+        if not endpoint.lower().startswith(("http://", "https://")):
+            # Without a scheme the S3 client assumes https: a plain-HTTP MinIO at minio:9000
+            # then fails with "SSL connect error ... wrong version number", naming no setting.
+            raise ConfigError(f"{name}={endpoint!r} has no scheme: write http://{endpoint} or https://{endpoint}")
+        # The S3 client takes a lower-case scheme only: HTTP://minio:9000 resolved "HTTP" as a host.
+        scheme, rest = endpoint.split("://", 1)
+        props["s3.endpoint"] = f"{scheme.lower()}://{rest}"
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if not region and endpoint:
+        # Without a region pyiceberg asks public AWS where the bucket lives: seconds per process
+        # on a network without AWS, the bucket's name sent out, and a same-named AWS bucket's
+        # region used to sign requests for this store. S3-compatible stores take the SDKs' default.
+        region = ENDPOINT_DEFAULT_REGION
+    if region:
+        props["s3.region"] = region
+    key_id, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if bool(key_id) != bool(secret):
+        missing = "AWS_SECRET_ACCESS_KEY" if key_id else "AWS_ACCESS_KEY_ID"
+        raise ConfigError(
+            f"{missing} is not set but {'AWS_ACCESS_KEY_ID' if key_id else 'AWS_SECRET_ACCESS_KEY'} is: set both, or "
+            "neither to use the AWS default chain (web identity / IRSA, a profile, the instance role)"
+        )
+    # Static keys only as a pair, with their session token; a token on its own is ignored, as
+    # the AWS SDKs ignore incomplete environment credentials and go on down the chain.
+    if key_id and secret:
+        props["s3.access-key-id"], props["s3.secret-access-key"] = key_id, secret
+        if env.get("AWS_SESSION_TOKEN"):
+            props["s3.session-token"] = env["AWS_SESSION_TOKEN"]
+    return props
+
+
+def _check_pem(path: str, setting: str) -> None:
+    """Refuse a CA file that holds no PEM certificate: curl failed every handshake with it
+    ("error adding trust anchors", curlCode 77), which read as a store that cannot be reached."""
+    try:
+        with open(path, "rb") as file:
+            text = file.read()
+    except OSError as err:
+        raise ConfigError(f"{setting}: cannot read the CA file {path!r} ({err.strerror})") from None
+    if PEM_CERTIFICATE not in text:
+        raise ConfigError(
+            f"{setting}: {path!r} holds no PEM certificate (no {PEM_CERTIFICATE.decode()} line): give the "
+            "store's CA certificate(s) in PEM"
+        )
+
+
+def trust_aws_ca_bundle(environ) -> None:
+    """Make the object store's private CA (MinIO or Ceph behind an internal CA) trusted by
+    pyarrow's S3 client, which reads SSL_CERT_FILE (pyiceberg passes it no CA of its own).
+
+    The CA is AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting), else ``ca.crt`` in
+    DATA_CACHE_S3_CA_DIR where the folder has one. A SSL_CERT_FILE already set wins. A bundle
+    named but missing, or holding no certificate, is refused here: the S3 client would fail every
+    TLS handshake with an error that says nothing of the file.
+    """
+    bundle = environ.get("AWS_CA_BUNDLE")
+    if bundle and not os.path.isfile(bundle):  # checked even where SSL_CERT_FILE wins: a mistake either way
+        raise ConfigError(
+            f"AWS_CA_BUNDLE={bundle!r} is not a file: give the path of the store's CA certificate(s) in PEM, "
+            "or unset it to use the image's trusted CAs"
+        )
+    if bundle:
+        _check_pem(bundle, "AWS_CA_BUNDLE")
+    if not bundle and environ.get(S3_CA_DIR_ENV):
+        mounted = os.path.join(environ[S3_CA_DIR_ENV], S3_CA_FILE)
+        bundle = mounted if os.path.isfile(mounted) else None
+        if bundle:
+            _check_pem(bundle, f"{S3_CA_FILE} in {S3_CA_DIR_ENV} (the `data-cache-s3-ca` ConfigMap)")
+    given = environ.get("SSL_CERT_FILE")
+    if given:
+        if bundle and os.path.abspath(bundle) != os.path.abspath(given):
+            # Said now: otherwise the first sign is a handshake failure with the store.
+            log.warning(
+                "SSL_CERT_FILE=%r is set, so the object store's CA in %r is not used: the store is trusted "
+                "only if SSL_CERT_FILE holds its CA (unset SSL_CERT_FILE to use the other)",
+                given,
+                bundle,
+            )
+        return
+    if bundle:
+        environ["SSL_CERT_FILE"] = bundle
+
+
+def credential_source(env: dict[str, str] | None = None) -> str:
+    """Which AWS credentials a request was signed with (never their values), and what to check,
+    in the order the SDK's default chain takes them.
+
+    The SDK walks its chain silently: a web-identity exchange that cannot reach STS, or no
+    credentials found at all, falls through to the next source or sends the request unsigned,
+    and the store's 403 then reads just like a key without permission."""
+    env = dict(os.environ if env is None else env)
+    if env.get("AWS_ACCESS_KEY_ID"):
+        with_token = " with AWS_SESSION_TOKEN" if env.get("AWS_SESSION_TOKEN") else ""
+        return f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
+    if env.get("AWS_PROFILE"):
+        return f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
+    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
+        return (
+            f"credentials from web identity (IRSA) for role {env['AWS_ROLE_ARN']}; check that role's policy on "
+            "the bucket, and that the pod reaches AWS STS: when the exchange fails the SDK falls back to the "
+            "node's instance role, or sends the request unsigned, which is denied the same way"
+        )
+    if env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI") or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        return "credentials from the container credentials endpoint (EKS Pod Identity, ECS); check that role's policy"
+    return (
+        "no AWS credentials are set in the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, or AWS_ROLE_ARN with "
+        "AWS_WEB_IDENTITY_TOKEN_FILE), so the SDK's default chain was used: a shared credentials file's default "
+        "profile, else the node's instance role, else the request went unsigned"
+    )
+
+
+@dataclass(frozen=True)
+class StoreTrouble:
+    """What went wrong talking to the object store, and what to fix."""
+
+    problem: str
+    fix: str
+
+
+def _ca_fix() -> str:
+    given = os.environ.get("SSL_CERT_FILE")
+    if given:
+        # Set by hand (or by a base image), it wins over AWS_CA_BUNDLE and the mounted ConfigMap,
+        # so naming those alone sent the reader to a setting that was already right.
+        return (
+            f"SSL_CERT_FILE={given!r} is the CA file in use, and it wins over AWS_CA_BUNDLE and the "
+            f"`data-cache-s3-ca` ConfigMap: put the store's CA in it, or unset it"
+        )
+    return (
+        "give the store's CA: AWS_CA_BUNDLE, or on Kubernetes a ConfigMap `data-cache-s3-ca` with key "
+        f"`{S3_CA_FILE}` in the TrainJob's namespace (mounted at {S3_CA_DIR_ENV})"
+    )
+
+
+def _unreachable(endpoint: str | None, err: BaseException) -> StoreTrouble:
+    if endpoint:
+        name = endpoint_variable()
+        fix = f"check that {name} names the store's host and port, reachable from here"
+        if "wrong version number" in str(err) and endpoint.lower().startswith("https://"):
+            fix = f"the store answered in plain HTTP: write {name}=http://{endpoint.split('://', 1)[1]}"
+        return StoreTrouble(f"cannot reach the object store at {endpoint} ({name})", fix)
+    return StoreTrouble(
+        "cannot reach AWS S3 (no AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL is set)",
+        "for an S3-compatible store (MinIO, Ceph) set AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL to its URL",
+    )
+
+
+def store_trouble(err: BaseException, endpoint: str | None) -> StoreTrouble | None:
+    """What to fix for an error the S3 client raised reading from the store at ``endpoint`` (None:
+    AWS itself); None where its text names nothing known."""
+    if not isinstance(err, OSError):
+        return None
+    text = str(err)
+    if isinstance(err, PermissionError) or "ACCESS_DENIED" in text:
+        return StoreTrouble(
+            "access was denied", f"check the AWS credentials or the pod's IAM role: {credential_source()}"
+        )
+    # curl's certificate check (curlCode 60): a CA not trusted, or a certificate for another name.
+    if "SSL peer certificate" in text or "curlCode: 60" in text:
+        if "subject name" in text:  # "no alternative certificate subject name matches target ..."
+            where = endpoint_variable() if endpoint else "the store's address"
+            return StoreTrouble(
+                "the object store's certificate does not name the host it was reached at",
+                f"reach the store by a name its certificate carries (in {where}), or give it a certificate "
+                "for this one",
+            )
+        return StoreTrouble("the object store's certificate is not trusted", _ca_fix())
+    # curlCode 77: the CA file itself could not be used (a bundle set by hand in SSL_CERT_FILE).
+    if "curlCode: 77" in text:
+        return StoreTrouble(
+            "the CA file for the object store could not be loaded",
+            "check that SSL_CERT_FILE (or AWS_CA_BUNDLE) names a readable file of PEM certificates",
+        )
+    # curl could not talk to the store (refused, silent, TLS to a plain-HTTP port): its text names
+    # neither the endpoint nor the setting it came from.
+    if "NETWORK_CONNECTION" in text:
+        return _unreachable(endpoint, err)
+    # AWS answers a request sent to the wrong region's endpoint with a 301 (PermanentRedirect),
+    # which a HEAD request carries without a body: the only sign is the status.
+    if "HTTP status 301" in text or "PermanentRedirect" in text:
+        return StoreTrouble(
+            "the bucket is in another region than the one requests were sent to",
+            "set AWS_REGION to the bucket's region",
+        )
+    # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
+    if "HTTP status 400" in text:
+        return StoreTrouble(
+            "the request was refused as a bad request",
+            "on S3 that is usually an invalid or expired AWS_SESSION_TOKEN, or an AWS_REGION other than the "
+            "bucket's: check the AWS credentials and the region",
+        )
+    return None
