@@ -405,6 +405,15 @@ def test_a_missing_aws_ca_bundle_is_refused_naming_it(tmp_path):
             trust_aws_ca_bundle({**environ, "AWS_CA_BUNDLE": str(tmp_path / "gone.pem")})
 
 
+def test_a_store_ca_folder_that_is_not_there_is_refused_naming_it(tmp_path):
+    """The mounted volume is an empty folder where the ConfigMap is missing: a folder that does not
+    exist is a typo, which was ignored, the store's CA with it."""
+    from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
+
+    with pytest.raises(ConfigError, match=r"DATA_CACHE_S3_CA_DIR='.*/typo' is not a folder: give the folder"):
+        trust_aws_ca_bundle({"DATA_CACHE_S3_CA_DIR": str(tmp_path / "typo")})
+
+
 def test_the_store_ca_mounted_by_the_initializer_is_trusted_where_the_folder_has_one(tmp_path):
     """DATA_CACHE_S3_CA_DIR: the optional ConfigMap volume. Empty (no ConfigMap in the namespace),
     the image's own CAs stay; AWS_CA_BUNDLE, given explicitly, wins over it."""

@@ -115,6 +115,13 @@ def trust_aws_ca_bundle(environ) -> None:
         )
     if bundle:
         _check_pem(bundle, "AWS_CA_BUNDLE")
+    if environ.get(S3_CA_DIR_ENV) and not os.path.isdir(environ[S3_CA_DIR_ENV]):
+        # The initializer's optional volume is an empty folder where the ConfigMap is missing, so
+        # a folder that is not there is a mistyped path, not a store without a private CA.
+        raise ConfigError(
+            f"{S3_CA_DIR_ENV}={environ[S3_CA_DIR_ENV]!r} is not a folder: give the folder that holds the "
+            f"store's CA as {S3_CA_FILE}, or unset it"
+        )
     if not bundle and environ.get(S3_CA_DIR_ENV):
         mounted = os.path.join(environ[S3_CA_DIR_ENV], S3_CA_FILE)
         bundle = mounted if os.path.isfile(mounted) else None
