@@ -207,6 +207,24 @@ def test_a_client_that_does_not_trust_the_certificate_fails_at_once_naming_the_f
     assert time.monotonic() - started < 30
 
 
+def test_a_plaintext_client_on_a_tls_cache_is_told_to_use_grpc_tls_at_once(tls_cache, self_signed_cert):
+    """Its calls fail as "Socket closed", as a cache still starting would: they were retried to
+    the deadline (120 s by default), which then named no TLS. The head and a data node alike."""
+    cache, location = tls_cache
+    with CacheClient(location, tls_root_certs=self_signed_cert.pem) as trusting:
+        node = trusting.status()["nodes"][0]["location"]
+    for plain in (cache.endpoint, node.replace("grpc+tls://", "grpc://")):
+        started = time.monotonic()
+        with (
+            CacheClient(cache.endpoint, deadline_seconds=60) as plaintext,
+            pytest.raises(
+                CacheUnavailableError, match=rf"the cache at {plain} serves TLS, and status was sent in plaintext"
+            ),
+        ):
+            plaintext.status(plain)
+        assert time.monotonic() - started < 30
+
+
 def test_a_tls_client_on_a_plaintext_cache_is_told_to_use_grpc(small_cache):
     tls_endpoint = small_cache.endpoint.replace("grpc://", "grpc+tls://")
     with pytest.raises(CacheUnavailableError, match="does not serve TLS .*use a grpc:// endpoint"):

@@ -50,7 +50,7 @@ from kubeflow_data_cache.protocol import (
     with_skip,
 )
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import channel_options, check_token, is_tls, server_name_problem
+from kubeflow_data_cache.security import channel_options, check_token, is_tls, server_name_problem, speaks_tls
 from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
@@ -71,6 +71,9 @@ DEFAULT_DEADLINE_SECONDS = 120.0
 UNARY_TIMEOUT_SECONDS = 30.0
 BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
+# How long a failing plaintext call waits, once, for a TLS handshake with the address: a frozen
+# server accepts the connection and never answers, and that must not eat a short deadline.
+TLS_PROBE_SECONDS = 2.0
 # A restarted data node rejects old tickets; ask the head again at most this often per stream.
 MAX_REPLANS = 3
 # Retries are logged at INFO, which Python's logging hides unless set up: a wrong endpoint would
@@ -384,12 +387,25 @@ class CacheClient:
             f"data node {location} stayed unavailable for {waited:.0f}s during {what}: {reason}"
         )
 
+    def _refuse_if_tls(self, location: str, what: str, deadline: float) -> None:
+        """A plaintext call to a cache that serves TLS fails as "Socket closed", like a cache
+        still starting: it was retried to the deadline (120 s by default). Where the address
+        completes a TLS handshake, say so at once."""
+        budget = min(TLS_PROBE_SECONDS, deadline - time.monotonic())
+        if budget > 0 and speaks_tls(location, timeout=budget):
+            raise CacheUnavailableError(
+                f"the cache at {location} serves TLS, and {what} was sent in plaintext: use its grpc+tls:// "
+                "address with the certificate authority that signed its certificate as tls_root_certs (in a "
+                "trainer, DATA_CACHE_ENDPOINT=grpc+tls://... and DATA_CACHE_TLS_DIR)"
+            )
+
     def _retry(self, location: str, what: str, call: Callable[[float], T]) -> T:
         """Run ``call(timeout)`` until it succeeds, retrying transient errors until the deadline."""
         start = time.monotonic()
         deadline = start + self.deadline_seconds
         delay = BACKOFF_INITIAL_SECONDS
         notice = _RetryNotice()
+        tls_asked = is_tls(location)
         while True:
             # The last try starts at the deadline: give it a moment (a timeout of 0 would be none).
             remaining = max(deadline - time.monotonic(), MIN_CALL_SECONDS)
@@ -419,6 +435,9 @@ class CacheClient:
                         "pass the certificate authority that signed the cache's certificate (for a self-signed "
                         "one, the certificate itself) as tls_root_certs (DATA_CACHE_TLS_DIR in a trainer)"
                     ) from err
+                if not tls_asked:
+                    tls_asked = True  # once per call: the failure path only, a healthy read never asks
+                    self._refuse_if_tls(location, what, deadline)
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
                 reason = server_message(err)
