@@ -514,7 +514,7 @@ SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
             "web identity (IRSA) for role arn:aws:iam::1:role/reader; check that role's policy on the bucket, "
             "and that the pod reaches AWS STS",
         ),
-        ({"AWS_PROFILE": "data"}, "the profile 'data'"),
+        ({"AWS_PROFILE": "data"}, "AWS_PROFILE='data' is in none of the shared AWS files (/nonexistent/"),
         ({"AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials"}, "EKS Pod Identity"),
         ({}, "no AWS credentials are set"),
     ],
@@ -534,6 +534,8 @@ def test_a_denied_metadata_read_says_which_credentials_signed_it(monkeypatch, en
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
     err = OSError("When reading information for key 'm.json' in bucket 'b': AWS Error ACCESS_DENIED during HeadObject")
     refusal = str(_open_error("s3://b/m.json", "s3://b/m.json", err))
     assert "was denied" in refusal and said in refusal

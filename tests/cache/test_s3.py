@@ -286,6 +286,35 @@ def test_a_denied_data_file_read_names_the_file_and_the_credentials(moto_s3, s3_
     assert secret not in stderr
 
 
+def test_a_profile_is_named_and_one_no_shared_file_defines_is_said_to_be_skipped(tmp_path):
+    """The SDK skips a profile it cannot find and goes on down its chain, or sends requests
+    unsigned: the 403 then blamed "the profile 'nosuch'" as if it existed without permission."""
+    from kubeflow_data_cache.s3_settings import credential_source
+
+    credentials, config = tmp_path / "credentials", tmp_path / "config"
+    credentials.write_text("[team]\naws_access_key_id = AKIA1\naws_secret_access_key = s\n")
+    config.write_text("[profile ops]\nregion = eu-west-1\n[default]\nregion = us-east-1\n")
+    files = {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_CONFIG_FILE": str(config)}
+    for profile in ("team", "ops", "default"):
+        said = credential_source({**files, "AWS_PROFILE": profile})
+        assert said == f"credentials from the profile {profile!r} of the shared AWS files"
+    said = credential_source({**files, "AWS_PROFILE": "nosuch"})
+    assert f"AWS_PROFILE='nosuch' is in none of the shared AWS files ({credentials}, {config})" in said
+    assert "signed by the next credentials of the AWS chain (web identity, the instance role) or go unsigned" in said
+
+
+def test_a_profile_no_shared_file_defines_is_logged_when_the_cache_starts(moto_s3, s3_tables, tmp_path):
+    """What a review ran: AWS_PROFILE=nosuch and no keys; moto answers the unsigned request with a
+    500 (S3 a 403), and nothing said the profile was never used."""
+    env = {name: value for name, value in moto_s3.env().items() if not name.startswith("AWS_SECRET")}
+    env.pop("AWS_ACCESS_KEY_ID")
+    env |= {"AWS_PROFILE": "nosuch", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    env["AWS_CONFIG_FILE"] = str(tmp_path / "none-either")
+    code, stderr = failed_run(s3_tables["events"].metadata_location, env)
+    assert code == 1
+    assert "WARNING" in stderr and "AWS_PROFILE='nosuch' is in none of the shared AWS files" in stderr, stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     ("env", "says"),
     [
@@ -294,7 +323,6 @@ def test_a_denied_data_file_read_names_the_file_and_the_credentials(moto_s3, s3_
             "signed with the access key in AWS_ACCESS_KEY_ID;",
         ),
         ({"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SESSION_TOKEN": "t"}, "AWS_ACCESS_KEY_ID with AWS_SESSION_TOKEN"),
-        ({"AWS_PROFILE": "team"}, "the profile 'team' of the shared AWS files"),
         (
             {"AWS_ROLE_ARN": "arn:aws:iam::1:role/reader", "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"},
             "web identity (IRSA) for role arn:aws:iam::1:role/reader",

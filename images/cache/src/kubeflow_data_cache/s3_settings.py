@@ -74,6 +74,9 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
             f"{missing} is not set but {'AWS_ACCESS_KEY_ID' if key_id else 'AWS_SECRET_ACCESS_KEY'} is: set both, or "
             "neither to use the AWS default chain (web identity / IRSA, a profile, the instance role)"
         )
+    if env.get("AWS_PROFILE") and not (key_id and secret) and (missing := missing_profile(env["AWS_PROFILE"], env)):
+        # Not refused: the SDK goes on down its chain (web identity, the instance role), which may sign.
+        log.warning("%s", missing)
     # Static keys only as a pair, with their session token; a token on its own is ignored, as
     # the AWS SDKs ignore incomplete environment credentials and go on down the chain.
     if key_id and secret:
@@ -81,6 +84,42 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
         if env.get("AWS_SESSION_TOKEN"):
             props["s3.session-token"] = env["AWS_SESSION_TOKEN"]
     return props
+
+
+def _profile_files(env: dict[str, str]) -> list[tuple[str, str]]:
+    """The shared AWS files and the section name a profile has in each (``[name]`` in the
+    credentials file, ``[profile name]`` in the config file, except ``default``)."""
+    home = os.path.expanduser("~")
+    return [
+        (env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"), "{}"),
+        (env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"), "profile {}"),
+    ]
+
+
+def missing_profile(profile: str, env: dict[str, str]) -> str | None:
+    """What is wrong with an AWS_PROFILE that no shared AWS file defines (None where one does):
+    the SDK skips it silently and goes on down its chain, to web identity or the instance role,
+    else sends the request unsigned, and the store's 403 then read like a profile without
+    permission."""
+    import configparser
+
+    looked = []
+    for path, section in _profile_files(env):
+        looked.append(path)
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:
+            continue  # the SDK's problem to report; not ours to refuse a file it may read
+        wanted = section.format(profile) if profile != "default" else "default"
+        if parser.has_section(wanted) or (profile == "default" and parser.has_section("profile default")):
+            return None
+    return (
+        f"AWS_PROFILE={profile!r} is in none of the shared AWS files ({', '.join(looked)}), so the S3 client "
+        "skips it: its requests are signed by the next credentials of the AWS chain (web identity, the "
+        "instance role) or go unsigned; name a profile they define, or set AWS_SHARED_CREDENTIALS_FILE / "
+        "AWS_CONFIG_FILE to the files that define it"
+    )
 
 
 def _check_pem(path: str, setting: str) -> None:
@@ -154,7 +193,9 @@ def credential_source(env: dict[str, str] | None = None) -> str:
         with_token = " with AWS_SESSION_TOKEN" if env.get("AWS_SESSION_TOKEN") else ""
         return f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
     if env.get("AWS_PROFILE"):
-        return f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
+        return missing_profile(env["AWS_PROFILE"], env) or (
+            f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
+        )
     if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
         return (
             f"credentials from web identity (IRSA) for role {env['AWS_ROLE_ARN']}; check that role's policy on "
