@@ -304,7 +304,7 @@ def test_local_help_describes_every_flag():
         ("--data-nodes DATA_NODES", "(default 2)"),
         ("--port PORT", "(default 50051; 0 picks a free one)"),
         ("--host HOST", "(default 127.0.0.1)"),
-        ("--startup-timeout STARTUP_TIMEOUT", "(default 300)"),
+        ("--startup-timeout STARTUP_TIMEOUT", "(env DATA_CACHE_STARTUP_TIMEOUT_SECONDS, default 300)"),
     ]:
         assert f"{flag} " in text and help_text in text.split(f"{flag} ", 1)[1].split(" --")[0], flag
 
