@@ -326,6 +326,7 @@ def test_local_exits_2_when_its_nodes_refuse_their_settings():
     [
         ({"LOAD_THREADS": "zero"}, "`LOAD_THREADS` should be an integer, got 'zero'"),
         ({"LOAD_THREADS": "0"}, "`LOAD_THREADS` should be >= 1, got 0"),
+        ({"LOAD_THREADS": " "}, "`LOAD_THREADS` should be an integer, got ' '"),  # as a node reads it
         ({"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "-5"}, "`DATA_CACHE_STARTUP_TIMEOUT_SECONDS` (--startup-timeout)"),
     ],
 )

@@ -305,7 +305,8 @@ def test_local_gives_its_nodes_the_startup_timeout_and_load_threads_of_its_envir
     a share of the CPUs) ignored an exported DATA_CACHE_STARTUP_TIMEOUT_SECONDS or LOAD_THREADS
     without a word."""
     table = table_factory(2000, 1)
-    env = {"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "45", "LOAD_THREADS": "3"}
+    # "+3" as the nodes' own parsing reads it: 3 (local once took it, then gave the CPU share).
+    env = {"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "45", "LOAD_THREADS": "+3"}
     cache = LocalCache(table.metadata_location, 2, env=env)
     try:
         cache.wait_ready(timeout=DEADLINE)

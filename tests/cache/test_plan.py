@@ -405,6 +405,24 @@ def test_a_missing_aws_ca_bundle_is_refused_naming_it(tmp_path):
             trust_aws_ca_bundle({**environ, "AWS_CA_BUNDLE": str(tmp_path / "gone.pem")})
 
 
+def test_ca_files_curl_takes_are_taken_and_a_link_to_the_same_file_is_not_warned_of(tmp_path, caplog):
+    """OpenSSL's TRUSTED CERTIFICATE blocks (RHEL's ca-bundle.trust.crt) were refused as no PEM;
+    an SSL_CERT_FILE that is a link to the bundle itself was warned of as hiding it."""
+    from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
+
+    trusted = tmp_path / "trust.crt"
+    trusted.write_text("# RHEL\r\n-----BEGIN TRUSTED CERTIFICATE-----\r\nMIIB\r\n-----END TRUSTED CERTIFICATE-----\r\n")
+    environ = {"AWS_CA_BUNDLE": str(trusted)}
+    trust_aws_ca_bundle(environ)
+    assert environ["SSL_CERT_FILE"] == str(trusted)
+    (tmp_path / "link.crt").symlink_to(trusted)
+    with caplog.at_level("WARNING", logger="kubeflow_data_cache.s3_settings"):
+        trust_aws_ca_bundle({"AWS_CA_BUNDLE": str(trusted), "SSL_CERT_FILE": str(tmp_path / "link.crt")})
+        assert caplog.records == []
+        trust_aws_ca_bundle({"AWS_CA_BUNDLE": str(trusted), "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt"})
+    assert "is set, so the object store's CA in" in caplog.text
+
+
 def test_a_store_ca_folder_that_is_not_there_is_refused_naming_it(tmp_path):
     """The mounted volume is an empty folder where the ConfigMap is missing: a folder that does not
     exist is a typo, which was ignored, the store's CA with it."""

@@ -6,6 +6,7 @@ Every setting reaches the nodes the way it does in a pod: through the standard A
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 
@@ -301,6 +302,34 @@ def test_a_profile_is_named_and_one_no_shared_file_defines_is_said_to_be_skipped
     said = credential_source({**files, "AWS_PROFILE": "nosuch"})
     assert f"AWS_PROFILE='nosuch' is in none of the shared AWS files ({credentials}, {config})" in said
     assert "signed by the next credentials of the AWS chain (web identity, the instance role) or go unsigned" in said
+
+
+def test_profiles_the_sdk_reads_are_not_said_to_be_missing(tmp_path, caplog):
+    """The check refused what the SDK takes: a file with a byte that is not UTF-8 failed the load
+    (UnicodeDecodeError), and a section given twice or a ~ in the path warned of a profile in use."""
+    from kubeflow_data_cache.s3_settings import credential_source, s3_properties_from_env
+
+    latin1 = tmp_path / "latin1"
+    latin1.write_bytes(b"# caf\xe9\n[team]\naws_access_key_id = AKIA1\naws_secret_access_key = s\n")
+    twice = tmp_path / "twice"
+    twice.write_text("[team]\nregion = us-east-1\n[team]\nregion = eu-west-1\n")
+    home = tmp_path / "home"
+    (home / "creds").parent.mkdir()
+    (home / "creds").write_text("[team]\naws_access_key_id = AKIA1\n")
+    none = str(tmp_path / "none")
+    cases = [
+        {"AWS_SHARED_CREDENTIALS_FILE": str(latin1)},
+        {"AWS_SHARED_CREDENTIALS_FILE": str(twice)},
+        {"AWS_SHARED_CREDENTIALS_FILE": "~/creds", "HOME": str(home)},
+    ]
+    for files in cases:
+        env = {"AWS_PROFILE": "team", "AWS_CONFIG_FILE": none, **files}
+        with pytest.MonkeyPatch.context() as patch, caplog.at_level("WARNING"):
+            patch.setenv("HOME", files.get("HOME", os.environ.get("HOME", "/")))
+            caplog.clear()
+            assert s3_properties_from_env(env) == {}
+            assert credential_source(env) == "credentials from the profile 'team' of the shared AWS files", files
+            assert caplog.records == [], files
 
 
 def test_a_profile_no_shared_file_defines_is_logged_when_the_cache_starts(moto_s3, s3_tables, tmp_path):

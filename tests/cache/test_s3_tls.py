@@ -184,3 +184,22 @@ def test_a_ca_file_that_holds_no_certificate_stops_the_cache_at_start(tls_store,
         assert "cannot reach" not in err
     finally:
         cache.stop()
+
+
+@pytest.mark.parametrize("where", ["AWS_CA_BUNDLE", "DATA_CACHE_S3_CA_DIR"])
+def test_a_ca_given_that_did_not_sign_the_stores_certificate_is_named_as_given(tls_store, tmp_path, where):
+    """The given CA became SSL_CERT_FILE, and the failure then blamed an SSL_CERT_FILE the user
+    never set, "winning over" the very setting they had given."""
+    (tmp_path / "ca.crt").write_bytes(tls_secret_pems("localhost")["ca.crt"])  # another CA
+    value = str(tmp_path / "ca.crt") if where == "AWS_CA_BUNDLE" else str(tmp_path)
+    cache = LocalCache(tls_store.metadata_location, 1, env=tls_store.env(**{where: value}))
+    try:
+        assert cache.proc.wait(timeout=DATA_CACHE_TIMEOUT_SECONDS) == 1
+        err = cache.read_stderr()
+        source = "AWS_CA_BUNDLE" if where == "AWS_CA_BUNDLE" else "the `data-cache-s3-ca` ConfigMap"
+        assert f"the CA given in {source} ('{tmp_path / 'ca.crt'}') did not sign the store's certificate" in err, err[
+            -3000:
+        ]
+        assert "SSL_CERT_FILE=" not in err
+    finally:
+        cache.stop()

@@ -225,6 +225,28 @@ def test_a_plaintext_client_on_a_tls_cache_is_told_to_use_grpc_tls_at_once(tls_c
         assert time.monotonic() - started < 30
 
 
+def test_the_tls_question_takes_no_longer_than_its_timeout_in_all(monkeypatch):
+    """The connect and the handshake each had the whole timeout: twice it, at worst (a connect
+    slowed by a dropped SYN, then a server that never answers)."""
+    import socket as sockets
+
+    from kubeflow_data_cache import security
+
+    connect = sockets.create_connection
+
+    def slow_connect(address, timeout):
+        time.sleep(0.8)  # a SYN retransmitted, say
+        return connect(address, timeout)
+
+    monkeypatch.setattr(security.socket, "create_connection", slow_connect)
+    with sockets.socket() as silent:  # listens, and never answers a byte (a frozen server)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        started = time.monotonic()
+        assert security.speaks_tls(f"grpc://127.0.0.1:{silent.getsockname()[1]}", timeout=1.0) is None
+        assert time.monotonic() - started < 1.4
+
+
 def test_a_tls_client_on_a_plaintext_cache_is_told_to_use_grpc(small_cache):
     tls_endpoint = small_cache.endpoint.replace("grpc://", "grpc+tls://")
     with pytest.raises(CacheUnavailableError, match="does not serve TLS .*use a grpc:// endpoint"):

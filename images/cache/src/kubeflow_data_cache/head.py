@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -205,8 +206,11 @@ class Head(ReadOnlyFlight):
             threads = max(self.registered[k].get("load_threads", 1) for k in range(self.cfg.data_nodes))
 
             def threads_for(nodes: int) -> int:
-                # A pod keeps its CPUs whatever the group's size; local's nodes share this machine's.
-                return local_load_threads(nodes) if under_local() else threads
+                # A pod keeps its CPUs whatever the group's size; local's nodes share this machine's,
+                # unless local was given LOAD_THREADS, which it hands every node (and we read too).
+                if not under_local():
+                    return threads
+                return self.cfg.load_threads if os.environ.get("LOAD_THREADS") else local_load_threads(nodes)
 
             check_fits(
                 [loaded for loaded, _ in memory],

@@ -170,8 +170,9 @@ class LocalCluster:
             )
         else:
             self.startup_timeout = seconds_setting(label("--startup-timeout"), startup_timeout, 0.0)
-        int_setting(label("LOAD_THREADS"), os.environ.get("LOAD_THREADS", "").strip(), 1, minimum=1)
-        self.load_threads = local_load_threads(data_nodes)
+        # Read as the nodes read it (config.int_setting), so a value local takes they take too.
+        given = int_setting(label("LOAD_THREADS"), os.environ.get("LOAD_THREADS"), 0, minimum=1)
+        self.load_threads = given or local_load_threads(data_nodes)
         if memory_limit:
             parse_bytes(memory_limit, "`--memory-limit`")
         elif os.environ.get("MEMORY_LIMIT", "").strip():

@@ -120,11 +120,8 @@ def under_local() -> bool:
 
 def local_load_threads(data_nodes: int) -> int:
     """Load threads of each of ``data_nodes`` nodes under `data-cache local`: they share this
-    machine's CPUs, so fewer nodes read with more threads each (and more read scratch). A
-    LOAD_THREADS that local was started with (and has checked) is every node's, whatever the count."""
-    given = os.environ.get("LOAD_THREADS", "").strip()
-    if given.isascii() and given.isdigit() and int(given) >= 1:
-        return int(given)
+    machine's CPUs, so fewer nodes read with more threads each (and more read scratch). (A
+    LOAD_THREADS that local was started with is every node's instead: local and the head read it.)"""
     return max(1, available_cpus() // max(1, data_nodes))
 
 

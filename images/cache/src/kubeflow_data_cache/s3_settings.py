@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 from kubeflow_data_cache.errors import ConfigError
@@ -24,7 +25,9 @@ ENDPOINT_DEFAULT_REGION = "us-east-1"
 # namespace's `data-cache-s3-ca` ConfigMap, an optional volume (empty where there is none).
 S3_CA_DIR_ENV = "DATA_CACHE_S3_CA_DIR"
 S3_CA_FILE = "ca.crt"
-PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+# The PEM blocks curl takes as trust anchors: plain certificates, and OpenSSL's "trusted" ones
+# (`openssl x509 -trustout`, as in RHEL's ca-bundle.trust.crt).
+PEM_CERTIFICATE = re.compile(rb"-----BEGIN (TRUSTED |X509 )?CERTIFICATE-----")
 
 
 def endpoint_variable(env: dict[str, str] | None = None) -> str:
@@ -90,9 +93,9 @@ def _profile_files(env: dict[str, str]) -> list[tuple[str, str]]:
     """The shared AWS files and the section name a profile has in each (``[name]`` in the
     credentials file, ``[profile name]`` in the config file, except ``default``)."""
     home = os.path.expanduser("~")
-    return [
-        (env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"), "{}"),
-        (env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"), "profile {}"),
+    return [  # the SDKs expand a leading ~ in these two as well
+        (os.path.expanduser(env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials")), "{}"),
+        (os.path.expanduser(env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config")), "profile {}"),
     ]
 
 
@@ -106,11 +109,15 @@ def missing_profile(profile: str, env: dict[str, str]) -> str | None:
     looked = []
     for path, section in _profile_files(env):
         looked.append(path)
-        parser = configparser.RawConfigParser()
+        # Not strict: the SDKs take a section or key given twice, which strict parsing refuses.
+        parser = configparser.RawConfigParser(strict=False)
         try:
-            parser.read(path)
-        except configparser.Error:
-            continue  # the SDK's problem to report; not ours to refuse a file it may read
+            with open(path, "rb") as file:
+                parser.read_string(file.read().decode("utf-8", errors="replace"))
+        except FileNotFoundError:
+            continue
+        except (OSError, configparser.Error):
+            return None  # a file the SDK may still read: not ours to say the profile is not in it
         wanted = section.format(profile) if profile != "default" else "default"
         if parser.has_section(wanted) or (profile == "default" and parser.has_section("profile default")):
             return None
@@ -130,11 +137,16 @@ def _check_pem(path: str, setting: str) -> None:
             text = file.read()
     except OSError as err:
         raise ConfigError(f"{setting}: cannot read the CA file {path!r} ({err.strerror})") from None
-    if PEM_CERTIFICATE not in text:
+    if not PEM_CERTIFICATE.search(text):
         raise ConfigError(
-            f"{setting}: {path!r} holds no PEM certificate (no {PEM_CERTIFICATE.decode()} line): give the "
+            f"{setting}: {path!r} holds no PEM certificate (no -----BEGIN CERTIFICATE----- line): give the "
             "store's CA certificate(s) in PEM"
         )
+
+
+# The CA file trust_aws_ca_bundle made this process's SSL_CERT_FILE, and the setting it came from:
+# an SSL_CERT_FILE it set is not one set by hand, and the fix for a CA that fails differs.
+_ca_given: tuple[str, str] | None = None
 
 
 def trust_aws_ca_bundle(environ) -> None:
@@ -168,7 +180,7 @@ def trust_aws_ca_bundle(environ) -> None:
             _check_pem(bundle, f"{S3_CA_FILE} in {S3_CA_DIR_ENV} (the `data-cache-s3-ca` ConfigMap)")
     given = environ.get("SSL_CERT_FILE")
     if given:
-        if bundle and os.path.abspath(bundle) != os.path.abspath(given):
+        if bundle and os.path.realpath(bundle) != os.path.realpath(given):
             # Said now: otherwise the first sign is a handshake failure with the store.
             log.warning(
                 "SSL_CERT_FILE=%r is set, so the object store's CA in %r is not used: the store is trusted "
@@ -179,6 +191,10 @@ def trust_aws_ca_bundle(environ) -> None:
         return
     if bundle:
         environ["SSL_CERT_FILE"] = bundle
+        if environ is os.environ:  # what an untrusted-certificate error then names: the setting given
+            global _ca_given
+            source = "AWS_CA_BUNDLE" if environ.get("AWS_CA_BUNDLE") else "the `data-cache-s3-ca` ConfigMap"
+            _ca_given = (bundle, source)
 
 
 def credential_source(env: dict[str, str] | None = None) -> str:
@@ -221,6 +237,11 @@ class StoreTrouble:
 
 def _ca_fix() -> str:
     given = os.environ.get("SSL_CERT_FILE")
+    if given and _ca_given is not None and given == _ca_given[0]:
+        return (
+            f"the CA given in {_ca_given[1]} ({_ca_given[0]!r}) did not sign the store's certificate: give the "
+            "CA that did (or the chain up to it)"
+        )
     if given:
         # Set by hand (or by a base image), it wins over AWS_CA_BUNDLE and the mounted ConfigMap,
         # so naming those alone sent the reader to a setting that was already right.

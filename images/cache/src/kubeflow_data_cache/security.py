@@ -6,6 +6,7 @@ import hmac
 import re
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,10 @@ def is_tls(location: str) -> bool:
 def speaks_tls(location: str, timeout: float = 2.0) -> bool | None:
     """Whether the server at a Flight location completes a TLS handshake (its certificate is not
     checked: only the protocol is asked), False where it connects but does not, None where it
-    does not connect. A data node and its head dial each other with their own scheme, so a pod
-    group whose TLS Secret reached only some pods failed every call in a way that named no TLS."""
+    does not connect, all within ``timeout``. A data node and its head dial each other with their
+    own scheme, so a pod group whose TLS Secret reached only some pods failed every call in a way
+    that named no TLS."""
+    deadline = time.monotonic() + timeout
     parts = urlsplit(location)
     if parts.hostname is None or parts.port is None:
         return None
@@ -49,6 +52,7 @@ def speaks_tls(location: str, timeout: float = 2.0) -> bool | None:
     context.set_alpn_protocols(["h2"])  # as gRPC offers it
     try:
         with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as raw:
+            raw.settimeout(max(deadline - time.monotonic(), 0.001))  # the handshake gets what is left
             try:
                 with context.wrap_socket(raw, server_hostname=parts.hostname):
                     return True
