@@ -109,6 +109,11 @@ def test_node_selector_and_tolerations_take_the_forms_admins_write():
         ('[{"key": "a", "operator": "In"}]', "operator 'In' is not one of Equal, Exists"),
         ('[{"key": "a", "effect": "NoSchedule", "tolerationSeconds": 5}]', "applies to effect NoExecute only"),
         ('[{"key": "a", "effect": "NoExecute", "tolerationSeconds": "5"}]', "tolerationSeconds must be an integer"),
+        # The API server's 422 came only at the LeaderWorkerSet's create, exit 1 and a retry.
+        (
+            '[{"key": "a", "effect": "NoExecute", "tolerationSeconds": 9223372036854775808}]',
+            "tolerationSeconds 9223372036854775808 is past the API's 64-bit integer range",
+        ),
         ('[{"key": "bad key"}]', "label key 'bad key'"),
         ('["a"]', "toleration 0 is not an object"),
         ('"a"', "not a list"),

@@ -226,3 +226,31 @@ def test_a_shared_cache_deleted_while_a_job_joins_it_is_made_again(fake, make_si
     assert sim.created == [CACHE, CACHE]
     assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-b", False)]
     assert "was deleted while adopting it; creating it again" in caplog.text
+
+
+def test_a_sweeps_train_jobs_joining_one_shared_cache_at_once_all_join(fake, make_sim, api_client, tmp_path):
+    """Each join is a patch guarded by the resourceVersion, so one joiner wins each round: with
+    five tries in a row and no pause, 2 or 3 of 12 jobs started together failed ("kept changing")."""
+    sim = make_sim("healthy")
+    jobs = [f"job-{i}" for i in range(12)]
+    for job in jobs:
+        add_train_job(fake, job)
+    codes: dict[str, int] = {}
+    barrier = threading.Barrier(len(jobs))
+
+    def start(job: str) -> None:
+        env = initializer_env(sim, job, DATA_CACHE_SHARED="true")
+        barrier.wait()
+        codes[job] = main(env=env, api_client=api_client, termination_log=tmp_path / job)
+
+    threads = [threading.Thread(target=start, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert codes == dict.fromkeys(jobs, 0), {
+        job: (tmp_path / job).read_text() for job in jobs if (tmp_path / job).exists()
+    }
+    owners = {ref["name"] for ref in fake.get("leaderworkersets", NAMESPACE, CACHE)["metadata"]["ownerReferences"]}
+    assert owners == set(jobs)
+    assert any(r[0] == "PATCH" and r[3] == 409 for r in fake.responses), "the joins never met: nothing was tested"

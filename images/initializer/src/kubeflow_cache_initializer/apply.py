@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Any
 
@@ -224,9 +225,15 @@ def _join_shared(kube: Kube, resource: Resource, desired: dict, existing: dict, 
 
 
 def _patch_guarded(kube: Kube, resource: Resource, current: dict, make_patch) -> dict:
-    """Merge-patch with the object's resourceVersion as a precondition; re-read and retry on 409."""
+    """Merge-patch with the object's resourceVersion as a precondition; re-read and retry on 409.
+
+    Retried until the run's deadline (at least PATCH_CONFLICT_RETRIES times), after a pause that
+    grows and is drawn at random: a sweep's TrainJobs joining one shared cache at once each win a
+    round in turn, and five tries in a row with no pause failed a dozen joining together.
+    """
     namespace, name = current["metadata"]["namespace"], current["metadata"]["name"]
-    for _ in range(c.PATCH_CONFLICT_RETRIES):
+    pause, tries = c.PATCH_CONFLICT_PAUSE_SECONDS, 0
+    while True:
         patch = make_patch(current)
         if patch is None:
             return current
@@ -236,8 +243,13 @@ def _patch_guarded(kube: Kube, resource: Resource, current: dict, make_patch) ->
         except KubeApiError as err:
             if not err.conflict:
                 raise
+        tries += 1
+        left = (kube.deadline - time.monotonic()) if kube.deadline is not None else 0.0
+        if tries >= c.PATCH_CONFLICT_RETRIES and left <= 0:
+            raise InitializerError(f"{_describe(current)} kept changing; gave up after {tries} patches")
+        time.sleep(min(random.uniform(0, pause), max(left, 0.0)))
+        pause = min(pause * 2, c.PATCH_CONFLICT_MAX_PAUSE_SECONDS)
         current = kube.get(resource, namespace, name)
-    raise InitializerError(f"{_describe(current)} kept changing; gave up after {c.PATCH_CONFLICT_RETRIES} patches")
 
 
 def _watch_broke(err: Exception, remaining: float) -> None:

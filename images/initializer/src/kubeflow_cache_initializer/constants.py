@@ -48,7 +48,11 @@ MAX_WATCH_SECONDS = 60
 GONE_POLL_SECONDS = 1.0
 STATUS_HTTP_TIMEOUT_SECONDS = 2.0
 API_REQUEST_TIMEOUT_SECONDS = 30.0
+# A patch refused for a changed resourceVersion is tried again after a random pause of up to
+# PAUSE, doubling to MAX, until the run's deadline, and at least RETRIES times.
 PATCH_CONFLICT_RETRIES = 5
+PATCH_CONFLICT_PAUSE_SECONDS = 0.05
+PATCH_CONFLICT_MAX_PAUSE_SECONDS = 2.0
 
 # Labels and annotations the initializer puts on what it creates.
 LABEL_NAME = "app.kubernetes.io/name"

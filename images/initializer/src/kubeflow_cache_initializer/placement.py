@@ -109,6 +109,8 @@ def _toleration(i: int, item: Any) -> dict[str, Any]:
         seconds = item["tolerationSeconds"]
         if isinstance(seconds, bool) or not isinstance(seconds, int):
             raise ValueError(f"{where}: tolerationSeconds must be an integer")
+        if not -(2**63) <= seconds < 2**63:  # the API's int64: past it the create is refused (422)
+            raise ValueError(f"{where}: tolerationSeconds {seconds} is past the API's 64-bit integer range")
         if effect != "NoExecute":
             raise ValueError(f"{where}: tolerationSeconds applies to effect NoExecute only")
     return {field: item[field] for field in TOLERATION_FIELDS if field in item}
