@@ -450,3 +450,58 @@ def test_pods_that_are_not_this_caches_do_not_fail_it(fake, make_sim, run_initia
 
     assert run_initializer(initializer_env(sim)) == (0, "")
     assert sim.created == [cache]
+
+
+_RUN_WITH_KUBECONFIG = """
+import sys
+from pathlib import Path
+from kubeflow_cache_initializer.main import main
+sys.exit(main(termination_log=Path(sys.argv[1])))
+"""
+
+
+def test_sigterm_while_waiting_deletes_the_cache_and_says_why(fake, make_sim, tmp_path):
+    """A pod deleted or evicted, or a TrainJob suspended (Kueue's preemption): the process ended
+    at once with neither a message nor a termination message, its cache pods left holding their
+    CPU and memory while the quota counted them freed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .fake_k8s import TOKEN
+
+    add_train_job(fake, "job-a")
+    sim = make_sim("stuck")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        f"apiVersion: v1\nkind: Config\nclusters: [{{name: f, cluster: {{server: '{fake.url}'}}}}]\n"
+        f"users: [{{name: u, user: {{token: '{TOKEN}'}}}}]\n"
+        "contexts: [{name: c, context: {cluster: f, user: u}}]\ncurrent-context: c\n"
+    )
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")
+    env = {**os.environ, **initializer_env(sim, CACHE_READY_TIMEOUT_SECONDS="120"), "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)  # not in a pod: the kubeconfig
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_WITH_KUBECONFIG, str(termination_log)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # Waiting on the cache's pods, as in a cluster: the key Secret is made just before the wait.
+        while not (fake.items("pods", NAMESPACE) and fake.items("secrets", NAMESPACE)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the cache's pods never came"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, output[-2000:]
+    said = "stopped by SIGTERM before the cache was ready"
+    assert said in termination_log.read_text() and said in output
+    assert "Traceback" not in output
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None

@@ -79,3 +79,9 @@ class CacheFailedError(InitializerError):
 
 class CacheDeletedError(CacheFailedError):
     """The cache's LeaderWorkerSet was deleted while the run waited for it: no settings at fault."""
+
+
+class TerminatedError(InitializerError):
+    """SIGTERM before the cache was ready: the pod deleted or evicted, or its TrainJob suspended."""
+
+    exit_code = 143  # 128 + SIGTERM, as a shell reports a process the signal ended

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from kubernetes import client, config
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.config import load_config
-from kubeflow_cache_initializer.errors import InitializerError
+from kubeflow_cache_initializer.errors import InitializerError, TerminatedError
 from kubeflow_cache_initializer.health import describe_status
 from kubeflow_cache_initializer.initializer import run
 from kubeflow_cache_initializer.kube import Kube, with_bounded_retries
@@ -42,6 +44,15 @@ def _write_termination_message(path: Path, message: str) -> None:
         log.debug("could not write the termination message to %s", path)
 
 
+def _terminated(signum, frame) -> None:
+    # Once: a second SIGTERM must not cut short the cleanup the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise TerminatedError(
+        "stopped by SIGTERM before the cache was ready (the pod was deleted or evicted, or its TrainJob "
+        "suspended); a cache no other TrainJob uses is deleted, so that its pods free their resources"
+    )
+
+
 def main(
     *,
     env: Mapping[str, str] | None = None,
@@ -49,6 +60,12 @@ def main(
     termination_log: Path = Path(c.TERMINATION_LOG),
 ) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    # SIGTERM becomes an error raised where the run is, so that it ends as any failure does: what
+    # this run made is deleted, and the reason goes to the log and the termination message. (It
+    # ended the process at once, with neither, its cache pods left holding their resources.)
+    previous = (
+        signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         cfg = load_config(os.environ if env is None else env)
         ready = run(Kube(api_client or _api_client()), cfg)
@@ -60,6 +77,9 @@ def main(
         log.exception("the initializer failed unexpectedly")
         _write_termination_message(termination_log, f"the initializer failed unexpectedly: {type(err).__name__}: {err}")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     detail = (
         describe_status(ready.status)
         if ready.status is not None
