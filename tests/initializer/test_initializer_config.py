@@ -204,9 +204,14 @@ BAD_INPUT = [
     ),
     (
         {"CACHE_STATUS_POLL_SECONDS": "1e10"},
-        "`CACHE_STATUS_POLL_SECONDS` should be a number of seconds > 0 and <=",
+        "`CACHE_STATUS_POLL_SECONDS` should be a number of seconds >= 0.01 and <=",
         "'1e10'",
     ),
+    # A poll this short asked the head's /status in a tight loop.
+    ({"CACHE_STATUS_POLL_SECONDS": "1e-9"}, "`CACHE_STATUS_POLL_SECONDS` should be a number of seconds >= 0.01", ""),
+    # Any such name failed every call as a TrainJob not found: exit 1, and a retry for nothing.
+    ({"NAMESPACE": "Team_A"}, "`NAMESPACE` should be a namespace name (at most 63 lowercase letters", "'Team_A'"),
+    ({"NAMESPACE": "a" * 64}, "`NAMESPACE` should be a namespace name", ""),
     ({"DATA_CACHE_SHARED": "maybe"}, "`DATA_CACHE_SHARED` should be one of true, 1, yes, on, false", "'maybe'"),
     ({"CACHE_TOKEN_SECRET": "Team_Token"}, "`CACHE_TOKEN_SECRET` should be a Secret name", "or none"),
     ({"CACHE_TLS_SECRET": "Team_TLS"}, "`CACHE_TLS_SECRET` should be a Secret name", "or none, got 'Team_TLS'"),

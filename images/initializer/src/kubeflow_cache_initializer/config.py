@@ -165,15 +165,18 @@ class _Reader:
             self._bad(name, bounds, raw)
         return value
 
-    def seconds(self, name: str, default: float) -> float:
+    def seconds(self, name: str, default: float, least: float = 0.0) -> float:
+        """Seconds > 0 (at least ``least`` where given: a poll interval of 1e-9 s polled in a
+        tight loop)."""
         raw = self.env.get(name, "").strip()
         if not raw:
             return default
         value = float(raw) if _DECIMAL.fullmatch(raw) else -1.0
         # Past what a thread can wait for, a wait raises OverflowError when it is reached; the
         # cache, handed the ready timeout as its startup deadline, refuses such a value too.
-        if not 0 < value <= threading.TIMEOUT_MAX:
-            self._bad(name, f"a number of seconds > 0 and <= {int(threading.TIMEOUT_MAX)}", raw)
+        if not (0 < value <= threading.TIMEOUT_MAX and value >= least):
+            lower = f">= {least:g}" if least else "> 0"
+            self._bad(name, f"a number of seconds {lower} and <= {int(threading.TIMEOUT_MAX)}", raw)
             return default
         return value
 
@@ -237,6 +240,9 @@ def parse_storage_uri(uri: str) -> tuple[str, str]:
     if len(parts) != 2 or not all(_TABLE_PART.fullmatch(p) for p in parts):
         raise ValueError("not exactly <schema>/<table>")
     return parts[0], parts[1]
+
+
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def _namespace(env: Mapping[str, str], namespace_file: Path) -> str | None:
@@ -350,12 +356,18 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     health_port = r.integer("CACHE_HEALTH_PORT", c.DEFAULT_HEALTH_PORT, minimum=1, maximum=65535)
     if health_port == c.FLIGHT_PORT:
         r._bad("CACHE_HEALTH_PORT", f"a port other than the Flight port {c.FLIGHT_PORT}", str(health_port))
-    status_poll = r.seconds("CACHE_STATUS_POLL_SECONDS", c.DEFAULT_STATUS_POLL_SECONDS)
+    status_poll = r.seconds("CACHE_STATUS_POLL_SECONDS", c.DEFAULT_STATUS_POLL_SECONDS, least=c.MIN_STATUS_POLL_SECONDS)
     unschedulable_grace = r.seconds("CACHE_UNSCHEDULABLE_GRACE_SECONDS", c.DEFAULT_UNSCHEDULABLE_GRACE_SECONDS)
     start_error_grace = r.seconds("CACHE_START_ERROR_GRACE_SECONDS", c.DEFAULT_START_ERROR_GRACE_SECONDS)
     namespace = _namespace(env, namespace_file)
     if namespace is None:
         r.problems.append(f"`NAMESPACE` is required outside a pod (no {namespace_file} to read it from)")
+    elif not _NAMESPACE.fullmatch(namespace):
+        # Else every call failed as if the TrainJob were missing (exit 1, and a retry for nothing).
+        r.problems.append(
+            f"`NAMESPACE` should be a namespace name (at most 63 lowercase letters, digits and '-', "
+            f"starting and ending with a letter or digit), got {namespace!r}"
+        )
     if r.problems:
         raise ConfigError("invalid configuration: " + "; ".join(r.problems))
     return Config(

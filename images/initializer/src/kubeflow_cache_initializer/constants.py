@@ -35,6 +35,7 @@ DEFAULT_READINESS_TIMEOUT_SECONDS = 2
 DEFAULT_READINESS_FAILURE_THRESHOLD = 3
 DEFAULT_READY_TIMEOUT_SECONDS = 600.0
 DEFAULT_STATUS_POLL_SECONDS = 5.0
+MIN_STATUS_POLL_SECONDS = 0.01  # below it, the head's /status is polled in a tight loop
 # A cluster autoscaler needs a few minutes to add a node for an unschedulable cache pod.
 DEFAULT_UNSCHEDULABLE_GRACE_SECONDS = 180.0
 # An image pull that fails, or a container that cannot start, may pass: the kubelet retries a
