@@ -198,6 +198,30 @@ def test_a_refusal_of_a_long_request_says_why_in_a_few_lines(small_cache, reques
     assert len(message) < 1000
 
 
+def test_a_number_past_its_bound_is_quoted_cut(small_cache):
+    """One that parses (under Python's 4,300 digits) but is past its bound was quoted whole, to
+    the 4,000-character cap."""
+    descriptor = flight.FlightDescriptor.for_command(json.dumps({"num_shards": 10**3999}).encode())
+    with pytest.raises(pa.ArrowInvalid) as err:
+        flight.FlightClient(small_cache.endpoint).get_flight_info(descriptor)
+    message = server_message(err.value)
+    assert "'num_shards' should be <= " in message and "(4000 characters)" in message
+    assert len(message) < 1000
+
+
+def test_an_unknown_action_with_a_long_name_is_quoted_cut(small_cache):
+    """A 100,000-character action name came back whole, to the 4,000-character cap."""
+    client = flight.FlightClient(small_cache.endpoint)
+    node = flight.FlightClient(read_path_shard(small_cache.endpoint, 0, 1)[0].endpoints[0].locations[0].uri.decode())
+    for server in (client, node):
+        with pytest.raises(pa.ArrowNotImplementedError) as err:
+            list(server.do_action(flight.Action("a" * 100_000, b"")))
+        message = server_message(err.value)
+        assert "characters) is not implemented" in message and len(message) < 1000, message[:300]
+    client.close()
+    node.close()
+
+
 def test_bad_and_stale_tickets(small_cache):
     info, _ = read_path_shard(small_cache.endpoint, 0, 1)
     node = flight.FlightClient(info.endpoints[0].locations[0].uri.decode())

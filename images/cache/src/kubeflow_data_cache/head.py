@@ -578,7 +578,7 @@ class Head(ReadOnlyFlight):
         if action.type == protocol.ACTION_REGISTER:
             self._register(parse_action_body(action))
             return [b"{}"]
-        raise NotImplementedError(f"action {action.type!r} is not implemented; try 'status'")
+        raise NotImplementedError(f"action {shown(action.type)} is not implemented; try 'status'")
 
     def list_actions(self, context):
         return [(protocol.ACTION_STATUS, "JSON status of the cache: load state, rows, bytes, per-node detail")]

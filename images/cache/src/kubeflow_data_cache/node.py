@@ -40,6 +40,7 @@ from kubeflow_data_cache.errors import (
     StaleTicketError,
     TableLoadError,
     first_line,
+    shown,
 )
 from kubeflow_data_cache.filtering import FilterCache, matched_rows
 from kubeflow_data_cache.load_progress import LoadProgress
@@ -558,7 +559,7 @@ class DataNode(ReadOnlyFlight):
             matches = filters.rows(predicate)
             # The matches' nulls and list lengths, for the readers' checks before their first batch.
             return [json.dumps({"rows": len(matches), **store.figures_of(matches)}).encode()]
-        raise NotImplementedError(f"action {action.type!r} is not implemented by data nodes")
+        raise NotImplementedError(f"action {shown(action.type)} is not implemented by data nodes")
 
     def list_actions(self, context):
         return [(protocol.ACTION_STATUS, "JSON status of this data node")]

@@ -212,9 +212,9 @@ def _as_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None)
     number = int_arg(value)
     if number is None:
         raise BadRequestError(f"'{name}' should be an integer, got {shown(value)}")
-    _require(number >= minimum, f"'{name}' should be >= {minimum}, got {number}")
+    _require(number >= minimum, f"'{name}' should be >= {minimum}, got {shown(number)}")
     if maximum is not None:
-        _require(number <= maximum, f"'{name}' should be <= {maximum}, got {number}")
+        _require(number <= maximum, f"'{name}' should be <= {maximum}, got {shown(number)}")
     return number
 
 
@@ -250,7 +250,7 @@ class ShardRequest:
             object.__setattr__(self, name, _as_int(name, getattr(self, name), least, most))
         _require(
             self.shard < self.num_shards,
-            f"shard index {self.shard} is out of range: it must be in [0, {self.num_shards})",
+            f"shard index {shown(self.shard)} is out of range: it must be in [0, {shown(self.num_shards)})",
         )
         _require(isinstance(self.shuffle, bool), f"'shuffle' should be true or false, got {shown(self.shuffle)}")
         _require(
