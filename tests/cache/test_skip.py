@@ -100,14 +100,21 @@ def test_one_stream_is_read_in_the_nodes_batches_not_cut_into_blocks(one_node, s
         assert ids(client.read_shard(request, start=4321)) == in_order[4321:]
 
 
-def test_a_stream_short_of_its_ticket_is_an_error(one_node):
+def test_a_stream_short_of_its_ticket_is_an_error(one_node, monkeypatch):
+    from kubeflow_data_cache import node as node_module
+
     endpoint, _ = one_node
-    request = ShardRequest(columns=("id",))
+    # A node refuses a ticket whose rows are not its stream's where it can count them cheaply
+    # (test_a_ticket_whose_rows_were_changed_...): a shuffled epoch whose order it has not built
+    # it cannot. Made so here (this process's head built it), these tickets reach the client's
+    # own check, as a stream that really lost rows on the way would.
+    monkeypatch.setattr(node_module, "order_built", lambda total, req: False)
     with CacheClient(endpoint) as client:
+        request = ShardRequest(columns=("id",), shuffle=True, epoch=11)
         (only,) = client.get_flight_info(request).endpoints
         t = Ticket.from_json(only.ticket.ticket)
         # As if the node had lost rows on the way: the ticket promises more than arrives.
-        promised = Ticket(t.generation, t.node, t.offset, t.node_rows, t.total, t.request, rows=t.rows + 5)
+        promised = replace(t, rows=t.rows + 5)
         forged = flight.FlightEndpoint(promised.to_json(), only.locations)
         got = []
         with pytest.raises(DataCacheError, match=r"stream ended at row 10000 of the 10005 its ticket holds"):
@@ -115,7 +122,9 @@ def test_a_stream_short_of_its_ticket_is_an_error(one_node):
                 got.append(batch)
         assert sum(b.num_rows for b in got) == 10_000
         # And one that sends more than its ticket holds fails at the batch that goes past it.
-        fewer = Ticket(t.generation, t.node, t.offset, t.node_rows, t.total, t.request, rows=t.rows - 5)
+        request = ShardRequest(columns=("id",), shuffle=True, epoch=12)
+        (only,) = client.get_flight_info(request).endpoints
+        fewer = replace(Ticket.from_json(only.ticket.ticket), rows=t.rows - 5)
         got = []
         with pytest.raises(DataCacheError, match=r"stream went past row 9995, where its ticket ends"):
             for batch in client.read_endpoint(request, flight.FlightEndpoint(fewer.to_json(), only.locations)):
@@ -280,3 +289,25 @@ def test_resuming_across_two_nodes_gives_the_rest(small_cache, request_):
         assert len(client.get_flight_info(request).endpoints) == 2
         for start in (1, 257, len(whole) // 2, len(whole) - 1, len(whole)):
             assert ids(client.read_shard(request, interleave=request.shuffle, start=start)) == whole[start:]
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+@pytest.mark.parametrize(("more_rows", "skip_past"), [(10, 5), (-1, None)], ids=["skip-past-the-end", "rows-lowered"])
+def test_a_ticket_whose_rows_were_changed_is_refused_not_served_short_or_long(
+    small_cache, shuffle, more_rows, skip_past
+):
+    """The node took the ticket's own `rows` for the stream's: raised, with a skip past the real
+    end, it sent an empty stream without a word; lowered, it sent every row all the same."""
+    request = ShardRequest(shuffle=shuffle, epoch=7)
+    with CacheClient(small_cache.endpoint) as client:
+        endpoint = client.get_flight_info(request).endpoints[0]
+    node = flight.FlightClient(endpoint.locations[0].uri.decode())
+    whole = node.do_get(endpoint.ticket).read_all()  # a shuffled stream's first read builds its order
+    ticket = Ticket.from_json(endpoint.ticket.ticket)
+    assert whole.num_rows == ticket.rows
+    skip = ticket.rows + skip_past if skip_past is not None else 0
+    changed = replace(ticket, rows=ticket.rows + more_rows, skip=skip)
+    with pytest.raises(pa.ArrowInvalid, match=f"this stream holds {ticket.rows}: tickets come from the head"):
+        node.do_get(flight.Ticket(changed.to_json())).read_all()
+    assert node.do_get(endpoint.ticket).read_all().num_rows == ticket.rows  # the head's ticket still serves
+    node.close()

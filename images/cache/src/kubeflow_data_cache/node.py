@@ -596,6 +596,16 @@ class DataNode(ReadOnlyFlight):
             raise StaleTicketError(
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
+        if not req.shuffle or order_built(t.total, req):
+            # The stream's rows, counted as the head counted them, where that is cheap (in order,
+            # or its epoch's order built): a skip past them sent an empty stream without a word,
+            # and a ticket that says other rows than it holds is one changed since the head wrote it.
+            rows = endpoint_rows([t.offset, t.offset + held], t.total, req)[0]
+            if t.skip > rows or (t.rows is not None and t.rows != rows):
+                raise BadRequestError(
+                    f"the ticket says its stream holds {t.rows} rows and skips {t.skip}; this stream holds "
+                    f"{rows}: tickets come from the head's GetFlightInfo, unchanged but for their skip"
+                )
         if req.shuffle:
             # Refused here (too many blocks), not inside the stream; the order itself is built in the
             # stream, once admitted: built before, every refused or retried request built one.
