@@ -206,11 +206,9 @@ class Head(ReadOnlyFlight):
             threads = max(self.registered[k].get("load_threads", 1) for k in range(self.cfg.data_nodes))
 
             def threads_for(nodes: int) -> int:
-                # A pod keeps its CPUs whatever the group's size; local's nodes share this machine's,
-                # unless local was given LOAD_THREADS, which it hands every node (and we read too).
-                if not under_local():
-                    return threads
-                return self.cfg.load_threads if os.environ.get("LOAD_THREADS") else local_load_threads(nodes)
+                # A pod keeps its CPUs whatever the group's size, as local's nodes keep a LOAD_THREADS
+                # local was given (it hands it to every node); else local's nodes share this machine's.
+                return local_load_threads(nodes) if under_local() and not os.environ.get("LOAD_THREADS") else threads
 
             check_fits(
                 [loaded for loaded, _ in memory],

@@ -596,16 +596,21 @@ class DataNode(ReadOnlyFlight):
             raise StaleTicketError(
                 f"stale ticket: it expects {t.node_rows} rows on this node, which holds {held}; ask the head again"
             )
-        if not req.shuffle or order_built(t.total, req):
-            # The stream's rows, counted as the head counted them, where that is cheap (in order,
-            # or its epoch's order built): a skip past them sent an empty stream without a word,
-            # and a ticket that says other rows than it holds is one changed since the head wrote it.
-            rows = endpoint_rows([t.offset, t.offset + held], t.total, req)[0]
-            if t.skip > rows or (t.rows is not None and t.rows != rows):
-                raise BadRequestError(
-                    f"the ticket says its stream holds {t.rows} rows and skips {t.skip}; this stream holds "
-                    f"{rows}: tickets come from the head's GetFlightInfo, unchanged but for their skip"
-                )
+        # The stream's rows, counted as the head counted them (not taken from the ticket, which a
+        # client could change), where that is cheap: in order, or shuffled once the epoch's order
+        # is built (counting takes it; it is built in the stream, once admitted). None: not yet.
+        rows = (
+            endpoint_rows([t.offset, t.offset + held], t.total, req)[0]
+            if not req.shuffle or order_built(t.total, req)
+            else None
+        )
+        # A skip past them sent an empty stream without a word, and a ticket that says other rows
+        # than it holds is one changed since the head wrote it.
+        if rows is not None and (t.skip > rows or (t.rows is not None and t.rows != rows)):
+            raise BadRequestError(
+                f"the ticket says its stream holds {t.rows} rows and skips {t.skip}; this stream holds "
+                f"{rows}: tickets come from the head's GetFlightInfo, unchanged but for their skip"
+            )
         if req.shuffle:
             # Refused here (too many blocks), not inside the stream; the order itself is built in the
             # stream, once admitted: built before, every refused or retried request built one.
@@ -629,14 +634,9 @@ class DataNode(ReadOnlyFlight):
         # at their largest rows where rows differ in size and a filter may keep only the largest.
         filtered = matches is not None
         batch_bytes = store.served_bytes_bound(batch_rows, req.columns, batch_rows=batch_rows, filtered=filtered)
-        if req.shuffle and not order_built(t.total, req):
-            # Counting the stream's rows exactly takes the epoch order, which is built in the
-            # stream, once admitted: until a stream holds it, the shard's size bounds them.
-            stream_rows = max(0, min(held, shard_size(t.total, req)) - t.skip)
-        else:
-            # The stream's own rows, counted here as the head counts them (not taken from the
-            # ticket, which a client could change): what the memory guard may count it at.
-            stream_rows = max(0, endpoint_rows([t.offset, t.offset + held], t.total, req)[0] - t.skip)
+        # What the memory guard may count the stream at: its rows, or until they can be counted,
+        # the shard's size, which bounds them.
+        stream_rows = max(0, (min(held, shard_size(t.total, req)) if rows is None else rows) - t.skip)
         # The first stream of an epoch builds its order (tiny blocks on a big table: tens of MiB),
         # so the guard counts it for that one; the others share the build.
         # Claimed and admitted in one step: a stream that saw another's claim, and was admitted

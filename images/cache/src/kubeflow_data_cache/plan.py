@@ -191,7 +191,7 @@ def _open_error(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
             "metadata.json (for example s3://bucket/warehouse/db/table/metadata/00003-....metadata.json)"
         )
-    if not location.startswith(("s3://", "s3a://")):
+    if not is_remote(location):
         if isinstance(err, PermissionError):
             return TableLoadError(f"access to METADATA_LOC {metadata_location!r} was denied ({err})")
         return None

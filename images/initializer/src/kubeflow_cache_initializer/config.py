@@ -47,6 +47,7 @@ MAX_INT32 = (1 << 31) - 1
 _DIGITS = re.compile(r"[0-9]+")
 _DECIMAL = re.compile(_NUMBER + r"([eE][+-]?[0-9]+)?")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label: may start with a digit
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
 _TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -240,9 +241,6 @@ def parse_storage_uri(uri: str) -> tuple[str, str]:
     if len(parts) != 2 or not all(_TABLE_PART.fullmatch(p) for p in parts):
         raise ValueError("not exactly <schema>/<table>")
     return parts[0], parts[1]
-
-
-_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def _namespace(env: Mapping[str, str], namespace_file: Path) -> str | None:
