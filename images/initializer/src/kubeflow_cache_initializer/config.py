@@ -19,6 +19,7 @@ from kubernetes.utils import parse_quantity
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.errors import ConfigError
 from kubeflow_cache_initializer.placement import (
+    DNS_SUBDOMAIN,
     NODE_SELECTOR_FORM,
     TOLERATIONS_FORM,
     parse_node_selector,
@@ -48,7 +49,6 @@ _DIGITS = re.compile(r"[0-9]+")
 _DECIMAL = re.compile(_NUMBER + r"([eE][+-]?[0-9]+)?")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label: may start with a digit
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
 _TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # `{TRAIN_JOB_NAME}-cache` names the LeaderWorkerSet, whose StatefulSets (`<name>` and `<name>-0`)
@@ -265,7 +265,7 @@ def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 def _is_secret_name(name: str) -> bool:
     """A Secret's name: a DNS-1123 subdomain of at most 253 characters."""
-    return bool(_DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253
+    return bool(DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253
 
 
 def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, ...]:

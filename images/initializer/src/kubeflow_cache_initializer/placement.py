@@ -20,7 +20,8 @@ TOLERATIONS_FORM = (
 # Label syntax (k8s.io/apimachinery validation): a name part of at most 63 characters,
 # optionally prefixed by a DNS subdomain and "/"; values the same as a name, or empty.
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A DNS-1123 subdomain: label key prefixes, and (in config) Secret names.
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_MAX = 63
 _PREFIX_MAX = 253
 
@@ -32,7 +33,7 @@ EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 def label_key_problem(key: str) -> str | None:
     """Why ``key`` is not a valid label key, or None."""
     prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > _PREFIX_MAX or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+    if slash and (not prefix or len(prefix) > _PREFIX_MAX or not DNS_SUBDOMAIN.fullmatch(prefix)):
         return f"label key {key!r} has a prefix that is not a DNS subdomain"
     if not name or len(name) > _LABEL_MAX or not _LABEL_NAME.fullmatch(name):
         return f"label key {key!r} is not a name of at most 63 letters, digits, '-', '_' and '.'"
