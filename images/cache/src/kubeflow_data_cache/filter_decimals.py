@@ -28,13 +28,18 @@ COMPARING_LISTS = frozenset({"InList", "Between"})
 # Functions that bring their arguments to one type and compare them, or pick one of them: each
 # argument meets each other one (nullif(price, 1.5) IS NULL missed the row holding 1.50).
 COMPARING_FUNCTIONS = frozenset({"nullif", "least", "greatest", "coalesce", "nvl", "ifnull", "nvl2"})
+# Arithmetic brings a decimal and a floating-point number to floating point: `price + 0.1 = 0.3`
+# then compared 0.2 + 0.1 with 0.3 in binary and missed the row holding 0.20.
+ARITHMETIC_OPERATORS = frozenset({"+", "-", "*", "/", "%"})
+MIXING_OPERATORS = COMPARING_OPERATORS | ARITHMETIC_OPERATORS
 # Wrappers a number passes through unchanged in value (its sign aside).
 NUMBER_WRAPPERS = frozenset({"Negative", "Cast", "TryCast", "Alias"})
 
 
 def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType], predicate: str) -> None:
     """Refuse (BadRequestError) a comparison of a decimal value with a floating-point number
-    (a literal with a point or an exponent, or any expression of such numbers without a column).
+    (a literal with a point or an exponent, or any expression of such numbers without a column),
+    or arithmetic of the two.
 
     ``type_of(expr)``: the type ``expr`` has over the table. Call this only for tables with a
     decimal column (has_decimal): it plans an expression for each operand it types (once each)."""
@@ -43,7 +48,7 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
     def typed(expr, test: Callable[[pa.DataType], bool]) -> pa.DataType | None:
         key = expr.canonical_name()
         if key not in types:
-            types[key] = _type(expr, type_of)
+            types[key] = planned_type(expr, type_of)
         kind = types[key]
         return kind if kind is not None and test(kind) else None
 
@@ -57,7 +62,7 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
         pending.extend(operands)
         if form in COMPARING_LISTS:
             pairs = [(operands[0], other) for other in operands[1:]]
-        elif form == "BinaryExpr" and expr.rex_call_operator() in COMPARING_OPERATORS and len(operands) == 2:
+        elif form == "BinaryExpr" and expr.rex_call_operator() in MIXING_OPERATORS and len(operands) == 2:
             pairs = [(operands[0], operands[1])]
         elif form == "ScalarFunction" and expr.rex_call_operator() in COMPARING_FUNCTIONS:
             pairs = [(a, b) for i, a in enumerate(operands) for b in operands[i + 1 :]]
@@ -71,7 +76,9 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
                 if any(number is n for n in numbers) and not is_constant(value):
                     kind = typed(value, pa.types.is_decimal)
                     if kind is not None:
-                        raise BadRequestError(_refusal(predicate, kind, _number(number)))
+                        arithmetic = form == "BinaryExpr" and expr.rex_call_operator() in ARITHMETIC_OPERATORS
+                        verb = "computes" if arithmetic else "compares"
+                        raise BadRequestError(_refusal(predicate, kind, _number(number), verb))
 
 
 def has_decimal(schema: pa.Schema) -> bool:
@@ -85,13 +92,13 @@ def has_decimal(schema: pa.Schema) -> bool:
     return False
 
 
-def _refusal(predicate: str, kind: pa.DataType, number: float | None) -> str:
+def _refusal(predicate: str, kind: pa.DataType, number: float | None, verb: str) -> str:
     fitting = _fitting(kind, number) if number is not None else None
     written = f"CAST('{_decimal_text(number)}' AS DECIMAL({fitting}))" if fitting is not None else None
     fix = written or f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
     shown_number = repr(number) if number is not None else "a floating-point number"
     return (
-        f"invalid filter {shown(predicate)}: it compares a {kind} value with {shown_number}, which SQL reads as "
+        f"invalid filter {shown(predicate)}: it {verb} a {kind} value with {shown_number}, which SQL reads as "
         "binary floating point and rounds on its way to a decimal, so rows equal to it may not match; write the "
         f"number as a decimal: {fix}"
     )
@@ -112,7 +119,7 @@ def _fitting(kind: pa.DataType, number: float) -> str | None:
     return f"{whole + scale}, {scale}" if whole + scale <= 38 else None
 
 
-def _type(expr, type_of: Callable[[object], pa.DataType]) -> pa.DataType | None:
+def planned_type(expr, type_of: Callable[[object], pa.DataType]) -> pa.DataType | None:
     """``expr``'s type (a literal's without planning); None where it cannot be planned."""
     if expr.variant_name() == "Literal":
         return expr.python_value().type

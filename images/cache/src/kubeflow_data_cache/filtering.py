@@ -11,16 +11,20 @@ from concurrent.futures import Future
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, server_message, shown
 from kubeflow_data_cache.filter_calls import check_calls
 from kubeflow_data_cache.filter_decimals import check_decimal_comparisons, has_decimal
+from kubeflow_data_cache.filter_overflow import overflow_checks
+from kubeflow_data_cache.filter_overflow import refusal as overflow_refusal
 from kubeflow_data_cache.protocol import check_filter
 from kubeflow_data_cache.store import NodeStore, indices
 
 ROW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}row"
 KEEP_COLUMN = f"{INTERNAL_COLUMN_PREFIX}keep"
+OVERFLOW_COLUMN = f"{INTERNAL_COLUMN_PREFIX}overflow"
 # Distinct filters whose matches a node keeps; a training job uses one or two.
 CACHED_FILTERS = 8
 # A filter's plan, optimized, may hold only these: a subquery (IN (SELECT ...), EXISTS) turns into
@@ -77,6 +81,24 @@ def _reason(err: BaseException) -> str:
     return reason.rstrip(".")  # the caller ends the sentence
 
 
+# DataFusion's causes that have a form that works, and what it is.
+HINTS = (
+    (
+        "divide by zero",
+        " (every branch of a CASE and both sides of an AND are evaluated on every row, so a guard does not "
+        "help; divide by nullif(<divisor>, 0), which makes the row's value NULL)",
+    ),
+    ("time64", " (compare a time column with a string: t < '01:00:00')"),
+    ("fixedsizebinary(16)", " (a uuid column compares with its 16 bytes in hex: u = X'<32 hex digits>')"),
+)
+
+
+def _hint(reason: str) -> str:
+    """How to write what DataFusion refused, where its cause has a known fix ('' otherwise)."""
+    lowered = reason.lower()
+    return next((hint for cause, hint in HINTS if cause in lowered), "")
+
+
 def _slices(store: NodeStore) -> list[pa.RecordBatch]:
     """The node's rows as zero-copy slices (FILTER_SLICE_ROWS, FILTER_SLICE_BYTES), each with
     its local row numbers in ROW_COLUMN."""
@@ -115,8 +137,13 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
         columns = table.select(*(_column(name) for name in store.schema.names))
         condition = columns.parse_sql_expr(predicate)
         check_calls(condition, predicate)
+
+        def type_of(expr) -> pa.DataType:
+            return columns.select(expr).schema().field(0).type
+
         if has_decimal(store.schema):
-            check_decimal_comparisons(condition, lambda expr: columns.select(expr).schema().field(0).type, predicate)
+            check_decimal_comparisons(condition, type_of, predicate)
+        overflows = overflow_checks(condition, type_of)
         # Planned as a filter, which checks that the predicate is a boolean and what it becomes.
         selected = table.filter(condition).select(_column(ROW_COLUMN))
         if not set(_plan_nodes(selected.optimized_logical_plan())) <= PLAIN_FILTER_NODES:
@@ -127,9 +154,14 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
         # Run as a projection of the predicate's value: one output batch per slice, so the time
         # is checked after each (a filter's stream skips slices without a match, so one that
         # matched nothing was never checked). A null value drops its row, as WHERE does.
+        # Each integer operation's overflow check rides along, one column each (filter_overflow).
+        checked = [check.failed.alias(f"{OVERFLOW_COLUMN}{i}") for i, check in enumerate(overflows)]
         started = time.monotonic()
-        for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN)).execute_stream():
-            rows, keep = batch.to_pyarrow().columns
+        for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN), *checked).execute_stream():
+            rows, keep, *failed = batch.to_pyarrow().columns
+            for check, column in zip(overflows, failed, strict=True):
+                if pc.any(column).as_py():
+                    raise overflow_refusal(predicate, check)
             if not pa.types.is_null(keep.type):  # a predicate that is NULL ("CASE ... THEN NULL END") keeps none
                 matched.append(rows.filter(keep).to_numpy())
             if time.monotonic() - started > timeout:
@@ -145,8 +177,9 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
     # DataFusion raises one exception type for parse, plan and type errors; a panic inside it
     # (an overflow) comes as pyo3's PanicException, a BaseException.
     except BaseException as err:
+        reason = _reason(err)
         raise BadRequestError(
-            f"invalid filter {shown(predicate)}: {_reason(err)}. A filter is one SQL predicate over the table's "
+            f"invalid filter {shown(predicate)}: {reason}{_hint(reason)}. A filter is one SQL predicate over the table's "
             f'columns {store.schema.names} (double-quote names with capitals or spaces: "Score" > 3), '
             'e.g. "label = 3 AND feature_a > 0.5"'
         ) from None

@@ -1,0 +1,133 @@
+"""Integer arithmetic in a filter, checked for overflow on the rows it is evaluated over.
+
+DataFusion's integer `+`, `-`, `*`, unary minus and casts to a narrower integer type wrap around
+on overflow, without an error, and its ANSI mode does not change that: `x + x > 0` on an int32
+column of values near 2^31 matched none of them, and `id + 9223372036854775807 > 0` one of 100
+rows, with `total_records` agreeing, so rows were silently left out (or added). Spark in ANSI
+mode, Trino and Postgres raise an error instead, and pyiceberg's Python integers never wrap.
+
+So each such operation gets a check, evaluated alongside the filter: the same operation on its
+operands (as the filter computes them) widened to a 76-digit decimal, which holds any sum,
+difference or product of two 64-bit integers exactly, and tested against the bounds of the type
+DataFusion gives the result. A row past them refuses the filter, naming the expression and the
+wider type to compute it in. Division and `%` raise DataFusion's own error where they overflow
+(MIN / -1), so `id % 10 = 0` sampling costs nothing extra; `abs`, `factorial` and `lcm` do too.
+
+A check is evaluated on every row, also where a CASE arm or an AND would not use the value:
+a filter whose guarded branch overflows on the rows it guards against is refused too, a
+conservative answer rather than a wrong one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+
+from kubeflow_data_cache.errors import BadRequestError, shown
+from kubeflow_data_cache.filter_decimals import planned_type
+
+# Wide enough for any +, - or * of two signed 64-bit integers (below 2^126, 38 digits), exactly;
+# a product of unsigned 64-bit integers (up to 2^128, 39 digits) takes the 256-bit decimal,
+# which DataFusion computes at half the speed.
+WIDE = pa.decimal128(38, 0)
+WIDEST = pa.decimal256(76, 0)
+WRAPPING_OPERATORS = frozenset({"+", "-", "*"})
+# Casts that wrap a value past the target type (TRY_CAST gives NULL there, as it should).
+WRAPPING_CASTS = frozenset({"Cast"})
+WRAPPING_CAST_FUNCTIONS = frozenset({"arrow_cast"})
+_TYPED_INTEGER = re.compile(r"\bU?Int(?:8|16|32|64)\((-?[0-9]+)\)")
+
+
+@dataclass(frozen=True)
+class OverflowCheck:
+    """One operation's check: ``failed`` (an expression) is true on the rows where the
+    operation's value leaves the range of ``kind``, its type; ``text`` names the operation."""
+
+    text: str
+    kind: pa.DataType
+    failed: Any
+
+
+def overflow_checks(condition, type_of: Callable[[object], pa.DataType]) -> list[OverflowCheck]:
+    """A check for each integer operation in ``condition`` that DataFusion would let wrap.
+
+    ``type_of(expr)``: the type ``expr`` has over the table (planned once per operation)."""
+    from datafusion import lit
+
+    checks = []
+    pending = [condition]
+    while pending:
+        expr = pending.pop()
+        form = expr.variant_name()
+        if form in ("Column", "Literal"):
+            continue
+        operands = expr.rex_call_operands()
+        pending.extend(operands)
+        if not _may_wrap(expr, form, operands):
+            continue
+        kind = planned_type(expr, type_of)
+        if kind is None or not pa.types.is_integer(kind):
+            continue
+        if form in WRAPPING_CASTS or form == "ScalarFunction":
+            source = planned_type(operands[0], type_of)
+            if source is None or not pa.types.is_integer(source):
+                continue  # from text or floats DataFusion raises its own error past the range
+            if _holds(kind, source):
+                continue  # a widening cast
+        wide = WIDEST if kind == pa.uint64() else WIDE
+        low, high = _bounds(kind)
+        widened = _widened(expr, form, operands, wide, lit)
+        failed = widened.between(lit(pa.scalar(low, wide)), lit(pa.scalar(high, wide)), negated=True)
+        checks.append(OverflowCheck(expr.canonical_name(), kind, failed))
+    return checks
+
+
+def refusal(predicate: str, check: OverflowCheck) -> BadRequestError:
+    wider = "BIGINT" if check.kind.bit_width < 64 else "DECIMAL(38, 0)"
+    return BadRequestError(
+        f"invalid filter {shown(predicate)}: {shown(_readable(check.text))} overflows {check.kind} on some rows, "
+        f"where DataFusion (which evaluates filters) would wrap it around and match the wrong rows; compute it in "
+        f"a wider type: CAST the operands AS {wider}, or AS DOUBLE"
+    )
+
+
+def _may_wrap(expr, form: str, operands) -> bool:
+    if form == "BinaryExpr":
+        return expr.rex_call_operator() in WRAPPING_OPERATORS and len(operands) == 2
+    if form == "ScalarFunction":
+        return expr.rex_call_operator() in WRAPPING_CAST_FUNCTIONS and bool(operands)
+    return (form == "Negative" and len(operands) == 1) or (form in WRAPPING_CASTS and bool(operands))
+
+
+def _widened(expr, form: str, operands, wide: pa.DataType, lit):
+    """The operation (one _may_wrap accepts) recomputed in ``wide``."""
+    if form == "BinaryExpr":
+        a, b = (o.cast(wide) for o in operands)
+        return {"+": a + b, "-": a - b, "*": a * b}[expr.rex_call_operator()]
+    if form == "Negative":
+        return lit(pa.scalar(Decimal(0), wide)) - operands[0].cast(wide)
+    return operands[0].cast(wide)  # a cast: its operand's value, to test against the target's range
+
+
+def _bounds(kind: pa.DataType) -> tuple[Decimal, Decimal]:
+    bits = kind.bit_width
+    if pa.types.is_signed_integer(kind):
+        return Decimal(-(1 << (bits - 1))), Decimal((1 << (bits - 1)) - 1)
+    return Decimal(0), Decimal((1 << bits) - 1)
+
+
+def _holds(kind: pa.DataType, source: pa.DataType) -> bool:
+    low, high = _bounds(kind)
+    source_low, source_high = _bounds(source)
+    return low <= source_low and source_high <= high
+
+
+def _readable(text: str) -> str:
+    """An expression's canonical text as written: without the table name DataFusion puts
+    before columns, and integer literals without their type (`Int64(2)` as `2`)."""
+    return _TYPED_INTEGER.sub(r"\1", text.replace("data.", ""))
