@@ -240,8 +240,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"Medians of {cfg['repeats']} repeats "
         f"({cfg['load_repeats']} cluster starts per load figure; memory idle and at its peak after serving: one "
         f"sample each); min/max in `bench/results/{latest_name(cfg['name'])}.json`. A verdict goes by the median; "
-        "the count after it is how many repeats met the target. Shares of loopback are medians of per-repeat "
-        "ratios, not the ratio of the medians shown beside them. "
+        "the count after it is how many repeats met the target. Every ratio (shares of loopback and of bare "
+        "Flight, speedups, load ratios) is the median of per-repeat ratios, not the ratio of the medians shown "
+        "beside it. "
         f"Headline: {cfg['headline_rows']:,} rows, {cfg['epoch_nodes']} data node(s), batch {cfg['batch_size']}, "
         f"columns {', '.join(cfg['columns'])}.",
         *_busy_warning(m),

@@ -36,7 +36,17 @@ def _cluster_cases(
         shuffled = table.rows in cfg.epoch_sizes and nodes == cfg.epoch_nodes  # the epoch and resume cases
         if shuffled:
             s3 = tables.s3(table.rows) if table.rows in cfg.s3_sizes else None
-            results += epoch.run(cache.endpoint, table, s3, nodes, cfg.repeats, cfg.batch_size, cfg.columns, progress)
+            results += epoch.run(
+                cache.endpoint,
+                table,
+                s3,
+                nodes,
+                cfg.repeats,
+                cfg.batch_size,
+                cfg.columns,
+                progress,
+                cfg.epoch_repeat_rows,
+            )
             results += resume.run(cache.endpoint, table.rows, nodes, cfg.repeats, progress)
         memory.record_served(mem, cache, baseline, trimmed=shuffled)
     return results, status, cache

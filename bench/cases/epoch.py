@@ -6,7 +6,9 @@ read rows to DataCacheDataset's own conversion (tensors without a copy, one ``sp
 column); shuffled, they first permute the rows with the cache's own block permutation for that
 epoch (one Arrow take), a shuffle as strong as the one the cache serves, so the figures compare
 how the rows are got, not how much they are shuffled. Methods alternate within each repeat, so machine load
-drifts hit all alike.
+drifts hit all alike, and the order they run in turns by one each repeat, so none is always first.
+Each repeat times ``epochs_per_repeat`` whole epochs per method (each its own shuffle order) and
+records their mean: one short epoch alone is at the scheduler's mercy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from bench.config import epochs_per_repeat
 from bench.stats import CaseResult, gb, paired_ratio
 from bench.tables import BenchTable
 from kubeflow_data_cache.dataset import DataCacheDataset, World
@@ -99,6 +102,17 @@ def _methods(endpoint: str, local: BenchTable, s3: BenchTable | None, columns, b
     return methods
 
 
+def _timed_epochs(make: Callable, name: str, shuffled: bool, epochs: range, rows: int) -> tuple[float, int]:
+    """The mean seconds of one epoch over ``epochs`` (each its own epoch number, so its own
+    shuffle order), read back to back; and one epoch's tensor bytes."""
+    start = time.perf_counter()
+    for number in epochs:
+        got, nbytes = consume(make(shuffled, number))
+        if got != rows:
+            raise RuntimeError(f"epoch {number} via {name} yielded {got} rows, expected {rows}")
+    return (time.perf_counter() - start) / len(epochs), nbytes
+
+
 def run(
     endpoint: str,
     local: BenchTable,
@@ -108,9 +122,12 @@ def run(
     batch_size: int,
     columns: tuple[str, ...],
     progress,
+    repeat_rows: int = 0,
 ) -> list[CaseResult]:
     rows = local.rows
     methods = _methods(endpoint, local, s3, columns, batch_size)
+    names = list(methods)
+    epochs = epochs_per_repeat(rows, repeat_rows)
     results: list[CaseResult] = []
     for shuffled in (False, True):
         seconds: dict[str, list[float]] = {name: [] for name in methods}
@@ -119,14 +136,14 @@ def run(
             for name in methods
         }
         for repeat in range(repeats):
-            for name, make in methods.items():
-                start = time.perf_counter()
-                got, nbytes = consume(make(shuffled, repeat))
-                elapsed = time.perf_counter() - start
-                if got != rows:
-                    raise RuntimeError(f"epoch via {name} yielded {got} rows, expected {rows}")
+            turn = repeat % len(names)
+            for name in names[turn:] + names[:turn]:
+                elapsed, nbytes = _timed_epochs(
+                    methods[name], name, shuffled, range(repeat * epochs, (repeat + 1) * epochs), rows
+                )
                 seconds[name].append(elapsed)
                 case[name].add("seconds", elapsed)
+                case[name].add("epochs_timed", epochs)
                 case[name].add("rows_per_s", rows / elapsed)
                 case[name].add("gb_per_s", gb(nbytes / elapsed))
         for name in methods:

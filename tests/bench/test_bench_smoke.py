@@ -21,7 +21,7 @@ if str(REPO_ROOT) not in sys.path:  # `bench` lives at the repo root, outside th
 
 from bench import report  # noqa: E402
 from bench.cases.serve import serve_passes  # noqa: E402
-from bench.config import SMOKE  # noqa: E402
+from bench.config import SMOKE, epochs_per_repeat  # noqa: E402
 from bench.run import run  # noqa: E402
 
 EPOCH_METHODS = ("cache", "pyiceberg", "pyarrow.dataset", "pyiceberg-s3")
@@ -173,6 +173,34 @@ def test_serve_repeats_read_the_table_enough_times_to_move_the_asked_bytes():
     assert serve_passes(table_bytes=100, repeat_bytes=100) == 1
     assert serve_passes(table_bytes=100, repeat_bytes=101) == 2
     assert serve_passes(table_bytes=117 << 20, repeat_bytes=256 << 20) == 3
+
+
+def test_epoch_repeats_time_whole_epochs_enough_to_read_the_asked_rows():
+    assert epochs_per_repeat(rows=3_000, repeat_rows=0) == 1
+    assert epochs_per_repeat(rows=2_000_000, repeat_rows=10_000_000) == 5
+    assert epochs_per_repeat(rows=200_000, repeat_rows=10_000_000) == 50
+    assert epochs_per_repeat(rows=3_000_000, repeat_rows=10_000_000) == 4
+    assert epochs_per_repeat(rows=0, repeat_rows=10) == 10  # an empty table: still a whole number of epochs
+
+
+def test_timed_epochs_read_each_epoch_in_its_own_order_and_report_one_epochs_time():
+    """Every epoch of a repeat is its own epoch number (its own shuffle order), and the figure is
+    per epoch, not per repeat; an epoch short of rows fails the run."""
+    import torch
+
+    from bench.cases.epoch import _timed_epochs
+
+    asked = []
+
+    def make(shuffled, number):
+        asked.append((shuffled, number))
+        return iter([{"x": torch.zeros(4, dtype=torch.float64)}, {"x": torch.zeros(2, dtype=torch.float64)}])
+
+    seconds, nbytes = _timed_epochs(make, "m", True, range(10, 15), rows=6)
+    assert asked == [(True, n) for n in range(10, 15)]
+    assert nbytes == 6 * 8 and seconds > 0
+    with pytest.raises(RuntimeError, match="epoch 3 via m yielded 6 rows, expected 7"):
+        _timed_epochs(make, "m", False, range(3, 5), rows=7)
 
 
 @pytest.mark.parametrize(
