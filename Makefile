@@ -10,16 +10,29 @@ space := $(subst ,, )
 # uv finds torch's CPU wheel through pip's find-links when the machine has them (pip separates
 # several with spaces, uv with commas); a UV_FIND_LINKS already set wins.
 export UV_FIND_LINKS := $(or $(UV_FIND_LINKS),$(subst $(space),$(comma),$(strip $(PIP_FIND_LINKS))))
-# Never the CUDA build: without find-links, torch comes from PyTorch's CPU index. PyPI's torch is
-# the CUDA build, gigabytes, whose nvidia-* libraries the lock does not even list.
+# Never the CUDA build: unless a find-links folder holds a torch wheel, torch comes from PyTorch's
+# CPU index. PyPI's torch is the CUDA build, gigabytes, whose nvidia-* libraries the lock does not
+# even list (find-links without a torch wheel resolved to it).
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-TORCH_SOURCE := $(if $(UV_FIND_LINKS),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
+TORCH_WHEELS := $(foreach links,$(subst $(comma),$(space),$(UV_FIND_LINKS)),$(wildcard $(links)/torch-*.whl))
+TORCH_SOURCE := $(if $(TORCH_WHEELS),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
 # The uv to run, as hack/ensure-uv.sh names it (at least its UV_MIN_VERSION; it installs its pinned
 # UV_VERSION when none is found): expanded by the shell of each recipe line, after the `uv` target ran.
 UV = $$(bash hack/ensure-uv.sh)
 # The stamp is rebuilt whenever a lock or a package definition changes.
 STAMP := $(VENV)/.installed
 LOCK_DEPS := requirements-dev.lock images/cache/pyproject.toml images/initializer/pyproject.toml
+# A stamp can outlive its venv: an interpreter uninstalled under it, or a checkout moved or copied
+# with its .venv (whose editable installs still point at the old folder: a copy ran the other
+# checkout's code). Where the venv's Python does not find this checkout's packages, it is rebuilt.
+ifneq ($(wildcard $(STAMP)),)
+PACKAGE_INITS := images/cache/src/kubeflow_data_cache/__init__.py images/initializer/src/kubeflow_cache_initializer/__init__.py
+VENV_FINDS := $(shell $(PY) -I -c 'import importlib.util as u, os; print(*(os.path.realpath(u.find_spec(m).origin) for m in ("kubeflow_data_cache", "kubeflow_cache_initializer")))' 2>/dev/null)
+ifneq ($(VENV_FINDS),$(realpath $(PACKAGE_INITS)))
+$(info $(VENV) does not run this checkout's packages (moved, copied, or its Python gone): rebuilding it)
+$(shell rm -rf $(VENV))
+endif
+endif
 
 .PHONY: help
 help: ## List the targets

@@ -94,12 +94,59 @@ def _lock_commands(env_extra: dict[str, str]) -> list[str]:
     return [c for c in done.stdout.replace("\\\n", " ").splitlines() if not c.lstrip().startswith("#")]
 
 
-def test_make_lock_compiles_torch_from_the_cpu_index_without_find_links() -> None:
-    """Without find-links, PyPI's torch (the CUDA build) put 19 nvidia-*/cuda-*/triton pins in the lock."""
+def test_make_lock_compiles_torch_from_the_cpu_index_without_find_links(tmp_path) -> None:
+    """Without find-links, PyPI's torch (the CUDA build) put 19 nvidia-*/cuda-*/triton pins in the lock;
+    find-links without a torch wheel resolved to it too."""
+    cpu_index = "--extra-index-url https://download.pytorch.org/whl/cpu"
     dev = [c for c in _lock_commands({}) if "-o requirements-dev.lock" in c]
-    assert len(dev) == 1 and "--extra-index-url https://download.pytorch.org/whl/cpu" in dev[0]
-    with_links = [c for c in _lock_commands({"UV_FIND_LINKS": "/wheels"}) if "-o requirements-dev.lock" in c]
-    assert "download.pytorch.org" not in with_links[0]  # the find-links' CPU wheel, as in setup
+    assert len(dev) == 1 and cpu_index in dev[0]
+    wheels, empty = tmp_path / "wheels", tmp_path / "empty"
+    wheels.mkdir()
+    empty.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    for links, from_index in ((str(wheels), False), (str(empty), True), (f"{empty},{wheels}", False)):
+        (command,) = [c for c in _lock_commands({"UV_FIND_LINKS": links}) if "-o requirements-dev.lock" in c]
+        assert (cpu_index in command) == from_index, links
+
+
+PACKAGE_INITS = (
+    "images/cache/src/kubeflow_data_cache/__init__.py",
+    "images/initializer/src/kubeflow_cache_initializer/__init__.py",
+)
+
+
+@pytest.mark.parametrize(
+    ("finds", "rebuilt"),
+    [
+        ("here", False),
+        ("elsewhere", True),  # a checkout moved or copied with its .venv: the editable installs point back
+        ("nothing", True),  # the venv's interpreter is gone (exit 127)
+    ],
+)
+def test_a_venv_that_does_not_run_this_checkouts_packages_is_rebuilt(tmp_path, finds, rebuilt) -> None:
+    """The stamp alone passed a venv whose Python was uninstalled (every target failed with
+    "No such file or directory") and a copied checkout's venv, which ran the original's code."""
+    checkout = tmp_path / "checkout"
+    for init in PACKAGE_INITS:
+        (checkout / init).parent.mkdir(parents=True)
+        (checkout / init).touch()
+    shutil.copy(REPO / "Makefile", checkout / "Makefile")
+    for dep in ("requirements-dev.lock", "images/cache/pyproject.toml", "images/initializer/pyproject.toml"):
+        (checkout / dep).touch()
+    venv = checkout / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    found = {"here": checkout, "elsewhere": tmp_path / "original"}.get(finds)
+    python = venv / "bin" / "python"
+    python.write_text(
+        "#!/bin/sh\n" + (f"echo {' '.join(str(found / i) for i in PACKAGE_INITS)}\n" if found else "exit 127\n")
+    )
+    python.chmod(0o755)
+    (venv / ".installed").touch()  # newer than the locks: up to date by its time
+    done = subprocess.run(["make", "-n", "setup"], cwd=checkout, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert ("rebuilding it" in done.stdout) == rebuilt
+    assert venv.exists() != rebuilt
+    assert ("venv --allow-existing" in done.stdout) == rebuilt
 
 
 def test_make_lock_holds_the_image_locks_to_the_dev_locks_versions() -> None:
