@@ -342,6 +342,27 @@ def test_a_file_that_is_not_a_metadata_json_is_named(tmp_path):
             open_table(location)
 
 
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ('{"a": 1}', "(it has no 'format-version')"),
+        ("", "('Invalid JSON: EOF while parsing a value at line 1 column 0')"),
+        ("not json", "('Invalid JSON: expected ident at line 1 column 2')"),
+        ('{"format-version": 2, "table-uuid": "x"}', "('Field required at location')"),
+    ],
+)
+def test_a_metadata_file_that_is_not_table_metadata_says_so_and_names_the_fix(tmp_path, content, said):
+    """Empty, not JSON, or JSON of something else: pyiceberg's message was pydantic's report,
+    ending in a link to pydantic's docs, and named no fix."""
+    other = tmp_path / "00001-x.metadata.json"
+    other.write_text(content)
+    with pytest.raises(TableLoadError) as err:
+        open_table(str(other))
+    message = str(err.value)
+    assert message.startswith(f"METADATA_LOC {str(other)!r} is not Iceberg table metadata {said}: point it at ")
+    assert "pydantic" not in message and "\n" not in message
+
+
 def test_internal_column_names_are_refused(tmp_path):
     catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
     catalog.create_namespace("s")

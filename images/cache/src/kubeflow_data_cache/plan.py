@@ -27,7 +27,7 @@ from kubeflow_data_cache.constants import (
     READ_SCRATCH_SHARE,
     STORE_CHUNK_VARIABLE_BYTES,
 )
-from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
+from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError, shown
 from kubeflow_data_cache.expansion import measure_expansions
 from kubeflow_data_cache.iceberg_reader import is_remote, rows_after_deletes
 from kubeflow_data_cache.s3_settings import store_trouble
@@ -191,6 +191,13 @@ def _open_error(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "
             "metadata.json (for example s3://bucket/warehouse/db/table/metadata/00003-....metadata.json)"
         )
+    not_metadata = _not_table_metadata(err)
+    if not_metadata is not None:
+        return TableLoadError(
+            f"METADATA_LOC {metadata_location!r} is not Iceberg table metadata ({not_metadata}): point it at the "
+            "table's current metadata.json, as its catalog reports it (for example "
+            ".../warehouse/db/table/metadata/00003-....metadata.json)"
+        )
     if not is_remote(location):
         if isinstance(err, PermissionError):
             return TableLoadError(f"access to METADATA_LOC {metadata_location!r} was denied ({err})")
@@ -199,6 +206,31 @@ def _open_error(
     if trouble is None:
         return None
     return TableLoadError(f"{trouble.problem}, reading METADATA_LOC {metadata_location!r}: {trouble.fix} ({err})")
+
+
+def _not_table_metadata(err: Exception) -> str | None:
+    """What pyiceberg's schema check found wrong with a file that is not table metadata (empty,
+    not JSON, or JSON of something else), in one line; None for other errors. Its own message
+    is a pydantic report ending in a link to pydantic's docs, which names no fix."""
+    from pydantic import ValidationError
+
+    found: BaseException | None = err
+    while found is not None and not isinstance(found, ValidationError):
+        found = found.__cause__  # pyiceberg raises its own ValidationError from pydantic's
+    if found is None:
+        return None
+    problems = found.errors()
+    if not problems:
+        return "it does not match the table metadata format"
+    first = problems[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    if loc and loc[0].isdigit():  # the format version the file was checked as: not a field
+        loc = loc[1:]
+    where = ".".join(loc)
+    if first.get("type") == "union_tag_not_found":  # the field that says which format version it is
+        return "it has no 'format-version'"
+    reason = str(first.get("msg", ""))
+    return shown(f"{reason} at {where}" if where else reason)
 
 
 def _field_estimate(field: pa.Field, rows: int, disk_bytes: int | None) -> int:
