@@ -16,6 +16,7 @@ code is the training job's (non-zero when the exactly-once check fails); 1 when 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import selectors
 import signal
@@ -29,11 +30,14 @@ from pathlib import Path
 import psutil
 
 from kubeflow_data_cache.cli import at_least
-from kubeflow_data_cache.processes import die_with_parent, handle_signals, stop_processes
+from kubeflow_data_cache.errors import DataCacheError
+from kubeflow_data_cache.local import LOCAL_STARTUP_TIMEOUT_SECONDS
+from kubeflow_data_cache.processes import die_with_parent, exit_status, handle_signals, stop_processes
 from kubeflow_data_cache.sample import create_sample_table
 
 HERE = Path(__file__).resolve().parent
-READY_TIMEOUT_SECONDS = 120.0
+# `local` gives up by itself at its startup timeout, saying why; the demo's wait is a backstop past it.
+READY_GRACE_SECONDS = 30.0
 TRAIN_TIMEOUT_SECONDS = 300.0
 STOP_TIMEOUT_SECONDS = 10.0
 # How often the training job and the cache are looked at while training runs.
@@ -51,7 +55,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # 0: each rank reads in its own process, as docs/dataset.md recommends where the step needs
     # no worker processes; torch's hand-off of every batch from a worker costs more than it saves.
     p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader workers per rank (0: read in the rank)")
+    p.add_argument(
+        "--train-timeout",
+        type=at_least(1),
+        default=int(TRAIN_TIMEOUT_SECONDS),
+        help=f"seconds the training job may run (default {TRAIN_TIMEOUT_SECONDS:.0f}; more for large --rows)",
+    )
     return p.parse_args(argv)
+
+
+def ready_timeout(env: dict[str, str]) -> float:
+    """How long to wait for READY: `local`'s own startup timeout (from the environment it
+    inherits), and a grace past it for its error to arrive."""
+    try:
+        timeout = float(env.get("DATA_CACHE_STARTUP_TIMEOUT_SECONDS") or LOCAL_STARTUP_TIMEOUT_SECONDS)
+    except ValueError:  # `local` refuses it at once, naming it
+        timeout = LOCAL_STARTUP_TIMEOUT_SECONDS
+    return (timeout if math.isfinite(timeout) and timeout > 0 else LOCAL_STARTUP_TIMEOUT_SECONDS) + READY_GRACE_SECONDS
 
 
 def step(message: str, started: float) -> None:
@@ -115,9 +135,11 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
             preexec_fn=die_with_parent(),  # SIGTERM when this process dies, however (SIGKILL, SIGHUP)
         )
     procs.append(cache)
-    endpoint = wait_ready(cache, READY_TIMEOUT_SECONDS)
+    waited = ready_timeout(dict(os.environ))
+    endpoint = wait_ready(cache, waited)
     if endpoint is None:
-        print(f"the cache did not become ready; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
+        how = f"within {waited:.0f}s" if cache.poll() is None else f"(it {exit_status(cache.returncode)})"
+        print(f"the cache did not become ready {how}; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
         return 1
     step(f"cache ready at {endpoint}", started)
 
@@ -138,15 +160,18 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
             train_cmd, env=env, stderr=train_err, start_new_session=True, preexec_fn=die_with_parent()
         )
     procs.append(train)
-    code = watch(train, cache, TRAIN_TIMEOUT_SECONDS)
+    code = watch(train, cache, args.train_timeout)
     if code is None:
-        print(f"training did not finish within {TRAIN_TIMEOUT_SECONDS:.0f}s; its log:", file=sys.stderr)
+        print(f"training did not finish within {args.train_timeout}s (--train-timeout); its log:", file=sys.stderr)
         print(train_log.read_text()[-4000:], file=sys.stderr)
         return 1
     if cache.poll() is not None:
         # Watched throughout: the ranks would otherwise retry a cache that is gone until their
         # own deadline, minutes later.
-        print(f"the cache exited during training; its log:\n{log.read_text()[-4000:]}", file=sys.stderr)
+        print(
+            f"the cache ended during training (it {exit_status(cache.returncode)}); its log:\n{log.read_text()[-4000:]}",
+            file=sys.stderr,
+        )
         return 1
     if code != 0:
         print(f"training failed (exit code {code}); its log:\n{train_log.read_text()[-4000:]}", file=sys.stderr)
@@ -187,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="data-cache-demo-") as tmp:
         try:
             return run(args, Path(tmp), procs)
+        except DataCacheError as err:  # a setting the sample table cannot use (a TMPDIR holding '#', say)
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt as stop_signal:
             signum = getattr(stop_signal, "signum", signal.SIGINT)
             print(

@@ -258,7 +258,7 @@ def self_signed_cert(tmp_path_factory) -> Certificate:
 
 
 def run_data_cache(
-    *args: str, env: dict | None = None, timeout: float = DATA_CACHE_TIMEOUT_SECONDS
+    *args: str, env: dict | None = None, timeout: float = DATA_CACHE_TIMEOUT_SECONDS, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     """`data-cache ARGS` in a fresh interpreter (``env`` None: this process's environment)."""
     return subprocess.run(
@@ -267,4 +267,5 @@ def run_data_cache(
         text=True,
         timeout=timeout,
         env=env,
+        cwd=cwd,
     )

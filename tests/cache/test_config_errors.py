@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +18,9 @@ DEADLINE = 60
 HEAD = {"metadata_loc": "x", "data_nodes": 1, "host": "127.0.0.1", "port": 0, "health_port": 0}
 
 
-def data_cache(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def data_cache(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     # No METADATA_LOC / LWS_* / LOG_LEVEL from the outer environment.
-    return run_data_cache(*args, env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=DEADLINE)
+    return run_data_cache(*args, env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=DEADLINE, cwd=cwd)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -44,7 +45,12 @@ def listening():
     ("flags", "env", "message"),
     [
         ({"port": 70000}, {}, "`FLIGHT_PORT` (--port) should be a port number from 0 to 65535, got 70000"),
-        ({"port": None}, {"FLIGHT_PORT": "-1"}, "`FLIGHT_PORT` (--port) should be >= 0"),
+        # Either side of the range gets the same message.
+        (
+            {"port": None},
+            {"FLIGHT_PORT": "-1"},
+            "`FLIGHT_PORT` (--port) should be a port number from 0 to 65535, got -1",
+        ),
         ({"health_port": None}, {"HEALTH_PORT": "99999"}, "`HEALTH_PORT` (--health-port) should be a port number"),
         ({"startup_timeout": float("nan")}, {}, "(--startup-timeout) should be a finite number of seconds > 0"),
         ({}, {"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "inf"}, "`DATA_CACHE_STARTUP_TIMEOUT_SECONDS` (--startup-timeout)"),
@@ -261,6 +267,16 @@ def test_sample_table_refuses_counts_that_cannot_work(tmp_path, args, says):
     """They ended in a traceback (ValueError) and exit 1."""
     result = data_cache("sample-table", "--warehouse", str(tmp_path / "wh"), *args)
     assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("warehouse", ["", "  "])
+def test_sample_table_refuses_an_empty_warehouse_and_writes_nothing(tmp_path, warehouse):
+    """An empty --warehouse is the current folder: the table and its catalog went there, unasked."""
+    assert_one_line_error(
+        data_cache("sample-table", "--warehouse", warehouse, cwd=tmp_path),
+        "the warehouse is empty: give a folder (or s3://bucket/prefix)",
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sample_table_names_a_warehouse_it_cannot_write(tmp_path):

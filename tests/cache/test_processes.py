@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kubeflow_data_cache.processes import stop_processes
+from kubeflow_data_cache.processes import exit_status, stop_processes
 from tests.freeze import freeze
 
 # A child that prints "ready", then sleeps; with "ignore" it ignores SIGTERM; with "spawn" it
@@ -214,3 +214,17 @@ def test_die_with_parent_stops_the_child_when_its_parent_is_sigkilled():
         assert not alive(child)
     finally:
         stop_processes([parent], grace=1, kill_group=True)  # sweeps the child if it outlived the parent
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (0, "exited with code 0"),
+        (2, "exited with code 2"),
+        (-9, "was killed by SIGKILL"),  # Popen's returncode for a signal: "exited with code -9" said nothing
+        (-15, "was killed by SIGTERM"),
+        (-40, "was killed by signal 40"),  # a real-time signal has no name
+    ],
+)
+def test_an_exit_is_said_in_words(code, said):
+    assert exit_status(code) == said

@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import pytest
 
 from kubeflow_data_cache.sample import SampleTable, create_sample_table
-from tests.cache.conftest import S3Server, read_path_shards
+from tests.cache.conftest import S3Server, read_path_shards, run_data_cache
 from tests.conftest import LocalCache, running_cache
 
 BUCKET = "bucket"
@@ -129,6 +129,22 @@ def test_the_string_sample_is_read_from_s3(moto_s3, tmp_path):
     plan, _ = plan_table(table, location)
     (key_id,) = [f.field_id for f in table.schema().fields if f.name == "key"]
     assert set(plan.expansions) == {key_id} and 1 <= plan.expansions[key_id] < 2
+
+
+def test_sample_table_writes_to_s3_with_the_standard_aws_env_and_leaves_no_catalog_behind(moto_s3, tmp_path):
+    """Its catalog database went into the folder the command ran from; the metadata location is
+    all the cache needs, and it serves the table."""
+    moto_s3.client().create_bucket(Bucket="cli-bucket")
+    env = {"PATH": "/usr/bin:/bin", **moto_s3.env()}
+    made = run_data_cache(
+        "sample-table", "--warehouse", "s3://cli-bucket/wh", "--rows", "500", "--files", "2", env=env, cwd=tmp_path
+    )
+    assert made.returncode == 0, made.stderr
+    location = made.stdout.strip()
+    assert location.startswith("s3://cli-bucket/wh/demo/events/metadata/") and location.endswith(".metadata.json")
+    assert list(tmp_path.iterdir()) == []
+    with running_cache(location, data_nodes=1, env=moto_s3.env()) as cache:
+        assert_every_row_once(read_path_shards(cache.endpoint, 1), 500)
 
 
 def test_footers_are_read_from_s3_by_their_manifest_size(moto_s3, tmp_path, caplog):

@@ -50,6 +50,7 @@ def test_demo_sees_every_row_once_per_shuffled_epoch_and_cleans_up():
         (["--epochs", "0"], "argument --epochs: should be >= 1, got 0"),
         (["--workers", "-1"], "argument --workers: should be >= 0, got -1"),
         (["--batch-size", "x"], "argument --batch-size: should be an integer, got 'x'"),
+        (["--train-timeout", "0"], "argument --train-timeout: should be >= 1, got 0"),
     ],
 )
 def test_demo_settings_that_cannot_work_are_refused_before_anything_starts(args, says):
@@ -59,6 +60,38 @@ def test_demo_settings_that_cannot_work_are_refused_before_anything_starts(args,
     )
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert "writing a sample Iceberg table" not in run.stdout
+
+
+def test_a_temporary_folder_the_sample_table_cannot_use_is_one_error_line(tmp_path):
+    """A TMPDIR holding '#' (URI syntax to pyiceberg) ended the demo in a traceback."""
+    odd = tmp_path / "a#b"
+    odd.mkdir()
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(odd)},
+    )
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    assert run.stderr.startswith("error: the warehouse folder") and "choose a folder without them" in run.stderr
+    assert list(odd.iterdir()) == []  # the demo's folder went with it
+
+
+def test_the_demo_waits_for_ready_past_the_caches_own_startup_timeout():
+    """It gave up at 120 s while `local` itself allows 300 (or DATA_CACHE_STARTUP_TIMEOUT_SECONDS):
+    `local` says why when it gives up, so the demo waits for that."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", REPO_ROOT / "hack" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    grace = demo.READY_GRACE_SECONDS
+    assert demo.ready_timeout({}) == 300 + grace
+    assert demo.ready_timeout({"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "900"}) == 900 + grace
+    for refused in ("nope", "-1", "nan", ""):  # `local` refuses these itself, at once
+        assert demo.ready_timeout({"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": refused}) == 300 + grace
 
 
 @contextlib.contextmanager
@@ -118,7 +151,7 @@ def test_a_demo_whose_cache_dies_during_training_fails_at_once_naming_it():
         rest = demo.communicate(timeout=60)[0]
         assert time.monotonic() - killed < 30, "the demo waited on training with its cache gone"
         assert demo.returncode == 1
-        assert "the cache exited during training; its log:" in rest, rest
+        assert "the cache ended during training (it was killed by SIGKILL); its log:" in rest, rest
         _, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, f"left running: {[p.cmdline() for p in alive]}"
 

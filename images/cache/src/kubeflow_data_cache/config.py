@@ -268,8 +268,10 @@ def label(var: str, flag: str | None = None) -> str:
     return f"`{var}` ({flag})" if flag else f"`{var}`"
 
 
-def int_setting(name: str, raw: str | int | None, default: int, minimum: int = 0, maximum: int | None = None) -> int:
-    """An integer setting from ``minimum`` to ``maximum``: ``default`` when unset or empty."""
+def int_setting(
+    name: str, raw: str | int | None, default: int, minimum: int | None = 0, maximum: int | None = None
+) -> int:
+    """An integer setting from ``minimum`` to ``maximum`` (None: unbounded): ``default`` when unset or empty."""
     if raw is None or raw == "":
         return default
     try:
@@ -278,7 +280,7 @@ def int_setting(name: str, raw: str | int | None, default: int, minimum: int = 0
         value = int(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} should be an integer, got {raw!r}") from None
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ConfigError(f"{name} should be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise ConfigError(f"{name} should be <= {maximum}, got {value}")
@@ -287,8 +289,8 @@ def int_setting(name: str, raw: str | int | None, default: int, minimum: int = 0
 
 def port_setting(name: str, raw: str | int | None, default: int) -> int:
     """A TCP port, 0 (any free one) to 65535: checked here rather than by a traceback from the bind."""
-    value = int_setting(name, raw, default)
-    if value > 65535:
+    value = int_setting(name, raw, default, minimum=None)  # one message for either side of the range
+    if not 0 <= value <= 65535:
         raise ConfigError(f"{name} should be a port number from 0 to 65535, got {value}")
     return value
 

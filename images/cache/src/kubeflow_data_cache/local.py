@@ -35,7 +35,13 @@ from kubeflow_data_cache.config import (
 from kubeflow_data_cache.errors import ConfigError, first_line
 from kubeflow_data_cache.load_progress import slow_read_seconds, waiting_reads
 from kubeflow_data_cache.memory import LOCAL_ENV, local_load_threads, parse_bytes
-from kubeflow_data_cache.processes import die_with_parent, dump_stacks_on_signal, handle_signals, stop_processes
+from kubeflow_data_cache.processes import (
+    die_with_parent,
+    dump_stacks_on_signal,
+    exit_status,
+    handle_signals,
+    stop_processes,
+)
 from kubeflow_data_cache.security import (
     CLUSTER_KEY_ENV,
     TLS_DIR_ENV,
@@ -270,7 +276,7 @@ class LocalCluster:
     def _dead(self) -> str | None:
         for name, proc in self.procs:
             if proc.poll() is not None:
-                return f"{name} exited with code {proc.returncode}"
+                return f"{name} {exit_status(proc.returncode)}"
         return None
 
     def wait_ready(self, should_stop=lambda: False) -> dict:

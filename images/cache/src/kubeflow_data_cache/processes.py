@@ -95,6 +95,16 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return preexec
 
 
+def exit_status(code: int) -> str:
+    """How a child ended, in words: Popen gives a signal's end as its negated number ("-9")."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def _send(proc: subprocess.Popen, sig: int, group: bool) -> None:
     with contextlib.suppress(ProcessLookupError):
         if group:

@@ -8,6 +8,7 @@ Rows are deterministic functions of ``id`` so readers can check what they got.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,9 +94,38 @@ def create_sample_table(
     """
     if rows < 0 or files < 1:
         raise ValueError(f"rows must be >= 0 and files >= 1, got rows={rows}, files={files}")
-    if catalog_db is None:
-        base = Path(warehouse) if "://" not in warehouse else Path.cwd()
-        catalog_db = base / "catalog.db"
+    if not warehouse.strip():
+        # Path("") is the current folder: the table and its catalog went into it, unasked.
+        raise ConfigError("the warehouse is empty: give a folder (or s3://bucket/prefix) to write the table under")
+    if catalog_db is None and "://" in warehouse:
+        # The metadata location is all the cache needs; the catalog that made it is thrown away
+        # rather than left in whatever folder the command ran from.
+        with tempfile.TemporaryDirectory(prefix="data-cache-sample-catalog-") as scratch:
+            return _create(
+                warehouse, rows, files, schema_name, table_name, Path(scratch) / "catalog.db", properties, with_text
+            )
+    return _create(
+        warehouse,
+        rows,
+        files,
+        schema_name,
+        table_name,
+        catalog_db or Path(warehouse) / "catalog.db",
+        properties,
+        with_text,
+    )
+
+
+def _create(
+    warehouse: str,
+    rows: int,
+    files: int,
+    schema_name: str,
+    table_name: str,
+    catalog_db: Path,
+    properties: dict[str, str] | None,
+    with_text: bool,
+) -> SampleTable:
     catalog = make_catalog(warehouse, catalog_db, properties)
     catalog.create_namespace_if_not_exists(schema_name)
     identifier = f"{schema_name}.{table_name}"
