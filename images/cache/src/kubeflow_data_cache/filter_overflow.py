@@ -7,9 +7,9 @@ rows, with `total_records` agreeing, so rows were silently left out (or added). 
 mode, Trino and Postgres raise an error instead, and pyiceberg's Python integers never wrap.
 
 So each such operation gets a check, evaluated alongside the filter: the same operation on its
-operands (as the filter computes them) widened to a 76-digit decimal, which holds any sum,
-difference or product of two 64-bit integers exactly, and tested against the bounds of the type
-DataFusion gives the result. A row past them refuses the filter, naming the expression and the
+operands (as the filter computes them) widened to a decimal that holds any sum, difference or
+product of two 64-bit integers exactly (WIDE, or WIDEST for unsigned 64-bit results), and tested
+against the bounds of the type DataFusion gives the result. A row past them refuses the filter, naming the expression and the
 wider type to compute it in. Division and `%` raise DataFusion's own error where they overflow
 (MIN / -1), so `id % 10 = 0` sampling costs nothing extra; `abs`, `factorial` and `lcm` do too.
 
