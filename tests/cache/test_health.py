@@ -41,6 +41,49 @@ def test_ready_reports_progress_then_ready(cluster, small_table):
         node_health.stop()
 
 
+def test_the_heads_state_only_moves_forward_and_ready_counts_registrations_while_it_plans(
+    cluster, small_table, monkeypatch
+):
+    """It went waiting -> loading (planning) -> waiting (nodes) -> loading, and while it planned
+    /ready did not say that a node had registered (planning on S3 can take a long time)."""
+    import threading
+
+    from kubeflow_data_cache.head import Head
+
+    planned = threading.Event()
+    plan = Head._plan
+    monkeypatch.setattr(Head, "_plan", lambda self: planned.wait(30) and plan(self))
+    head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
+    states, watching = [], threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            if not states or states[-1] != head.lifecycle.state:
+                states.append(head.lifecycle.state)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    code, body = wait_for(lambda: (r := get(head_health.port, "/ready")) and "planning" in r[1] and r)
+    assert (code, body) == (
+        503,
+        "waiting: planning the table scan; 0/1 data nodes registered (data node 0 not registered)\n",
+    )
+    cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})
+    node = DataNode(cfg)
+    try:
+        node.start_registering()
+        wait_for(lambda: "1/1" in get(head_health.port, "/ready")[1])
+        assert get(head_health.port, "/ready") == (503, "waiting: planning the table scan; 1/1 data nodes registered\n")
+        planned.set()
+        wait_for(lambda: head.lifecycle.state == READY)
+    finally:
+        watching.set()
+        watcher.join(5)
+        node.stop()
+    assert states == ["waiting", "loading", "ready"] or states == ["waiting", "ready"], states
+
+
 def test_served_bytes_are_the_arrow_bytes_the_client_receives(cluster, small_table):
     """In order, shuffled or filtered, the same rows count the bytes the client gets: gathers and
     filters gave string columns an all-valid bitmap that Flight does not send, counted served."""
@@ -109,6 +152,14 @@ def test_served_rows_are_counted(cluster, small_table):
     assert 'data_cache_request_seconds_count{action="",method="ListFlights"} 1.0' in head_metrics
     assert 'data_cache_requests_total{action="",method="GetFlightInfo"} 2.0' in head_metrics
     assert 'data_cache_request_seconds_count{action="",method="GetFlightInfo"} 2.0' in head_metrics
+    # ListActions was counted only when refused for its token, never when served.
+    assert {a.type for a in client.list_actions()} >= {"status"}
+    head_metrics = get(head_health.port, "/metrics")[1]
+    assert 'data_cache_requests_total{action="",method="ListActions"} 1.0' in head_metrics
+    # No *_created series beside each counter (they doubled a scrape); the process's own are there.
+    assert "_created" not in head_metrics + metrics
+    for name in ("process_start_time_seconds", "process_cpu_seconds_total", "process_open_fds"):
+        assert f"\n{name} " in head_metrics, name
 
 
 def test_calls_are_labelled_with_the_action_they_carry(cluster, small_table):
@@ -269,6 +320,24 @@ def test_a_client_that_trickles_its_request_is_closed_at_the_request_deadline(mo
                     closed = True
             assert closed, "the connection outlived its request deadline"
             assert time.monotonic() - started < 3
+        assert get(server.port, "/live") == (200, "ok\n")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+def test_other_methods_are_not_allowed_naming_the_ones_that_are(method):
+    """They were answered 501 "Unsupported method", an HTML page."""
+    import http.client
+
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), dict).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request(method, "/ready", body=b"x")
+        response = conn.getresponse()
+        assert (response.status, response.getheader("Allow")) == (405, "GET, HEAD")
+        assert response.read() == b"method not allowed: use GET (or HEAD)\n"
+        conn.close()
         assert get(server.port, "/live") == (200, "ok\n")
     finally:
         server.stop()

@@ -54,6 +54,7 @@ from kubeflow_data_cache.service import (
     FAILED,
     LOADING,
     READY,
+    WAITING,
     Lifecycle,
     Metrics,
     ReadOnlyFlight,
@@ -73,6 +74,7 @@ class Head(ReadOnlyFlight):
         self.lifecycle = Lifecycle()
         self.location = cfg.location(self.port)
         self.registered: dict[int, dict[str, Any]] = {}
+        self._planning = False  # while the head plans the scan (the nodes may register meanwhile)
         self.node_status: dict[int, dict[str, Any]] = {}
         # What the nodes hold now, as /status sums it (a node gone or reloading holds nothing).
         self.metrics.follow(self.lifecycle, lambda: self._held("rows"), lambda: self._held("bytes"))
@@ -193,9 +195,13 @@ class Head(ReadOnlyFlight):
         try:
             # Plan while the data nodes start: a bad METADATA_LOC fails at once, and planning
             # overlaps the pods' start-up instead of following it.
+            # Still forming (waiting) until every node registered, so the state never goes back
+            # from loading to waiting; the detail says both what the head does and who is missing.
             planning = time.monotonic()
-            self.lifecycle.set(LOADING, "planning the table scan")
+            self._planning = True
+            self.lifecycle.set(WAITING, self._forming_detail())
             plan = self._by_deadline(deadline, self._plan, "planning the table scan")
+            self._planning = False
             self.plan_seconds = time.monotonic() - planning
             self._wait_for_nodes(deadline)
             started = time.monotonic()
@@ -273,8 +279,17 @@ class Head(ReadOnlyFlight):
                     f"only {len(self.registered)}/{want} data node(s) registered within "
                     f"{self.cfg.startup_timeout:.0f}s ({missing}); check those data node pods' logs"
                 )
-            self.lifecycle.set("waiting", f"{len(self.registered)}/{want} data nodes registered ({missing})")
+            self.lifecycle.set(WAITING, self._forming_detail(missing))
             self._wait_for_news()
+
+    def _forming_detail(self, missing: str | None = None) -> str:
+        """/ready's reason while the cluster forms: the plan under way, if it is, and the
+        nodes registered so far."""
+        want = self.cfg.data_nodes
+        count = f"{len(self.registered)}/{want} data nodes registered"
+        if len(self.registered) < want:
+            count += f" ({missing or self._unregistered()})"
+        return f"planning the table scan; {count}" if self._planning else count
 
     def _unregistered(self) -> str:
         """'data node 3 not registered', or the first few indexes of many (LWS worker index - 1)."""
@@ -635,6 +650,7 @@ class Head(ReadOnlyFlight):
             )
         self.registered[index] = {"location": location, "memory_limit": memory_limit, "load_threads": load_threads}
         self._nodes_changed.set()
+        self.lifecycle.waiting_detail(self._forming_detail())  # while forming: one more registered
         # Heartbeats of a node the head knows serving its rows are not news (every node sends one
         # every REGISTER_INTERVAL_SECONDS: a round for each would poll every node N times as often).
         serving = self.node_status.get(index, {}).get("state") == READY and body.get("generation") == self.generation

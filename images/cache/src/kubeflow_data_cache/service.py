@@ -16,7 +16,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pyarrow.flight as flight
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kubeflow_data_cache.client_statuses import InvalidArgument, Unimplemented, install
@@ -95,6 +103,10 @@ class Lifecycle:
         raise NotReadyError(f"the cache is not ready yet ({self.state}: {self.detail}); retry shortly")
 
 
+# No `*_created` series beside each counter and histogram: they doubled what every scrape
+# carries, and a process's start is process_start_time_seconds.
+disable_created_metrics()
+
 # Where Prometheus scrapes each process (the chart's PodMonitor names it too).
 METRICS_PATH = "/metrics"
 # From a cached answer (~100 us) to a head slowed by thousands of readers starting at once.
@@ -109,7 +121,12 @@ class Metrics:
         r = self.registry
         self.rows_loaded = Gauge("data_cache_loaded_rows", "Rows held in memory", registry=r)
         self.bytes_loaded = Gauge("data_cache_loaded_bytes", "Arrow bytes held in memory", registry=r)
-        self.load_seconds = Gauge("data_cache_load_seconds", "Seconds from planning to ready", registry=r)
+        self.load_seconds = Gauge(
+            "data_cache_load_seconds",
+            "Head: seconds planning and loading, without the wait for data nodes to register; "
+            "data node: seconds from its assignment to ready",
+            registry=r,
+        )
         self.ready = Gauge("data_cache_ready", "1 when loaded and serving", registry=r)
         self.rows_served = Counter("data_cache_served_rows", "Rows sent to clients", registry=r)
         self.bytes_served = Counter("data_cache_served_bytes", "Arrow bytes sent to clients", registry=r)
@@ -135,6 +152,9 @@ class Metrics:
         memory.set_function(resident_bytes)
         info = Gauge("data_cache_info", "Role of this process and the table it caches", ["role", "table"], registry=r)
         info.labels(role=role, table=table).set(1)
+        # The standard process_* series: process_start_time_seconds tells a restart, and CPU,
+        # open files and virtual memory what a busy node spends (Linux; nothing elsewhere).
+        ProcessCollector(registry=r)
 
     def follow(self, lifecycle: Lifecycle, rows: Callable[[], int], nbytes: Callable[[], int]) -> None:
         """Read ``ready`` and what is held when scraped, from the state /ready and /status answer
@@ -221,6 +241,7 @@ FLIGHT_CALLS = {
     "get_flight_info": "GetFlightInfo",
     "get_schema": "GetSchema",
     "list_flights": "ListFlights",
+    "list_actions": "ListActions",  # else counted when refused for its token, never when served
     "do_put": "DoPut",
     "do_exchange": "DoExchange",
 }
@@ -340,6 +361,20 @@ class HealthServer:
 
             def do_HEAD(self) -> None:  # `curl -I`, uptime checkers: the same status and headers
                 self._respond(with_body=False)
+
+            def _not_allowed(self) -> None:
+                # A method HTTP defines, on paths that only answer GET and HEAD: 405 with Allow
+                # (http.server answers 501 "Unsupported method", in HTML, for every one).
+                self._with_body = True
+                self.send_response(405)
+                self.send_header("Allow", "GET, HEAD")
+                body = b"method not allowed: use GET (or HEAD)\n"
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
             def _respond(self, with_body: bool) -> None:
                 self._with_body = with_body
