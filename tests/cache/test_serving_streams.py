@@ -161,6 +161,37 @@ def test_windows_keep_every_batch_in_order_within_the_row_bound():
     assert list(node_module.windows(iter([]), max_rows=10)) == []
 
 
+def test_a_window_holds_at_most_its_batch_count():
+    """One-row batches (a client's batch_size=1) made windows of 16 MiB of rows: hundreds of
+    thousands of slices, each with its own buffers, several KiB a row and uncounted."""
+    import pyarrow as pa
+
+    batches = [pa.record_batch({"x": pa.array([i], pa.int64())}) for i in range(10)]
+    got = list(node_module.windows(iter(batches), max_rows=1000, max_batches=4))
+    assert [t.num_rows for t in got] == [4, 4, 2]
+    assert pa.concat_tables(got).column("x").to_pylist() == list(range(10))
+
+
+def test_an_in_order_stream_of_one_row_batches_is_windowed_by_batch_count(cluster, small_table, monkeypatch):  # noqa: F811
+    """Every row once, in windows of at most SERVE_WINDOW_BATCHES batches, as the node sends them."""
+    sizes = []
+    real = node_module.windows
+
+    def recording(batches, max_rows, *args, **kwargs):
+        for window in real(batches, max_rows, *args, **kwargs):
+            sizes.append(len(window.to_batches()))
+            yield window
+
+    monkeypatch.setattr(node_module, "windows", recording)
+    head, *_ = cluster(small_table.metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
+    with CacheClient(head.location, deadline_seconds=30) as client:
+        batches = list(client.read_shard(ShardRequest(columns=["id"], batch_size=1)))
+    assert sorted(v for b in batches for v in b.column(0).to_pylist()) == list(range(small_table.rows))
+    assert sizes and max(sizes) == 256  # constants.SERVE_WINDOW_BATCHES: it was all 10,000 in one
+    assert sum(sizes) == small_table.rows  # one row per batch, every batch windowed
+
+
 def test_a_window_holds_about_the_window_bytes_of_average_rows():
     assert node_module.window_rows(8.0, max_bytes=160 * 8) == 160
     assert node_module.window_rows(1e9, max_bytes=16) == 1  # one huge row: still a window

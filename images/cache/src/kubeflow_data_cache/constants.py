@@ -81,6 +81,10 @@ SERVED_BATCH_MAX_BYTES = 4 << 20
 # per window. Per batch, a Python generator cost ~65 us of GIL hand-over here, 10% of a
 # fixed-width stream; a reader that stops early is counted at most one window past what it was sent.
 SERVE_WINDOW_BYTES = 16 << 20
+# ... and of at most this many batches: a window of one-row batches (a client's batch_size=1) held
+# each slice's own buffers, rebased offsets and batch overhead, several KiB a row, so a window of
+# "16 MiB" of rows took hundreds of MiB, uncounted (4 such streams: 1.1 GiB on a 218 MiB node).
+SERVE_WINDOW_BATCHES = 256
 
 # The largest decoded-per-compressed ratio a load order's ``expansions`` may hold, and a head
 # sends: past what any codec reaches (zstd's runs of one byte, ~32,000x), far below what would

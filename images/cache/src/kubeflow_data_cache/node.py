@@ -29,6 +29,7 @@ from kubeflow_data_cache.constants import (
     REGISTER_WARN_AFTER_SECONDS,
     REGISTER_WARN_EVERY_SECONDS,
     RPC_TIMEOUT_SECONDS,
+    SERVE_WINDOW_BATCHES,
     SERVE_WINDOW_BYTES,
 )
 from kubeflow_data_cache.errors import (
@@ -88,8 +89,11 @@ def window_rows(row_bytes: float, max_bytes: int = SERVE_WINDOW_BYTES) -> int:
     return max(1, int(max_bytes // row_bytes)) if row_bytes > 0 else max_bytes
 
 
-def windows(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.Table]:
-    """``batches`` grouped, in order, into tables of up to ``max_rows`` rows (at least one batch).
+def windows(
+    batches: Iterator[pa.RecordBatch], max_rows: int, max_batches: int = SERVE_WINDOW_BATCHES
+) -> Iterator[pa.Table]:
+    """``batches`` grouped, in order, into tables of up to ``max_rows`` rows and ``max_batches``
+    batches (at least one batch).
 
     Bounded by rows, not by each batch's ``nbytes``: for a slice with a string column that walks
     the slice's buffers, and cost as much as 1% of an in-order stream.
@@ -97,7 +101,7 @@ def windows(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.Tab
     group: list[pa.RecordBatch] = []
     rows = 0
     for batch in batches:
-        if group and rows + batch.num_rows > max_rows:
+        if group and (rows + batch.num_rows > max_rows or len(group) >= max_batches):
             yield pa.Table.from_batches(group)
             group, rows = [], 0
         group.append(batch)
