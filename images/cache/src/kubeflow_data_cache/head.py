@@ -10,7 +10,8 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import pyarrow as pa
@@ -84,6 +85,7 @@ class Head(ReadOnlyFlight):
         self.load_seconds = 0.0
         self.plan_seconds = 0.0
         self._filter_counts: OrderedDict[str, list[dict]] = OrderedDict()  # LRU, CACHED_FILTER_COUNTS
+        self._counting: dict[str, Future] = {}  # predicates being counted now (_filter_answers)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Set by every registration (nodes re-register when their load ends): wakes the waits below.
@@ -468,6 +470,37 @@ class Head(ReadOnlyFlight):
             if cached is not None:
                 self._filter_counts.move_to_end(predicate)
                 return cached
+            # One count per predicate at a time: every rank asks for a new filter at the start of
+            # an epoch, and each miss sent its own count to every node (24 at once took a node
+            # 250 MiB past its memory limit). The others wait for that one's answer or its error.
+            pending = self._counting.get(predicate)
+            counting = pending is None
+            if counting:
+                pending = self._counting[predicate] = Future()
+        if not counting:
+            try:
+                return pending.result(timeout=COUNT_TIMEOUT_SECONDS)
+            except FutureTimeout:
+                raise NotReadyError(
+                    f"the data nodes are still counting filter {shown(predicate)}'s rows; retry shortly"
+                ) from None
+        try:
+            answers = self._count_on_nodes(predicate)
+        except BaseException as err:
+            with self._lock:
+                del self._counting[predicate]
+            pending.set_exception(err)
+            raise
+        with self._lock:
+            del self._counting[predicate]
+            self._filter_counts[predicate] = answers
+            while len(self._filter_counts) > CACHED_FILTER_COUNTS:
+                self._filter_counts.popitem(last=False)
+        pending.set_result(answers)
+        return answers
+
+    def _count_on_nodes(self, predicate: str) -> list[dict]:
+        """Ask every data node to count ``predicate``'s rows, in parallel; their answers."""
 
         def count(node: int) -> dict:
             location = self._location(node)
@@ -489,12 +522,7 @@ class Head(ReadOnlyFlight):
                 ) from None
 
         with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
-            answers = list(pool.map(count, range(self.cfg.data_nodes)))
-        with self._lock:
-            self._filter_counts[predicate] = answers
-            while len(self._filter_counts) > CACHED_FILTER_COUNTS:
-                self._filter_counts.popitem(last=False)
-        return answers
+            return list(pool.map(count, range(self.cfg.data_nodes)))
 
     def _ready(self) -> None:
         if self.lifecycle.state != READY:

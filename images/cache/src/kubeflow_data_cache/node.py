@@ -559,10 +559,10 @@ class DataNode(ReadOnlyFlight):
             predicate = parse_action_body(action).get("filter")
             if not isinstance(predicate, str) or not predicate.strip():
                 raise BadRequestError('count needs {"filter": "<SQL predicate>"}')
-            store, filters, _, _ = self._loaded()
-            matches = filters.rows(predicate)
+            _, filters, _, _ = self._loaded()
             # The matches' nulls and list lengths, for the readers' checks before their first batch.
-            return [json.dumps({"rows": len(matches), **store.figures_of(matches)}).encode()]
+            matches, figures = filters.matched(predicate)
+            return [json.dumps({"rows": len(matches), **figures}).encode()]
         raise NotImplementedError(f"action {shown(action.type)} is not implemented by data nodes")
 
     def list_actions(self, context):
