@@ -14,8 +14,10 @@ export UV_FIND_LINKS := $(or $(UV_FIND_LINKS),$(subst $(space),$(comma),$(strip 
 # CPU index. PyPI's torch is the CUDA build, gigabytes, whose nvidia-* libraries the lock does not
 # even list (find-links without a torch wheel resolved to it).
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-TORCH_WHEELS := $(foreach links,$(subst $(comma),$(space),$(UV_FIND_LINKS)),$(wildcard $(links)/torch-*.whl))
-TORCH_SOURCE := $(if $(TORCH_WHEELS),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
+# A find-links URL (file://, http://) cannot be looked into from here: it is trusted to hold torch.
+FIND_LINKS := $(subst $(comma),$(space),$(UV_FIND_LINKS))
+TORCH_WHEELS := $(foreach links,$(FIND_LINKS),$(if $(findstring ://,$(links)),$(links),$(wildcard $(links)/torch-*.whl)))
+TORCH_SOURCE := $(if $(strip $(TORCH_WHEELS)),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
 # The uv to run, as hack/ensure-uv.sh names it (at least its UV_MIN_VERSION; it installs its pinned
 # UV_VERSION when none is found): expanded by the shell of each recipe line, after the `uv` target ran.
 UV = $$(bash hack/ensure-uv.sh)
@@ -29,8 +31,7 @@ ifneq ($(wildcard $(STAMP)),)
 PACKAGE_INITS := images/cache/src/kubeflow_data_cache/__init__.py images/initializer/src/kubeflow_cache_initializer/__init__.py
 VENV_FINDS := $(shell $(PY) -I -c 'import importlib.util as u, os; print(*(os.path.realpath(u.find_spec(m).origin) for m in ("kubeflow_data_cache", "kubeflow_cache_initializer")))' 2>/dev/null)
 ifneq ($(VENV_FINDS),$(realpath $(PACKAGE_INITS)))
-$(info $(VENV) does not run this checkout's packages (moved, copied, or its Python gone): rebuilding it)
-$(shell rm -rf $(VENV))
+VENV_STALE := 1
 endif
 endif
 
@@ -42,11 +43,16 @@ help: ## List the targets
 uv:
 	@bash hack/ensure-uv.sh >/dev/null
 
-$(STAMP): $(LOCK_DEPS) | uv
+$(STAMP): $(LOCK_DEPS) $(if $(VENV_STALE),FORCE) | uv
+	$(if $(VENV_STALE),@echo "$(VENV) does not run this checkout's packages (moved, copied, or its Python gone): rebuilding it")
+	$(if $(VENV_STALE),rm -rf $(VENV))
 	$(UV) venv --allow-existing --python $(PYTHON_VERSION) $(VENV)
 	$(UV) pip sync --strict --python $(PY) $(TORCH_SOURCE) requirements-dev.lock
 	$(UV) pip install --python $(PY) --no-deps -e images/cache -e images/initializer
 	touch $(STAMP)
+
+.PHONY: FORCE
+FORCE:
 
 .PHONY: setup
 setup: $(STAMP) ## Build .venv: both packages (editable), their console scripts and the dev tools

@@ -84,6 +84,36 @@ def test_the_heads_state_only_moves_forward_and_ready_counts_registrations_while
     assert states == ["waiting", "loading", "ready"] or states == ["waiting", "ready"], states
 
 
+def test_a_head_that_planned_before_its_nodes_registered_waits_then_loads(cluster, small_table):
+    """The order that sent the state back: planned first (waiting -> loading), then waiting for
+    the node (-> waiting), then loading again."""
+    import threading
+
+    head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
+    states, watching = [], threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            if not states or states[-1] != head.lifecycle.state:
+                states.append(head.lifecycle.state)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    wait_for(lambda: head.plan_seconds > 0)  # planned, and no node yet
+    assert get(head_health.port, "/ready") == (503, "waiting: 0/1 data nodes registered (data node 0 not registered)\n")
+    cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})
+    node = DataNode(cfg)
+    try:
+        node.start_registering()
+        wait_for(lambda: head.lifecycle.state == READY)
+    finally:
+        watching.set()
+        watcher.join(5)
+        node.stop()
+    assert states in (["waiting", "loading", "ready"], ["waiting", "ready"]), states
+
+
 def test_served_bytes_are_the_arrow_bytes_the_client_receives(cluster, small_table):
     """In order, shuffled or filtered, the same rows count the bytes the client gets: gathers and
     filters gave string columns an all-valid bitmap that Flight does not send, counted served."""

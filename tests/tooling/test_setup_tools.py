@@ -104,7 +104,8 @@ def test_make_lock_compiles_torch_from_the_cpu_index_without_find_links(tmp_path
     wheels.mkdir()
     empty.mkdir()
     (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
-    for links, from_index in ((str(wheels), False), (str(empty), True), (f"{empty},{wheels}", False)):
+    cases = ((str(wheels), False), (str(empty), True), (f"{empty},{wheels}", False), ("https://wheels.example/", False))
+    for links, from_index in cases:  # a URL cannot be looked into: trusted to hold torch
         (command,) = [c for c in _lock_commands({"UV_FIND_LINKS": links}) if "-o requirements-dev.lock" in c]
         assert (cpu_index in command) == from_index, links
 
@@ -145,8 +146,11 @@ def test_a_venv_that_does_not_run_this_checkouts_packages_is_rebuilt(tmp_path, f
     done = subprocess.run(["make", "-n", "setup"], cwd=checkout, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert ("rebuilding it" in done.stdout) == rebuilt
-    assert venv.exists() != rebuilt
+    assert ("rm -rf .venv" in done.stdout) == rebuilt
     assert ("venv --allow-existing" in done.stdout) == rebuilt
+    assert venv.exists()  # a dry run (or `make help`) removes nothing; only the rebuild does
+    subprocess.run(["make", "help"], cwd=checkout, capture_output=True, text=True, timeout=60, check=True)
+    assert venv.exists()
 
 
 def test_make_lock_holds_the_image_locks_to_the_dev_locks_versions() -> None:

@@ -1,17 +1,21 @@
 """Integer arithmetic in a filter, checked for overflow on the rows it is evaluated over.
 
-DataFusion's integer `+`, `-`, `*`, unary minus and casts to a narrower integer type wrap around
-on overflow, without an error, and its ANSI mode does not change that: `x + x > 0` on an int32
-column of values near 2^31 matched none of them, and `id + 9223372036854775807 > 0` one of 100
-rows, with `total_records` agreeing, so rows were silently left out (or added). Spark in ANSI
-mode, Trino and Postgres raise an error instead, and pyiceberg's Python integers never wrap.
+DataFusion's integer `+`, `-`, `*` and unary minus wrap around on overflow, without an error, and
+its ANSI mode does not change that: `x + x > 0` on an int32 column of values near 2^31 matched
+none of them, and `id + 9223372036854775807 > 0` one of 100 rows, with `total_records` agreeing,
+so rows were silently left out (or added). Spark in ANSI mode, Trino and Postgres raise an error
+instead, and pyiceberg's Python integers never wrap. (Casts to a narrower integer type do not
+wrap: DataFusion raises a cast error past the range, or compares exactly where its optimizer
+unwraps the cast. Division and `%` raise their own error where they overflow, MIN / -1, and so do
+`abs`, `factorial` and `lcm`: `id % 10 = 0` sampling costs nothing extra.)
 
-So each such operation gets a check, evaluated alongside the filter: the same operation on its
-operands (as the filter computes them) widened to a decimal that holds any sum, difference or
-product of two 64-bit integers exactly (WIDE, or WIDEST for unsigned 64-bit results), and tested
-against the bounds of the type DataFusion gives the result. A row past them refuses the filter, naming the expression and the
-wider type to compute it in. Division and `%` raise DataFusion's own error where they overflow
-(MIN / -1), so `id % 10 = 0` sampling costs nothing extra; `abs`, `factorial` and `lcm` do too.
+So each such operation on integer operands gets a check, evaluated alongside the filter: the same
+operation on its operands (as the filter computes them) widened to a decimal that holds any sum,
+difference or product of two 64-bit integers exactly (WIDE, or WIDEST for unsigned 64-bit
+results), and tested against the bounds of the type DataFusion gives the result. A row past them
+refuses the filter, naming the operation and a wider type to compute it in. An operation whose
+operands' ranges (their types', or a literal's value) cannot take it out of its type, such as an
+int32 column plus a small literal computed in int64, gets no check.
 
 A check is evaluated on every row, also where a CASE arm or an AND would not use the value:
 a filter whose guarded branch overflows on the rows it guards against is refused too, a
@@ -37,9 +41,6 @@ from kubeflow_data_cache.filter_decimals import planned_type
 WIDE = pa.decimal128(38, 0)
 WIDEST = pa.decimal256(76, 0)
 WRAPPING_OPERATORS = frozenset({"+", "-", "*"})
-# Casts that wrap a value past the target type (TRY_CAST gives NULL there, as it should).
-WRAPPING_CASTS = frozenset({"Cast"})
-WRAPPING_CAST_FUNCTIONS = frozenset({"arrow_cast"})
 _TYPED_INTEGER = re.compile(r"\bU?Int(?:8|16|32|64)\((-?[0-9]+)\)")
 
 
@@ -73,12 +74,11 @@ def overflow_checks(condition, type_of: Callable[[object], pa.DataType]) -> list
         kind = planned_type(expr, type_of)
         if kind is None or not pa.types.is_integer(kind):
             continue
-        if form in WRAPPING_CASTS or form == "ScalarFunction":
-            source = planned_type(operands[0], type_of)
-            if source is None or not pa.types.is_integer(source):
-                continue  # from text or floats DataFusion raises its own error past the range
-            if _holds(kind, source):
-                continue  # a widening cast
+        ranges = [_range(o, type_of) for o in operands]
+        if None in ranges:
+            continue  # an operand that is no integer (a date difference is an int64 of dates)
+        if _fits(form, expr, ranges, kind):
+            continue
         wide = WIDEST if kind == pa.uint64() else WIDE
         low, high = _bounds(kind)
         widened = _widened(expr, form, operands, wide, lit)
@@ -99,9 +99,38 @@ def refusal(predicate: str, check: OverflowCheck) -> BadRequestError:
 def _may_wrap(expr, form: str, operands) -> bool:
     if form == "BinaryExpr":
         return expr.rex_call_operator() in WRAPPING_OPERATORS and len(operands) == 2
-    if form == "ScalarFunction":
-        return expr.rex_call_operator() in WRAPPING_CAST_FUNCTIONS and bool(operands)
-    return (form == "Negative" and len(operands) == 1) or (form in WRAPPING_CASTS and bool(operands))
+    return form == "Negative" and len(operands) == 1
+
+
+def _range(operand, type_of: Callable[[object], pa.DataType]) -> tuple[int, int] | None:
+    """The values an integer operand can take: a literal's own, else its type's; None where it
+    is not an integer."""
+    if operand.variant_name() == "Literal":
+        value = operand.python_value().as_py()
+        return (value, value) if isinstance(value, int) and not isinstance(value, bool) else None
+    kind = planned_type(operand, type_of)
+    if kind is None or not pa.types.is_integer(kind):
+        return None
+    low, high = _bounds(kind)
+    return int(low), int(high)
+
+
+def _fits(form: str, expr, ranges: list[tuple[int, int]], kind: pa.DataType) -> bool:
+    """Whether the operation's value stays in ``kind`` whatever its operands' values in ``ranges``."""
+    if form == "Negative":
+        ((low, high),) = ranges
+        values = (-low, -high)
+    else:
+        (a_low, a_high), (b_low, b_high) = ranges
+        operator = expr.rex_call_operator()
+        if operator == "+":
+            values = (a_low + b_low, a_high + b_high)
+        elif operator == "-":
+            values = (a_low - b_high, a_high - b_low)
+        else:
+            values = tuple(a * b for a in (a_low, a_high) for b in (b_low, b_high))
+    low, high = _bounds(kind)
+    return low <= min(values) and max(values) <= high
 
 
 def _widened(expr, form: str, operands, wide: pa.DataType, lit):
@@ -109,9 +138,7 @@ def _widened(expr, form: str, operands, wide: pa.DataType, lit):
     if form == "BinaryExpr":
         a, b = (o.cast(wide) for o in operands)
         return {"+": a + b, "-": a - b, "*": a * b}[expr.rex_call_operator()]
-    if form == "Negative":
-        return lit(pa.scalar(Decimal(0), wide)) - operands[0].cast(wide)
-    return operands[0].cast(wide)  # a cast: its operand's value, to test against the target's range
+    return lit(pa.scalar(Decimal(0), wide)) - operands[0].cast(wide)
 
 
 def _bounds(kind: pa.DataType) -> tuple[Decimal, Decimal]:
@@ -119,12 +146,6 @@ def _bounds(kind: pa.DataType) -> tuple[Decimal, Decimal]:
     if pa.types.is_signed_integer(kind):
         return Decimal(-(1 << (bits - 1))), Decimal((1 << (bits - 1)) - 1)
     return Decimal(0), Decimal((1 << bits) - 1)
-
-
-def _holds(kind: pa.DataType, source: pa.DataType) -> bool:
-    low, high = _bounds(kind)
-    source_low, source_high = _bounds(source)
-    return low <= source_low and source_high <= high
 
 
 def _readable(text: str) -> str:

@@ -204,6 +204,7 @@ class Head(ReadOnlyFlight):
             self.lifecycle.set(WAITING, self._forming_detail())
             plan = self._by_deadline(deadline, self._plan, "planning the table scan")
             self._planning = False
+            self.lifecycle.waiting_detail(self._forming_detail())  # planned: no longer "planning"
             self.plan_seconds = time.monotonic() - planning
             self._wait_for_nodes(deadline)
             started = time.monotonic()
