@@ -35,7 +35,7 @@ def test_not_a_metadata_file(tmp_path):
     bogus = tmp_path / "v1.metadata.json"
     bogus.write_text("{not json")
     code, stderr = failed_local(str(bogus))
-    assert code == 1 and "cannot read table metadata" in stderr
+    assert code == 1 and f"METADATA_LOC {str(bogus)!r} is not Iceberg table metadata ('Invalid JSON" in stderr
 
 
 def test_corrupt_data_file_fails_the_load(tmp_path):
