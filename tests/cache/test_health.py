@@ -41,6 +41,29 @@ def test_ready_reports_progress_then_ready(cluster, small_table):
         node_health.stop()
 
 
+def watch_states(lifecycle: Lifecycle, states: list[str]):
+    """Record each state ``lifecycle`` takes into ``states`` (polled every 2 ms) until the
+    returned function is called."""
+    import threading
+
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if not states or states[-1] != lifecycle.state:
+                states.append(lifecycle.state)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    def stop() -> None:
+        done.set()
+        watcher.join(5)
+
+    return stop
+
+
 def test_the_heads_state_only_moves_forward_and_ready_counts_registrations_while_it_plans(
     cluster, small_table, monkeypatch
 ):
@@ -54,16 +77,8 @@ def test_the_heads_state_only_moves_forward_and_ready_counts_registrations_while
     plan = Head._plan
     monkeypatch.setattr(Head, "_plan", lambda self: planned.wait(30) and plan(self))
     head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
-    states, watching = [], threading.Event()
-
-    def watch() -> None:
-        while not watching.is_set():
-            if not states or states[-1] != head.lifecycle.state:
-                states.append(head.lifecycle.state)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    states = []
+    stop_watching = watch_states(head.lifecycle, states)
     code, body = wait_for(lambda: (r := get(head_health.port, "/ready")) and "planning" in r[1] and r)
     assert (code, body) == (
         503,
@@ -78,8 +93,7 @@ def test_the_heads_state_only_moves_forward_and_ready_counts_registrations_while
         planned.set()
         wait_for(lambda: head.lifecycle.state == READY)
     finally:
-        watching.set()
-        watcher.join(5)
+        stop_watching()
         node.stop()
     assert states == ["waiting", "loading", "ready"] or states == ["waiting", "ready"], states
 
@@ -87,19 +101,10 @@ def test_the_heads_state_only_moves_forward_and_ready_counts_registrations_while
 def test_a_head_that_planned_before_its_nodes_registered_waits_then_loads(cluster, small_table):
     """The order that sent the state back: planned first (waiting -> loading), then waiting for
     the node (-> waiting), then loading again."""
-    import threading
 
     head, head_health, _, _ = cluster(small_table.metadata_location, with_node=False)
-    states, watching = [], threading.Event()
-
-    def watch() -> None:
-        while not watching.is_set():
-            if not states or states[-1] != head.lifecycle.state:
-                states.append(head.lifecycle.state)
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    states = []
+    stop_watching = watch_states(head.lifecycle, states)
     wait_for(lambda: head.plan_seconds > 0)  # planned, and no node yet
     assert get(head_health.port, "/ready") == (503, "waiting: 0/1 data nodes registered (data node 0 not registered)\n")
     cfg = build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})
@@ -108,8 +113,7 @@ def test_a_head_that_planned_before_its_nodes_registered_waits_then_loads(cluste
         node.start_registering()
         wait_for(lambda: head.lifecycle.state == READY)
     finally:
-        watching.set()
-        watcher.join(5)
+        stop_watching()
         node.stop()
     assert states in (["waiting", "loading", "ready"], ["waiting", "ready"]), states
 

@@ -19,6 +19,8 @@ so a literal can fake or hide a call there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from kubeflow_data_cache.errors import BadRequestError, shown
 
 # Expression forms that compute one value per row from their operands. `||` is a BinaryExpr:
@@ -150,6 +152,20 @@ def _check_literal(expr, compared: bool, predicate: str) -> None:
             f"compared with it (=, <, IN, LIKE, starts_with, ...); elsewhere every row would hold a copy of it (at "
             f"most {MAX_RESULT_LITERAL_BYTES} there)"
         )
+
+
+def operations(condition) -> Iterator[tuple[object, str, list]]:
+    """Every expression in ``condition`` that has operands (not a column or a literal), with its
+    form (variant name) and operands: the walk the decimal and overflow checks share."""
+    pending = [condition]
+    while pending:
+        expr = pending.pop()
+        form = expr.variant_name()
+        if form in ("Column", "Literal"):
+            continue
+        operands = expr.rex_call_operands()
+        pending.extend(operands)
+        yield expr, form, operands
 
 
 def is_constant(expr) -> bool:

@@ -21,7 +21,7 @@ from decimal import Decimal
 import pyarrow as pa
 
 from kubeflow_data_cache.errors import BadRequestError, shown
-from kubeflow_data_cache.filter_calls import COMPARING_OPERATORS, is_constant
+from kubeflow_data_cache.filter_calls import COMPARING_OPERATORS, is_constant, operations
 
 # Forms that compare their first operand with each of the others.
 COMPARING_LISTS = frozenset({"InList", "Between"})
@@ -52,14 +52,7 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
         kind = types[key]
         return kind if kind is not None and test(kind) else None
 
-    pending = [condition]
-    while pending:
-        expr = pending.pop()
-        form = expr.variant_name()
-        if form in ("Column", "Literal"):
-            continue
-        operands = expr.rex_call_operands()
-        pending.extend(operands)
+    for expr, form, operands in operations(condition):
         if form in COMPARING_LISTS:
             pairs = [(operands[0], other) for other in operands[1:]]
         elif form == "BinaryExpr" and expr.rex_call_operator() in MIXING_OPERATORS and len(operands) == 2:

@@ -33,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from kubeflow_data_cache.errors import BadRequestError, shown
+from kubeflow_data_cache.filter_calls import operations
 from kubeflow_data_cache.filter_decimals import planned_type
 
 # Wide enough for any +, - or * of two signed 64-bit integers (below 2^126, 38 digits), exactly;
@@ -61,14 +62,7 @@ def overflow_checks(condition, type_of: Callable[[object], pa.DataType]) -> list
     from datafusion import lit
 
     checks = []
-    pending = [condition]
-    while pending:
-        expr = pending.pop()
-        form = expr.variant_name()
-        if form in ("Column", "Literal"):
-            continue
-        operands = expr.rex_call_operands()
-        pending.extend(operands)
+    for expr, form, operands in operations(condition):
         if not _may_wrap(expr, form, operands):
             continue
         kind = planned_type(expr, type_of)
