@@ -296,6 +296,42 @@ def test_two_locals_drawing_at_once_never_hand_out_the_same_port():
     assert set(map(int, again.stdout.split(","))) & drawn[0], (again.stdout, drawn)
 
 
+def test_a_local_removes_its_port_lock_files_as_it_exits(table_factory, tmp_path):
+    """The lock folder kept an empty file for every port ever handed out: 5,000 on this machine."""
+    locks = tmp_path / "data-cache-local-ports"
+    cache = LocalCache(table_factory(1000, 1).metadata_location, data_nodes=2, env={"TMPDIR": str(tmp_path)})
+    try:
+        cache.wait_ready()
+        held = sorted(p.name for p in locks.iterdir())
+        assert len(held) == 5, held  # the head's health port, and a Flight and a health port per data node
+    finally:
+        assert cache.stop() == 0
+    assert list(locks.iterdir()) == []
+
+
+def test_a_lock_taken_on_a_file_its_holder_removed_meanwhile_is_not_a_reservation(tmp_path, monkeypatch):
+    """A holder removes its file while it still holds the lock; one who opened the file before
+    that and locked it after holds a lock on a file no one else will open: not the port."""
+    import fcntl
+
+    from kubeflow_data_cache import local
+
+    monkeypatch.setattr(local, "PORT_LOCK_DIR", tmp_path)
+    monkeypatch.setattr(local, "_port_locks", [])
+    real_flock = fcntl.flock
+
+    def holder_lets_go_first(fd, operation):
+        (tmp_path / "12345.lock").unlink()  # the holder's release_ports, between our open and lock
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(local.fcntl, "flock", holder_lets_go_first)
+    assert local._reserve(12345) is False
+    monkeypatch.setattr(local.fcntl, "flock", real_flock)
+    assert local._reserve(12345) is True  # a fresh file, locked: the port is ours
+    local.release_ports()
+    assert list(tmp_path.iterdir()) == []
+
+
 def _flag(cmdline: list[str], flag: str) -> str:
     return cmdline[cmdline.index(flag) + 1]
 

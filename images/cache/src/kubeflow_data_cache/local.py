@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -84,27 +85,46 @@ LOCAL_PORTS = range(10000, 20000)
 # free, since neither's nodes had bound them yet, and one's head then failed to bind ("port
 # 16953 on 0.0.0.0 is already in use", in a fresh-clone CI run). The lock ends with the process.
 PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "data-cache-local-ports"
-_port_locks: list[int] = []  # this process's lock files, open until it exits
+_port_locks: list[tuple[int, Path]] = []  # this process's lock files, open until it exits
 
 
 def _reserve(port: int) -> bool:
     """Lock ``port`` for this process; False where another `local` holds it. Where no lock file
     can be opened (a read-only temp folder), True: the bind check alone stands."""
+    path = PORT_LOCK_DIR / f"{port}.lock"
     try:
         PORT_LOCK_DIR.mkdir(exist_ok=True)
         with contextlib.suppress(OSError):  # every user's `local`s share it (the umask narrows mkdir's mode)
             os.chmod(PORT_LOCK_DIR, 0o1777)
         # Read-only is enough for flock, so another user's lock file (0644) is taken as well.
-        fd = os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_CREAT | os.O_RDONLY, 0o644)
+        fd = os.open(path, os.O_CREAT | os.O_RDONLY, 0o644)
     except OSError:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Its holder removes the file as it lets go (release_ports): a lock taken on a file
+        # removed meanwhile guards nothing, since the next `local` makes a new one.
+        if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            raise OSError("the lock file was removed by its last holder")
     except OSError:
         os.close(fd)
         return False
-    _port_locks.append(fd)
+    _port_locks.append((fd, path))
     return True
+
+
+def release_ports() -> None:
+    """Remove this process's lock files, each while still holding its lock, then let go: the
+    folder kept one empty file for every port ever handed out (thousands, on a CI machine). A
+    `local` killed outright leaves its files, which the next ones take over as before."""
+    while _port_locks:
+        fd, path = _port_locks.pop()
+        with contextlib.suppress(OSError):  # another user's file in the sticky folder stays
+            path.unlink()
+        os.close(fd)
+
+
+atexit.register(release_ports)
 
 
 def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
