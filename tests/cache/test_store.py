@@ -147,3 +147,14 @@ def test_figures_of_a_filters_matches_count_their_nulls_and_list_lengths_across_
     assert store.figures_of(np.array([1, 3])) == {"null_counts": {}, "list_lengths": {"v": [2, 3]}}
     assert store.figures_of(np.array([2])) == {"null_counts": {"v": 1}, "list_lengths": {}}
     assert store.figures_of(np.array([], dtype=np.int64)) == {"null_counts": {}, "list_lengths": {}}
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 1 << 40])
+def test_a_gather_past_a_single_chunk_node_is_an_error_not_a_stray_read(bad):
+    """Arrow's take checks no bounds there (one numpy check per gather instead of one per column)."""
+    batch = pa.record_batch({"id": pa.array(np.arange(10)), "s": pa.array([str(i) for i in range(10)])})
+    store = NodeStore(batch.schema, [batch])
+    taken = store.take(np.array([9, 0, 3]), None)
+    assert taken.column(0).to_pylist() == [9, 0, 3] and taken.column(1).to_pylist() == ["9", "0", "3"]
+    with pytest.raises(IndexError, match="row index out of bounds for a data node of 10 rows"):
+        store.take(np.array([1, bad, 2]), ["id"])

@@ -155,8 +155,11 @@ class EpochOrder:
         head = lo - int(self.starts[first]) if keep[0] else 0
         tail = int(self.starts[last + 1]) - hi if keep[-1] else 0
         rows = rows[head : len(rows) - tail]
-        if keep.all() and row_lo <= int(begin.min()) and int((begin + sizes).max()) <= row_hi:
-            return rows  # every block lies within the range: nothing to cut
+        kept_begin = begin[keep]
+        if row_lo <= int(kept_begin.min()) and int((kept_begin + sizes[keep]).max()) <= row_hi:
+            # Every block kept lies within the range: nothing to cut. (Tested over all blocks, a
+            # window holding another node's blocks filtered every row, ~76 us per 64K rows.)
+            return rows
         return rows[(rows >= row_lo) & (rows < row_hi)]
 
     def _block_rows(self, blocks: np.ndarray, sizes: np.ndarray) -> np.ndarray:
