@@ -332,6 +332,30 @@ def test_a_lock_taken_on_a_file_its_holder_removed_meanwhile_is_not_a_reservatio
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_child_forked_from_a_local_leaves_its_parents_port_locks(tmp_path, monkeypatch):
+    """A forked child that exits normally ran the inherited atexit hook and removed the files its
+    parent still held: another `local` could then take the same port."""
+    from kubeflow_data_cache import local
+
+    monkeypatch.setattr(local, "PORT_LOCK_DIR", tmp_path)
+    assert local._reserve(12346) is True
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: what a normal exit runs
+            code = 0
+            try:
+                local.release_ports()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert (tmp_path / "12346.lock").exists()
+        assert local._reserve(12346) is False  # still ours: no one else takes it
+    finally:
+        local.release_ports()
+    assert list(tmp_path.iterdir()) == []
+
+
 def _flag(cmdline: list[str], flag: str) -> str:
     return cmdline[cmdline.index(flag) + 1]
 

@@ -158,3 +158,8 @@ def test_a_gather_past_a_single_chunk_node_is_an_error_not_a_stray_read(bad):
     assert taken.column(0).to_pylist() == [9, 0, 3] and taken.column(1).to_pylist() == ["9", "0", "3"]
     with pytest.raises(IndexError, match="row index out of bounds for a data node of 10 rows"):
         store.take(np.array([1, bad, 2]), ["id"])
+    # Checked as Arrow reads them: a masked array's min and max leave out a hidden bad index.
+    with pytest.raises(IndexError, match="row index out of bounds"):
+        store.take(np.ma.array([1, 1 << 40, 2], mask=[0, 1, 0]), ["id"])
+    with pytest.raises(IndexError, match="row index out of bounds"):
+        store.take(np.array([1, (1 << 64) - 1], dtype=np.uint64), ["id"])

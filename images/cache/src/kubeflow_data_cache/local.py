@@ -125,6 +125,9 @@ def release_ports() -> None:
 
 
 atexit.register(release_ports)
+# A child forked from a `local` (os.fork, then a normal exit) inherits the list and the atexit
+# hook: it would remove the files its parent still holds, and another `local` could take them.
+os.register_at_fork(after_in_child=_port_locks.clear)
 
 
 def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
