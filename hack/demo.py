@@ -16,7 +16,6 @@ code is the training job's (non-zero when the exactly-once check fails); 1 when 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import selectors
 import signal
@@ -30,7 +29,8 @@ from pathlib import Path
 import psutil
 
 from kubeflow_data_cache.cli import at_least
-from kubeflow_data_cache.errors import DataCacheError
+from kubeflow_data_cache.config import seconds_setting
+from kubeflow_data_cache.errors import ConfigError, DataCacheError
 from kubeflow_data_cache.local import LOCAL_STARTUP_TIMEOUT_SECONDS
 from kubeflow_data_cache.processes import die_with_parent, exit_status, handle_signals, stop_processes
 from kubeflow_data_cache.sample import create_sample_table
@@ -67,11 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def ready_timeout(env: dict[str, str]) -> float:
     """How long to wait for READY: `local`'s own startup timeout (from the environment it
     inherits), and a grace past it for its error to arrive."""
-    try:
-        timeout = float(env.get("DATA_CACHE_STARTUP_TIMEOUT_SECONDS") or LOCAL_STARTUP_TIMEOUT_SECONDS)
-    except ValueError:  # `local` refuses it at once, naming it
+    variable = "DATA_CACHE_STARTUP_TIMEOUT_SECONDS"
+    try:  # read as `local` reads it
+        timeout = seconds_setting(variable, env.get(variable), LOCAL_STARTUP_TIMEOUT_SECONDS)
+    except ConfigError:  # `local` refuses it at once, naming it
         timeout = LOCAL_STARTUP_TIMEOUT_SECONDS
-    return (timeout if math.isfinite(timeout) and timeout > 0 else LOCAL_STARTUP_TIMEOUT_SECONDS) + READY_GRACE_SECONDS
+    return timeout + READY_GRACE_SECONDS
 
 
 def step(message: str, started: float) -> None:

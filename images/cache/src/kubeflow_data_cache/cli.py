@@ -243,12 +243,13 @@ def _main(args: argparse.Namespace) -> int:
                     health_port=args.health_port,
                 )
             )
+        from kubeflow_data_cache.iceberg_reader import is_remote
         from kubeflow_data_cache.s3_settings import s3_properties_from_env
         from kubeflow_data_cache.sample import create_sample_table
 
         # An s3:// warehouse is reached with the standard AWS settings, as the cache reads it
         # (pyiceberg alone ignores AWS_ENDPOINT_URL: a MinIO warehouse went to AWS's hosts).
-        properties = s3_properties_from_env() if args.warehouse.startswith(("s3://", "s3a://")) else None
+        properties = s3_properties_from_env() if is_remote(args.warehouse) else None
         try:
             table = create_sample_table(
                 args.warehouse, args.rows, args.files, args.schema_name, args.table_name, properties=properties

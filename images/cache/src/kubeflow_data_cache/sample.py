@@ -7,6 +7,7 @@ Rows are deterministic functions of ``id`` so readers can check what they got.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import tempfile
 from dataclasses import dataclass
@@ -97,45 +98,24 @@ def create_sample_table(
     if not warehouse.strip():
         # Path("") is the current folder: the table and its catalog went into it, unasked.
         raise ConfigError("the warehouse is empty: give a folder (or s3://bucket/prefix) to write the table under")
-    if catalog_db is None and "://" in warehouse:
-        # The metadata location is all the cache needs; the catalog that made it is thrown away
-        # rather than left in whatever folder the command ran from.
-        with tempfile.TemporaryDirectory(prefix="data-cache-sample-catalog-") as scratch:
-            return _create(
-                warehouse, rows, files, schema_name, table_name, Path(scratch) / "catalog.db", properties, with_text
+    with contextlib.ExitStack() as scratch:
+        if catalog_db is None and "://" in warehouse:
+            # For an s3:// warehouse the metadata location is all the cache needs: the catalog
+            # that made it is thrown away rather than left in the folder the command ran from.
+            catalog_db = (
+                Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="data-cache-sample-catalog-")))
+                / "catalog.db"
             )
-    return _create(
-        warehouse,
-        rows,
-        files,
-        schema_name,
-        table_name,
-        catalog_db or Path(warehouse) / "catalog.db",
-        properties,
-        with_text,
-    )
-
-
-def _create(
-    warehouse: str,
-    rows: int,
-    files: int,
-    schema_name: str,
-    table_name: str,
-    catalog_db: Path,
-    properties: dict[str, str] | None,
-    with_text: bool,
-) -> SampleTable:
-    catalog = make_catalog(warehouse, catalog_db, properties)
-    catalog.create_namespace_if_not_exists(schema_name)
-    identifier = f"{schema_name}.{table_name}"
-    if catalog.table_exists(identifier):
-        catalog.drop_table(identifier)
-    table = catalog.create_table(identifier, schema=sample_batch(0, 0, with_text).schema)
-    files = max(1, min(files, rows)) if rows else 1
-    bounds = np.linspace(0, rows, files + 1).astype(np.int64)
-    for lo, hi in itertools.pairwise(bounds):
-        if hi > lo:
-            table.append(sample_batch(int(lo), int(hi), with_text))
-    table = catalog.load_table(identifier)
+        catalog = make_catalog(warehouse, catalog_db or Path(warehouse) / "catalog.db", properties)
+        catalog.create_namespace_if_not_exists(schema_name)
+        identifier = f"{schema_name}.{table_name}"
+        if catalog.table_exists(identifier):
+            catalog.drop_table(identifier)
+        table = catalog.create_table(identifier, schema=sample_batch(0, 0, with_text).schema)
+        files = max(1, min(files, rows)) if rows else 1
+        bounds = np.linspace(0, rows, files + 1).astype(np.int64)
+        for lo, hi in itertools.pairwise(bounds):
+            if hi > lo:
+                table.append(sample_batch(int(lo), int(hi), with_text))
+        table = catalog.load_table(identifier)
     return SampleTable(table.metadata_location, schema_name, table_name, rows, files if rows else 0)
