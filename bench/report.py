@@ -148,6 +148,11 @@ def _row(case: dict[str, Any]) -> list[str]:
             f"{_fmt_ratio(med(case, 'ratio_to_loopback'), 'pct')} of loopback ({med(case, 'loopback_gb_per_s'):.2f} GB/s), "
             f"{_fmt_ratio(med(case, 'ratio_to_bare_flight'), 'pct')} of bare Flight ({med(case, 'bare_flight_gb_per_s'):.2f} GB/s)"
         )
+        if med(case, "cpu_ratio_to_bare_flight") is not None:
+            ratio += (
+                f"; server CPU {med(case, 'server_cpu_s_per_gb'):.2f} s/GB, "
+                f"{_fmt_ratio(med(case, 'cpu_ratio_to_bare_flight'))} bare Flight's"
+            )
     elif kind == "epoch":
         variant += ", shuffled" if case["shuffled"] else ", in order"
         if variant.startswith("cache"):

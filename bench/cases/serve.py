@@ -4,6 +4,11 @@ After one untimed read, each repeat reads the table enough times in a row to mov
 ``repeat_bytes`` per client (BenchConfig.serve_repeat_bytes). The loopback limit is measured in the same repeat, just after the
 DoGet reads: N TCP connections on 127.0.0.1 moving the same number of bytes with large sends,
 so both figures see the same machine load; the fastest of LOOPBACK_TRIES runs is the ceiling.
+
+Beside the rates, each repeat records the CPU time the servers spent per GB they sent: the
+cache's processes (`data-cache local`, its head and its data nodes) and the bare Flight server.
+On a 2-CPU machine where client and server share the cores, throughput swings by 10% between
+repeats; CPU per GB is what a data node costs to feed a reader, and moves far less.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
+
+import psutil
 
 from bench.config import CHILD_TIMEOUT_SECONDS
 from bench.procs import CacheProcess, read_line, stop_process
@@ -108,6 +115,18 @@ def loopback_seconds(nbytes: int, streams: int = 1, timeout: float = CHILD_TIMEO
         if any(t.is_alive() for t in threads) or sum(got) != nbytes * streams:
             raise RuntimeError(f"loopback TCP moved {sum(got)} of {nbytes * streams} bytes within {timeout:.0f}s")
         return elapsed
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` and its live descendants (a cache's
+    `local`, head and data nodes), threads included."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _child_env() -> dict[str, str]:
@@ -210,12 +229,16 @@ def run(
         bare_procs.read()
         passes = serve_passes(int(warm[0]["bytes"]), repeat_bytes)
         for _ in range(repeats):
+            cpu_before = tree_cpu_seconds(cache.proc.pid)
             reads = procs.read(passes)
+            cache_cpu = tree_cpu_seconds(cache.proc.pid) - cpu_before
             nbytes = int(reads[0]["bytes"])
             if any(int(r["rows"]) != rows for r in reads):
                 raise RuntimeError(f"a serve client read {[r['rows'] for r in reads]} rows, expected {rows}")
             wall = max(r["end"] for r in reads) - min(r["start"] for r in reads)
+            cpu_before = tree_cpu_seconds(bare_server.proc.pid)
             bare = bare_procs.read(passes)
+            bare_cpu = tree_cpu_seconds(bare_server.proc.pid) - cpu_before
             if any(int(r["rows"]) != rows for r in bare):
                 raise RuntimeError(f"a bare Flight client read {[r['rows'] for r in bare]} rows, expected {rows}")
             bare_wall = max(r["end"] for r in bare) - min(r["start"] for r in bare)
@@ -232,15 +255,22 @@ def run(
             result.add("loopback_gb_per_s", gb(nbytes * passes * clients / loop))
             result.add("bare_flight_gb_per_s", gb(int(bare[0]["bytes"]) * passes * clients / bare_wall))
             result.add("bytes_per_client", nbytes)
+            sent_gb = nbytes * passes * clients / 1e9
+            result.add("server_cpu_s_per_gb", cache_cpu / sent_gb)
+            result.add("bare_cpu_s_per_gb", bare_cpu / sent_gb)
     # Throughput ratio = inverse time ratio, taken per repeat.
     for r in paired_ratio(loop_seconds, get_seconds):
         result.add("ratio_to_loopback", r)
     for r in paired_ratio(bare_seconds, get_seconds):
         result.add("ratio_to_bare_flight", r)
+    # CPU time is counted in clock ticks (10 ms): a tiny read may show none, and gets no ratio.
+    for r in paired_ratio(result.raw["server_cpu_s_per_gb"], result.raw["bare_cpu_s_per_gb"]):
+        result.add("cpu_ratio_to_bare_flight", r)
     f = result.as_dict()["figures"]
     progress(
         f"serve rows={rows:,} nodes={nodes} clients={clients}: {f['gb_per_s']['median']:.2f} GB/s, "
         f"loopback {f['loopback_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_loopback']['median']:.0%}), "
-        f"bare pyarrow Flight {f['bare_flight_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_bare_flight']['median']:.0%})"
+        f"bare pyarrow Flight {f['bare_flight_gb_per_s']['median']:.2f} GB/s ({f['ratio_to_bare_flight']['median']:.0%}); "
+        f"server CPU {f['server_cpu_s_per_gb']['median']:.2f} s/GB, bare Flight {f['bare_cpu_s_per_gb']['median']:.2f} s/GB"
     )
     return result
