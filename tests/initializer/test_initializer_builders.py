@@ -191,6 +191,18 @@ def test_cache_pods_run_restricted():
         assert {"name": "tmp", "mountPath": "/tmp"} in _container(lws, template)["volumeMounts"]
 
 
+@pytest.mark.parametrize("port, sysctl", [("8080", None), ("1024", None), ("80", "80"), ("1", "1")])
+def test_a_health_port_below_1024_gets_the_sysctl_that_lets_a_non_root_pod_bind_it(port, sysctl):
+    """The cache runs without capabilities: on runtimes that keep the kernel's default, port 80
+    needs net.ipv4.ip_unprivileged_port_start (a safe sysctl) lowered to it, or the pod fails."""
+    lws = build_leader_worker_set(load_config({**MINIMAL, "CACHE_HEALTH_PORT": port}), [OWNER])
+    for template in ("leaderTemplate", "workerTemplate"):
+        sysctls = lws["spec"]["leaderWorkerTemplate"][template]["spec"]["securityContext"].get("sysctls")
+        expected = [{"name": "net.ipv4.ip_unprivileged_port_start", "value": sysctl}] if sysctl else None
+        assert sysctls == expected
+    validate_sent_object(lws)
+
+
 def test_the_service_account_has_the_eks_role_only_when_iam_role_is_set():
     with_role = build_service_account(load_config(FULL), [OWNER])
     without = build_service_account(load_config(MINIMAL), [OWNER])

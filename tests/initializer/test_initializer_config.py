@@ -170,6 +170,12 @@ BAD_INPUT = [
     ({"HEAD_MEM": "lots"}, "`HEAD_MEM` should be a Kubernetes quantity such as 512Mi, 4Gi or 8G, got 'lots'", ""),
     ({"WORKER_CPU": "-1"}, "`WORKER_CPU` should be a Kubernetes quantity", "'-1'"),
     ({"IAM_ROLE": "admin"}, "`IAM_ROLE` should be an IAM role ARN, arn:aws:iam::<account>:role/<name>", "'admin'"),
+    # IAM names are ASCII: AWS would refuse to assume this role only once the pods start.
+    (
+        {"IAM_ROLE": "arn:aws:iam::123456789012:role/r\u00f4le"},
+        "`IAM_ROLE` should be an IAM role ARN, arn:aws:iam::<account>:role/<name>",
+        "",
+    ),
     (
         {"READINESS_PERIOD_SECONDS": "0"},
         "`READINESS_PERIOD_SECONDS` should be an integer >= 1 and <= 2147483647, got '0'",

@@ -18,7 +18,7 @@ from kubeflow_cache_initializer import main as main_module
 from kubeflow_cache_initializer.builders import build_service, cache_names
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
-from kubeflow_cache_initializer.health import fetch_head_status, not_ready_reason
+from kubeflow_cache_initializer.health import describe_status, fetch_head_status, not_ready_reason, status_failure
 from kubeflow_cache_initializer.kube import PODS, RETRY_INITIAL_SECONDS, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import _Watcher
 from tests.conftest import free_port
@@ -505,3 +505,16 @@ def test_sigterm_while_waiting_deletes_the_cache_and_says_why(fake, make_sim, tm
     assert said in termination_log.read_text() and said in output
     assert "Traceback" not in output
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+@pytest.mark.parametrize(
+    "nodes", [[None], ["a"], {"a": 1}, 5, [None, {"index": 1, "state": "failed", "error": "disk"}]]
+)
+def test_a_head_status_with_node_entries_of_another_shape_does_not_fail_the_run(nodes):
+    """A head of another version may shape its node entries otherwise: the entries that are not
+    objects say nothing, where one crashed the run as an unexpected error (and the cache went)."""
+    status = {"state": "loading", "nodes": nodes}
+    failed = [n for n in nodes if isinstance(n, dict)] if isinstance(nodes, list) else []
+    expected = "data node 1 failed to load: disk" if failed else None
+    assert status_failure(status) == expected
+    assert describe_status(status).startswith("head loading: 0/")

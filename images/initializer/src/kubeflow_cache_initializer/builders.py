@@ -232,6 +232,13 @@ def _pod_template(
             "volumes": volumes,
         },
     }
+    if cfg.health_port < c.UNPRIVILEGED_PORT_START:
+        # The cache runs as a non-root user with no capabilities: a port below 1024 needs the
+        # kernel told to let it bind there (a safe, per-pod sysctl), or the pod fails to start
+        # on runtimes that keep the kernel's default (containerd before 2.0).
+        pod["spec"]["securityContext"]["sysctls"] = [
+            {"name": "net.ipv4.ip_unprivileged_port_start", "value": str(cfg.health_port)}
+        ]
     if cfg.image_pull_secrets:  # a private registry holds the cache image
         pod["spec"]["imagePullSecrets"] = [{"name": secret} for secret in cfg.image_pull_secrets]
     if cfg.node_selector:  # placement.py: the pool the admin keeps for cache pods

@@ -49,7 +49,8 @@ _DIGITS = re.compile(r"[0-9]+")
 _DECIMAL = re.compile(_NUMBER + r"([eE][+-]?[0-9]+)?")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label: may start with a digit
-_IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[\w+=,.@/-]+$")
+# IAM names are ASCII letters, digits and +=,.@_- (a path adds /); ``\w`` took any letter.
+_IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[A-Za-z0-9_+=,.@/-]+$")
 _TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # `{TRAIN_JOB_NAME}-cache` names the LeaderWorkerSet, whose StatefulSets (`<name>` and `<name>-0`)
 # must stay within 52 characters for their pods' controller-revision-hash label to fit in 63.

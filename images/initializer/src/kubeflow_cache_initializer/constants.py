@@ -4,6 +4,9 @@
 FLIGHT_PORT = 50051
 FLIGHT_PORT_NAME = "flight"
 DEFAULT_HEALTH_PORT = 8080
+# Ports below this need privileges the cache pods do not have, unless the pod sets the safe
+# sysctl net.ipv4.ip_unprivileged_port_start (builders.py does, for a health port below it).
+UNPRIVILEGED_PORT_START = 1024
 HEALTH_PORT_NAME = "health"
 CACHE_CONTAINER = "cache"
 HEAD_ARGS = ("head",)

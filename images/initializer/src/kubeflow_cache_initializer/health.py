@@ -153,11 +153,18 @@ def not_ready_reason(pod: dict) -> str:
     return f"{name} {status.get('phase') or 'Pending'}"
 
 
+def node_entries(status: dict) -> list[dict]:
+    """The head's per-node entries that are JSON objects: a head of another version may shape
+    them otherwise (a crash on one made a healthy cache's run fail "unexpectedly")."""
+    nodes = status.get("nodes")
+    return [node for node in nodes if isinstance(node, dict)] if isinstance(nodes, list) else []
+
+
 def status_failure(status: dict) -> str | None:
     """The load error the head or one of its data nodes reports, if any."""
     if status.get("state") == "failed":
         return f"the cache head reports a failed load: {status.get('error') or 'no reason given'}"
-    for node in status.get("nodes") or []:
+    for node in node_entries(status):
         # Only `failed` is final: an `unreachable` node (starting, restarting) carries an error too.
         if node.get("state") == "failed":
             return f"data node {node.get('index')} failed to load: {node.get('error') or 'no reason given'}"
@@ -186,7 +193,7 @@ def describe_status(status: dict | None) -> str:
     its detail follows: the nodes it cannot reach, and a read that has waited on storage."""
     if status is None:
         return "head status not available yet"
-    nodes = [node for node in status.get("nodes") or [] if isinstance(node, dict)]
+    nodes = node_entries(status)
     loaded = sum(1 for node in nodes if node.get("state") == "ready")
     rows = nbytes = 0
     for node in nodes:
