@@ -87,7 +87,7 @@ TEST_WORKERS ?= 2
 PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: test
-test: $(STAMP) ## Run every test (the kind suite skips, with its reason, without Docker)
+test: $(STAMP) ## Run every test (the kind suite is opt-in, make test-e2e: here it skips, with its reason)
 	$(PY) -m pytest tests $(PYTEST_WORKERS)
 
 .PHONY: test-fast

@@ -37,7 +37,7 @@ def test_a_wildcard_bind_advertises_the_given_host_and_serves_health_on_the_give
         assert _read_all(location) == ({"127.0.0.2"}, 3000)  # the data nodes advertise it too
         with urllib.request.urlopen(f"http://127.0.0.2:{health}/ready", timeout=10) as ready:
             assert ready.status == 200
-        assert f"the head's /ready, /live and /metrics: http://127.0.0.2:{health}" in cache.read_stderr()
+        assert f"the head's /ready, /live, /status and /metrics: http://127.0.0.2:{health}" in cache.read_stderr()
     finally:
         cache.stop()
 

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from tests.chart.rbac_rules import grants
-from tests.chart.render import DATA_CACHE, one, prepared_chart, render_chart, render_chart_files
+from tests.chart.render import DATA_CACHE, one, prepared_chart, render_chart, render_chart_files, render_notes
+from tests.schemas import validate_objects
 
 SELECTED = {"Deployment", "Service"}
 
@@ -97,3 +98,32 @@ def test_several_controllers_without_leader_election_are_refused():
     with pytest.raises(helm_python.HelmRenderError, match="would run 3 Trainer controllers at once"):
         render_chart({"manager": {"replicas": 3, "config": {"leaderElect": False}}})
     render_chart({"manager": {"replicas": 3}})  # leader election on (the default): fine
+
+
+@pytest.mark.parametrize("name, namespace", [("1234", "kubeflow-system"), ("kt", "2024"), ("kt", "yes"), ("on", "ml")])
+def test_a_release_name_or_namespace_yaml_reads_as_a_number_or_boolean_is_refused_for_the_subcharts(name, namespace):
+    """JobSet's and LWS's templates write both unquoted: their objects would be refused."""
+    with pytest.raises(helm_python.HelmRenderError, match="reads as a number or a boolean in YAML"):
+        render_chart(DATA_CACHE, name=name, namespace=namespace)
+
+
+def test_our_own_objects_quote_names_and_namespaces_yaml_would_read_as_numbers():
+    """Without the subcharts, a numeric namespace and names render as strings everywhere."""
+    values = {
+        "jobset": {"install": False},
+        "nameOverride": "007",
+        "dataCache": {"enabled": True, "lws": {"install": False}, "namespaces": ["1234", "yes"]},
+    }
+    objects = render_chart(values, name="2024", namespace="2025")
+    validate_objects(objects)
+    namespaces = {obj["metadata"].get("namespace") for obj in objects} - {None}
+    assert namespaces == {"2025", "1234", "yes"}
+    labels = {obj["metadata"]["labels"]["app.kubernetes.io/name"] for obj in objects if "labels" in obj["metadata"]}
+    assert labels == {"007"}
+
+
+def test_the_notes_name_the_controller_image_installed_not_the_charts_version():
+    notes = render_notes({"manager": {"image": {"tag": "v2.2.0"}}})
+    assert notes.splitlines()[0].startswith(
+        "Kubeflow Trainer (ghcr.io/kubeflow/trainer/trainer-controller-manager:v2.2.0)"
+    )

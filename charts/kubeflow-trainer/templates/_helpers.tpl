@@ -43,8 +43,8 @@ own (the data cache): (list $ "<label value>").
 
 {{/* Selector labels: name + instance, never `control-plane`, so no Service of ours can select JobSet's or LWS's pods. */}}
 {{- define "trainer.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "trainer.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "trainer.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{/* The restricted Pod Security Standard, for every container of ours. */}}
@@ -67,6 +67,15 @@ dataCache.lws.install wins, else dataCache.enabled decides), "" otherwise. */}}
 
 {{/* Chart-wide rules the schema cannot express; each message names the fix. */}}
 {{- define "trainer.checks" -}}
+{{- /* The JobSet and LWS subcharts write the release name and namespace unquoted, so one that
+YAML reads as a number or a boolean makes their objects ones the API server refuses. */}}
+{{- if or .Values.jobset.install (include "trainer.dataCache.lwsInstalled" .) }}
+{{- range $what, $value := dict "release name" .Release.Name "namespace" .Release.Namespace }}
+{{- if regexMatch "^([0-9]+|[0-9]+e[0-9]+|0x[0-9a-f]+|0b[01]+|y|yes|n|no|on|off|true|false|null)$" $value }}
+{{- fail (printf "the %s %q reads as a number or a boolean in YAML, and the JobSet and LeaderWorkerSet subcharts write it unquoted, so the API server would refuse their objects; choose another %s, or install JobSet and LWS on their own (jobset.install=false, dataCache.lws.install=false)" $what $value $what) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range $key := list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" }}
 {{- if hasKey $.Values.commonLabels $key }}
 {{- fail (printf "commonLabels cannot set %s: the chart sets it, and its Deployments and Services select pods by it; choose another key" $key) }}

@@ -25,7 +25,7 @@ Trainer CRDs instead. */}}
   clientConfig:
     service:
       name: {{ include "trainer.manager.name" $root }}
-      namespace: {{ $root.Release.Namespace }}
+      namespace: {{ $root.Release.Namespace | quote }}
       path: {{ index . 2 }}
       port: 443
   rules:

@@ -19,7 +19,7 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table-name", help="table name reported by the cache (env TABLE_NAME)")
     p.add_argument("--host", help="address to bind (env BIND_HOST, default 0.0.0.0)")
     p.add_argument("--port", type=int, help="Flight port (env FLIGHT_PORT, default 50051; 0 picks a free one)")
-    p.add_argument("--health-port", type=int, help="HTTP /ready /live /metrics port (env HEALTH_PORT, default 8080)")
+    p.add_argument("--health-port", type=int, help="HTTP /ready /live /status /metrics port (env HEALTH_PORT, default 8080)")
     p.add_argument("--advertise-host", help="address others reach this node at (env POD_IP, default hostname)")
     p.add_argument("--memory-limit", help="memory budget, e.g. 4Gi (env MEMORY_LIMIT, default the cgroup limit)")
     p.add_argument(
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default --host; this machine's hostname when --host is 0.0.0.0 or ::)",
     )
     local.add_argument(
-        "--health-port", type=int, default=0, help="the head's /ready /live /metrics port (default 0: a free one)"
+        "--health-port", type=int, default=0, help="the head's /ready /live /status /metrics port (default 0: a free one)"
     )
     local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi (default the cgroup limit)")
     local.add_argument("--schema-name", help="schema (namespace) name the cache reports (env SCHEMA_NAME)")

@@ -385,7 +385,7 @@ def run_local(cluster: LocalCluster) -> int:
                 node["bytes"] / 2**20,
                 node.get("load_seconds"),
             )
-        log.info("the head's /ready, /live and /metrics: %s", cluster.health_url)
+        log.info("the head's /ready, /live, /status and /metrics: %s", cluster.health_url)
         try:
             print(f"READY {cluster.location}", flush=True)
         except OSError as err:  # BrokenPipeError: whoever started us stopped reading
