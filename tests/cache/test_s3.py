@@ -147,6 +147,23 @@ def test_sample_table_writes_to_s3_with_the_standard_aws_env_and_leaves_no_catal
         assert_every_row_once(read_path_shards(cache.endpoint, 1), 500)
 
 
+def test_sample_table_ends_after_its_error_with_web_identity_settings(moto_s3, tmp_path):
+    """With IRSA's settings, pyarrow's S3 client hung for ever finalizing at exit (after the
+    command had printed its error): the command leaves at once, as the cache's processes do."""
+    token = tmp_path / "token"
+    token.write_text("not-a-real-token")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "AWS_ENDPOINT_URL": moto_s3.endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ROLE_ARN": "arn:aws:iam::123456789012:role/reader",
+        "AWS_WEB_IDENTITY_TOKEN_FILE": str(token),
+    }
+    made = run_data_cache("sample-table", "--warehouse", "s3://no-such-bucket/wh", env=env, cwd=tmp_path, timeout=60)
+    assert made.returncode == 2
+    assert "error: cannot write the sample table under --warehouse 's3://no-such-bucket/wh'" in made.stderr
+
+
 def test_footers_are_read_from_s3_by_their_manifest_size(moto_s3, tmp_path, caplog):
     """The head reads each footer in one request, the file's size taken from its manifest; a
     read that failed would only be logged, and values that compress far better than 4x would be
@@ -383,6 +400,18 @@ def test_the_credentials_in_play_are_named_never_their_values(env, says):
     said = credential_source(env)
     assert says in said
     assert not {"s", "t", "AKIA1"} & set(said.replace(";", " ").split())
+
+
+def test_a_web_identity_token_file_that_is_not_there_is_named(tmp_path):
+    """The SDK skips web identity silently without its token: the denial then blamed the role."""
+    from kubeflow_data_cache.s3_settings import credential_source
+
+    role = {"AWS_ROLE_ARN": "arn:aws:iam::1:role/reader"}
+    missing = credential_source({**role, "AWS_WEB_IDENTITY_TOKEN_FILE": str(tmp_path / "token")})
+    assert f"AWS_WEB_IDENTITY_TOKEN_FILE={str(tmp_path / 'token')!r} does not exist, so the SDK skipped it" in missing
+    (tmp_path / "token").write_text("jwt")
+    present = credential_source({**role, "AWS_WEB_IDENTITY_TOKEN_FILE": str(tmp_path / "token")})
+    assert "does not exist" not in present and "check that role's policy on the bucket" in present
 
 
 def test_moto_refuses_wrong_credentials(moto_s3):

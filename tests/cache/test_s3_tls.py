@@ -21,6 +21,7 @@ from tests.cache.conftest import (
     MOTO_REGION,
     _wait_listening,
     read_path_shards,
+    run_data_cache,
     stop_moto,
 )
 from tests.conftest import LocalCache, free_port
@@ -203,3 +204,20 @@ def test_a_ca_given_that_did_not_sign_the_stores_certificate_is_named_as_given(t
         assert "SSL_CERT_FILE=" not in err
     finally:
         cache.stop()
+
+
+@pytest.mark.parametrize("where", ["AWS_CA_BUNDLE", "DATA_CACHE_S3_CA_DIR", None])
+def test_sample_table_trusts_the_stores_ca_as_the_cache_does(tls_store, tmp_path, where):
+    """`data-cache sample-table` writes to a store behind a private CA given the way the cache
+    is given it; without it, the error names the fix. It ignored both, so a table the cache
+    would read could not be written, with curl's words alone."""
+    given = {"AWS_CA_BUNDLE": str(tls_store.ca_dir / "ca.crt"), "DATA_CACHE_S3_CA_DIR": str(tls_store.ca_dir)}
+    env = {"PATH": os.environ["PATH"], **tls_store.env(**({where: given[where]} if where else {}))}
+    made = run_data_cache("sample-table", "--warehouse", "s3://tls-bucket/cli", "--rows", "100", env=env, cwd=tmp_path)
+    if where:
+        assert made.returncode == 0, made.stderr
+        assert made.stdout.strip().startswith("s3://tls-bucket/cli/")
+    else:
+        assert made.returncode == 2
+        assert "the object store's certificate is not trusted" in made.stderr, made.stderr
+        assert "AWS_CA_BUNDLE" in made.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -19,7 +20,9 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table-name", help="table name reported by the cache (env TABLE_NAME)")
     p.add_argument("--host", help="address to bind (env BIND_HOST, default 0.0.0.0)")
     p.add_argument("--port", type=int, help="Flight port (env FLIGHT_PORT, default 50051; 0 picks a free one)")
-    p.add_argument("--health-port", type=int, help="HTTP /ready /live /status /metrics port (env HEALTH_PORT, default 8080)")
+    p.add_argument(
+        "--health-port", type=int, help="HTTP /ready /live /status /metrics port (env HEALTH_PORT, default 8080)"
+    )
     p.add_argument("--advertise-host", help="address others reach this node at (env POD_IP, default hostname)")
     p.add_argument("--memory-limit", help="memory budget, e.g. 4Gi (env MEMORY_LIMIT, default the cgroup limit)")
     p.add_argument(
@@ -109,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default --host; this machine's hostname when --host is 0.0.0.0 or ::)",
     )
     local.add_argument(
-        "--health-port", type=int, default=0, help="the head's /ready /live /status /metrics port (default 0: a free one)"
+        "--health-port",
+        type=int,
+        default=0,
+        help="the head's /ready /live /status /metrics port (default 0: a free one)",
     )
     local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi (default the cgroup limit)")
     local.add_argument("--schema-name", help="schema (namespace) name the cache reports (env SCHEMA_NAME)")
@@ -193,6 +199,42 @@ def main(argv: list[str] | None = None) -> int:
             restore_signals()
 
 
+def _sample_table(args: argparse.Namespace) -> int:
+    """``data-cache sample-table``: write the table, print its metadata location."""
+    from kubeflow_data_cache.iceberg_reader import is_remote
+    from kubeflow_data_cache.s3_settings import s3_properties_from_env, store_trouble, trust_aws_ca_bundle
+    from kubeflow_data_cache.sample import create_sample_table
+
+    remote = is_remote(args.warehouse)
+    if remote:
+        # An s3:// warehouse is reached with the standard AWS settings, its CA included, as the
+        # cache reads it (pyiceberg alone ignores AWS_ENDPOINT_URL: a MinIO warehouse went to
+        # AWS's hosts; and a store behind a private CA was written by no one but read by the cache).
+        trust_aws_ca_bundle(os.environ)
+    properties = s3_properties_from_env() if remote else None
+    try:
+        table = create_sample_table(
+            args.warehouse, args.rows, args.files, args.schema_name, args.table_name, properties=properties
+        )
+        print(table.metadata_location)
+        code = 0
+    except OSError as err:  # a warehouse path that is a file, or under one that cannot be written
+        trouble = store_trouble(err, (properties or {}).get("s3.endpoint")) if remote else None
+        reason = f"{trouble.problem}: {trouble.fix} ({err})" if trouble else str(err)
+        print(f"error: cannot write the sample table under --warehouse {args.warehouse!r}: {reason}", file=sys.stderr)
+        code = 2
+    if remote:
+        # pyarrow's S3 client can hang for ever finalizing at interpreter exit once the AWS SDK
+        # has tried a web-identity (IRSA) exchange (apache/arrow#50188): the command printed its
+        # result and never ended. Leave at once, as the cache's own processes do (runner.py).
+        logging.shutdown()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def _main(args: argparse.Namespace) -> int:
     role = args.command if args.command != "worker" else f"node-{args.index if args.index is not None else ''}"
     try:
@@ -243,22 +285,7 @@ def _main(args: argparse.Namespace) -> int:
                     health_port=args.health_port,
                 )
             )
-        from kubeflow_data_cache.iceberg_reader import is_remote
-        from kubeflow_data_cache.s3_settings import s3_properties_from_env
-        from kubeflow_data_cache.sample import create_sample_table
-
-        # An s3:// warehouse is reached with the standard AWS settings, as the cache reads it
-        # (pyiceberg alone ignores AWS_ENDPOINT_URL: a MinIO warehouse went to AWS's hosts).
-        properties = s3_properties_from_env() if is_remote(args.warehouse) else None
-        try:
-            table = create_sample_table(
-                args.warehouse, args.rows, args.files, args.schema_name, args.table_name, properties=properties
-            )
-        except OSError as err:  # a warehouse path that is a file, or under one that cannot be written
-            print(f"error: cannot write the sample table under --warehouse {args.warehouse!r}: {err}", file=sys.stderr)
-            return 2
-        print(table.metadata_location)
-        return 0
+        return _sample_table(args)
     except DataCacheError as err:
         # Printed once: logging it as well showed every config error twice.
         print(f"error: {err}", file=sys.stderr)

@@ -213,6 +213,14 @@ def credential_source(env: dict[str, str] | None = None) -> str:
             f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
         )
     if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
+        if not os.path.isfile(env["AWS_WEB_IDENTITY_TOKEN_FILE"]):
+            # The SDK skips web identity without a word when the token is not there.
+            return (
+                f"web identity (IRSA) for role {env['AWS_ROLE_ARN']} is set, but its token file "
+                f"AWS_WEB_IDENTITY_TOKEN_FILE={env['AWS_WEB_IDENTITY_TOKEN_FILE']!r} does not exist, so the SDK "
+                "skipped it: check that the pod's service account token is projected there (EKS mounts it for "
+                "a service account annotated with eks.amazonaws.com/role-arn)"
+            )
         return (
             f"credentials from web identity (IRSA) for role {env['AWS_ROLE_ARN']}; check that role's policy on "
             "the bucket, and that the pod reaches AWS STS: when the exchange fails the SDK falls back to the "
