@@ -549,9 +549,10 @@ SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
             "AWS_ACCESS_KEY_ID with AWS_SESSION_TOKEN",
         ),
         (
+            # No such token here: the SDK skipped web identity, and the message says so.
             {"AWS_ROLE_ARN": "arn:aws:iam::1:role/reader", "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"},
-            "web identity (IRSA) for role arn:aws:iam::1:role/reader; check that role's policy on the bucket, "
-            "and that the pod reaches AWS STS",
+            "web identity (IRSA) for role arn:aws:iam::1:role/reader is set, but its token file "
+            "AWS_WEB_IDENTITY_TOKEN_FILE='/var/run/token' does not exist",
         ),
         ({"AWS_PROFILE": "data"}, "AWS_PROFILE='data' is in none of the shared AWS files (/nonexistent/"),
         ({"AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials"}, "EKS Pod Identity"),
