@@ -65,7 +65,14 @@ load() {
     arch="$("$DOCKER" version --format '{{.Server.Arch}}')"
     archive="$(mktemp "${TMPDIR:-/tmp}/e2e-image.XXXXXX")"
     # A GB or more: removed whether or not the load works.
-    if ! { "$DOCKER" image save --platform "linux/$arch" --output "$archive" "$image" &&
+    # `image save --platform` came with Docker 28 (API 1.48); an older engine has no such flag,
+    # and no containerd image store to need it: it saves the one platform it has.
+    platform=(--platform "linux/$arch")
+    api="$("$DOCKER" version --format '{{.Server.APIVersion}}')"  # 1.48, say
+    if (( ${api%%.*} == 1 && 10#${api#*.} < 48 )); then
+      platform=()
+    fi
+    if ! { "$DOCKER" image save "${platform[@]}" --output "$archive" "$image" &&
       "$KIND" load image-archive "${where[@]}" "$archive"; }; then
       rm -f "$archive"
       echo "error: loading $image into kind cluster $CLUSTER failed" >&2

@@ -11,6 +11,7 @@ node image of hack/kind-config.yaml; E2E_SKIP_BUILD=1 loads images built earlier
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import platform
 import re
@@ -129,22 +130,30 @@ def artifacts(tmp_path_factory) -> Path:
     return path
 
 
-def _download(url: str, dest: Path) -> None:
+def _download(url: str, dest: Path, sha256_url: str) -> None:
+    """``url`` to ``dest`` (executable), checked against the SHA-256 its release publishes at
+    ``sha256_url`` (a file whose first word is the digest), as the e2e workflow checks it."""
+    with urllib.request.urlopen(sha256_url, timeout=DOWNLOAD_TIMEOUT) as response:
+        words = response.read().decode().split()
     with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT) as response:
-        tmp = dest.with_suffix(".tmp")
-        tmp.write_bytes(response.read())
+        body = response.read()
+    got = hashlib.sha256(body).hexdigest()
+    if not words or got != words[0].lower():
+        raise RuntimeError(f"{url} has SHA-256 {got}, not the {words[0] if words else 'nothing'} of {sha256_url}")
+    tmp = dest.with_suffix(".tmp")
+    tmp.write_bytes(body)
     tmp.chmod(0o755)
     tmp.rename(dest)
 
 
-def _tool(name: str, version: str, workdir: Path, url: str) -> Path:
-    """The binary on PATH, else a pinned download (pytest-kind's own defaults are years old)."""
+def _tool(name: str, version: str, workdir: Path, url: str, sha256_url: str) -> Path:
+    """The binary on PATH, else a pinned, checked download (pytest-kind's own defaults are years old)."""
     found = shutil.which(name)
     if found:
         return Path(found)
     dest = workdir / f"{name}-{version}"
     if not dest.exists():
-        _download(url, dest)
+        _download(url, dest, sha256_url)
     return dest
 
 
@@ -168,9 +177,9 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
         pytest.fail(str(err))
     os_name, arch = found or ("linux", "amd64")
     kind_url = f"https://github.com/kubernetes-sigs/kind/releases/download/{KIND_VERSION}/kind-{os_name}-{arch}"
-    kind = _tool("kind", KIND_VERSION, workdir, kind_url)
+    kind = _tool("kind", KIND_VERSION, workdir, kind_url, f"{kind_url}.sha256sum")
     kubectl_url = f"https://dl.k8s.io/release/{KUBECTL_VERSION}/bin/{os_name}/{arch}/kubectl"
-    kubectl = _tool("kubectl", KUBECTL_VERSION, workdir, kubectl_url)
+    kubectl = _tool("kubectl", KUBECTL_VERSION, workdir, kubectl_url, f"{kubectl_url}.sha256")
     # kind supports only the node images of its own release (hack/kind-config.yaml pins one).
     version = run([str(kind), "version"], timeout=60)
     if f"kind {KIND_VERSION} " not in f"{version} " and not os.environ.get("KIND_NODE_IMAGE"):
@@ -297,6 +306,9 @@ def distribution(request, kube, e2e_images, artifacts, tmp_path_factory) -> Iter
     namespace = f"dc-e2e-{method}"
     if method == "helm" and not kube.helm_bin:
         unavailable("helm install skipped: no `helm` on PATH")
+    if method == "kustomize" and not shutil.which("git"):
+        # kubectl's kustomize runs git to fetch Trainer's CRDs from GitHub (a git address).
+        unavailable("kustomize install skipped: no `git` on PATH (kubectl kustomize fetches Trainer's CRDs with it)")
     kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}])
     rendered: list[dict] = []
     try:

@@ -439,7 +439,7 @@ fi
 """
 FAKE_DOCKER = """#!/bin/bash
 echo "docker $*" >> "$CALLS"
-[ "$1" = version ] && { echo arm64; exit 0; }
+[ "$1" = version ] && { case "$*" in *APIVersion*) echo "${API:-1.51}" ;; *) echo arm64 ;; esac; exit 0; }
 while [ $# -gt 0 ]; do [ "$1" = --output ] && echo "one platform" > "$2"; shift; done
 """
 
@@ -452,14 +452,15 @@ def test_the_kind_cluster_name_comes_from_kind_cluster_name() -> None:
             cluster_name({"KIND_CLUSTER_NAME": bad})
 
 
-def _load_images(tmp_path: Path, cluster: str, digest_bug: bool) -> list[str]:
+def _load_images(tmp_path: Path, cluster: str, digest_bug: bool, api: str = "1.51") -> list[str]:
     """Runs `hack/e2e-images.sh load` against fake kind and docker; the commands they got."""
     for name, text in (("kind", FAKE_KIND), ("docker", FAKE_DOCKER)):
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
     calls = tmp_path / "calls"
     env = {**os.environ, "KIND": str(tmp_path / "kind"), "DOCKER": str(tmp_path / "docker"), "CALLS": str(calls),
-           "TMPDIR": str(tmp_path), "DIGEST_BUG": "1" if digest_bug else "", "KIND_CLUSTER_NAME": cluster}  # fmt: skip
+           "TMPDIR": str(tmp_path), "DIGEST_BUG": "1" if digest_bug else "", "KIND_CLUSTER_NAME": cluster,
+           "API": api}  # fmt: skip
     done = subprocess.run(["bash", str(REPO / "hack" / "e2e-images.sh"), "load"], env=env, capture_output=True,
                           text=True, timeout=30)  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -484,6 +485,12 @@ def test_images_load_through_a_single_platform_archive_where_kind_load_fails(tmp
     assert all("--platform linux/arm64" in s for s in saves)
     assert [line.split()[1:3] for line in loaded] == [["load", "docker-image"], ["load", "image-archive"]] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "docker", "kind"]  # archives removed
+
+
+def test_an_engine_older_than_docker_28_saves_without_the_platform_flag(tmp_path) -> None:
+    """`image save --platform` came with Docker 28 (API 1.48): an older engine refused the flag."""
+    saves = [line for line in _load_images(tmp_path, DEFAULT_CLUSTER_NAME, True, api="1.47") if " save " in line]
+    assert len(saves) == 3 and not any("--platform" in line for line in saves)
 
 
 @pytest.mark.parametrize("builder_keeps_images", [False, True])
@@ -628,3 +635,25 @@ esac""",
     assert (["delete", "cluster"] in made, ["create", "cluster"] in made) == (recreated, recreated)
     if not recreated:
         assert (tmp_path / "kubeconfig").read_text() == "apiVersion: v1\n"
+
+
+@pytest.mark.parametrize("published", ["right", "wrong", "empty"])
+def test_a_downloaded_tool_is_checked_against_its_published_sha256(tmp_path, published) -> None:
+    """kind and kubectl fetched for a local run are checked as the e2e workflow checks them."""
+    import hashlib
+
+    from tests.e2e.conftest import _download
+
+    binary = tmp_path / "kind-linux-amd64"
+    binary.write_bytes(b"\x7fELF not really")
+    digest = {"right": hashlib.sha256(binary.read_bytes()).hexdigest(), "wrong": "0" * 64, "empty": ""}[published]
+    (tmp_path / "kind-linux-amd64.sha256sum").write_text(f"{digest}  kind-linux-amd64\n" if digest else "")
+    dest = tmp_path / "kind"
+    url = binary.as_uri()
+    if published == "right":
+        _download(url, dest, f"{url}.sha256sum")
+        assert dest.read_bytes() == binary.read_bytes() and os.access(dest, os.X_OK)
+        return
+    with pytest.raises(RuntimeError, match="has SHA-256 [0-9a-f]{64}, not the"):
+        _download(url, dest, f"{url}.sha256sum")
+    assert not dest.exists()
