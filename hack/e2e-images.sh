@@ -49,7 +49,7 @@ build() {
 }
 
 load() {
-  local image archive arch workers
+  local image archive arch workers api platform
   # The workers only: the control plane is tainted, and each copy there is a GB of disk for nothing.
   workers="$("$KIND" get nodes --name "$CLUSTER" | grep -v -- '-control-plane$' | paste -sd, - || true)"
   local where=(--name "$CLUSTER")
@@ -65,11 +65,12 @@ load() {
     arch="$("$DOCKER" version --format '{{.Server.Arch}}')"
     archive="$(mktemp "${TMPDIR:-/tmp}/e2e-image.XXXXXX")"
     # A GB or more: removed whether or not the load works.
-    # `image save --platform` came with Docker 28 (API 1.48); an older engine has no such flag,
-    # and no containerd image store to need it: it saves the one platform it has.
+    # `image save --platform` came with Docker 28 (API 1.48); an older CLI or engine has no such
+    # flag, and no containerd image store to need it: it saves the one platform it has. The
+    # client's API version is the one client and engine agreed on.
     platform=(--platform "linux/$arch")
-    api="$("$DOCKER" version --format '{{.Server.APIVersion}}')"  # 1.48, say
-    if (( ${api%%.*} == 1 && 10#${api#*.} < 48 )); then
+    api="$("$DOCKER" version --format '{{.Client.APIVersion}}' 2>/dev/null || true)"  # 1.48, say
+    if [[ $api =~ ^1\.([0-9]+)$ ]] && (( 10#${BASH_REMATCH[1]} < 48 )); then
       platform=()
     fi
     if ! { "$DOCKER" image save "${platform[@]}" --output "$archive" "$image" &&

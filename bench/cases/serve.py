@@ -119,7 +119,8 @@ def loopback_seconds(nbytes: int, streams: int = 1, timeout: float = CHILD_TIMEO
 
 def tree_cpu_seconds(pid: int) -> float:
     """User and system CPU seconds of process ``pid`` and its live descendants (a cache's
-    `local`, head and data nodes), threads included."""
+    `local`, head and data nodes), threads included. A descendant that exits between two
+    readings takes its time with it; the cache's processes live through every repeat."""
     root = psutil.Process(pid)
     total = 0.0
     for proc in [root, *root.children(recursive=True)]:

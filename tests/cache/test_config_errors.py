@@ -288,6 +288,23 @@ def test_sample_table_names_a_warehouse_it_cannot_write(tmp_path):
     )
 
 
+def test_sample_table_that_cannot_print_says_the_table_is_written_not_that_the_warehouse_failed(tmp_path):
+    """Its output to a full disk (or a closed pipe) read as the warehouse not being writable."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "kubeflow_data_cache", "sample-table", "--warehouse", str(tmp_path / "wh")],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=DEADLINE,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+    assert done.returncode == 1
+    assert "error: wrote the table, but could not print its metadata location" in done.stderr, done.stderr
+    assert "cannot write the sample table" not in done.stderr
+    assert list((tmp_path / "wh" / "demo" / "events" / "metadata").glob("*.metadata.json"))
+
+
 def test_sample_table_writes_a_warehouse_with_a_space_in_one_folder_and_refuses_uri_syntax(tmp_path):
     """Written as a percent-escaped URI, a table under "my wh" went to a literal "my%20wh" folder
     (pyiceberg does not decode it) beside its catalog in "my wh"; '#' split the path the same way."""

@@ -100,11 +100,27 @@ def test_several_controllers_without_leader_election_are_refused():
     render_chart({"manager": {"replicas": 3}})  # leader election on (the default): fine
 
 
-@pytest.mark.parametrize("name, namespace", [("1234", "kubeflow-system"), ("kt", "2024"), ("kt", "yes"), ("on", "ml")])
+# Helm reads manifests as YAML 1.1 (go-yaml v2): integers as Go parses them (0o, 0x, 0b), and
+# floats with an optional fraction and exponent. Release names may hold dots; namespaces not.
+YAML_NON_STRINGS = [("1234", "ml"), ("007", "ml"), ("1.5", "ml"), ("1.e3", "ml"), ("1.5e3", "ml"), ("kt", "2024")]
+YAML_NON_STRINGS += [("kt", "1e3"), ("kt", "1e-3"), ("kt", "0o17"), ("kt", "0x1f"), ("kt", "0b101"), ("kt", "yes")]
+YAML_NON_STRINGS += [("on", "ml"), ("kt", "n"), ("kt", "null"), ("kt", "false")]
+YAML_STRINGS = [("on-call", "no-ml"), ("1234a", "0x"), ("0b", "inf"), ("y1", "e3")]
+
+
+@pytest.mark.parametrize("name, namespace", YAML_NON_STRINGS)
 def test_a_release_name_or_namespace_yaml_reads_as_a_number_or_boolean_is_refused_for_the_subcharts(name, namespace):
     """JobSet's and LWS's templates write both unquoted: their objects would be refused."""
     with pytest.raises(helm_python.HelmRenderError, match="reads as a number or a boolean in YAML"):
         render_chart(DATA_CACHE, name=name, namespace=namespace)
+
+
+@pytest.mark.parametrize("name, namespace", YAML_STRINGS)
+def test_names_yaml_reads_as_strings_are_not_refused(name, namespace):
+    """And they render as strings in the subcharts' objects too."""
+    objects = render_chart(DATA_CACHE, name=name, namespace=namespace)
+    # (and `default`, where the cache's namespace RBAC goes by default)
+    assert {obj["metadata"].get("namespace") for obj in objects} - {None, "lws-system", "default"} == {namespace}
 
 
 def test_our_own_objects_quote_names_and_namespaces_yaml_would_read_as_numbers():

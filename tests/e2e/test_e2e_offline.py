@@ -439,7 +439,7 @@ fi
 """
 FAKE_DOCKER = """#!/bin/bash
 echo "docker $*" >> "$CALLS"
-[ "$1" = version ] && { case "$*" in *APIVersion*) echo "${API:-1.51}" ;; *) echo arm64 ;; esac; exit 0; }
+[ "$1" = version ] && { case "$*" in *Client.APIVersion*) echo "${API:-1.51}" ;; *) echo arm64 ;; esac; exit 0; }
 while [ $# -gt 0 ]; do [ "$1" = --output ] && echo "one platform" > "$2"; shift; done
 """
 

@@ -71,7 +71,7 @@ dataCache.lws.install wins, else dataCache.enabled decides), "" otherwise. */}}
 YAML reads as a number or a boolean makes their objects ones the API server refuses. */}}
 {{- if or .Values.jobset.install (include "trainer.dataCache.lwsInstalled" .) }}
 {{- range $what, $value := dict "release name" .Release.Name "namespace" .Release.Namespace }}
-{{- if regexMatch "^([0-9]+|[0-9]+e[0-9]+|0x[0-9a-f]+|0b[01]+|y|yes|n|no|on|off|true|false|null)$" $value }}
+{{- if regexMatch "^(0o[0-7]+|0x[0-9a-f]+|0b[01]+|[0-9]+(\\.[0-9]*)?(e[-+]?[0-9]+)?|y|yes|n|no|on|off|true|false|null)$" $value }}
 {{- fail (printf "the %s %q reads as a number or a boolean in YAML, and the JobSet and LeaderWorkerSet subcharts write it unquoted, so the API server would refuse their objects; choose another %s, or install JobSet and LWS on their own (jobset.install=false, dataCache.lws.install=false)" $what $value $what) }}
 {{- end }}
 {{- end }}

@@ -212,27 +212,52 @@ def _sample_table(args: argparse.Namespace) -> int:
         # AWS's hosts; and a store behind a private CA was written by no one but read by the cache).
         trust_aws_ca_bundle(os.environ)
     properties = s3_properties_from_env() if remote else None
+    code = 1
     try:
         table = create_sample_table(
             args.warehouse, args.rows, args.files, args.schema_name, args.table_name, properties=properties
         )
-        print(table.metadata_location)
-        code = 0
     except OSError as err:  # a warehouse path that is a file, or under one that cannot be written
         trouble = store_trouble(err, (properties or {}).get("s3.endpoint")) if remote else None
         reason = f"{trouble.problem}: {trouble.fix} ({err})" if trouble else str(err)
         print(f"error: cannot write the sample table under --warehouse {args.warehouse!r}: {reason}", file=sys.stderr)
         code = 2
+    except BaseException as err:
+        if not remote:
+            raise  # main reports it
+        # Said here: the exit below ends the process before main could.
+        if isinstance(err, KeyboardInterrupt):
+            code = 130  # a stop asked for, as main answers it
+        elif isinstance(err, DataCacheError):
+            code = 2
+            print(f"error: {err}", file=sys.stderr)
+        else:
+            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+    else:
+        try:
+            print(table.metadata_location, flush=True)
+            code = 0
+        except OSError as err:  # the table is written; only its location could not be printed
+            print(f"error: wrote the table, but could not print its metadata location: {err}", file=sys.stderr)
+            # What stays buffered would fail again at exit, turning the exit code into 120.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if remote:
         # pyarrow's S3 client can hang for ever finalizing at interpreter exit once the AWS SDK
         # has tried a web-identity (IRSA) exchange (apache/arrow#50188): the command printed its
-        # result and never ended. Leave at once, as the cache's own processes do (runner.py).
-        logging.shutdown()
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        # result and never ended. Leave at once, however it ended, as the cache's processes do
+        # (runner.py).
+        _leave_now(code)
     return code
+
+
+def _leave_now(code: int) -> None:
+    """Exit with ``code`` now, without the interpreter's shutdown, once the output is out."""
+    logging.shutdown()
+    with contextlib.suppress(Exception):  # a closed or broken pipe must not stop the exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _main(args: argparse.Namespace) -> int:

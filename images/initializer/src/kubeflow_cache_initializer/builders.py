@@ -235,7 +235,9 @@ def _pod_template(
     if cfg.health_port < c.UNPRIVILEGED_PORT_START:
         # The cache runs as a non-root user with no capabilities: a port below 1024 needs the
         # kernel told to let it bind there (a safe, per-pod sysctl), or the pod fails to start
-        # on runtimes that keep the kernel's default (containerd before 2.0).
+        # on runtimes that keep the kernel's default (containerd before 2.0). A cache adopted
+        # with a higher port later keeps the sysctl (drift repair merges, never removes): it
+        # only lets the pod bind lower ports, which it does not do.
         pod["spec"]["securityContext"]["sysctls"] = [
             {"name": "net.ipv4.ip_unprivileged_port_start", "value": str(cfg.health_port)}
         ]
