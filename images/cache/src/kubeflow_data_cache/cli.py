@@ -244,20 +244,12 @@ def _sample_table(args: argparse.Namespace) -> int:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if remote:
         # pyarrow's S3 client can hang for ever finalizing at interpreter exit once the AWS SDK
-        # has tried a web-identity (IRSA) exchange (apache/arrow#50188): the command printed its
-        # result and never ended. Leave at once, however it ended, as the cache's processes do
-        # (runner.py).
-        _leave_now(code)
+        # has tried a web-identity (IRSA) exchange: the command printed its result and never
+        # ended. Leave at once, however it ended, as the cache's processes do.
+        from kubeflow_data_cache.processes import exit_now
+
+        exit_now(code)
     return code
-
-
-def _leave_now(code: int) -> None:
-    """Exit with ``code`` now, without the interpreter's shutdown, once the output is out."""
-    logging.shutdown()
-    with contextlib.suppress(Exception):  # a closed or broken pipe must not stop the exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # What stops a cache process in order, as SIGTERM does: Ctrl-C, and SIGHUP from a terminal that
@@ -93,6 +94,20 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with ``code`` through ``os._exit``, not the interpreter's shutdown, once the logs and
+    the standard streams are flushed. Shutdown joins every executor thread (a read blocked on an
+    object store that never answers held a process for ever) and runs pyarrow's S3 finalizer
+    (which can hang under web-identity settings, apache/arrow#50188)."""
+    import logging
+
+    logging.shutdown()
+    with contextlib.suppress(Exception):  # a closed or broken pipe must not stop the exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def exit_status(code: int) -> str:

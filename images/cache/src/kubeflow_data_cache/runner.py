@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
-from kubeflow_data_cache.processes import dump_stacks_on_signal, handle_signals
+from kubeflow_data_cache.processes import dump_stacks_on_signal, exit_now, handle_signals
 from kubeflow_data_cache.service import STOPPING, HealthServer
 
 log = logging.getLogger(__name__)
@@ -118,8 +116,4 @@ def run_node(cfg: NodeConfig) -> NoReturn:
         log.exception("shutting down")
         code = code or 1
     finally:
-        logging.shutdown()
-        with contextlib.suppress(Exception):  # a closed or broken pipe must not stop the exit
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
