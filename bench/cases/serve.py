@@ -130,6 +130,13 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def cpu_ratios(cache_cpu: list[float], bare_cpu: list[float]) -> list[float]:
+    """The cache's CPU per GB over the bare server's, per repeat. CPU time is counted in clock
+    ticks (10 ms): a tiny read may show none on either side, and its repeat gets no ratio (a 0
+    there is the clock's, not a server that spent nothing)."""
+    return [c / b for c, b in zip(cache_cpu, bare_cpu, strict=True) if c > 0 and b > 0]
+
+
 def _child_env() -> dict[str, str]:
     """`python -m bench.serve_client` must import bench wherever the suite was started from."""
     root = str(Path(__file__).resolve().parents[2])
@@ -264,8 +271,7 @@ def run(
         result.add("ratio_to_loopback", r)
     for r in paired_ratio(bare_seconds, get_seconds):
         result.add("ratio_to_bare_flight", r)
-    # CPU time is counted in clock ticks (10 ms): a tiny read may show none, and gets no ratio.
-    for r in paired_ratio(result.raw["server_cpu_s_per_gb"], result.raw["bare_cpu_s_per_gb"]):
+    for r in cpu_ratios(result.raw["server_cpu_s_per_gb"], result.raw["bare_cpu_s_per_gb"]):
         result.add("cpu_ratio_to_bare_flight", r)
     f = result.as_dict()["figures"]
     progress(

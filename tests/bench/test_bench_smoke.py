@@ -20,7 +20,7 @@ if str(REPO_ROOT) not in sys.path:  # `bench` lives at the repo root, outside th
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import report  # noqa: E402
-from bench.cases.serve import serve_passes  # noqa: E402
+from bench.cases.serve import cpu_ratios, serve_passes  # noqa: E402
 from bench.config import SMOKE, epochs_per_repeat  # noqa: E402
 from bench.run import run  # noqa: E402
 
@@ -109,8 +109,8 @@ def test_ratios_are_the_right_way_round_in_every_repeat(smoke_result):
     for ratio, doget, loopback in pairs:
         assert ratio == pytest.approx(doget / loopback, rel=1e-6)  # a share of loopback: DoGet over it
     cpu = zip(raw(serve, "server_cpu_s_per_gb"), raw(serve, "bare_cpu_s_per_gb"), strict=True)
-    # The cache's CPU over the bare server's, for the repeats where the bare server's shows.
-    assert serve["raw"].get("cpu_ratio_to_bare_flight", []) == pytest.approx([c / b for c, b in cpu if b > 0])
+    # The cache's CPU over the bare server's, for the repeats where both show (clock ticks).
+    assert serve["raw"].get("cpu_ratio_to_bare_flight", []) == pytest.approx([c / b for c, b in cpu if b > 0 and c > 0])
     for shuffled in (False, True):
         cache = report.find(smoke_result, case="epoch", variant="cache", shuffled=shuffled)
         for method in EPOCH_METHODS:
@@ -333,3 +333,9 @@ def test_a_cluster_that_loaded_fewer_rows_than_the_table_fails_the_run():
     status = {"rows": 999, "bytes": 10, "load_seconds": 0.1, "nodes": []}
     with pytest.raises(RuntimeError, match="loaded 999 rows of a 1000-row table"):
         record_cluster(CaseResult("load", "cache", 1000, 2), object(), status, table)
+
+
+def test_a_repeat_whose_cpu_time_read_no_clock_tick_on_either_side_gets_no_ratio():
+    """A tiny read can take less than one 10 ms tick: a ratio of 0 (or a division by 0) is the
+    clock's, and read as a server that spent nothing (the smoke grid failed on such a 0)."""
+    assert cpu_ratios([0.4, 0.0, 0.3, 0.0], [0.2, 0.5, 0.0, 0.0]) == [2.0]
