@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from kubeflow_data_cache.config import build_config
 from kubeflow_data_cache.errors import BadRequestError
-from kubeflow_data_cache.node import LoadOrder
+from kubeflow_data_cache.node import DataNode, LoadOrder
 from kubeflow_data_cache.store import NodeStore
-from tests.cache.inprocess import get, wait_for
+from tests.cache.inprocess import FLAGS, get, wait_for
 
 GOOD = {
     "generation": "g1",
@@ -167,3 +168,38 @@ def test_a_loaded_node_keeps_only_its_files_scan_tasks_and_lists_them_again_for_
     wait_for(lambda: node.generation == "whole" and node.lifecycle.state in ("ready", "failed"))
     assert node.lifecycle.state == "ready", node.lifecycle.error
     assert node.store.num_rows == small_table.rows
+
+
+@pytest.mark.parametrize("when", ["before the load", "while the load waits for it"])
+def test_an_early_open_that_failed_is_tried_again_by_the_load(cluster, small_table, when):
+    """A node opens METADATA_LOC as it starts, before the head plans: storage may not answer yet
+    (DNS, a store still starting, credentials not mounted). That failure was kept for the
+    process's life: every load re-raised it, and the node failed though the table was readable."""
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    cfg = build_config(
+        "worker", {**FLAGS, "index": 0, "head": head.location, "metadata_loc": small_table.metadata_location}, env={}
+    )
+    node = DataNode(cfg)
+    real_open, calls, loading = node._open, [], threading.Event()
+
+    def open_flaky(location):
+        calls.append(location)
+        if len(calls) == 1:
+            if when == "while the load waits for it":
+                assert loading.wait(30)
+            raise OSError("the store is not reachable yet")
+        return real_open(location)
+
+    node._open = open_flaky
+    try:
+        node.start_registering()
+        if when == "while the load waits for it":
+            wait_for(lambda: node.lifecycle.state == "loading")
+            loading.set()
+        wait_for(lambda: node.lifecycle.state in ("ready", "failed"))
+        assert node.lifecycle.state == "ready", node.lifecycle.error
+        assert node.store.num_rows == small_table.rows
+        assert len(calls) == 2
+    finally:
+        loading.set()
+        node.stop()

@@ -232,6 +232,7 @@ class DataNode(ReadOnlyFlight):
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
         self._tables: dict[str, Future] = {}
+        self._preopened: Future | None = None  # start_registering's early open, before any plan
         self._first_location = ""  # what a node without METADATA_LOC was first told to load
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open")
         self._stop = threading.Event()
@@ -246,17 +247,31 @@ class DataNode(ReadOnlyFlight):
         # cluster forms: the first open of a table in a process costs seconds of imports and
         # model set-up that would otherwise count as load time.
         if self.cfg.metadata_loc:
-            self._opened(self.cfg.metadata_loc)
+            self._preopened = self._opened(self.cfg.metadata_loc)
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
 
     def _opened(self, metadata_location: str, again: bool = False) -> Future:
         """(table, Arrow schema, scan tasks by path) for a location, opened once per process
-        (``again``: listed anew, where the tasks kept are another load's, _keep_tasks)."""
+        (``again``: listed anew, where the tasks kept are another load's, _keep_tasks). An open
+        that failed is not kept: the next load tries again, as the storage may be back."""
         with self._load_lock:
             future = self._tables.get(metadata_location)
-            if future is None or again:
+            if future is None or again or (future.done() and future.exception() is not None):
                 future = self._tables[metadata_location] = self._opener.submit(self._open, metadata_location)
             return future
+
+    def _opened_for_load(self, metadata_location: str) -> tuple[Any, pa.Schema, dict[str, Any]]:
+        opened = self._opened(metadata_location)
+        try:
+            return opened.result()
+        except Exception:
+            if opened is not self._preopened:
+                raise
+            # The early open ran before the head planned, maybe before the storage could be
+            # reached (DNS, a store still starting, credentials not yet mounted). The head has
+            # read the table since: its failure is no longer news, so open it once more.
+            log.info("the early open of %s failed; opening it again for the load", metadata_location)
+            return self._opened(metadata_location, again=True).result()
 
     def _keep_tasks(self, metadata_location: str, paths: set[str]) -> None:
         """Keep only the scan tasks of ``paths`` (the files just loaded) of an opened table: a
@@ -457,7 +472,7 @@ class DataNode(ReadOnlyFlight):
         self.lifecycle.live_detail = progress.describe  # /ready and /status say what it waits on
         try:
             with progress.reading(f"the table's metadata at {order.metadata_location}"):
-                table, schema, tasks = self._opened(order.metadata_location).result()
+                table, schema, tasks = self._opened_for_load(order.metadata_location)
                 if any(p.path not in tasks for p in order.pieces):  # kept for another load's files only
                     table, schema, tasks = self._opened(order.metadata_location, again=True).result()
             snapshot = table.current_snapshot()
