@@ -155,6 +155,18 @@ def test_a_watch_the_api_server_answers_503_is_retried(fake, make_sim, run_initi
     assert fake.fail_next[("pods", "watch")] == []
 
 
+def test_a_watch_the_api_server_answers_410_gone_lists_again(fake, make_sim, run_initializer):
+    """Some API servers and proxies answer a watch from a forgotten version with the HTTP status,
+    not an ERROR event in the stream: the same news, so list again and watch on (it failed the
+    run)."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("pods", "watch")] = [410]
+
+    assert run_initializer(initializer_env(make_sim("compaction"))) == (0, "")
+    assert fake.fail_next[("pods", "watch")] == []
+    assert fake.calls.count(("", "pods", "list")) >= 2
+
+
 def test_a_missing_train_job_is_named(fake, run_initializer):
     code, error = run_initializer(initializer_env(None, train_job="nope"))
 

@@ -5,7 +5,7 @@ starts further in, Flight's writer allocates a rebased copy of the offsets from 
 pool, once per batch sent. On a data node that pool is jemalloc with no decay (allocator.py):
 it hands every freed buffer straight back to the OS, so each batch faulted fresh pages in, which
 cost 10-15% of an unshuffled DoGet of a table with a string column on the project's test
-machine. ``zero_based`` makes the copy itself, in numpy (glibc) memory that the node's malloc
+machine. ``rebaser`` makes the copy itself, in numpy (glibc) memory that the node's malloc
 setting keeps for reuse, so the writer sends every buffer as it is. Data buffers stay zero-copy.
 """
 

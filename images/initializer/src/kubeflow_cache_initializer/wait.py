@@ -118,9 +118,18 @@ class _Watcher(threading.Thread):
         self.answered.set()
 
     def _watch_once(self, seconds: int) -> None:
-        self.stream = self.kube.watch(
-            self.resource, self.namespace, self.version, seconds, stop=self.stopped, **self.selectors
-        )
+        try:
+            self.stream = self.kube.watch(
+                self.resource, self.namespace, self.version, seconds, stop=self.stopped, **self.selectors
+            )
+        except KubeApiError as err:
+            if not err.gone:
+                raise
+            # Our resourceVersion is too old, said as the HTTP status rather than as an event in
+            # the stream (as some API servers and proxies do): the same answer, list again.
+            self._relist()
+            self._connected()
+            return
         self._connected()
         if self.stopped.is_set():
             self.stream.close()
@@ -128,8 +137,7 @@ class _Watcher(threading.Thread):
         for kind, obj in self.stream:
             if kind == "ERROR":
                 if obj.get("code") == 410:  # our resourceVersion is too old: list again, watch from there
-                    items, self.version = self.kube.list(self.resource, self.namespace, **self.selectors)
-                    self.out.put((self.resource, "RELIST", items))
+                    self._relist()
                     return
                 raise KubeApiError(
                     "watch", self.resource.plural, obj.get("code", 0), obj.get("reason", ""), obj.get("message", "")
@@ -137,6 +145,10 @@ class _Watcher(threading.Thread):
             self.version = obj["metadata"]["resourceVersion"]
             if kind != "BOOKMARK":
                 self.out.put((self.resource, kind, obj))
+
+    def _relist(self) -> None:
+        items, self.version = self.kube.list(self.resource, self.namespace, **self.selectors)
+        self.out.put((self.resource, "RELIST", items))
 
 
 def _available(lws: dict | None) -> bool:
