@@ -106,9 +106,12 @@ def _slices(store: NodeStore) -> list[pa.RecordBatch]:
     row_bytes = max(1, store.nbytes // rows) if rows else 1
     size = max(1, min(FILTER_SLICE_ROWS, FILTER_SLICE_BYTES // row_bytes))
     slices = []
+    structs = [i for i, field in enumerate(store.schema) if pa.types.is_struct(field.type)]
     for batch, offset in zip(store.batches, store.offsets[:-1], strict=True):
         for start in range(0, batch.num_rows, size):
             piece = batch.slice(start, size)
+            for i in structs:
+                piece = piece.set_column(i, piece.schema.field(i), _struct_offset_in_children(piece.column(i)))
             first = int(offset) + start
             numbers = indices(np.arange(first, first + piece.num_rows, dtype=np.int64))  # no numpy.ma: store.indices
             slices.append(piece.append_column(ROW_COLUMN, numbers))
@@ -118,6 +121,18 @@ def _slices(store: NodeStore) -> list[pa.RecordBatch]:
         schema = store.schema.append(pa.field(ROW_COLUMN, pa.int64()))
         slices.append(pa.RecordBatch.from_pylist([], schema=schema))
     return slices
+
+
+def _struct_offset_in_children(column: pa.Array) -> pa.Array:
+    """The same struct values, rebuilt with offset 0 at every struct level (the slice's offset
+    moved into the leaf columns, still zero-copy; only the validity bitmaps are new). DataFusion
+    (arrow-rs 59) panics on a sliced struct whose child is a struct ("assertion failed: end <=
+    self.len()"): every filter on such a table failed past its first slice."""
+    if not pa.types.is_struct(column.type):
+        return column
+    children = [_struct_offset_in_children(child) for child in column.flatten()]
+    mask = column.is_null() if column.null_count else None
+    return pa.StructArray.from_arrays(children, fields=list(column.type), mask=mask)
 
 
 def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIMEOUT_SECONDS) -> np.ndarray:
