@@ -1,9 +1,11 @@
-"""SIGTERM of a data node with a reader that stopped reading mid-stream: not ready at once,
-gone within the shutdown grace instead of waiting for the reader for ever."""
+"""SIGTERM of a data node with a reader that stopped reading mid-stream: not ready at once, saying
+so over Flight while the stream holds it, gone within the shutdown grace instead of waiting for
+the reader for ever."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -37,9 +39,19 @@ def cmd(role: str, *args: str) -> list[str]:
 
 def test_a_stalled_reader_does_not_hold_a_stopping_node(table_factory, tmp_path):
     metadata = table_factory(200_000, 4).metadata_location
-    port, node_health = free_port(), free_port()
+    port, head_health, node_health = free_port(), free_port(), free_port()
     head = subprocess.Popen(
-        cmd("head", "--metadata-loc", metadata, "--data-nodes", "1", "--port", str(port), "--health-port", "0"),
+        cmd(
+            "head",
+            "--metadata-loc",
+            metadata,
+            "--data-nodes",
+            "1",
+            "--port",
+            str(port),
+            "--health-port",
+            str(head_health),
+        ),
         stderr=(tmp_path / "head.log").open("w"),
     )
     node = subprocess.Popen(
@@ -68,6 +80,18 @@ def test_a_stalled_reader_does_not_hold_a_stopping_node(table_factory, tmp_path)
         started = time.monotonic()
         code, body = wait_for(lambda: (r := probe(node_health, "/ready"))[0] != 200 and r, timeout=10)
         assert code == 503 and "stopping" in body
+        # The stream holds the node: its Flight server still answers, saying why it serves no
+        # more (it refused connections at once, and the head called the node unreachable).
+        (status,) = reader.do_action(flight.Action("status", b""))
+        assert json.loads(status.body.to_pybytes())["state"] == "stopping"
+        with pytest.raises(flight.FlightUnavailableError, match="stopping"):
+            reader.do_get(endpoint.ticket).read_all()
+
+        def head_sees() -> str:
+            nodes = json.loads(probe(head_health, "/status")[1])["nodes"]
+            return nodes[0]["state"] == "stopping"
+
+        wait_for(head_sees, timeout=SHUTDOWN_GRACE_SECONDS - 1)  # the head polls every 5 s
         node.wait(timeout=SHUTDOWN_GRACE_SECONDS + 20)
         assert time.monotonic() - started < SHUTDOWN_GRACE_SECONDS + 20
         assert "exiting without them" in (tmp_path / "node.log").read_text()

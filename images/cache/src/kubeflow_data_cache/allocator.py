@@ -149,6 +149,11 @@ class GatherReclaim:
         """Gathering streams open now."""
         return self._gathering
 
+    @property
+    def all_open_streams(self) -> int:
+        """Streams of any kind open now."""
+        return self._open
+
 
 def reclaim_gather_memory() -> None:
     """Hand the gather pool's free pages, and glibc's free memory, back to the OS: when a node

@@ -400,6 +400,9 @@ class DataNode(ReadOnlyFlight):
         self._wake_register.set()
         self.shutdown()
 
+    def open_streams(self) -> int:
+        return self._gathers.all_open_streams
+
     # --- loading -----------------------------------------------------------------------------
     def _start_load(self, body: dict[str, Any]) -> None:
         # A load replaces what this node serves: only from the head (its key), and only the

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 # How often the main thread looks for a stop signal or a failed load.
 STOP_POLL_SECONDS = 0.2
+# How often a stopping process looks whether its open streams have finished.
+DRAIN_POLL_SECONDS = 0.05
+# What the Flight server's own shutdown gets at least, its streams finished just at the deadline.
+SHUTDOWN_FLOOR_SECONDS = 1.0
 
 
 def _write_termination_log(path: str, message: str) -> None:
@@ -103,12 +107,18 @@ def run_node(cfg: NodeConfig) -> NoReturn:
     if signals:  # in the pod's log: why it stopped
         log.info("%s stopping on %s", cfg.role, signal.Signals(signals[0]).name)
     try:
-        # Readiness goes first, so no new reader is sent here; then the Flight server waits for
-        # its calls, but a reader that stopped reading mid-stream would hold it for ever: bounded.
+        # Readiness goes first, so no new reader is sent here. While open streams finish, the
+        # Flight server still answers: `status` says stopping (to the head's supervision too) and
+        # a new read is refused as not ready, not met with a refused connection. Then the server
+        # waits for its calls, but a reader that stopped reading mid-stream would hold it for
+        # ever: the whole of it is bounded.
         server.lifecycle.set(STOPPING, "shutting down")
+        deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+        while server.open_streams() and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_SECONDS)
         stopper = threading.Thread(target=server.stop, name="shutdown", daemon=True)
         stopper.start()
-        stopper.join(SHUTDOWN_GRACE_SECONDS)
+        stopper.join(max(SHUTDOWN_FLOOR_SECONDS, deadline - time.monotonic()))
         health.stop()
         if stopper.is_alive():
             log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)

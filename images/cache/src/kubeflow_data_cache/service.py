@@ -260,6 +260,10 @@ class ReadOnlyFlight(flight.FlightServerBase):
     def do_exchange(self, context, descriptor, reader, writer):
         raise NotImplementedError("DoExchange is not supported: read with GetFlightInfo, then DoGet per endpoint")
 
+    def open_streams(self) -> int:
+        """DoGet streams being sent now: what a stopping server waits for (runner.py)."""
+        return 0
+
 
 def meter_calls(server: Any, metrics: Metrics) -> None:
     """Wrap every Flight handler of the server (on the instance) in ``flight_errors``, labelled by
