@@ -57,7 +57,7 @@ def test_an_integer_column_with_a_null_is_refused_before_the_first_batch(null_ca
         next(iter(dataset))  # the null is on the last row: without the check this batch is fine
     message = str(refused.value)
     assert "column 'x' (int64) has 1 null value(s)" in message, message
-    assert "filter='\"x\" IS NOT NULL'" in message and "before the first batch" in message, message
+    assert "filter='\"x\" IS NOT NULL'" in message and "(the table holds them;" in message, message
 
 
 @pytest.mark.parametrize(
@@ -112,8 +112,11 @@ def test_a_filter_that_keeps_a_null_is_refused_before_the_first_batch(null_cache
     """Only the head's count over the filter's matches tells: before, such a read failed at the
     batch that held the null, the last of the epoch here."""
     dataset = DataCacheDataset(null_cache.endpoint, batch_size=100, columns=["id", "x"], filter="id >= 100")
-    with pytest.raises(ValueError, match=r"column 'x' \(int64\) has 1 null value\(s\).*before the first batch"):
+    with pytest.raises(
+        ValueError, match=r"column 'x' \(int64\) has 1 null value\(s\).*before the first batch"
+    ) as refused:
         next(iter(dataset))
+    assert "(the filter's rows hold them;" in str(refused.value)  # not the table's: they were counted in the matches
 
 
 @pytest.mark.parametrize(

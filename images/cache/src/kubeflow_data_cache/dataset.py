@@ -604,7 +604,8 @@ class DataCacheDataset(IterableDataset):
             if refusal is None and field.name in lengths and _has_tensor_form(field.type):
                 refusal = ragged_refusal(field.name, *lengths[field.name])
             if refusal:
-                raise ValueError(f"{refusal} (the table holds them; refused before the first batch)")
+                holder = "the filter's rows hold" if self._request.filter else "the table holds"
+                raise ValueError(f"{refusal} ({holder} them; refused before the first batch)")
 
     def _default_conversion(self) -> bool:
         return type(self).from_arrow_rb_to_tensor is DataCacheDataset.from_arrow_rb_to_tensor
