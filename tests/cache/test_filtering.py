@@ -678,3 +678,40 @@ def test_filters_work_past_the_first_slice_of_a_table_with_structs_in_structs(mo
     assert matching_rows(store, "meta['in']['a'] % 2 = 0").tolist() == expected
     expected = [i for i, v in enumerate(values) if v is None or v["in"] is None]
     assert matching_rows(store, "meta['in'] IS NULL").tolist() == expected
+
+
+def test_different_new_filters_are_matched_one_at_a_time(store, monkeypatch):
+    """A filter per rank, all new at once: each match holds DataFusion's working memory and the
+    figures' buffers, and 64 at once took nodes 115 MiB past their memory limit."""
+    import threading
+    import time
+
+    from kubeflow_data_cache import filtering
+
+    real, running, most = filtering.matching_rows, [], []
+    lock = threading.Lock()
+
+    def watched_match(s, predicate):
+        with lock:
+            running.append(predicate)
+            most.append(len(running))
+        time.sleep(0.05)
+        try:
+            return real(s, predicate)
+        finally:
+            with lock:
+                running.remove(predicate)
+
+    monkeypatch.setattr(filtering, "matching_rows", watched_match)
+    cache = FilterCache(store)
+    results: dict[int, list[int]] = {}
+    threads = [
+        threading.Thread(target=lambda k=k: results.__setitem__(k, cache.rows(f"id % 6 = {k}").tolist()))
+        for k in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert max(most) == 1 and len(most) == 6
+    assert results == {k: real(store, f"id % 6 = {k}").tolist() for k in range(6)}

@@ -288,15 +288,19 @@ def test_epoch_orders_are_shared_and_large_ones_kept_one_at_a_time(monkeypatch):
     assert sharding.epoch_order(1000, ShardRequest(block_size=10)).shuffle is False  # in order: no blocks
 
 
-def test_large_orders_of_different_epochs_are_built_one_at_a_time(monkeypatch):
+@pytest.mark.parametrize("kept_by", ["_large_epoch_order", "_epoch_order"])
+def test_orders_of_different_epochs_past_a_small_size_are_built_one_at_a_time(monkeypatch, kept_by):
     """Eight jobs starting at once each built their 1.5M-block order at the same time: ~70 MiB of
-    peak each, stacked past the node's memory limit."""
+    peak each, stacked past the node's memory limit; and 40 readers asking the head for 40 seeds'
+    orders of 1M blocks (under the size kept one at a time) took it to 1.5 GiB."""
     import threading
     import time
 
     import kubeflow_data_cache.sharding as sharding
 
-    monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)
+    monkeypatch.setattr(sharding, "ALONE_ORDER_BLOCKS", 99)
+    if kept_by == "_large_epoch_order":
+        monkeypatch.setattr(sharding, "ORDER_CACHE_BLOCKS", 99)
     building, most = [0], [0]
     lock = threading.Lock()
 
@@ -309,7 +313,7 @@ def test_large_orders_of_different_epochs_are_built_one_at_a_time(monkeypatch):
             building[0] -= 1
         return sharding._build_order(*key)
 
-    monkeypatch.setattr(sharding, "_large_epoch_order", slow_build)
+    monkeypatch.setattr(sharding, kept_by, slow_build)
     orders = {}
 
     def build(seed: int) -> None:

@@ -219,6 +219,11 @@ class FilterCache:
         # Predicates refused, newest last: message and until when (a BadRequestError about the
         # filter, which the same rows always give again: for as long as it is kept).
         self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # Different predicates are matched one at a time: each match holds DataFusion's working
+        # memory and the figures' full-column buffers, and 64 readers asking for 64 new filters
+        # at once (a filter per rank) took 2 nodes 115 MiB past their memory limit, while one
+        # match at a time uses what DataFusion's threads give a single query anyway.
+        self._one_match = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -247,8 +252,9 @@ class FilterCache:
         if not computing:
             return pending.result()
         try:
-            rows = matching_rows(self.store, predicate)
-            matched = (rows, self.store.figures_of(rows))
+            with self._one_match:
+                rows = matching_rows(self.store, predicate)
+                matched = (rows, self.store.figures_of(rows))
         except BaseException as err:
             with self._lock:
                 del self._pending[predicate]

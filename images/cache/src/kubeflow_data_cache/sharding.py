@@ -292,17 +292,17 @@ def epoch_order(total: int, req: ShardRequest) -> EpochOrder:
     epoch: all readers ask the head for it, and every node stream computes from it (on a 1e9-row
     table, building it takes a tenth of a second). Orders of more than ORDER_CACHE_BLOCKS blocks
     (tiny blocks on a huge table) are kept one at a time, so that what the cache keeps stays
-    small next to the rows, and built one at a time; more than MAX_ORDER_BLOCKS blocks are
-    refused (BadRequestError). An order some stream still holds is shared, not built again, even
+    small next to the rows; orders of more than ALONE_ORDER_BLOCKS blocks are built one at a
+    time; more than MAX_ORDER_BLOCKS blocks are refused (BadRequestError). An order some stream still holds is shared, not built again, even
     once the cache has let it go."""
     check_order_size(total, req)
     key = _order_key(total, req)
     held = _live_orders.get(key)
     if held is not None:
         return held
-    large = order_blocks(total, req) > ORDER_CACHE_BLOCKS
-    keep = _large_epoch_order if large else _epoch_order
-    order = _built_once(keep, key, _large_builds if large else None)
+    blocks = order_blocks(total, req)
+    keep = _large_epoch_order if blocks > ORDER_CACHE_BLOCKS else _epoch_order
+    order = _built_once(keep, key, _one_build if blocks > ALONE_ORDER_BLOCKS else None)
     _live_orders[key] = order
     with _building_lock:
         _claims.pop(key, None)  # built: the streams that follow hold it, and count nothing for it
@@ -317,8 +317,9 @@ def _built_once(
     An lru_cache does not merge concurrent misses: every reader of an epoch asks at its start,
     at once, and each built the same order in parallel (16 readers of 2M one-row blocks took a
     node from 196 MiB to 1.2 GiB, past its memory limit, and each request 8 s instead of 0.5 s).
-    Builds of different keys run under ``one_at_a_time`` (large orders: their peaks, ~70 MiB
-    each at 1.5M blocks, stacked past a node's limit when eight jobs began at once).
+    Builds of different keys run under ``one_at_a_time`` (all but small orders: their peaks,
+    ~70 MiB each at 1.5M blocks, stacked past a node's limit when eight jobs began at once, and
+    40 readers asking the head for 40 seeds' orders of 1M blocks at once took it to 1.5 GiB).
     """
     with _building_lock:
         pending = _building.get(key)
@@ -339,7 +340,7 @@ def _built_once(
 
 _building: dict[tuple, Future] = {}
 _building_lock = threading.Lock()
-_large_builds = threading.Lock()
+_one_build = threading.Lock()
 # Orders some stream (or the caches below) still holds, by key: a stream holds its order for its
 # whole life, and one evicted from the one-entry cache of large orders was built again for the
 # next stream of the same epoch while the first still held it.
@@ -356,6 +357,9 @@ ORDER_CLAIM_SECONDS = 10.0
 # rows in blocks of 1 took 4.4 s and 480 MiB, so such requests are refused.
 ORDER_CACHE_BLOCKS = 1 << 20
 MAX_ORDER_BLOCKS = 1 << 21
+# Orders of more blocks than this (a peak of 3 MiB) are built one at a time, whatever their key:
+# smaller ones take microseconds and cannot add up to much.
+ALONE_ORDER_BLOCKS = 1 << 16
 # An order holds 24 bytes a block (its block order, sizes and starts) and 8 a row of a block (the
 # in-block permutation); building it peaks at about twice that (the hashed keys and argsort's
 # output beside them): 1.5M blocks held 34 MiB and peaked at 68 MiB.
