@@ -123,3 +123,19 @@ def test_one_rebaser_serves_every_slice_of_a_stream(cuts, with_nulls):
             alone = rebase(part.column(name))
             assert got.column(name).offset == alone.offset, name
         assert ipc_round_trip(got).equals(part)
+
+
+def test_rebased_nbytes_counts_the_offsets_a_rebase_makes_at_every_depth():
+    """What an in-order stream's window holds of its own (the serving memory guard)."""
+    from kubeflow_data_cache.offsets import rebased_nbytes
+
+    lists = pa.array([["a", "bc"], [], ["d", "e", "f"]], pa.list_(pa.string()))  # 3 lists, 5 strings
+    assert rebased_nbytes(lists) == (3 + 1) * 4 + (5 + 1) * 4
+    assert rebased_nbytes(pa.array(["x", None, "yz"], pa.large_string())) == (3 + 1) * 8
+    record = pa.array([{"s": "a", "n": 1}, {"s": "bb", "n": 2}], pa.struct([("s", pa.string()), ("n", pa.int64())]))
+    assert rebased_nbytes(record) == (2 + 1) * 4
+    assert rebased_nbytes(pa.array([1, 2, 3], pa.int64())) == 0
+    # As large as what a rebase of a slice makes: its own offsets and its values' within.
+    piece = lists.slice(1, 2)
+    rebased = rebaser(pa.schema([("l", lists.type)]))(pa.record_batch([piece], names=["l"])).column(0)
+    assert rebased.buffers()[1].size + rebased.values.buffers()[1].size == rebased_nbytes(rebased)

@@ -642,14 +642,27 @@ class DataNode(ReadOnlyFlight):
         row_bytes = store.row_bytes(req.columns)
         if matches is None and not req.shuffle:
             slices = store.iter_rows(parts, batch_rows, req.columns)
+            window = window_rows(row_bytes)
+            admitted = None
             if has_offsets(schema):
                 # Slices with rebased offsets (offsets.py), made as Flight's writer pulls their
-                # window: only the window in flight holds rebased copies.
+                # window: only the window in flight holds rebased copies, which a reader that
+                # stops reading keeps. Those count for the memory guard (~2 MiB a stream here).
                 slices = map(rebaser(schema), slices)
+                stream_rows = min(window, max(0, (held if rows is None else rows) - t.skip))
+                try:
+                    admitted = self._serve_guard.admit_in_order(
+                        store.rebased_bytes_of(stream_rows, req.columns),
+                        self._gathers.all_open_streams,
+                        self.cfg.node_index,
+                    )
+                except NodeBusyError:
+                    self.metrics.streams_refused.inc()
+                    raise
             # Zero-copy slices, a window at a time (constants.SERVE_WINDOW_BYTES), each sent by
             # Flight's C++ writer and counted as served when the writer takes it.
             return flight.GeneratorStream(
-                schema, self._served(windows(slices, window_rows(row_bytes)), generation=generation)
+                schema, self._served(windows(slices, window), admitted=admitted, generation=generation)
             )
         # A gathering stream holds a few batches of its own: none is started that would take the
         # node into its last memory margin (memory.ServeMemoryGuard; the reader retries). Counted
@@ -758,5 +771,4 @@ class DataNode(ReadOnlyFlight):
                     close()
             finally:
                 self._gathers.closed(gathering)
-                if gathering:
-                    self._serve_guard.release(admitted)  # ServeMemoryGuard.admit's entry
+                self._serve_guard.release(admitted)  # ServeMemoryGuard.admit's entry, if any

@@ -26,6 +26,19 @@ def has_offsets(typ: pa.DataType | pa.Schema) -> bool:
     return pa.types.is_struct(typ) and any(has_offsets(typ.field(i).type) for i in range(typ.num_fields))
 
 
+def rebased_nbytes(arr: pa.Array) -> int:
+    """The bytes of the offsets a rebase of all of ``arr`` makes (``rebaser``), at any depth: a
+    string, binary or list array's own, its list values' within, a struct's fields'."""
+    typ = arr.type
+    width = _offset_width(typ)
+    if width is not None:
+        own = (len(arr) + 1) * np.dtype(width).itemsize
+        return own + (rebased_nbytes(arr.values) if _is_list(typ) and has_offsets(typ.value_type) else 0)
+    if pa.types.is_struct(typ):
+        return sum(rebased_nbytes(arr.field(i)) for i in range(typ.num_fields) if has_offsets(typ.field(i).type))
+    return 0
+
+
 def zero_based(batch: pa.RecordBatch) -> pa.RecordBatch:
     """The same rows, with every string, binary and list column (also inside lists and structs)
     rebuilt so that its offsets start at 0. Other columns are kept as they are."""

@@ -30,7 +30,7 @@ from kubeflow_data_cache.decode_budget import DecodeBudget
 from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoadError
 from kubeflow_data_cache.iceberg_reader import is_remote, task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
-from kubeflow_data_cache.offsets import value_offsets
+from kubeflow_data_cache.offsets import has_offsets, rebased_nbytes, value_offsets
 from kubeflow_data_cache.plan import Piece, estimate_column_bytes
 from kubeflow_data_cache.s3_settings import store_trouble
 
@@ -403,6 +403,13 @@ class NodeStore:
             and (bounds := _length_bounds(b.column(i) for b in self.batches)) is not None
         }
         self.nbytes = sum(self.column_bytes.values())
+        # Per column with strings or lists: the offsets an in-order stream rebases (offsets.py),
+        # which the stream holds a window of while it is sent (the serving memory guard).
+        self.rebased_bytes = {
+            name: sum(rebased_nbytes(b.column(i)) for b in self.batches)
+            for i, (name, t) in enumerate(zip(schema.names, schema.types, strict=True))
+            if has_offsets(t)
+        }
         # (stored batch, variable-size columns) -> their row_bytes terms, all their values' bytes
         # and the largest row's in it (_chunk_offsets: where served batches are cut by bytes).
         self._offsets: dict[tuple[int, tuple[int, ...]], tuple[list[row_bytes.Term], int, int]] = {}
@@ -514,6 +521,11 @@ class NodeStore:
         """The average bytes of a row's ``columns`` (all when None)."""
         names = self.schema.names if columns is None else columns
         return sum(self.column_bytes[name] for name in names) / max(1, self.num_rows)
+
+    def rebased_bytes_of(self, rows: int, columns: tuple[str, ...] | None) -> int:
+        """The offsets an in-order stream of ``rows`` rows of ``columns`` rebases, on average."""
+        names = self.schema.names if columns is None else columns
+        return int(rows * sum(self.rebased_bytes.get(name, 0) for name in names) / max(1, self.num_rows))
 
     def served_bytes_bound(
         self, rows: int, columns: tuple[str, ...] | None, batch_rows: int | None = None, filtered: bool = False
