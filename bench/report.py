@@ -200,6 +200,8 @@ def _row(case: dict[str, Any]) -> list[str]:
         memory = f"{med(case, 'resident_bytes') / MiB:.0f} MiB RSS (idle node)"
         if med(case, "resident_bytes_after_serve"):
             memory += f", {med(case, 'resident_bytes_after_serve') / MiB:.0f} MiB idle after serving (1-row node)"
+        if med(case, "imports_bytes"):
+            memory += f"; a bare interpreter with the node's imports: {med(case, 'imports_bytes') / MiB:.0f} MiB"
     gbs = med(case, "gb_per_s")
     return [
         kind,

@@ -5,6 +5,9 @@ everything else (imports, opened the table): node 0 of a 2-node cache over a 1-r
 median over several cluster starts (one start's idle node reads a couple of MiB either side of
 another's, which at the headline's 56 MiB of Arrow rows per node is 0.05 of the ratio).
 ``overhead_ratio`` = (resident - baseline) / Arrow bytes, for the worst node of the cluster.
+Beside it, a bare interpreter that only imports what a data node imports (``imports_bytes``):
+the difference is the node's own fixed cost (its Flight and health servers, threads, the opened
+table, allocator arenas), which the baseline counts as the interpreter's and a reader may not.
 
 The target is that a node *stays* within 1.3x, so besides the figure at ready it is taken twice
 on the last cluster of a point, after the serve, epoch and resume cases: once the node is idle
@@ -39,6 +42,7 @@ def baseline(table: BenchTable, starts: int, progress) -> CaseResult:
     from kubeflow_data_cache.protocol import ShardRequest
 
     result = CaseResult("memory-baseline", "idle-node", 0, 2)
+    result.add("imports_bytes", imports_bytes(table.env))
     for _ in range(starts):
         with CacheProcess(table.metadata_location, 2, table.env) as cache:
             nodes = cache.status()["nodes"]
@@ -55,6 +59,24 @@ def baseline(table: BenchTable, starts: int, progress) -> CaseResult:
         f"{baseline_bytes(result, after_serve=True) / 2**20:.0f} MiB idle after serving"
     )
     return result
+
+
+# What a data node imports before it serves (runner.py, node.py and the table's reader).
+NODE_IMPORTS = "import kubeflow_data_cache.runner, kubeflow_data_cache.node, pyiceberg.table, pyiceberg.io.pyarrow"
+
+
+def imports_bytes(env: dict[str, str]) -> float:
+    """The resident set of a fresh interpreter that has imported what a data node imports."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"{NODE_IMPORTS}\nprint(open('/proc/self/status').read())"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    line = next(line for line in out.splitlines() if line.startswith("VmRSS:"))
+    return float(line.split()[1]) * 1024
 
 
 def baseline_bytes(result: CaseResult, after_serve: bool = False) -> float:
