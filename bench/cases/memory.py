@@ -73,7 +73,12 @@ def imports_bytes(env: dict[str, str]) -> float:
 
     script = f"{NODE_IMPORTS}\nprint(open('/proc/self/status').read())"
     out = subprocess.run(
-        [sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", script],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     line = next(line for line in out.splitlines() if line.startswith("VmRSS:"))
     return float(line.split()[1]) * 1024
