@@ -111,7 +111,7 @@ def test_concurrent_requests_for_a_new_filter_match_it_once(store, monkeypatch):
     asked = threading.Condition()  # each thread that is matching, or waiting for another's match
     release = threading.Event()
 
-    def slow_match(s, predicate):
+    def slow_match(s, predicate, executing=None):
         with asked:
             calls.append(predicate)
             asked.notify_all()
@@ -393,7 +393,7 @@ def test_a_filter_that_runs_past_its_time_is_refused_and_remembered(rich_store, 
             matching_rows(store, predicate, timeout=0)
     calls = []
 
-    def timed_out(s, predicate):
+    def timed_out(s, predicate, executing=None):
         calls.append(predicate)
         return matching_rows(s, predicate, timeout=0)
 
@@ -451,7 +451,7 @@ def test_a_refusal_that_is_not_the_filters_fault_is_not_remembered(store, monkey
     real = filtering.matching_rows
     failures = [filtering.FilterTooCostlyError("too costly"), MemoryError()]
 
-    def flaky(s, predicate):
+    def flaky(s, predicate, executing=None):
         if failures:
             raise failures.pop(0)
         return real(s, predicate)
@@ -683,6 +683,7 @@ def test_filters_work_past_the_first_slice_of_a_table_with_structs_in_structs(mo
 def test_different_new_filters_are_matched_one_at_a_time(store, monkeypatch):
     """A filter per rank, all new at once: each match holds DataFusion's working memory and the
     figures' buffers, and 64 at once took nodes 115 MiB past their memory limit."""
+    import contextlib
     import threading
     import time
 
@@ -691,16 +692,21 @@ def test_different_new_filters_are_matched_one_at_a_time(store, monkeypatch):
     real, running, most = filtering.matching_rows, [], []
     lock = threading.Lock()
 
-    def watched_match(s, predicate):
-        with lock:
-            running.append(predicate)
-            most.append(len(running))
-        time.sleep(0.05)
-        try:
-            return real(s, predicate)
-        finally:
-            with lock:
-                running.remove(predicate)
+    def watched_match(s, predicate, executing=None):
+        @contextlib.contextmanager
+        def watched():
+            with executing or contextlib.nullcontext():
+                with lock:
+                    running.append(predicate)
+                    most.append(len(running))
+                time.sleep(0.05)
+                try:
+                    yield
+                finally:
+                    with lock:
+                        running.remove(predicate)
+
+        return real(s, predicate, executing=watched())
 
     monkeypatch.setattr(filtering, "matching_rows", watched_match)
     cache = FilterCache(store)
@@ -715,3 +721,65 @@ def test_different_new_filters_are_matched_one_at_a_time(store, monkeypatch):
         t.join(30)
     assert max(most) == 1 and len(most) == 6
     assert results == {k: real(store, f"id % 6 = {k}").tolist() for k in range(6)}
+
+
+def test_a_mistaken_filter_is_named_at_once_while_another_is_matched(store):
+    """Only the matching takes turns: checking and planning a filter do not wait for another's
+    match, which may take up to FILTER_TIMEOUT_SECONDS."""
+    import threading
+
+    cache = FilterCache(store)
+    refused: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            cache.rows("id >>> ")
+        except BadRequestError as err:
+            refused.append(err)
+
+    with cache._one_match:  # another filter being matched
+        asking = threading.Thread(target=ask)
+        asking.start()
+        asking.join(5)
+        assert not asking.is_alive(), "the mistaken filter waited for the other's match"
+    assert "invalid filter" in str(refused[0])
+    assert cache.rows("id < 3").tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("typ", "value", "predicate", "keep"),
+    [
+        (
+            pa.list_(pa.struct([("a", pa.int32())]), 2),
+            lambda i: [{"a": i}, {"a": -i}],
+            "id % 2 = 0",
+            lambda i, v: i % 2 == 0,
+        ),
+        (
+            pa.struct([("f", pa.list_(pa.struct([("a", pa.int32())]), 2))]),
+            lambda i: None if i % 4 == 0 else {"f": [{"a": i}, {"a": -i}]},
+            "c['f'][1]['a'] % 2 = 0",
+            lambda i, v: v is not None and i % 2 == 0,
+        ),
+        (pa.struct([]), lambda i: {}, "id < 5", lambda i, v: i < 5),
+        (
+            pa.struct([("f", pa.list_(pa.int32(), 2))]),
+            lambda i: None if i % 4 == 0 else {"f": [i, -i]},
+            "c['f'][1] % 2 = 0",
+            lambda i, v: v is not None and i % 2 == 0,
+        ),
+    ],
+    ids=["fixed-size list of structs", "struct of fixed-size list of structs", "struct without fields", "null structs"],
+)
+def test_filters_work_past_the_first_slice_of_fixed_size_lists_of_structs_and_null_structs(
+    monkeypatch, typ, value, predicate, keep
+):
+    """DataFusion panicked on a sliced fixed-size list of structs too; and a struct that is null
+    reads as null in every field (the values under it are placeholders)."""
+    from kubeflow_data_cache import filtering
+
+    values = [value(i) for i in range(23)]
+    table = pa.table({"id": pa.array(range(23), pa.int64()), "c": pa.array(values, typ)})
+    store = NodeStore(table.schema, table.to_batches(max_chunksize=10))
+    monkeypatch.setattr(filtering, "FILTER_SLICE_ROWS", 4)
+    assert matching_rows(store, predicate).tolist() == [i for i, v in enumerate(values) if keep(i, v)]

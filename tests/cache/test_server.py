@@ -126,10 +126,15 @@ def assert_no_server_traceback(err: Exception) -> None:
         (flight.FlightDescriptor.for_path(" 0 ", "1"), "two decimal integers"),
         (flight.FlightDescriptor.for_path("0", "+1"), "two decimal integers"),
         (flight.FlightDescriptor.for_path("0", str(10**30)), "'num_shards' should be <= 1048576"),
-        # One request must not make the head sort a billion-row block.
+        # One request must not make the head sort a billion-row block, nor many requests at once
+        # compute million-row end blocks each (64 ranks took a head to 1.1 GiB).
         (
             flight.FlightDescriptor.for_command(b'{"shuffle": true, "block_size": 33554432}'),
             "'block_size' should be <=",
+        ),
+        (
+            flight.FlightDescriptor.for_command(b'{"shuffle": true, "block_size": 65537}'),
+            "'block_size' should be <= 65536, got 65537",
         ),
         (flight.FlightDescriptor.for_path("1"), "[shard_index, shard_count]"),
         (flight.FlightDescriptor.for_command(b"{nope"), "not valid JSON"),
@@ -251,7 +256,7 @@ def test_bad_and_stale_tickets(small_cache):
         # A row space larger than the table's: it sized the node's shuffle order at will (2**41
         # rows in blocks of 2**20: 121 MiB and 0.55 s per seed, before any memory guard).
         (
-            {"total": 2**41, "request": {**body["request"], "shuffle": True, "block_size": 2**20}},
+            {"total": 2**41, "request": {**body["request"], "shuffle": True, "block_size": 2**16}},
             f"in a space of {2**41} rows, more than the table's 10000",
         ),
         # Past int64: an OverflowError deep in the stream (INTERNAL, a traceback logged) before.

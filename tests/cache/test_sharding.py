@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.errors import BadRequestError
-from kubeflow_data_cache.protocol import ShardRequest
+from kubeflow_data_cache.protocol import MAX_BLOCK_SIZE, ShardRequest
 from kubeflow_data_cache.sharding import (
     ORDER_WINDOW_ROWS,
     EpochOrder,
@@ -367,7 +367,7 @@ def test_the_head_refuses_a_shuffle_of_too_many_blocks_naming_the_block_size(clu
         assert client.get_flight_info(ShardRequest(shuffle=True, block_size=100)).total_records == small_table.rows
 
 
-@pytest.mark.parametrize("block", [1024, 300_000])
+@pytest.mark.parametrize("block", [1024, MAX_BLOCK_SIZE])
 def test_a_shuffled_node_computes_its_order_a_bounded_window_at_a_time(block):
     """A node's order arrays are its stream's memory while it is computed: about ORDER_WINDOW_ROWS
     of its own rows (or two blocks, when they are larger) at a time, whatever the transfer batch.

@@ -167,6 +167,19 @@ def test_a_watch_the_api_server_answers_410_gone_lists_again(fake, make_sim, run
     assert fake.calls.count(("", "pods", "list")) >= 2
 
 
+def test_a_watch_the_api_server_answers_410_gone_every_time_backs_off_and_is_named(fake, make_sim, run_initializer):
+    """A proxy that answers 410 to every watch, fresh version or not: listed again without a pause
+    until the deadline, and the timeout said nothing of it."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("pods", "watch")] = [410] * 10_000
+
+    code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="3"))
+
+    assert code != 0
+    assert "answered 410 Gone again after a fresh list" in error, error
+    assert fake.calls.count(("", "pods", "list")) <= 4  # one at the start, then one per backed-off retry
+
+
 def test_a_missing_train_job_is_named(fake, run_initializer):
     code, error = run_initializer(initializer_env(None, train_job="nope"))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -106,7 +107,7 @@ def _slices(store: NodeStore) -> list[pa.RecordBatch]:
     row_bytes = max(1, store.nbytes // rows) if rows else 1
     size = max(1, min(FILTER_SLICE_ROWS, FILTER_SLICE_BYTES // row_bytes))
     slices = []
-    structs = [i for i, field in enumerate(store.schema) if pa.types.is_struct(field.type)]
+    structs = [i for i, field in enumerate(store.schema) if _holds_struct(field.type)]
     for batch, offset in zip(store.batches, store.offsets[:-1], strict=True):
         for start in range(0, batch.num_rows, size):
             piece = batch.slice(start, size)
@@ -123,20 +124,42 @@ def _slices(store: NodeStore) -> list[pa.RecordBatch]:
     return slices
 
 
+def _holds_struct(t: pa.DataType) -> bool:
+    """A struct, or fixed-size lists of structs: what a slice passes its offset down to."""
+    while pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    return pa.types.is_struct(t) and t.num_fields > 0
+
+
 def _struct_offset_in_children(column: pa.Array) -> pa.Array:
-    """The same struct values, rebuilt with offset 0 at every struct level (the slice's offset
-    moved into the leaf columns, still zero-copy; only the validity bitmaps are new). DataFusion
-    (arrow-rs 59) panics on a sliced struct whose child is a struct ("assertion failed: end <=
-    self.len()"): every filter on such a table failed past its first slice."""
-    if not pa.types.is_struct(column.type):
+    """The same values, rebuilt with offset 0 at every struct and fixed-size list level (the
+    slice's offset moved into the leaf columns, still zero-copy; only the validity bitmaps are
+    new). DataFusion (arrow-rs 59) panics on a sliced struct whose child is a struct, or a sliced
+    fixed-size list of structs ("assertion failed: end <= self.len()"): every filter on such a
+    table failed past its first slice."""
+    t = column.type
+    if not _holds_struct(t):
         return column
-    children = [_struct_offset_in_children(child) for child in column.flatten()]
     mask = column.is_null() if column.null_count else None
-    return pa.StructArray.from_arrays(children, fields=list(column.type), mask=mask)
+    if pa.types.is_struct(t):
+        children = [_struct_offset_in_children(child) for child in column.flatten()]
+        return pa.StructArray.from_arrays(children, fields=list(t), mask=mask)
+    if pa.types.is_fixed_size_list(t):
+        size = t.list_size
+        values = column.values.slice(column.offset * size, len(column) * size)
+        return pa.FixedSizeListArray.from_arrays(_struct_offset_in_children(values), type=t, mask=mask)
+    return column
 
 
-def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIMEOUT_SECONDS) -> np.ndarray:
-    """Local row numbers (ascending) of the rows for which ``predicate`` is true."""
+def matching_rows(
+    store: NodeStore,
+    predicate: str,
+    timeout: float = FILTER_TIMEOUT_SECONDS,
+    executing: contextlib.AbstractContextManager | None = None,
+) -> np.ndarray:
+    """Local row numbers (ascending) of the rows for which ``predicate`` is true. ``executing``
+    is held while the matching runs (FilterCache: one at a time), not while the predicate is
+    checked and planned: a mistake in a filter is named at once, whatever else is matched."""
     import datafusion
 
     check_filter(predicate)  # also for a count sent to a node directly, not through the head
@@ -171,20 +194,21 @@ def matching_rows(store: NodeStore, predicate: str, timeout: float = FILTER_TIME
         # matched nothing was never checked). A null value drops its row, as WHERE does.
         # Each integer operation's overflow check rides along, one column each (filter_overflow).
         checked = [check.failed.alias(f"{OVERFLOW_COLUMN}{i}") for i, check in enumerate(overflows)]
-        started = time.monotonic()
-        for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN), *checked).execute_stream():
-            rows, keep, *failed = batch.to_pyarrow().columns
-            for check, column in zip(overflows, failed, strict=True):
-                if pc.any(column).as_py():
-                    raise overflow_refusal(predicate, check)
-            if not pa.types.is_null(keep.type):  # a predicate that is NULL ("CASE ... THEN NULL END") keeps none
-                matched.append(rows.filter(keep).to_numpy())
-            if time.monotonic() - started > timeout:
-                raise FilterTooCostlyError(
-                    f"filter {shown(predicate)} is too costly: this data node's {store.num_rows} rows "
-                    f"took more than {timeout:.0f} s to match; filter on plain comparisons of columns, or keep a "
-                    "column that marks the rows to read"
-                )
+        with executing or contextlib.nullcontext():
+            started = time.monotonic()  # once its turn comes: waiting is not the filter's cost
+            for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN), *checked).execute_stream():
+                rows, keep, *failed = batch.to_pyarrow().columns
+                for check, column in zip(overflows, failed, strict=True):
+                    if pc.any(column).as_py():
+                        raise overflow_refusal(predicate, check)
+                if not pa.types.is_null(keep.type):  # a predicate that is NULL ("CASE ... THEN NULL END") keeps none
+                    matched.append(rows.filter(keep).to_numpy())
+                if time.monotonic() - started > timeout:
+                    raise FilterTooCostlyError(
+                        f"filter {shown(predicate)} is too costly: this data node's {store.num_rows} rows "
+                        f"took more than {timeout:.0f} s to match; filter on plain comparisons of columns, or keep a "
+                        "column that marks the rows to read"
+                    )
     except BadRequestError:
         raise
     except (KeyboardInterrupt, SystemExit, MemoryError):  # the node's state, not the filter's fault
@@ -252,8 +276,8 @@ class FilterCache:
         if not computing:
             return pending.result()
         try:
+            rows = matching_rows(self.store, predicate, executing=self._one_match)
             with self._one_match:
-                rows = matching_rows(self.store, predicate)
                 matched = (rows, self.store.figures_of(rows))
         except BaseException as err:
             with self._lock:

@@ -56,6 +56,7 @@ from kubeflow_data_cache.service import (
     FAILED,
     LOADING,
     READY,
+    STOPPING,
     Lifecycle,
     Metrics,
     ReadOnlyFlight,
@@ -261,11 +262,13 @@ class DataNode(ReadOnlyFlight):
             return future
 
     def _opened_for_load(self, metadata_location: str) -> tuple[Any, pa.Schema, dict[str, Any]]:
+        with self._load_lock:  # taken once: held on, it kept every file's scan tasks (_keep_tasks)
+            early, self._preopened = self._preopened, None
         opened = self._opened(metadata_location)
         try:
             return opened.result()
         except Exception:
-            if opened is not self._preopened:
+            if opened is not early:
                 raise
             # The early open ran before the head planned, maybe before the storage could be
             # reached (DNS, a store still starting, credentials not yet mounted). The head has
@@ -414,6 +417,8 @@ class DataNode(ReadOnlyFlight):
                 "data node the same DATA_CACHE_CLUSTER_KEY"
             )
         order = LoadOrder.parse(body)  # before touching anything: a bad body changes nothing
+        if self.lifecycle.state == STOPPING:  # its rows could never be served: the process is leaving
+            raise NotReadyError(f"data node {self.cfg.node_index} is stopping: it takes no load")
         with self._load_lock:
             # A node started without METADATA_LOC serves the table of its first load from then on.
             own = self.cfg.metadata_loc or self._first_location

@@ -33,7 +33,11 @@ def rebased_nbytes(arr: pa.Array) -> int:
     width = _offset_width(typ)
     if width is not None:
         own = (len(arr) + 1) * np.dtype(width).itemsize
-        return own + (rebased_nbytes(arr.values) if _is_list(typ) and has_offsets(typ.value_type) else 0)
+        if not (_is_list(typ) and has_offsets(typ.value_type)):
+            return own
+        offsets = value_offsets(arr)  # the values this array uses: ``values`` is all of its child's
+        start, stop = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+        return own + rebased_nbytes(arr.values.slice(start, stop - start))
     if pa.types.is_struct(typ):
         return sum(rebased_nbytes(arr.field(i)) for i in range(typ.num_fields) if has_offsets(typ.field(i).type))
     return 0

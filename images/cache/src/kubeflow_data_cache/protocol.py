@@ -71,9 +71,12 @@ DEFAULT_BATCH_SIZE = 65536
 # seed and epoch are hashed as unsigned 64-bit integers (sharding._keys).
 UINT64_MAX = 2**64 - 1
 MAX_BATCH_SIZE = 1 << 22
-# Planning a shuffled epoch holds a block's in-block order (8 bytes a row) and sorts it, per
-# request: the cap keeps one request's cost bounded whatever a client sends.
-MAX_BLOCK_SIZE = 1 << 20
+# Planning a shuffled epoch computes the rows of each block a shard's ends cut (the head, per
+# GetFlightInfo), and each stream orders at least two blocks at a time (~40 bytes a row while
+# computed): blocks of 2**20 rows cost ~40 MiB a request, uncounted, and 64 ranks asking at
+# once took a head to 1.1 GiB (40 streams took data nodes to 2.5x their limit). 2**16 keeps a
+# request to a few MiB, and with at most 2**21 blocks still shuffles 2**37 rows.
+MAX_BLOCK_SIZE = 1 << 16
 # Readers are ranks x DataLoader workers: a million is far past any job, and keeps the head's
 # per-shard arithmetic in plain ranges.
 MAX_SHARDS = 1 << 20

@@ -132,7 +132,7 @@ class Metrics:
         self.bytes_served = Counter("data_cache_served_bytes", "Arrow bytes sent to clients", registry=r)
         self.streams_refused = Counter(
             "data_cache_streams_refused",
-            "Shuffled or filtered DoGet streams a data node refused (UNAVAILABLE) near its memory limit",
+            "DoGet streams a data node refused (UNAVAILABLE) near its memory limit",
             registry=r,
         )
         # ``action``: a DoAction's type (ACTION_LABELS), else "": the cache's own calls (a head's

@@ -73,6 +73,7 @@ class _Watcher(threading.Thread):
         self.trouble_key = trouble_key("watch", resource.describe(namespace))  # as Kube._call files it
         self.failing_since: float | None = None
         self.delay = WATCH_RETRY_SECONDS
+        self.gone_again = False  # the last watch call was answered 410 Gone (HTTP), and listed again
 
     def stop(self) -> None:
         self.stopped.set()
@@ -125,11 +126,19 @@ class _Watcher(threading.Thread):
         except KubeApiError as err:
             if not err.gone:
                 raise
+            if self.gone_again:
+                # 410 for a version just listed: not an old version, a server or proxy that
+                # says so to every watch. Retried with backoff, and named if the wait times out.
+                raise OSError(
+                    f"watch {self.resource.describe(self.namespace)} answered 410 Gone again after a fresh list"
+                ) from None
             # Our resourceVersion is too old, said as the HTTP status rather than as an event in
             # the stream (as some API servers and proxies do): the same answer, list again.
             self._relist()
-            self._connected()
+            self.gone_again = True
+            self.answered.set()
             return
+        self.gone_again = False
         self._connected()
         if self.stopped.is_set():
             self.stream.close()
