@@ -81,6 +81,29 @@ def test_a_malformed_load_leaves_a_serving_node_as_it_was(cluster, small_table):
     assert status["state"] == "ready" and status["generation"] == head.generation
 
 
+def test_a_stopping_node_takes_no_load(cluster, small_table):
+    """While its streams finish after SIGTERM, a node still answers Flight: a load then (a
+    restarted head) would read rows the leaving process can never serve."""
+    from kubeflow_data_cache.service import STOPPING
+
+    head, _, node, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: node.lifecycle.state == "ready")
+    (assignment,) = head.assignments
+    order = {
+        "generation": "after-sigterm",
+        "metadata_location": head.plan.metadata_location,
+        "snapshot_id": head.plan.snapshot_id,
+        "global_start": 0,
+        "global_stop": head.plan.rows,
+        "table_rows": head.plan.rows,
+        "pieces": [p.to_dict() for p in assignment.pieces],
+    }
+    node.lifecycle.set(STOPPING, "shutting down")
+    with pytest.raises(flight.FlightUnavailableError, match="data node 0 is stopping: it takes no load"):
+        list(flight.FlightClient(node.location).do_action(flight.Action("load", json.dumps(order).encode())))
+    assert node.generation != "after-sigterm"
+
+
 def test_a_newer_assignment_waits_for_the_load_it_supersedes(cluster, small_table, monkeypatch):
     """A restarted head re-sends the assignment with a new generation while the first load runs:
     the first stops, the second reads only after it, so the node never holds two loads."""
