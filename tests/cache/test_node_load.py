@@ -228,3 +228,14 @@ def test_an_early_open_that_failed_is_tried_again_by_the_load(cluster, small_tab
     finally:
         loading.set()
         node.stop()
+
+
+def test_a_metadata_location_with_an_upper_case_scheme_loads(cluster, small_table):
+    """Schemes are case-insensitive: ``FILE://`` (or ``S3://``, as the upstream cache takes it)
+    reached pyiceberg as written, which matches them in lower case only."""
+    upper = "FILE://" + small_table.metadata_location.removeprefix("file://")
+    head, _, node, _ = cluster(upper)
+    wait_for(lambda: head.lifecycle.state in ("ready", "failed"))
+    assert head.lifecycle.state == "ready", head.lifecycle.error
+    assert head.cfg.metadata_loc == small_table.metadata_location
+    assert node.store.num_rows == small_table.rows

@@ -131,6 +131,10 @@ def test_the_smallest_cpu_amount_is_taken_and_metadata_locations_naming_a_file_a
         assert load_config({**MINIMAL, "HEAD_CPU": cpu, "WORKER_CPU": cpu}).head_cpu == cpu
     for location in ("s3://b/warehouse/t/metadata/v1.metadata.json", "s3a://b/m.json", "file:///w/m.json"):
         assert load_config({**MINIMAL, "METADATA_LOC": location}).metadata_loc == location
+    # Schemes are case-insensitive (the SDK passes what users write; the upstream cache lowercases
+    # them): the cache pods get them in lower case, the rest as written.
+    for written, passed in (("S3://B/Key.json", "s3://B/Key.json"), ("File:///W/m.json", "file:///W/m.json")):
+        assert load_config({**MINIMAL, "METADATA_LOC": written}).metadata_loc == passed
 
 
 def test_storage_uri_parsing():

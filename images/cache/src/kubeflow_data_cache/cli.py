@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the head's /ready /live /status /metrics port (default 0: a free one)",
     )
-    local.add_argument("--memory-limit", help="each data node's memory budget, e.g. 2Gi (default the cgroup limit)")
+    local.add_argument(
+        "--memory-limit", help="each data node's memory budget, e.g. 2Gi (env MEMORY_LIMIT, default the cgroup limit)"
+    )
     local.add_argument("--schema-name", help="schema (namespace) name the cache reports (env SCHEMA_NAME)")
     local.add_argument("--table-name", help="table name the cache reports (env TABLE_NAME)")
     local.add_argument(

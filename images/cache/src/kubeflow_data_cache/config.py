@@ -166,6 +166,13 @@ METADATA_SCHEMES = ("s3", "s3a", "file")
 HEAD_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls")
 
 
+def lower_scheme(location: str) -> str:
+    """``S3://bucket/key`` as ``s3://bucket/key``: schemes are case-insensitive (RFC 3986, and the
+    upstream cache reads them so), but the readers below match them in lower case."""
+    scheme, sep, rest = location.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if sep and scheme.isascii() and scheme.isalnum() else location
+
+
 def check_metadata_location(location: str) -> None:
     """Refuse, at once, a store the cache cannot read (planning would only fail at its deadline)."""
     try:
@@ -391,6 +398,7 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             "set by the env METADATA_LOC or --metadata-loc"
         )
     if metadata_loc:
+        metadata_loc = lower_scheme(metadata_loc)
         check_metadata_location(metadata_loc)
     flight_port = port_setting(label("FLIGHT_PORT", "--port"), pick("port", "FLIGHT_PORT"), constants.FLIGHT_PORT)
     health_port = port_setting(

@@ -58,7 +58,7 @@ READ_GROUP_MIN_REMOTE_BYTES = 32 << 20
 # Filters whose per-node match counts the head keeps (least recently used dropped): a few per
 # job; the bound keeps clients that send ever-new predicates from growing the head for ever.
 CACHED_FILTER_COUNTS = 256
-# A data node keeps each cached filter's matching rows (4 or 8 bytes a match) within this share
+# A data node keeps each cached filter's matching rows (8 bytes a match) within this share
 # of its own rows' bytes, outside the memory check (filtering.FilterCache).
 FILTER_CACHE_SHARE = 0.125
 FILTER_CACHE_MIN_BYTES = 16 << 20

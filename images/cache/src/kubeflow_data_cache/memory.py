@@ -385,8 +385,8 @@ class ServeMemoryGuard:
     none other open or starting is always admitted, since waiting would free nothing. In-order
     reads send zero-copy slices of the rows; where they have strings or lists, each holds the
     rebased offsets of the window being sent (offsets.py, ~2 MiB for the sample table's two such
-    columns), and counts for that (``admit_in_order``): 200 stalled ones took nodes 220 MiB past
-    their limit, uncounted.
+    columns), and counts for that (``admit_in_order``): 300 stalled ones took a node from ~160
+    to ~740 MiB, past its 600 MiB limit, uncounted.
     """
 
     def __init__(

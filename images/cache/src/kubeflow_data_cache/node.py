@@ -555,7 +555,7 @@ class DataNode(ReadOnlyFlight):
             "resident_bytes": resident_bytes(),
             "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,
-            # Shuffled or filtered streams refused so far because the node was near its memory limit.
+            # Streams refused so far because the node was near its memory limit.
             "refused_streams": self._serve_guard.refused,
             "load_seconds": round(self.load_seconds, 3),
         }

@@ -221,6 +221,13 @@ def _check_cpu(r: _Reader, name: str, value: str) -> None:
         r._bad(name, f"at least 1m (a thousandth of a core) and at most {MAX_CPUS} cores", value)
 
 
+def _lower_scheme(location: str) -> str:
+    """``S3://bucket/key`` as ``s3://bucket/key``: schemes are case-insensitive (the SDK passes
+    what the user wrote, and the upstream cache lowercases it), the cache pods get lower case."""
+    scheme, sep, rest = location.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if sep and scheme.isascii() and scheme.isalnum() else location
+
+
 def _names_a_file(location: str) -> bool:
     """Whether an s3://, s3a:// or file:// URI names a file (a bucket and a key; a path): `s3://`
     alone would only fail in the cache pods, after they started."""
@@ -303,7 +310,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
             schema_name, table_name = parse_storage_uri(storage_uri)
         except ValueError:
             r._bad("STORAGE_URI", "cache://<schema>/<table> (letters, digits, _ . -)", storage_uri)
-    metadata_loc = r.text("METADATA_LOC", "the table's metadata.json as an s3://, s3a:// or file:// URI")
+    metadata_loc = _lower_scheme(r.text("METADATA_LOC", "the table's metadata.json as an s3://, s3a:// or file:// URI"))
     if metadata_loc and not _names_a_file(metadata_loc):
         r._bad("METADATA_LOC", "an s3://bucket/key, s3a://bucket/key or file:///path URI of the table's metadata.json",
                metadata_loc)  # fmt: skip

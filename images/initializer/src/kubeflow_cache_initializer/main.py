@@ -101,8 +101,8 @@ its settings from the environment, as the Kubeflow SDK's DataCacheInitializer se
   CLUSTER_SIZE, HEAD_CPU, HEAD_MEM, WORKER_CPU, WORKER_MEM, IAM_ROLE, DATA_CACHE_SHARED,
   CACHE_READY_TIMEOUT_SECONDS, ...: see docs/initializer.md for every variable.
 
-Exit status: 0 the cache serves; 2 bad settings (every one named); 1 any other failure, with
-the reason in the log and the pod's termination message.
+Exit status: 0 the cache serves; 2 bad settings (every one named); 143 stopped by SIGTERM;
+1 any other failure, with the reason in the log and the pod's termination message.
 """
 
 
