@@ -366,6 +366,59 @@ def test_gather_reclaim_also_trims_glibc(monkeypatch):
     assert trims == [1] and reclaim.reclaims == 1
 
 
+_TRIM_ABOVE_SCRIPT = """
+import ctypes
+from kubeflow_data_cache.allocator import free_heap_bytes, trim_glibc_malloc_above, tune_glibc_malloc
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+assert tune_glibc_malloc({})  # a cache client's settings
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(1 << 20) for _ in range(96)]
+for block in blocks:
+    ctypes.memset(block, 1, 1 << 20)
+for block in reversed(blocks):
+    libc.free(block)
+free, kept = free_heap_bytes(), rss()
+small = trim_glibc_malloc_above(free + (1 << 20))  # less free than the bound: kept for reuse
+after_small = rss()
+large = trim_glibc_malloc_above(32 << 20)
+print(free >> 20, kept >> 20, int(small), after_small >> 20, int(large), rss() >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 and malloc_trim")
+def test_a_reader_hands_back_free_heap_only_past_its_bound():
+    """Between epochs a reader hands back what its tuned malloc kept when that is a lot (wide rows
+    left ~1.15 GB free in each process), and keeps a little for the next epoch's batches."""
+    out = subprocess.run([sys.executable, "-c", _TRIM_ABOVE_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    free, kept, small, after_small, large, trimmed = map(int, out.stdout.split())
+    assert free >= 90, "the freed blocks stay in glibc's arenas"
+    assert small == 0 and after_small >= kept - 8
+    assert large == 1 and trimmed < kept - 64
+
+
+def test_every_epoch_of_a_reader_ends_with_the_free_heap_check(small_cache, small_table, monkeypatch):
+    """Read whole or left early, an epoch's end hands back glibc's free heap past the bound."""
+    from kubeflow_data_cache import dataset as ds_module
+    from kubeflow_data_cache.dataset import KEEP_FREE_HEAP_BYTES, DataCacheDataset
+
+    calls = []
+    monkeypatch.setattr(ds_module, "trim_glibc_malloc_above", lambda bound: calls.append(bound) or False)
+    ds = DataCacheDataset(small_cache.endpoint, batch_size=1000, columns=["id"])
+    assert sum(len(b["id"]) for b in ds) == small_table.rows
+    assert calls == [KEEP_FREE_HEAP_BYTES]
+    it = iter(ds)
+    next(it)
+    it.close()  # a loop that breaks out early
+    assert calls == [KEEP_FREE_HEAP_BYTES] * 2
+
+
 _THREAD_TRIM_SCRIPT = """
 import ctypes, threading
 from kubeflow_data_cache.allocator import prepare_data_node, trim_glibc_malloc

@@ -53,6 +53,25 @@ def test_batches_have_exactly_batch_size_rows_in_order(sizes, batch_size, drop_l
         assert torch.equal(torch.cat([b["x"] for b, _ in out]), torch.from_numpy(ids).to(torch.float32))
 
 
+def test_small_batches_are_split_off_a_bounded_number_at_a_time(monkeypatch):
+    """batch_size=1 made one view per row of a whole run at once: 262,144 a column, ~450 MiB for
+    three columns of a 16 MB table."""
+    from kubeflow_data_cache.dataset import SPLIT_VIEWS
+
+    real, most = torch.Tensor.split, []
+
+    def counted(self, *args, **kwargs):
+        parts = real(self, *args, **kwargs)
+        most.append(len(parts))
+        return parts
+
+    monkeypatch.setattr(torch.Tensor, "split", counted)
+    ds = DataCacheDataset(ENDPOINT, batch_size=1)
+    out = list(ds._rebatch(iter(stream([3 * SPLIT_VIEWS + 5]))))
+    assert torch.equal(torch.cat([b["id"] for b, _ in out]), torch.arange(3 * SPLIT_VIEWS + 5))
+    assert max(most) <= SPLIT_VIEWS
+
+
 def test_a_transfer_batch_after_a_short_tail_is_not_copied():
     """Where one node's part ends mid-batch, only the rows that complete that batch are copied;
     the next node's whole transfer batch is turned into tensors over its own buffer."""

@@ -240,6 +240,42 @@ def trim_glibc_malloc() -> bool:
     return bool(trim(0))
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def free_heap_bytes() -> int | None:
+    """The free bytes glibc's arenas hold for reuse (``mallinfo2``), None where it cannot tell
+    (not glibc, or one before 2.33)."""
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.argtypes, mallinfo2.restype = [], _Mallinfo2
+    info = mallinfo2()
+    return int(info.fordblks + info.fsmblks)
+
+
+def trim_glibc_malloc_above(free_bytes: int) -> bool:
+    """``trim_glibc_malloc`` where glibc holds more than ``free_bytes`` free: handing back a
+    little costs the next reads its page faults, and the tuned thresholds exist to keep it."""
+    free = free_heap_bytes()
+    return free is not None and free > free_bytes and trim_glibc_malloc()
+
+
 def cap_glibc_arenas(arenas: int, environ: Mapping[str, str] | None = None) -> bool:
     """Let glibc make at most ``arenas`` arenas; an operator's ``MALLOC_ARENA_MAX`` wins.
 
