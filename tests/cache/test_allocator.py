@@ -315,28 +315,37 @@ def test_in_order_streams_hold_off_the_reclaim_but_are_not_gathering_streams():
     assert reclaim.reclaims == 1 and reclaim.open_streams == 0
 
 
-_TRIM_SCRIPT = """
-import ctypes, sys
-from kubeflow_data_cache.allocator import trim_glibc_malloc, tune_glibc_malloc
+# With the tuned thresholds (a data node's and a cache client's settings), 96 MiB malloc'ed in
+# 1 MiB blocks, under the mmap threshold, touched, then freed: they stay in glibc's arenas.
+_FREED_IN_ARENAS = """
+import ctypes
+from kubeflow_data_cache.allocator import tune_glibc_malloc
 
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
-assert tune_glibc_malloc({})  # a data node's settings: freed buffers stay in glibc's arenas
+assert tune_glibc_malloc({})
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-blocks = [libc.malloc(1 << 20) for _ in range(96)]  # 1 MiB each, under the mmap threshold
+blocks = [libc.malloc(1 << 20) for _ in range(96)]
 for block in blocks:
     ctypes.memset(block, 1, 1 << 20)
 held = rss()
 for block in reversed(blocks):
     libc.free(block)
 kept = rss()
+"""
+
+_TRIM_SCRIPT = (
+    _FREED_IN_ARENAS
+    + """
+from kubeflow_data_cache.allocator import trim_glibc_malloc
 assert trim_glibc_malloc()
 print(held >> 20, kept >> 20, rss() >> 20)
 """
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
@@ -366,29 +375,17 @@ def test_gather_reclaim_also_trims_glibc(monkeypatch):
     assert trims == [1] and reclaim.reclaims == 1
 
 
-_TRIM_ABOVE_SCRIPT = """
-import ctypes
-from kubeflow_data_cache.allocator import free_heap_bytes, trim_glibc_malloc_above, tune_glibc_malloc
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-assert tune_glibc_malloc({})  # a cache client's settings
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-blocks = [libc.malloc(1 << 20) for _ in range(96)]
-for block in blocks:
-    ctypes.memset(block, 1, 1 << 20)
-for block in reversed(blocks):
-    libc.free(block)
-free, kept = free_heap_bytes(), rss()
+_TRIM_ABOVE_SCRIPT = (
+    _FREED_IN_ARENAS
+    + """
+from kubeflow_data_cache.allocator import free_heap_bytes, trim_glibc_malloc_above
+free = free_heap_bytes()
 small = trim_glibc_malloc_above(free + (1 << 20))  # less free than the bound: kept for reuse
 after_small = rss()
 large = trim_glibc_malloc_above(32 << 20)
 print(free >> 20, kept >> 20, int(small), after_small >> 20, int(large), rss() >> 20)
 """
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 and malloc_trim")
