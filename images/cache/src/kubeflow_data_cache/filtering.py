@@ -144,11 +144,9 @@ def _struct_offset_in_children(column: pa.Array) -> pa.Array:
     if pa.types.is_struct(t):
         children = [_struct_offset_in_children(child) for child in column.flatten()]
         return pa.StructArray.from_arrays(children, fields=list(t), mask=mask)
-    if pa.types.is_fixed_size_list(t):
-        size = t.list_size
-        values = column.values.slice(column.offset * size, len(column) * size)
-        return pa.FixedSizeListArray.from_arrays(_struct_offset_in_children(values), type=t, mask=mask)
-    return column
+    size = t.list_size  # a fixed-size list of structs (_holds_struct)
+    values = column.values.slice(column.offset * size, len(column) * size)
+    return pa.FixedSizeListArray.from_arrays(_struct_offset_in_children(values), type=t, mask=mask)
 
 
 def matching_rows(

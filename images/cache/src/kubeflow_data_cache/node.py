@@ -654,7 +654,7 @@ class DataNode(ReadOnlyFlight):
                 # window: only the window in flight holds rebased copies, which a reader that
                 # stops reading keeps. Those count for the memory guard (~2 MiB a stream here).
                 slices = map(rebaser(schema), slices)
-                stream_rows = min(window, max(0, (held if rows is None else rows) - t.skip))
+                stream_rows = min(window, max(0, rows - t.skip))  # in order, the stream's rows are counted
                 try:
                     admitted = self._serve_guard.admit_in_order(
                         store.rebased_bytes_of(stream_rows, req.columns),
