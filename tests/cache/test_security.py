@@ -537,3 +537,46 @@ def test_a_head_without_the_token_its_data_nodes_require_says_so(small_table):
         head.stop()
         if node is not None:
             node.stop()
+
+
+def test_the_tls_question_reads_no_ca_bundle(monkeypatch, self_signed_cert):
+    """A data node asks it after every failed registration, mostly while its head is still
+    starting: reading the system's CA bundle each time (~40 ms of CPU) took CPU from the head's
+    start-up, for a certificate check the question turns off. Asked of a TLS server, a plaintext
+    one and a closed port, it answers each without reading it."""
+    import socket as sockets
+    import ssl
+    import threading
+
+    from kubeflow_data_cache import security
+
+    def no_bundle(*args, **kwargs):
+        raise AssertionError("the TLS question read the system's CA bundle")
+
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(self_signed_cert.cert_file, self_signed_cert.key_file)
+    monkeypatch.setattr(ssl, "create_default_context", no_bundle)
+    monkeypatch.setattr(ssl.SSLContext, "load_default_certs", no_bundle)
+    monkeypatch.setattr(ssl.SSLContext, "set_default_verify_paths", no_bundle)
+
+    def answer(listener: sockets.socket, tls: bool) -> None:
+        conn, _ = listener.accept()
+        with conn:
+            if tls:
+                with server_context.wrap_socket(conn, server_side=True) as secure:
+                    secure.recv(1)  # until the client closes
+            else:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")  # answers, not in TLS
+
+    for tls, expected in ((True, True), (False, False)):
+        with sockets.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            thread = threading.Thread(target=answer, args=(listener, tls), daemon=True)
+            thread.start()
+            assert security.speaks_tls(f"grpc://127.0.0.1:{listener.getsockname()[1]}", timeout=5.0) is expected
+            thread.join(5)
+    with sockets.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: refused
+        assert security.speaks_tls(f"grpc://127.0.0.1:{port}", timeout=1.0) is None

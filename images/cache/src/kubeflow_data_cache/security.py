@@ -47,12 +47,15 @@ def speaks_tls(location: str, timeout: float = 2.0) -> bool | None:
     parts = urlsplit(location)
     if parts.hostname is None or parts.port is None:
         return None
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])  # as gRPC offers it
     try:
         with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as raw:
             raw.settimeout(max(deadline - time.monotonic(), 0.001))  # the handshake gets what is left
+            # A bare context, made only once something answers: ``create_default_context`` reads
+            # the system's CA bundle (~40 ms of CPU) for a check this question turns off, and a
+            # data node asked on every failed registration, while its head was still starting.
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            context.set_alpn_protocols(["h2"])  # as gRPC offers it
             try:
                 with context.wrap_socket(raw, server_hostname=parts.hostname):
                     return True
