@@ -143,3 +143,88 @@ def test_the_notes_name_the_controller_image_installed_not_the_charts_version():
     assert notes.splitlines()[0].startswith(
         "Kubeflow Trainer (ghcr.io/kubeflow/trainer/trainer-controller-manager:v2.2.0)"
     )
+
+
+def test_common_labels_cannot_replace_managed_by():
+    """Helm adopts only objects labelled managed-by=Helm: a retried upgrade after one that failed
+    part way refused the objects it had made ("invalid ownership metadata")."""
+    with pytest.raises(helm_python.HelmRenderError, match="commonLabels cannot set app.kubernetes.io/managed-by"):
+        render_chart({"commonLabels": {"app.kubernetes.io/managed-by": "argocd"}})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {
+                "dataCache": {
+                    "enabled": True,
+                    "initializer": {"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "256Mi"}}},
+                }
+            },
+            r"dataCache.initializer.resources requests memory 1Gi, more than its limit 256Mi, .*pod; raise the limit",
+        ),
+        # 1Gi is 2^30 bytes, more than 1G (10^9).
+        (
+            {
+                "dataCache": {
+                    "enabled": True,
+                    "initializer": {"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1G"}}},
+                }
+            },
+            r"requests memory 1Gi, more than its limit 1G",
+        ),
+        (
+            {"manager": {"resources": {"requests": {"cpu": "1001m"}, "limits": {"cpu": 1}}}},
+            r"manager.resources requests cpu 1001m",
+        ),
+        # A limit below the chart's default request (1Gi): the merged values refuse the pod.
+        (
+            {**DATA_CACHE, "lws": {"resources": {"limits": {"memory": "512Mi"}}}},
+            r"lws.resources requests memory 1Gi, more than its limit 512Mi, .*merges with the chart's defaults for lws.resources",
+        ),
+    ],
+)
+def test_a_request_above_its_limit_is_refused_at_install(values, message):
+    """The API server refuses the pod, not the Deployment or the runtime: the install passed and the
+    controller's pods, or every cached TrainJob's initializer, were never created."""
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        render_chart(values)
+
+
+@pytest.mark.parametrize(
+    ("request_", "limit"),
+    [
+        ("1G", "1Gi"),
+        ("500m", 0.5),
+        ("1e3", "1k"),
+        ("0.5", "500m"),
+        (1, "1000m"),
+        ("128974848", "123Mi"),
+        ("1.5Gi", "1536Mi"),
+    ],
+)
+def test_a_request_up_to_its_limit_in_other_units_is_accepted(request_, limit):
+    resources = {"requests": {"cpu": request_, "memory": request_}, "limits": {"cpu": limit, "memory": limit}}
+    render_chart({"dataCache": {"enabled": True, "initializer": {"resources": resources}}})
+
+
+def test_a_fractional_initializer_quantity_reaches_the_runtime_as_a_string():
+    """The runtime CRD types quantities int-or-string: a YAML 0.5 (which a Deployment takes) passed
+    the values schema and was refused when the release was applied."""
+    resources = {"requests": {"cpu": 0.25, "memory": 100000000}, "limits": {"cpu": 0.5, "memory": "256Mi"}}
+    objects = render_chart({"dataCache": {"enabled": True, "initializer": {"resources": resources}}})
+    runtime = one(objects, "ClusterTrainingRuntime", "torch-distributed-with-cache")
+    validate_objects([runtime])
+    initializer = next(
+        job for job in runtime["spec"]["template"]["spec"]["replicatedJobs"] if job["name"] == "dataset-initializer"
+    )
+    (container,) = [
+        c
+        for c in initializer["template"]["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "dataset-initializer"
+    ]
+    assert container["resources"] == {
+        "requests": {"cpu": "0.25", "memory": "1e+08"},
+        "limits": {"cpu": "0.5", "memory": "256Mi"},
+    }

@@ -53,6 +53,14 @@ SPREAD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfia
         ({"dataCache": {"initializer": {"resources": {"limits": {"memory": "256MB"}}}}}, r"/resources/limits/memory"),
         ({"dataCache": {"initializer": {"resources": {"limit": {"cpu": "1"}}}}}, r"'limit' not allowed"),
         ({"dataCache": {"initializer": {"resources": {"requests": {"cpu": -1}}}}}, r"/resources/requests/cpu"),
+        # A misspelt resource name passed install, and JobSet's Job for the initializer was refused
+        # ("must be a standard resource type or fully qualified") when a TrainJob first ran.
+        (
+            {"dataCache": {"initializer": {"resources": {"limits": {"memroy": "256Mi"}}}}},
+            r"invalid propertyName 'memroy'",
+        ),
+        ({"manager": {"resources": {"requests": {"gpu": 1}}}}, r"invalid propertyName 'gpu'"),
+        ({"lws": {"resources": {"limits": {"Memory": "2Gi"}}}}, r"invalid propertyName 'Memory'"),
         # controller-runtime refuses --zap-log-level=0: the controller would crash-loop.
         ({"manager": {"logLevel": 0}}, r"/manager/logLevel"),
         ({"manager": {"logLevel": "verbose"}}, r"/manager/logLevel"),
@@ -159,3 +167,12 @@ def test_a_large_burst_renders_as_an_integer_the_controller_can_read():
     configs = [v for o in objects if o["kind"] == "ConfigMap" for v in o.get("data", {}).values() if "burst:" in v]
     assert any("burst: 2000000" in text for text in configs)
     assert not any("e+06" in text for text in configs)
+
+
+def test_standard_and_fully_qualified_resource_names_are_accepted():
+    """hugepages-2Mi is standard (the name rule had refused its capital letters), and extended
+    resources are named with their domain."""
+    names = {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi", "hugepages-2Mi": "2Mi", "nvidia.com/gpu": 1}
+    resources = {"requests": names, "limits": names}
+    render_chart({"manager": {"resources": resources}, "lws": {"resources": resources}})
+    render_chart({"dataCache": {"enabled": True, "initializer": {"resources": resources}}})

@@ -81,6 +81,20 @@ YAML reads as a number or a boolean makes their objects ones the API server refu
 {{- fail (printf "commonLabels cannot set %s: the chart sets it, and its Deployments and Services select pods by it; choose another key" $key) }}
 {{- end }}
 {{- end }}
+{{- if hasKey .Values.commonLabels "app.kubernetes.io/managed-by" }}
+{{- fail "commonLabels cannot set app.kubernetes.io/managed-by: Helm adopts only objects that carry managed-by=Helm, so the next upgrade after one that failed part way would refuse the objects it had created (\"invalid ownership metadata\"); choose another key" }}
+{{- end }}
+{{- range $path, $resources := dict "manager.resources" .Values.manager.resources "lws.resources" .Values.lws.resources "dataCache.initializer.resources" .Values.dataCache.initializer.resources }}
+{{- $limits := $resources.limits | default dict }}
+{{- range $name, $request := $resources.requests | default dict }}
+{{- if hasKey $limits $name }}
+{{- if gt (float64 (include "trainer.quantityValue" $request)) (float64 (include "trainer.quantityValue" (get $limits $name))) }}
+{{- $merged := ternary "" (printf " (what you set merges with the chart's defaults for %s in values.yaml)" $path) (hasPrefix "dataCache." $path) }}
+{{- fail (printf "%s requests %s %v, more than its limit %v, and the API server refuses such a pod%s; raise the limit or lower the request" $path $name $request (get $limits $name) $merged) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if eq .Values.dataCache.serviceAccount.name "default" }}
 {{- fail "dataCache.serviceAccount.name cannot be `default`: every pod of a namespace that names no ServiceAccount runs as `default`, and each would get the initializer's rights (create LeaderWorkerSets, Services, ServiceAccounts and Secrets; patch LeaderWorkerSets and ServiceAccounts; delete LeaderWorkerSets); keep kubeflow-trainer-cache-initializer or choose a name of its own" }}
 {{- end }}
@@ -122,6 +136,21 @@ empty in `helm template`); refused where this release installed the CRD. */}}
 {{- if gt (len $jobset) 47 }}
 {{- fail (printf "release name %q is too long: the JobSet subchart would name its Service %s-webhook-service, over Kubernetes' 63 characters; use a release name of at most 40 characters, or set jobset.fullnameOverride to at most 47" .Release.Name $jobset) }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A Kubernetes quantity (500m, 2, 1.5Gi, 1e3, or a YAML number) in its base unit (cores,
+bytes), to compare requests with limits. The schema has already checked its form. */}}
+{{- define "trainer.quantityValue" -}}
+{{- $quantity := trimPrefix "+" (toString .) }}
+{{- $number := regexFind "^([0-9]+(\\.[0-9]*)?|\\.[0-9]+)" $quantity }}
+{{- $suffix := trimPrefix $number $quantity }}
+{{- $scale := dict "" 1.0 "n" 1e-9 "u" 1e-6 "m" 1e-3 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- if hasKey $scale $suffix }}
+{{- mulf (float64 $number) (get $scale $suffix) }}
+{{- else }}
+{{- /* a decimal exponent (1e3, 2E-1), which float64 reads as it stands */}}
+{{- float64 $quantity }}
 {{- end }}
 {{- end }}
 
