@@ -85,6 +85,33 @@ def test_a_replacement_is_reloaded_and_the_head_ready_at_once_not_at_the_next_po
         replacement.stop()
 
 
+def test_a_node_back_at_the_same_address_is_reloaded_at_once(cluster, small_table, monkeypatch):
+    """A container restarted in place (after an OOM kill, say) comes back at its old address. The
+    head's channel to it was still backing off from the outage, so the round its registration
+    started found it "unreachable", and it waited for the next poll (5 s) to be sent its rows."""
+    from urllib.parse import urlsplit
+
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    port = urlsplit(node.location).port
+    node.stop()
+    node_health.stop()
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 503)
+    time.sleep(3.0)  # polls every 0.2 s meanwhile: the channel's reconnect backoff grows past a second
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 60.0)
+    monkeypatch.setattr(node_module, "REGISTER_INTERVAL_SECONDS", 60.0)  # and no heartbeat starts another
+    time.sleep(0.5)  # the round under way ends; the next one waits 60 s
+    replacement = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location, "port": port}, env={}))
+    try:
+        assert replacement.location == node.location
+        replacement.start_registering()
+        wait_for(lambda: get(head_health.port, "/ready")[0] == 200, timeout=15)
+        assert total_records(head) == small_table.rows
+    finally:
+        replacement.stop()
+
+
 def test_heartbeats_of_a_serving_node_start_no_supervision_round(cluster, small_table, monkeypatch):
     """Every node re-registers every REGISTER_INTERVAL_SECONDS; a round for each would poll every
     node N times as often as SUPERVISE_POLL_SECONDS says."""
@@ -304,8 +331,15 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
             monkeypatch.setattr(node_module.NodeStore, "load", staticmethod(lambda *args, **kwargs: never.wait()))
             start_node()
         else:
-            start_node(metadata_loc=table_factory(2000, 1).metadata_location)
+            other = start_node(metadata_loc=table_factory(2000, 1).metadata_location)
         wait_for(lambda: head.lifecycle.state == "degraded", timeout=15)
+        if trouble == "refuses":
+            # Said at once, on both sides, not only when the head gives up.
+            wait_for(
+                lambda: "sending data node 0 its rows failed: load: this data node serves" in head.lifecycle.detail
+            )
+            assert "give the head and its data nodes the same METADATA_LOC" in head.lifecycle.detail
+            assert other.lifecycle.detail.startswith("refused the head's assignment: load: this data node serves")
         wait_for(lambda: head.lifecycle.state == "failed", timeout=15)
         error = head.lifecycle.error
         assert "data node 0 (grpc://127.0.0.1:" in error

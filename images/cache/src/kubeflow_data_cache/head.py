@@ -429,6 +429,12 @@ class Head(ReadOnlyFlight):
 
     def _update_health(self) -> None:
         why = self._describe_nodes(lambda s: s.get("state") != READY or s.get("generation") != self.generation)
+        # A node that refuses its rows (started with another METADATA_LOC) reads as "waiting":
+        # what it answered is the reason, and /ready showed it nowhere until the reload deadline.
+        unsent = "; ".join(
+            f"sending data node {k} its rows failed: {e}" for k, e in sorted(self._reload_errors.items())
+        )
+        why = "; ".join(filter(None, [why, unsent]))
         if why:
             if self.lifecycle.state == READY:
                 log.warning("not serving until every data node holds its rows again: %s", why)
@@ -677,12 +683,33 @@ class Head(ReadOnlyFlight):
                 f"data node index {index} is taken: the data node at {previous['location']} still answers as data "
                 f"node {index} (two data nodes were started with the same index; this one is at {location})"
             )
-        self.registered[index] = {"location": location, "memory_limit": memory_limit, "load_threads": load_threads}
+        generation = body.get("generation")
+        self.registered[index] = {
+            "location": location,
+            "memory_limit": memory_limit,
+            "load_threads": load_threads,
+            "generation": generation,
+        }
+        if (
+            previous is not None
+            and previous["location"] == location
+            and (
+                previous.get("generation") != generation
+                or self.node_status.get(index, {}).get("state") == "unreachable"
+            )
+        ):
+            # Back at its old address (a container restarted in place) with another load, or
+            # after the head lost it: the channel to that address is still backing off from
+            # the outage, and every call on it failed at once as "unreachable" until the backoff
+            # ran out. The round this registration starts found the node so and skipped it,
+            # and the node waited a heartbeat (5 s) to be sent its rows. A new channel dials now.
+            with self._lock:
+                self._clients.pop(location, None)
         self._nodes_changed.set()
         self.lifecycle.waiting_detail(self._forming_detail())  # while forming: one more registered
         # Heartbeats of a node the head knows serving its rows are not news (every node sends one
         # every REGISTER_INTERVAL_SECONDS: a round for each would poll every node N times as often).
-        serving = self.node_status.get(index, {}).get("state") == READY and body.get("generation") == self.generation
+        serving = self.node_status.get(index, {}).get("state") == READY and generation == self.generation
         if not serving or previous is None or previous["location"] != location:
             self._supervise_now.set()
         if previous is None:

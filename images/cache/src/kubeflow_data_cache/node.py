@@ -424,10 +424,15 @@ class DataNode(ReadOnlyFlight):
             own = self.cfg.metadata_loc or self._first_location
             if own and not same_table_location(order.metadata_location, own):
                 where = "its METADATA_LOC" if self.cfg.metadata_loc else "its first load's; it has no METADATA_LOC"
-                raise BadRequestError(
+                refusal = (
                     f"load: this data node serves the table at {own!r} ({where}), not {order.metadata_location!r}: "
                     "give the head and its data nodes the same METADATA_LOC"
                 )
+                # Said here too: the node waits on (the head may be the one to change), and its
+                # /ready and log said only "waiting for the cluster to form".
+                log.error("refused the head's assignment: %s", refusal)
+                self.lifecycle.waiting_detail(f"refused the head's assignment: {refusal}")
+                raise BadRequestError(refusal)
             self._first_location = own or order.metadata_location
             if self.generation == order.generation:
                 return  # the head re-sent the same assignment: already loading or loaded
