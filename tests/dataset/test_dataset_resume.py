@@ -563,3 +563,88 @@ def test_columns_in_another_order_resume_the_same_rows(cache):
     resumed.load_state_dict(first.state_dict())
     rest = [i for batch in resumed._iter_world(world) for i in batch["id"].tolist()]
     assert sorted(head + rest) == list(range(ROWS))
+
+
+class _LastBatchLate(DataCacheDataset):
+    """Hands out a shard's 1-row last batch a second late: the other worker's part has run out by
+    then, and StatefulDataLoader has kept that worker's state from its end."""
+
+    def from_arrow_rb_to_tensor(self, batch):
+        if batch.num_rows == 1:
+            import time
+
+            time.sleep(1.0)
+        return super().from_arrow_rb_to_tensor(batch)
+
+
+# 2,049 rows over two workers: 1,025 (batches of 1,024 and 1) and 1,024 (one batch).
+UNEVEN = {"batch_size": 1024, "columns": ["id"], "shuffle": True, "seed": 5, "filter": "id < 2049"}
+
+
+def _stateful(ds: DataCacheDataset, persistent: bool) -> StatefulDataLoader:
+    return StatefulDataLoader(
+        ds,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="forkserver",
+        timeout=60,
+        persistent_workers=persistent,
+    )
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_a_worker_whose_part_ran_out_first_is_not_read_again_on_resume(cache, persistent):
+    """A worker's state from the end of its part said "nothing read", and StatefulDataLoader
+    keeps it while the other workers read on: a checkpoint then resumed that worker from its
+    start, 1,024 rows read twice."""
+    first = _stateful(_LastBatchLate(cache.endpoint, **UNEVEN), persistent)
+    batches = iter(first)
+    seen = [next(batches)["id"] for _ in range(3)]  # every row, the loop not ended
+    assert sorted(len(b) for b in seen) == [1, 1024, 1024]
+    state = first.state_dict()
+    workers = state["_snapshot"]["_worker_snapshots"]
+    assert sorted(w["dataset_state"]["rows"] for w in workers.values()) == [1024, 1025]
+    del batches
+
+    second = _stateful(_LastBatchLate(cache.endpoint, **UNEVEN), persistent)
+    second.load_state_dict(state)
+    assert [len(b["id"]) for b in second] == []
+    assert np.array_equal(np.sort(torch.cat(seen).numpy()), np.arange(2049))
+
+
+def test_persistent_workers_resumed_from_an_ended_epoch_read_it_again_whole(cache):
+    """The loop ended before the save: StatefulDataLoader loads each worker's state, then starts
+    a new pass over the same epoch (no set_epoch), and each worker must read its part again,
+    not resume the ended one (which would yield nothing)."""
+    first = _stateful(_LastBatchLate(cache.endpoint, **UNEVEN), persistent=True)
+    assert sorted(len(b["id"]) for b in first) == [1, 1024, 1024]
+    state = first.state_dict()
+
+    second = _stateful(_LastBatchLate(cache.endpoint, **UNEVEN), persistent=True)
+    second.load_state_dict(state)
+    ids = torch.cat([b["id"] for b in second]).numpy()
+    assert np.array_equal(np.sort(ids), np.arange(2049))
+
+
+def test_a_resumed_worker_saved_again_before_its_first_batch_keeps_the_position(cache):
+    """A checkpoint right after a resume (a job preempted again at once) holds the loaded
+    positions, not "nothing read", though the workers took them when their iterators were made."""
+    ds = make(cache)
+    first = loader(ds)
+    batches = iter(first)
+    seen = [next(batches)["id"] for _ in range(7)]
+    state = first.state_dict()
+    del batches
+
+    second = loader(make(cache))
+    second.load_state_dict(state)
+    iter(second)  # the workers load the positions and make their iterators
+    again = second.state_dict()
+    assert sorted(w["dataset_state"]["rows"] for w in again["_snapshot"]["_worker_snapshots"].values()) == sorted(
+        w["dataset_state"]["rows"] for w in state["_snapshot"]["_worker_snapshots"].values()
+    )
+
+    third = loader(make(cache))
+    third.load_state_dict(again)
+    ids = torch.cat(seen + [b["id"] for b in third]).numpy()
+    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))

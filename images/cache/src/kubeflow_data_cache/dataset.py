@@ -667,9 +667,16 @@ class DataCacheDataset(IterableDataset):
             return self._empty_state()
         if self._resume is not None:
             return dict(self._resume)
-        if self._progress is None or self._progress.epoch != self.epoch or self._progress.done:
-            # A read that ran to its end leaves nothing to resume: the next read of its epoch
-            # reads it whole, resumed or not (its state once made that read yield nothing).
+        if self._progress is None or self._progress.epoch != self.epoch:
+            return self._empty_state()
+        if self._progress.done and get_worker_info() is None:
+            # A read of this process's own that ran to its end leaves nothing to resume: the
+            # next read of its epoch reads it whole, resumed or not (its state once made that
+            # read yield nothing). Not so in a DataLoader worker: StatefulDataLoader keeps the
+            # state a worker had when its part ran out, also while the other workers read on, and
+            # a checkpoint then resumed that worker from its start, its rows read twice. (Where
+            # the loop had ended, StatefulDataLoader runs out the loaded positions, then starts
+            # a new pass: the epoch is read whole again.)
             return self._empty_state()
         return self._state(self._progress)
 
