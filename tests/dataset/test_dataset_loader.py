@@ -283,8 +283,16 @@ def test_world_detection_from_env_and_worker():
     assert World(1, 2, 1, 3).shard == 4 and World(1, 2, 1, 3).num_shards == 6
     with pytest.raises(ConfigError, match="`RANK` should be an integer, got 'one'"):
         World.detect({"RANK": "one", "WORLD_SIZE": "2"})
-    with pytest.raises(ConfigError, match="rank 2 is out of range for world size 2"):
-        World.detect({"RANK": "2", "WORLD_SIZE": "2"})
+    # Named as the env has them, with the fix: "rank 2 is out of range" said neither.
+    for rank, size in (("2", "2"), ("-1", "2"), ("0", "0")):
+        with pytest.raises(ConfigError, match=rf"RANK={rank} and WORLD_SIZE={size} \(from the environment\)"):
+            World.detect({"RANK": rank, "WORLD_SIZE": size})
+    # An empty value is unset, on both sides: RANK="" beside WORLD_SIZE=2 read as rank 0 of 2.
+    with pytest.raises(ConfigError, match="`WORLD_SIZE` is set but `RANK` is not"):
+        World.detect({"RANK": "", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="`RANK` is set but `WORLD_SIZE` is not"):
+        World.detect({"RANK": "1", "WORLD_SIZE": " "})
+    assert World.detect({"RANK": "", "WORLD_SIZE": ""}) == World(0, 1, 0, 1)
     # One without the other: every process would read as rank 0, duplicating rows silently.
     with pytest.raises(ConfigError, match="`WORLD_SIZE` is set but `RANK` is not"):
         World.detect({"WORLD_SIZE": "2"})
@@ -369,7 +377,8 @@ def test_drop_last_implies_even_drop_and_arguments_are_checked():
     # A set's order differs between processes (hash seeds): keys and saved states would too.
     with pytest.raises(ValueError, match=r"got a set: try \['id', 'label'\]"):
         DataCacheDataset("grpc://h:1", columns={"label", "id"})
-    with pytest.raises(BadRequestError, match="at least one column"):
+    # In Python's words: the protocol's refusal said "or be null".
+    with pytest.raises(BadRequestError, match="at least one column, or be None for all of them"):
         DataCacheDataset("grpc://h:1", columns=[])
     with pytest.raises(BadRequestError, match=r"names \['id'\] more than once"):
         DataCacheDataset("grpc://h:1", columns=["id", "label", "id"])

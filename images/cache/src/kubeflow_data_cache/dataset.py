@@ -38,7 +38,7 @@ from kubeflow_data_cache.client import (
     check_token,
     int_arg,
 )
-from kubeflow_data_cache.errors import ConfigError
+from kubeflow_data_cache.errors import BadRequestError, ConfigError
 from kubeflow_data_cache.interleave import rotation_order
 from kubeflow_data_cache.protocol import (
     DEFAULT_BATCH_SIZE,
@@ -225,15 +225,25 @@ class World:
         elif parent is not None:
             rank, world_size = parent
         else:
+            # An empty value counts as unset, here as in _env_int: RANK="" beside WORLD_SIZE=2 was
+            # read as rank 0 of 2 in every process, with no error.
+            has_rank, has_size = bool(env.get("RANK", "").strip()), bool(env.get("WORLD_SIZE", "").strip())
             # One without the other is fine only for a world of one (RANK=0, or WORLD_SIZE=1).
-            alone_ok = env.get("RANK", "0").strip() == "0" and env.get("WORLD_SIZE", "1").strip() == "1"
-            if ("RANK" in env) != ("WORLD_SIZE" in env) and not alone_ok:
+            alone_ok = env.get("RANK", "0").strip() in ("", "0") and env.get("WORLD_SIZE", "1").strip() in ("", "1")
+            if has_rank != has_size and not alone_ok:
                 # Each process would read as rank 0 (or as the only one): duplicated rows, no error.
-                given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+                given, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
                 raise ConfigError(
-                    f"`{given}` is set but `{missing}` is not: set both (torchrun does), or neither for one process"
+                    f"`{given}` is set but `{missing}` is not (or is empty): set both (torchrun does), or neither "
+                    "for one process"
                 )
             rank, world_size = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
+            if not 0 <= rank < world_size:
+                raise ConfigError(
+                    f"RANK={rank} and WORLD_SIZE={world_size} (from the environment): RANK should be in "
+                    f"[0, WORLD_SIZE) and WORLD_SIZE at least 1; set them as torchrun does, or pass rank= and "
+                    "world_size= to DataCacheDataset"
+                )
         info = get_worker_info()
         if info is None:
             return cls(rank, world_size)
@@ -301,6 +311,9 @@ class DataCacheDataset(IterableDataset):
             raise ValueError(
                 f"columns should be a list of column names in the order wanted, got a set: try {sorted(columns)!r}"
             )
+        if columns is not None and not isinstance(columns, str) and len(list(columns)) == 0:
+            # The protocol's own refusal says "or be null", a word from its JSON, not from Python.
+            raise BadRequestError("columns should name at least one column, or be None for all of them")
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
         check_deadline_seconds(deadline_seconds)
