@@ -402,6 +402,21 @@ def test_s3_settings_that_cannot_work_are_refused_naming_the_variable():
     assert s3_properties_from_env({"AWS_ENDPOINT_URL": "HTTPS://store:443"})["s3.endpoint"] == "https://store:443"
 
 
+@pytest.mark.parametrize(
+    "endpoint", ["http://minioadmin:SuperSecretPw@127.0.0.1:9000", "https://admin@store", " http://a:Pw@minio/ "]
+)
+def test_an_endpoint_with_a_password_is_refused_without_showing_it(endpoint):
+    """The S3 client took the user name for the host, and "cannot reach the object store at
+    http://minioadmin:SuperSecretPw@..." reached the unauthenticated /ready and /status."""
+    with pytest.raises(ConfigError, match="AWS_ENDPOINT_URL holds a user name or password") as refused:
+        s3_properties_from_env({"AWS_ENDPOINT_URL": endpoint})
+    assert "Pw" not in str(refused.value) and "admin" not in str(refused.value)
+    # An '@' in the path is not a user name.
+    assert (
+        s3_properties_from_env({"AWS_ENDPOINT_URL": "http://minio:9000/a@b"})["s3.endpoint"] == "http://minio:9000/a@b"
+    )
+
+
 def test_aws_ca_bundle_is_trusted_by_the_s3_client(tmp_path):
     """pyarrow's S3 client reads SSL_CERT_FILE, not AWS_CA_BUNDLE (which a review proved was
     ignored against a TLS store with a private CA, where SSL_CERT_FILE worked)."""

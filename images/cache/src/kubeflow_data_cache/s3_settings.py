@@ -48,6 +48,16 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     name = endpoint_variable(env)
     endpoint = env.get(name)
     if endpoint:
+        if "@" in endpoint.split("://", 1)[-1].split("/", 1)[0]:
+            # user:password@host: the S3 client took the user name for the host, and every
+            # message naming the endpoint (the unauthenticated /ready and /status among them)
+            # showed the password. Refused without echoing it.
+            raise ConfigError(
+                f"{name} holds a user name or password before an '@': the S3 client does not read them (it "
+                "took the user name for the host), and they would show wherever the endpoint is named; set "
+                f"{name} to the store's URL alone (http://host:port) and give the keys in AWS_ACCESS_KEY_ID "
+                "and AWS_SECRET_ACCESS_KEY"
+            )
         if endpoint != endpoint.strip():
             # A ConfigMap made from a file keeps its trailing newline: the S3 client then said
             # "Custom endpoint ... was not a valid URI", split over two log lines, naming no setting.
