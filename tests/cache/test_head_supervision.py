@@ -355,6 +355,39 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
         head.stop()
 
 
+def test_a_reload_that_fails_fails_the_head_at_once_with_the_nodes_reason(small_table, monkeypatch):
+    """As in the first load: the head waited out the startup deadline, by when the node had
+    exited, and its error said "unreachable: Connection refused", the store's trouble lost."""
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 600}
+    head = head_module.Head(build_config("head", flags, env={}))
+    nodes = []
+
+    def start_node() -> DataNode:
+        nodes.append(DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={})))
+        nodes[-1].start_registering()
+        return nodes[-1]
+
+    def store_gone(*args, **kwargs):
+        raise OSError("the object store stopped answering")
+
+    head.start()
+    try:
+        start_node()
+        wait_for(lambda: head.lifecycle.state == "ready", timeout=30)
+        nodes[0].stop()
+        monkeypatch.setattr(node_module.NodeStore, "load", staticmethod(store_gone))
+        start_node()
+        wait_for(lambda: head.lifecycle.state == "failed", timeout=30)  # not at the 600 s deadline
+        assert "data node 0 (grpc://127.0.0.1:" in head.lifecycle.error
+        assert "failed to load its rows again: " in head.lifecycle.error
+        assert "the object store stopped answering" in head.lifecycle.error
+    finally:
+        for node in nodes:
+            node.stop()
+        head.stop()
+
+
 def test_a_node_gone_between_registering_and_its_assignment_is_followed_to_its_replacement(small_table):
     """A data node that registered and then died before the head sent its rows failed the whole
     load 3 s later, blamed on a wrong advertised address; its replacement, registering elsewhere a

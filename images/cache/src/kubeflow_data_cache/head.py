@@ -403,14 +403,18 @@ class Head(ReadOnlyFlight):
                 return
 
     def _late_reload(self) -> str:
-        """Why the cache failed, where a node was sent its rows again longer ago than the startup
-        deadline and does not hold them yet; '' otherwise."""
+        """Why the cache failed, where a node sent its rows again failed to load them, or was
+        sent them longer ago than the startup deadline and does not hold them yet; '' otherwise."""
         now = time.monotonic()
         for node, sent in sorted(self._reloads.items()):
             status = self.node_status.get(node, {})
             if status.get("state") == READY and status.get("generation") == self.generation:
                 del self._reloads[node]
                 self._reload_errors.pop(node, None)
+            elif status.get("state") == FAILED:
+                # Final, as in the first load: the node exits, and its reason with it. Waiting out
+                # the deadline ended in "unreachable: Connection refused", the cause lost.
+                return f"data node {node} ({self._location(node)}) failed to load its rows again: {status.get('error')}"
             elif now - sent > self.cfg.startup_timeout:
                 state = status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
                 refused = self._reload_errors.get(node)
