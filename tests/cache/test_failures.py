@@ -206,3 +206,21 @@ def test_the_advised_node_count_under_local_is_the_fewest_that_loads(tmp_path):
     assert "use at least 2 data nodes (--data-nodes 2)" in message, message
     with running_cache(table.metadata_location, 2, args=("--memory-limit", str(limit))) as loaded:
         assert loaded.endpoint.startswith("grpc://")
+
+
+def test_the_default_termination_log_is_written_only_where_the_kubelet_mounted_it(tmp_path, monkeypatch):
+    """Outside a container the default path does not exist, and a process run as root created
+    /dev/termination-log on the machine, every failed `data-cache local` overwriting the last."""
+    from kubeflow_data_cache import runner
+
+    default = tmp_path / "dev" / "termination-log"
+    default.parent.mkdir()
+    monkeypatch.setattr(runner, "TERMINATION_LOG", str(default))
+    runner._write_termination_log(str(default), "the load failed")
+    assert not default.exists()
+    default.write_text("")  # mounted by the kubelet
+    runner._write_termination_log(str(default), "the load failed")
+    assert default.read_text() == "the load failed"
+    chosen = tmp_path / "mine"  # TERMINATION_LOG set: written, also where it did not exist
+    runner._write_termination_log(str(chosen), "the load failed")
+    assert chosen.read_text() == "the load failed"

@@ -13,7 +13,7 @@ from typing import NoReturn
 import pyarrow as pa
 
 from kubeflow_data_cache.config import NodeConfig, claim_port, host_port, label
-from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
+from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS, TERMINATION_LOG
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
@@ -32,6 +32,11 @@ SHUTDOWN_FLOOR_SECONDS = 1.0
 
 def _write_termination_log(path: str, message: str) -> None:
     """Kubernetes shows this file as the container's termination message (kubectl describe)."""
+    if path == TERMINATION_LOG and not Path(path).exists():
+        # The kubelet mounts the default path into every container. Outside one (`data-cache
+        # local`, a node run by hand) it is absent, and a process that may write /dev (root)
+        # made it there, each failed run overwriting the last: the log line is enough then.
+        return
     # Not in a container, or the path is read-only: the log line is enough then.
     with contextlib.suppress(OSError):
         Path(path).write_text(message[:4000])
