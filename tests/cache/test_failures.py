@@ -166,7 +166,14 @@ def test_a_worker_indexed_by_lws_names_its_index_in_every_log_line():
         proc.wait(30)
 
 
-@pytest.mark.parametrize(("extra", "message"), [(7, "has at least 1007 live row"), (-7, "expected at least 1000")])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (7, "has at least 1007 live row"),
+        # Not "point METADATA_LOC at the current metadata": data files never change once committed.
+        (-7, "has 993 row(s) after deletes, expected at least 1000 by the table's metadata (which counts 1000)"),
+    ],
+)
 def test_a_data_file_changed_after_its_commit_fails_the_load(tmp_path, extra, message):
     """The head splits rows by the manifests' record counts. A file rewritten in place with
     more rows than its manifest counts was cut at the count: its last rows were left out of
@@ -183,6 +190,21 @@ def test_a_data_file_changed_after_its_commit_fails_the_load(tmp_path, extra, me
     code, stderr = failed_local(table.metadata_location)
     assert code == 1
     assert message in stderr and victim.name in stderr
+    assert "Repair the table (rewrite the file through the catalog) and restart the cache" in stderr
+    assert "point METADATA_LOC" not in stderr
+
+
+def test_a_missing_manifest_names_the_fix(tmp_path):
+    """A manifest the metadata names, gone (an expired snapshot's files removed): the load said
+    only "cannot plan a scan ... Path does not exist"."""
+    table = create_sample_table(str(tmp_path / "wh"), 2000, 2)
+    for manifest in Path(tmp_path / "wh").rglob("*.avro"):
+        if not manifest.name.startswith("snap-"):  # the manifests, not the manifest lists
+            manifest.unlink()
+    code, stderr = failed_local(table.metadata_location)
+    assert code == 1
+    assert "a manifest it names is gone" in stderr
+    assert "point METADATA_LOC at the current metadata.json" in stderr
 
 
 def test_the_advised_node_count_under_local_is_the_fewest_that_loads(tmp_path):

@@ -489,6 +489,14 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
                 "remove them (Spark: rewrite_data_files with the option remove-dangling-deletes=true) and point "
                 "METADATA_LOC at the new metadata"
             ) from err
+        if isinstance(err, FileNotFoundError):
+            # A manifest list or manifest the metadata names is gone: its snapshot expired and
+            # its files were removed, or METADATA_LOC is an old metadata.json.
+            raise TableLoadError(
+                f"cannot plan a scan of {metadata_location!r}: a manifest it names is gone ({err}): a "
+                "snapshot expiry or orphan-file cleanup may have removed it, or METADATA_LOC names an older "
+                "metadata.json than the table's current one: point METADATA_LOC at the current metadata.json"
+            ) from err
         raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
     listed = Counter(task.file.file_path for task in planned)
     if twice := sorted(path for path, n in listed.items() if n > 1):

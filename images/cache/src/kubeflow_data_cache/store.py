@@ -295,9 +295,14 @@ def _read_columns(table, task, piece: Piece, field_ids, deletes, schema, on_batc
                 break
     got = sum(b.num_rows for b in out)
     if got != piece.stop - piece.start:
+        # Data files never change once committed, so newer metadata would count the same: the
+        # file itself was changed (or the manifest's count is wrong). Pointing METADATA_LOC
+        # elsewhere, as this once advised, fixes nothing.
         raise TableLoadError(
-            f"data file {piece.path} has {pos} row(s) after deletes, expected at least {piece.stop}: "
-            "the table changed under the cache; point METADATA_LOC at the current metadata and restart"
+            f"data file {piece.path} has {pos} row(s) after deletes, expected at least {piece.stop} by the "
+            f"table's metadata (which counts {piece.file_rows}): the file was changed after it was committed, "
+            "or the manifest's record_count is wrong; the cache refuses to serve fewer rows than the table "
+            "holds. Repair the table (rewrite the file through the catalog) and restart the cache"
         )
     return out
 
