@@ -501,8 +501,13 @@ def test_a_bad_request_on_the_metadata_names_the_session_token_and_region():
 S3_ERRORS = {
     "wrong region": "When reading information for key 'd.parquet' in bucket 'b': AWS Error UNKNOWN (HTTP status "
     "301) during HeadObject operation: No response body.",
-    "unreachable": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION "
+    "silent": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION "
     "during HeadObject operation: curlCode: 28, Timeout was reached; Details: Operation too slow.",
+    "stalled": "AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28, Timeout was reached; "
+    "Details: Operation too slow. Less than 1 bytes/sec transferred the last 3 seconds",
+    "unreachable": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION "
+    "during HeadObject operation: curlCode: 7, Couldn't connect to server; Details: Failed to connect to "
+    "minio port 9000: Connection refused",
     "other name": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION during "
     "HeadObject operation: curlCode: 60, SSL peer certificate or SSH remote key was not OK; Details: SSL: no "
     "alternative certificate subject name matches target IPv4 address '127.0.0.1'",
@@ -520,6 +525,16 @@ S3_ERRORS = {
             "unreachable",
             "cannot reach the object store at http://minio:9000 (AWS_ENDPOINT_URL)",
             "check that AWS_ENDPOINT_URL names the store's host and port",
+        ),
+        # Reached, then nothing: "cannot reach" sent the reader to an address every earlier read used.
+        *(
+            (
+                case,
+                "the object store at http://minio:9000 (AWS_ENDPOINT_URL) was reached but stopped answering "
+                "(a request timed out)",
+                "check the store's health and load, and that AWS_ENDPOINT_URL names the store itself",
+            )
+            for case in ("silent", "stalled")
         ),
         (
             "other name",

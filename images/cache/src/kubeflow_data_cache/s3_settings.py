@@ -314,6 +314,20 @@ def store_trouble(err: BaseException, endpoint: str | None) -> StoreTrouble | No
         )
     # curl could not talk to the store (refused, silent, TLS to a plain-HTTP port): its text names
     # neither the endpoint nor the setting it came from.
+    # curl's low-speed limit (curlCode 28, "Operation too slow"): connected, then nothing came,
+    # from a store that stalled mid-read or from another service at that port. "Cannot reach"
+    # sent the reader to check an address that had worked for every earlier read.
+    if "Operation too slow" in text:
+        if endpoint:
+            name = endpoint_variable()
+            return StoreTrouble(
+                f"the object store at {endpoint} ({name}) was reached but stopped answering (a request timed out)",
+                f"check the store's health and load, and that {name} names the store itself, not another service",
+            )
+        return StoreTrouble(
+            "AWS S3 was reached but stopped answering (a request timed out)",
+            "check the network between this pod and S3 (a proxy or NAT gateway), then restart the cache",
+        )
     if "NETWORK_CONNECTION" in text:
         return _unreachable(endpoint, err)
     # AWS answers a request sent to the wrong region's endpoint with a 301 (PermanentRedirect),
