@@ -380,6 +380,11 @@ def test_drop_last_implies_even_drop_and_arguments_are_checked():
     # In Python's words: the protocol's refusal said "or be null".
     with pytest.raises(BadRequestError, match="at least one column, or be None for all of them"):
         DataCacheDataset("grpc://h:1", columns=[])
+    # A generator is read once: checked and kept from the same read.
+    assert DataCacheDataset("grpc://h:1", columns=(c for c in ["id", "label"])).shard_request(World()).columns == (
+        "id",
+        "label",
+    )
     with pytest.raises(BadRequestError, match=r"names \['id'\] more than once"):
         DataCacheDataset("grpc://h:1", columns=["id", "label", "id"])
 

@@ -648,3 +648,37 @@ def test_a_resumed_worker_saved_again_before_its_first_batch_keeps_the_position(
     third.load_state_dict(again)
     ids = torch.cat(seen + [b["id"] for b in third]).numpy()
     assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))
+
+
+@pytest.mark.parametrize("snapshot_every", [1, 8])
+def test_a_second_pass_of_persistent_workers_saves_its_own_position(cache, snapshot_every):
+    """Persistent workers reading the same epoch again (unshuffled, no set_epoch): each worker's
+    state from the end of the first pass was still its state as the second began, before its
+    first batch. A checkpoint then resumed half the table as read; with snapshots every 8 steps
+    the resumed loader's fast-forward ran out and raised StopIteration."""
+
+    def persistent(ds: DataCacheDataset) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            ds,
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context="forkserver",
+            timeout=60,
+            persistent_workers=True,
+            snapshot_every_n_steps=snapshot_every,
+        )
+
+    def unshuffled() -> DataCacheDataset:
+        return DataCacheDataset(cache.endpoint, batch_size=1000, columns=["id"])
+
+    first = persistent(unshuffled())
+    assert sum(len(b["id"]) for b in first) == ROWS  # the first pass, whole
+    batches = iter(first)  # the second pass, same epoch
+    seen = [next(batches)["id"]]  # one worker's first batch: the other's snapshot is from the pass's start
+    state = first.state_dict()
+    del batches
+
+    second = persistent(unshuffled())
+    second.load_state_dict(state)
+    ids = torch.cat(seen + [b["id"] for b in second]).numpy()
+    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))

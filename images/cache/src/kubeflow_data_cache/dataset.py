@@ -311,9 +311,11 @@ class DataCacheDataset(IterableDataset):
             raise ValueError(
                 f"columns should be a list of column names in the order wanted, got a set: try {sorted(columns)!r}"
             )
-        if columns is not None and not isinstance(columns, str) and len(list(columns)) == 0:
-            # The protocol's own refusal says "or be null", a word from its JSON, not from Python.
-            raise BadRequestError("columns should name at least one column, or be None for all of them")
+        if columns is not None:
+            columns = list(columns)  # once: a generator read twice is empty the second time
+            if not columns:
+                # The protocol's own refusal says "or be null", a word from its JSON, not from Python.
+                raise BadRequestError("columns should name at least one column, or be None for all of them")
         if even is not None and even not in EVEN_MODES:
             raise ValueError(f"even should be one of {EVEN_MODES} or None, got {even!r}")
         check_deadline_seconds(deadline_seconds)
@@ -416,6 +418,12 @@ class DataCacheDataset(IterableDataset):
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        if get_worker_info() is not None and self._progress is not None and self._progress.done:
+            # A new pass in a DataLoader worker (persistent workers; the same epoch again where no
+            # set_epoch comes between): the last pass's end is no longer where this worker is.
+            # StatefulDataLoader snapshots the worker as the pass starts, before its first batch,
+            # and that state said the whole part was read: a resume then read none of it.
+            self._progress = None
         return self._iter_world(self._world())
 
     def _world(self) -> World:
