@@ -112,6 +112,34 @@ def test_a_node_back_at_the_same_address_is_reloaded_at_once(cluster, small_tabl
         replacement.stop()
 
 
+def test_a_reload_whose_send_failed_but_was_taken_serves_once_the_node_holds_its_rows(
+    cluster, small_table, monkeypatch
+):
+    """The send's error (its deadline passed as the node took the rows) was kept until the round
+    after the node reported them loaded: the head stayed degraded a poll (5 s) longer."""
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    head, head_health, node, node_health = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    node.stop()
+    node_health.stop()
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 503)
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 60.0)
+    time.sleep(0.5)  # the round under way ends; the next one waits 60 s
+    send = head._send_load
+
+    def sent_but_timed_out(index: int) -> None:
+        send(index)
+        raise flight.FlightTimedOutError("Deadline Exceeded")
+
+    monkeypatch.setattr(head, "_send_load", sent_but_timed_out)
+    replacement = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    try:
+        replacement.start_registering()
+        wait_for(lambda: get(head_health.port, "/ready")[0] == 200, timeout=15)
+    finally:
+        replacement.stop()
+
+
 def test_heartbeats_of_a_serving_node_start_no_supervision_round(cluster, small_table, monkeypatch):
     """Every node re-registers every REGISTER_INTERVAL_SECONDS; a round for each would poll every
     node N times as often as SUPERVISE_POLL_SECONDS says."""
@@ -303,13 +331,15 @@ def test_a_node_that_never_answers_its_assignment_is_named_as_frozen(small_table
 
 @pytest.mark.parametrize("trouble", ["hangs", "refuses"])
 def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
-    small_table, table_factory, monkeypatch, trouble
+    small_table, table_factory, monkeypatch, caplog, trouble
 ):
     """A data node restarted after the cache was ready, whose reload then hangs (storage that
     stopped answering) or which refuses its rows each time (started with another METADATA_LOC):
     the head was degraded for good. The reload gets the startup deadline, as the first load does;
     then the head fails, naming the node and why, and exits for the group to restart."""
     monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    monkeypatch.setattr(node_module, "REGISTER_INTERVAL_SECONDS", 0.1)
+    caplog.set_level("ERROR", logger="kubeflow_data_cache.node")
     flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 3}
     head = head_module.Head(build_config("head", flags, env={}))
     nodes = []
@@ -339,7 +369,13 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
                 lambda: "sending data node 0 its rows failed: load: this data node serves" in head.lifecycle.detail
             )
             assert "give the head and its data nodes the same METADATA_LOC" in head.lifecycle.detail
-            assert other.lifecycle.detail.startswith("refused the head's assignment: load: this data node serves")
+            wait_for(lambda: other.lifecycle.detail.startswith("refused the head's assignment: load: this data"))
+            # And it stays said through the node's heartbeats (one every 0.1 s here), logged once.
+            for _ in range(10):
+                time.sleep(0.1)
+                assert other.lifecycle.detail.startswith("refused the head's assignment: "), other.lifecycle.detail
+            refusals = [r for r in caplog.records if r.getMessage().startswith("refused the head's assignment")]
+            assert len(refusals) == 1, [r.getMessage() for r in refusals]
         wait_for(lambda: head.lifecycle.state == "failed", timeout=15)
         error = head.lifecycle.error
         assert "data node 0 (grpc://127.0.0.1:" in error

@@ -228,3 +228,14 @@ def test_a_fractional_initializer_quantity_reaches_the_runtime_as_a_string():
         "requests": {"cpu": "0.25", "memory": "1e+08"},
         "limits": {"cpu": "0.5", "memory": "256Mi"},
     }
+
+
+@pytest.mark.parametrize("path", ["manager", "lws", "initializer"])
+def test_resources_set_to_null_render(path):
+    """`--set x.resources=null` drops the defaults: the requests-and-limits check read a field of nil."""
+    values = {"dataCache": {"enabled": True}}
+    if path == "initializer":
+        values["dataCache"]["initializer"] = {"resources": None}
+    else:
+        values[path] = {"resources": None}
+    render_chart(values)

@@ -84,7 +84,8 @@ YAML reads as a number or a boolean makes their objects ones the API server refu
 {{- if hasKey .Values.commonLabels "app.kubernetes.io/managed-by" }}
 {{- fail "commonLabels cannot set app.kubernetes.io/managed-by: Helm adopts only objects that carry managed-by=Helm, so the next upgrade after one that failed part way would refuse the objects it had created (\"invalid ownership metadata\"); choose another key" }}
 {{- end }}
-{{- range $path, $resources := dict "manager.resources" .Values.manager.resources "lws.resources" .Values.lws.resources "dataCache.initializer.resources" .Values.dataCache.initializer.resources }}
+{{- range $path, $given := dict "manager.resources" .Values.manager.resources "lws.resources" .Values.lws.resources "dataCache.initializer.resources" .Values.dataCache.initializer.resources }}
+{{- $resources := $given | default dict }}{{/* null: the defaults dropped (--set x.resources=null) */}}
 {{- $limits := $resources.limits | default dict }}
 {{- range $name, $request := $resources.requests | default dict }}
 {{- if hasKey $limits $name }}

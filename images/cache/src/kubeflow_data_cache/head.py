@@ -390,8 +390,8 @@ class Head(ReadOnlyFlight):
             try:
                 self._poll_nodes()
                 self._reload_restarted()
+                late = self._late_reload()  # first: it forgets the send errors of reloaded nodes
                 self._update_health()
-                late = self._late_reload()
             except Exception:  # one bad round must not end supervision, leaving READY unwatched
                 log.exception("supervising the data nodes failed; trying again in %gs", SUPERVISE_POLL_SECONDS)
                 continue

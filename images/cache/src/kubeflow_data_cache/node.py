@@ -235,6 +235,7 @@ class DataNode(ReadOnlyFlight):
         self._tables: dict[str, Future] = {}
         self._preopened: Future | None = None  # start_registering's early open, before any plan
         self._first_location = ""  # what a node without METADATA_LOC was first told to load
+        self._refusal: str | None = None  # why the head's last assignment was refused, while it stands
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open")
         self._stop = threading.Event()
         # Set when the load ends (either way): re-register at once so the head need not poll for it.
@@ -341,7 +342,9 @@ class DataNode(ReadOnlyFlight):
                         "registered with the head at %s as data node %d", self.cfg.head_location, self.cfg.node_index
                     )
                 self._registered.set()
-                self.lifecycle.waiting_detail("waiting for the cluster to form")  # the head answers: no stale reason
+                # The head answers: no stale reason, but the refusal of its assignment stands (a
+                # heartbeat turned /ready back to "waiting for the cluster to form" every 5 s).
+                self.lifecycle.waiting_detail(self._refusal or "waiting for the cluster to form")
                 delay, failing_since, warned_at = REGISTER_INTERVAL_SECONDS, None, float("-inf")
             except flight.FlightUnauthenticatedError as err:
                 self.lifecycle.fail(f"the head at {self.cfg.head_location} refused our token: {err}")
@@ -429,10 +432,15 @@ class DataNode(ReadOnlyFlight):
                     "give the head and its data nodes the same METADATA_LOC"
                 )
                 # Said here too: the node waits on (the head may be the one to change), and its
-                # /ready and log said only "waiting for the cluster to form".
-                log.error("refused the head's assignment: %s", refusal)
-                self.lifecycle.waiting_detail(f"refused the head's assignment: {refusal}")
+                # /ready and log said only "waiting for the cluster to form". Logged once, not at
+                # each of the head's resends (twice every 5 s until its deadline).
+                why = f"refused the head's assignment: {refusal}"
+                if why != self._refusal:
+                    log.error("%s", why)
+                self._refusal = why
+                self.lifecycle.waiting_detail(why)
                 raise BadRequestError(refusal)
+            self._refusal = None
             self._first_location = own or order.metadata_location
             if self.generation == order.generation:
                 return  # the head re-sent the same assignment: already loading or loaded
