@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,8 +184,12 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
     # kind supports only the node images of its own release (hack/kind-config.yaml pins one).
     version = run([str(kind), "version"], timeout=60)
     if f"kind {KIND_VERSION} " not in f"{version} " and not os.environ.get("KIND_NODE_IMAGE"):
-        print(f"\nkind on PATH is `{version.strip()}`, not {KIND_VERSION}: the node image that "
-              f"{KIND_CONFIG.name} pins may not start with it (KIND_NODE_IMAGE picks another)")  # fmt: skip
+        # A warning, not a print: pytest keeps a passing fixture's output to itself.
+        warnings.warn(
+            f"kind on PATH is `{version.strip()}`, not {KIND_VERSION}: the node image that "
+            f"{KIND_CONFIG.name} pins may not start with it (KIND_NODE_IMAGE picks another)",
+            stacklevel=1,
+        )
     with contextlib.chdir(workdir):  # KindCluster makes ./.pytest-kind/<name> in the working folder
         cluster = E2EKindCluster(
             name,
@@ -197,7 +202,12 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
     cluster.create_bounded(KIND_CONFIG, CLUSTER_CREATE_TIMEOUT, nodes)
     yield cluster
     if os.environ.get("KEEP_CLUSTER") == "1" or request.config.getoption("keep_cluster"):
-        print(f"\nkeeping kind cluster {name} (kind delete cluster --name {name})")
+        terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+        note = f"keeping kind cluster {name} (kind delete cluster --name {name})"
+        if terminal is not None:  # a print alone is captured, and shown only for a failure
+            terminal.write_line(note)
+        else:
+            print(note)
         return
     cluster.delete_bounded()
 
@@ -400,7 +410,10 @@ def metadata_loc(kube, distribution, artifacts) -> str:
         return parse_metadata_location(kube("logs", pod["metadata"]["name"], "-n", ns))
     except (AssertionError, TimeoutError, CommandError, ValueError):
         dest = kube.dump(ns, artifacts / f"{distribution.method}-table" / ns)
-        print(f"\nwriting the table failed; status, events and logs dumped to {dest}")
+        with contextlib.suppress(CommandError):  # the controllers' side, as for a TrainJob's failure
+            for system in (SYSTEM_NAMESPACE, LWS_NAMESPACE):
+                kube.dump(system, dest.parent / system)
+        print(f"\nwriting the table failed; status, events and logs dumped to {dest.parent}")
         raise
 
 

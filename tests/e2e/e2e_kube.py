@@ -51,6 +51,13 @@ def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, i
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise CommandError(f"{' '.join(argv[:4])} ... did not finish within {timeout:.0f}s") from e
+        except BaseException:
+            # Interrupted otherwise (pytest-timeout's backstop, Ctrl-C): leaving by the with block
+            # would wait for the child with no limit, and its group (a `docker build`, a `helm
+            # --wait`) would outlive the run.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
     if proc.returncode != 0:
         raise CommandError(f"{' '.join(argv)} exited {proc.returncode}:\n{stderr.strip()[-4000:]}")
     return stdout
@@ -185,6 +192,10 @@ class Kube:
             | {
                 "events.txt": ["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"],
                 "pods.txt": ["get", "pods", "-n", namespace, "-o", "wide"],
+                # Why a pod waits (Pending on CPU, the kind config's known squeeze): its conditions
+                # and the nodes' allocated requests, which events alone leave to guesswork.
+                "pods-described.txt": ["describe", "pods", "-n", namespace],
+                "nodes-described.txt": ["describe", "nodes"],
             }
         )
         for filename, args in sections.items():

@@ -50,6 +50,9 @@ UPSTREAM_IMAGE_RE = re.compile(
     r"ghcr\.io/kubeflow-data-cache/(cache|initializer)(?::[\w.\-]+)?(?:@sha256:[0-9a-f]{64})?"
 )
 
+# The table writer Job's own deadline: under the suite's wait for it (conftest.TABLE_WRITE_TIMEOUT).
+WRITER_DEADLINE_SECONDS = 540
+
 RUNTIME_NAME = "torch-distributed-with-cache"
 TRAINER_SCRIPT = "/app/e2e_train.py"
 SYSTEM_NAMESPACE = "kubeflow-system"
@@ -271,7 +274,9 @@ def table_writer_objects(namespace: str, table: TableSpec = TABLE, image: str = 
         "metadata": {"name": WRITER_NAME, "namespace": namespace, "labels": PART_OF},
         "spec": {
             "backoffLimit": 2,
-            "activeDeadlineSeconds": 600,
+            # Under the suite's wait for it (TABLE_WRITE_TIMEOUT, 600 s): a hung writer then fails
+            # as the Job's DeadlineExceeded, with its logs dumped, not as a bare wait timeout.
+            "activeDeadlineSeconds": WRITER_DEADLINE_SECONDS,
             "template": {
                 "metadata": {"labels": PART_OF},
                 "spec": {

@@ -16,9 +16,10 @@ from tests.e2e.e2e_objects import ACCESS_PROBE, BUCKET, TABLE, check_exactly_onc
 
 # The session's first test also pays for the cluster, the image builds and the install; every
 # step has its own deadline and a failure dump, this is the backstop for a hang between them. It
-# is above the sum of the first test's step deadlines (~7,000 s), so that a step's deadline, with
-# its dump, always comes first (e2e.yaml's job limit is above it in turn).
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(7800)]
+# is above the sum of the first test's step deadlines (9,000-10,000 s, counting the 120 s default
+# of each kubectl call), so that a step's deadline, with its dump, always comes first (e2e.yaml's
+# job limit is above it in turn). When it fires, e2e_kube.run kills the command under way.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(10200)]
 
 TRAINJOB_TIMEOUT = 900
 FAILURE_TIMEOUT = 900

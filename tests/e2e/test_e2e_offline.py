@@ -585,6 +585,47 @@ def test_a_command_past_its_timeout_is_stopped_with_everything_it_started(tmp_pa
     assert run(["bash", "-c", "cat; echo done"], timeout=10, input="in ") == "in done\n"
 
 
+def test_a_command_interrupted_otherwise_is_stopped_with_everything_it_started(tmp_path) -> None:
+    """pytest-timeout's backstop (or Ctrl-C) raises inside communicate(): the with block then
+    waited for the child with no limit, and its group outlived the run."""
+    import signal
+    import time
+
+    from tests.e2e.e2e_kube import run
+
+    class Backstop(Exception):
+        pass
+
+    def fire(signum, frame):
+        raise Backstop
+
+    pid_file = tmp_path / "grandchild"
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Backstop):
+            run(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 30  # not the child's 60 s
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "zombie" not in _proc_state(grandchild):
+        assert time.monotonic() < deadline, "the command's own child outlived the interruption"
+        time.sleep(0.05)
+
+
+def test_the_table_writer_fails_by_its_own_deadline_before_the_suite_stops_waiting() -> None:
+    """Equal deadlines made a hung writer a bare wait timeout, not the Job's DeadlineExceeded."""
+    from tests.e2e.conftest import TABLE_WRITE_TIMEOUT
+    from tests.e2e.e2e_objects import WRITER_DEADLINE_SECONDS
+
+    (job,) = [o for o in table_writer_objects(NS) if o["kind"] == "Job"]
+    assert job["spec"]["activeDeadlineSeconds"] == WRITER_DEADLINE_SECONDS <= TABLE_WRITE_TIMEOUT - 60
+
+
 def _proc_state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/status").read_text().lower()
