@@ -147,3 +147,82 @@ def test_the_suggested_null_filter_quotes_a_name_holding_a_double_quote():
     assert suggested == '"we""ird" IS NOT NULL'
     batch = pa.record_batch({'we"ird': pa.array([1, None], pa.int64())})
     assert matching_rows(NodeStore(batch.schema, [batch]), suggested).tolist() == [0]  # DataFusion reads it
+
+
+def _nested(lo: int, hi: int, inner: int) -> pa.Table:
+    """Rows of 2 inner lists of ``inner`` ints each, and a list of strings, null every 7th row."""
+    n = hi - lo
+    values = pa.array(np.arange(n * 2 * inner, dtype=np.int64))
+    inner_lists = pa.ListArray.from_arrays(pa.array(np.arange(0, n * 2 * inner + 1, inner, dtype=np.int32)), values)
+    outer = pa.ListArray.from_arrays(pa.array(np.arange(0, n * 2 + 1, 2, dtype=np.int32)), inner_lists)
+    tags = pa.array([None if i % 7 == 0 else [str(i)] for i in range(lo, hi)], pa.list_(pa.string()))
+    return pa.table({"id": np.arange(lo, hi, dtype=np.int64), "grid": outer, "tags": tags})
+
+
+@pytest.fixture(scope="module")
+def nested_cache(tmp_path_factory) -> Iterator[LocalCache]:
+    """`grid` holds 2 lists of 2 ints a row in the first file and 2 lists of 1 in the second:
+    every row's own list holds 2, only the inner lists change."""
+    root = tmp_path_factory.mktemp("nested")
+    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
+    catalog.create_namespace("demo")
+    table = catalog.create_table("demo.nested", schema=_nested(0, 1, 2).schema)
+    table.append(_nested(0, PER_FILE, 2))
+    table.append(_nested(PER_FILE, 2 * PER_FILE, 1))
+    with running_cache(table.metadata_location, data_nodes=2) as cache:
+        yield cache
+
+
+def test_lists_of_lists_whose_inner_lists_change_are_refused_before_the_first_batch(nested_cache):
+    """Only the outer lengths were counted: 100 batches in, one reader failed alone (its DDP
+    peers left waiting), saying the column held lists of 1 to 2 values, which every row's did not."""
+    dataset = DataCacheDataset(nested_cache.endpoint, batch_size=1024, columns=["id", "grid"])
+    with pytest.raises(
+        ValueError,
+        match=r"column 'grid' holds lists 2 deep \(inside its lists\) of 1 to 2 values.*before the first batch",
+    ):
+        next(iter(dataset))
+    filtered = DataCacheDataset(nested_cache.endpoint, batch_size=1024, columns=["id", "grid"], filter="id >= 0")
+    with pytest.raises(ValueError, match=r"lists 2 deep \(inside its lists\) of 1 to 2 values.*the filter's rows"):
+        next(iter(filtered))
+    # The rows of one shape read as 3-D tensors.
+    one_shape = DataCacheDataset(
+        nested_cache.endpoint, batch_size=1024, columns=["id", "grid"], filter=f"id < {PER_FILE}"
+    )
+    shapes = {tuple(b["grid"].shape[1:]) for b in one_shape}
+    assert shapes == {(2, 2)}
+
+
+def test_the_inner_lengths_are_counted_by_the_nodes_and_sent_where_they_differ(nested_cache):
+    from kubeflow_data_cache.protocol import info_inner_list_lengths
+
+    with CacheClient(nested_cache.endpoint) as client:
+        info = client.get_flight_info(ShardRequest(columns=("id", "grid")))
+        assert info_list_lengths(info.app_metadata) == {}  # every row holds 2 lists
+        assert info_inner_list_lengths(info.app_metadata) == {"grid": [(1, 2)]}
+        one_shape = client.get_flight_info(ShardRequest(columns=("grid",), filter=f"id >= {PER_FILE}"))
+        assert info_inner_list_lengths(one_shape.app_metadata) == {}
+    batch = _nested(0, 5, 3).to_batches()[0]
+    store = NodeStore(batch.schema, [batch.slice(0, 2), batch.slice(2)])
+    assert store.inner_list_lengths == {"grid": [[3, 3]]}
+    assert store.figures_of(np.array([1, 3]))["inner_list_lengths"] == {"grid": [[3, 3]]}
+
+
+def test_a_ragged_inner_list_met_in_conversion_is_named_as_such():
+    grid = pa.array([[[1, 2], [3, 4]], [[5], [6]]], pa.list_(pa.list_(pa.int64())))
+    with pytest.raises(ValueError, match=r"column 'grid' holds lists 2 deep \(inside its lists\) of 1 to 2 values"):
+        column_to_tensor("grid", grid)
+
+
+def test_null_lists_without_a_tensor_form_are_refused_for_their_type_not_their_nulls(nested_cache):
+    """The null refusal suggested filter='"tags" IS NOT NULL', which only led to "no tensor form"."""
+    dataset = DataCacheDataset(nested_cache.endpoint, batch_size=1024, columns=["id", "tags"])
+    with pytest.raises(TypeError, match="column 'tags' holds lists of string, which have no tensor form"):
+        next(iter(dataset))
+    assert null_refusal("tags", pa.list_(pa.string()), 3) is None
+
+
+def test_a_chunked_column_is_converted_as_one():
+    """`table.column(name)` in an overridden hook is a ChunkedArray: to_numpy(writable=...) failed."""
+    chunked = pa.chunked_array([[1, 2], [3]], pa.int64())
+    assert column_to_tensor("x", chunked).tolist() == [1, 2, 3]

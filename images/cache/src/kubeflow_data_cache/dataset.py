@@ -45,6 +45,7 @@ from kubeflow_data_cache.protocol import (
     DEFAULT_BLOCK_SIZE,
     EVEN_MODES,
     ShardRequest,
+    info_inner_list_lengths,
     info_list_lengths,
     info_null_counts,
 )
@@ -637,10 +638,16 @@ class DataCacheDataset(IterableDataset):
             return
         counts = info_null_counts(info.app_metadata)
         lengths = info_list_lengths(info.app_metadata)
+        inner = info_inner_list_lengths(info.app_metadata)
         for field in info.schema:
             refusal = null_refusal(field.name, field.type, counts.get(field.name, 0))
             if refusal is None and field.name in lengths and _has_tensor_form(field.type):
                 refusal = ragged_refusal(field.name, *lengths[field.name])
+            if refusal is None and field.name in inner and _has_tensor_form(field.type):
+                ragged = [(depth, b) for depth, b in enumerate(inner[field.name], 2) if b is not None and b[0] != b[1]]
+                if ragged:
+                    depth, (low, high) = ragged[0]
+                    refusal = ragged_refusal(field.name, low, high, depth)
             if refusal:
                 holder = "the filter's rows hold" if self._request.filter else "the table holds"
                 raise ValueError(f"{refusal} ({holder} them; refused before the first batch)")
@@ -923,9 +930,11 @@ def _has_tensor_form(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
-def ragged_refusal(name: str, low: int, high: int) -> str:
+def ragged_refusal(name: str, low: int, high: int, depth: int = 1) -> str:
+    """``depth``: 1 for a column's own lists, 2 for the lists inside them, and so on."""
+    which = "lists" if depth == 1 else f"lists {depth} deep (inside its lists)"
     return (
-        f"column {name!r} holds lists of {low} to {high} values, which do not stack into a tensor; "
+        f"column {name!r} holds {which} of {low} to {high} values, which do not stack into a tensor; "
         "override from_arrow_rb_to_tensor to pad them"
     )
 
@@ -955,13 +964,19 @@ def null_refusal(name: str, t: pa.DataType, nulls: int) -> str | None:
     quoted = '"' + name.replace('"', '""') + '"'
     fix = f"leave those rows out with filter='{quoted} IS NOT NULL', or override from_arrow_rb_to_tensor to fill them"
     if _is_list_type(t):
+        if not _has_tensor_form(t):
+            # Lists of strings (say) never become a tensor: leaving their nulls out would only
+            # lead to that refusal (column_to_tensor's, which names the fixes that work).
+            return None
         return f"column {name!r} has {nulls} null list(s); {fix}"
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
         return f"column {name!r} ({t}) has {nulls} null value(s); {fix}"
     return None
 
 
-def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tensor | list[str]:
+def column_to_tensor(
+    name: str, col: pa.Array | pa.ChunkedArray, copy: bool = True, _depth: int = 1
+) -> torch.Tensor | list[str]:
     """One column as a tensor (lists of equal length as 2-D) or, for strings, a list of str.
 
     Iceberg has no fixed-size list type, so a fixed-size list written to a table reads back as a
@@ -972,19 +987,25 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
     integer and floating columns with no nulls become tensors over the Arrow buffer itself, for
     a batch the caller owns outright, such as one just received from the cache; the tensor keeps
     the buffer alive. Booleans (bit-packed) and columns with nulls are always converted.
+
+    A ChunkedArray (``table.column(name)`` in an overridden hook) is combined first, a copy.
     """
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return col.to_pylist()
     if _is_list_type(t):
-        if col.null_count:
-            raise ValueError(null_refusal(name, t, col.null_count))
-        if not _has_tensor_form(t):  # checked first: padding lists of strings would not help
+        if not _has_tensor_form(
+            t
+        ):  # checked first: padding lists of strings, or leaving their nulls out, would not help
             raise TypeError(
                 f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
                 "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"
             )
-        width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col)
+        if col.null_count:
+            raise ValueError(null_refusal(name, t, col.null_count))
+        width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col, _depth)
         values = col.flatten()
         if null_refusal(name, values.type, values.null_count):  # a filter on the column cannot drop these
             raise ValueError(
@@ -992,7 +1013,7 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
                 "not null themselves, so no filter on the column leaves them out; override "
                 "from_arrow_rb_to_tensor to fill them, or write the table without them"
             )
-        inner = column_to_tensor(name, values, copy)
+        inner = column_to_tensor(name, values, copy, _depth + 1)
         return inner.reshape(len(col), width, *inner.shape[1:])
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         if col.null_count and not pa.types.is_floating(t):
@@ -1007,11 +1028,11 @@ def column_to_tensor(name: str, col: pa.Array, copy: bool = True) -> torch.Tenso
     )
 
 
-def _uniform_length(name: str, col: pa.Array) -> int:
+def _uniform_length(name: str, col: pa.Array, depth: int = 1) -> int:
     if len(col) == 0:
         return 0
     bounds = pc.min_max(pc.list_value_length(col))
     low, high = bounds["min"].as_py(), bounds["max"].as_py()
     if low != high:
-        raise ValueError(ragged_refusal(name, low, high))
+        raise ValueError(ragged_refusal(name, low, high, depth))
     return int(low)

@@ -565,6 +565,7 @@ class Head(ReadOnlyFlight):
         figures = {
             protocol.INFO_NULL_COUNTS: self._null_counts(schema, statuses),
             protocol.INFO_LIST_LENGTHS: self._ragged_lists(schema, statuses),
+            protocol.INFO_INNER_LIST_LENGTHS: self._ragged_inner_lists(schema, statuses),
         }
         figures = {key: value for key, value in figures.items() if value}
         metadata = json.dumps(figures).encode() if figures else b""
@@ -597,6 +598,28 @@ class Head(ReadOnlyFlight):
                 seen[:] = [min(seen[0], low), max(seen[1], high)]
         names = set(schema.names)
         return {name: b for name, b in bounds.items() if b[0] != b[1] and name in names}
+
+    def _ragged_inner_lists(self, schema: pa.Schema, statuses: list[dict]) -> dict[str, list[list[int] | None]]:
+        """As ``_ragged_lists``, for the lists inside lists of lists: each such column where some
+        level's lists differ in length, with every level's fewest and most values (None: none)."""
+        levels: dict[str, list[list[int] | None]] = {}
+        for s in statuses:
+            for name, bounds in (s.get("inner_list_lengths") or {}).items():
+                seen = levels.setdefault(name, [None] * len(bounds))
+                for level, b in enumerate(bounds[: len(seen)]):
+                    if b is not None:
+                        low, high = b
+                        seen[level] = (
+                            [low, high]
+                            if seen[level] is None
+                            else [min(seen[level][0], low), max(seen[level][1], high)]
+                        )
+        names = set(schema.names)
+        return {
+            name: bounds
+            for name, bounds in levels.items()
+            if name in names and any(b is not None and b[0] != b[1] for b in bounds)
+        }
 
     def _row_bytes(self, schema: pa.Schema) -> float:
         col_bytes = self._column_totals("column_bytes")

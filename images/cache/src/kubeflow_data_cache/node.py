@@ -565,6 +565,7 @@ class DataNode(ReadOnlyFlight):
             "column_bytes": dict(store.column_bytes) if store else {},
             "null_counts": dict(store.null_counts) if store else {},
             "list_lengths": {name: list(b) for name, b in store.list_lengths.items()} if store else {},
+            "inner_list_lengths": dict(store.inner_list_lengths) if store else {},
             "resident_bytes": resident_bytes(),
             "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,

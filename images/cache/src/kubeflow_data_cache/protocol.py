@@ -34,9 +34,12 @@ ORDER_VERSION = 2
 # FlightInfo.app_metadata (JSON; plain Flight clients ignore it), where the request has no
 # filter (a filter may leave the rows that tell out, and only its rows would tell):
 # "null_counts", the table's nulls per requested column that has any; "list_lengths", the fewest
-# and most values a row's list holds, per requested list column whose rows differ.
+# and most values a row's list holds, per requested list column whose rows differ;
+# "inner_list_lengths", for lists of lists where the lists at some level inside differ, the fewest
+# and most values per level inside the outermost (null for a level that holds no list).
 INFO_NULL_COUNTS = "null_counts"
 INFO_LIST_LENGTHS = "list_lengths"
+INFO_INNER_LIST_LENGTHS = "inner_list_lengths"
 
 
 def info_null_counts(app_metadata: bytes) -> dict[str, int]:
@@ -48,6 +51,18 @@ def info_list_lengths(app_metadata: bytes) -> dict[str, tuple[int, int]]:
     """The ragged list columns' ``(fewest, most)`` values a FlightInfo's app_metadata carries
     ({} from a cache that sends none)."""
     return _info_figures(app_metadata, INFO_LIST_LENGTHS, _bounds)
+
+
+def info_inner_list_lengths(app_metadata: bytes) -> dict[str, list[tuple[int, int] | None]]:
+    """The lists-of-lists columns whose inner lists differ in length, each level's ``(fewest,
+    most)`` values or None, as a FlightInfo's app_metadata carries them ({} where it sends none)."""
+    return _info_figures(app_metadata, INFO_INNER_LIST_LENGTHS, _level_bounds)
+
+
+def _level_bounds(value: Any) -> list[tuple[int, int] | None]:
+    if not isinstance(value, list):
+        raise TypeError("a list of levels")
+    return [None if level is None else _bounds(level) for level in value]
 
 
 def _bounds(value: Any) -> tuple[int, int]:

@@ -372,6 +372,29 @@ def _length_bounds(columns: Iterator[pa.Array]) -> tuple[int, int] | None:
     return _bounds(pc.list_value_length(col) for col in columns)
 
 
+def _list_depth(t: pa.DataType) -> int:
+    """How many variable-length list levels ``t`` nests, outermost first (list<list<int>>: 2)."""
+    depth = 0
+    while pa.types.is_list(t) or pa.types.is_large_list(t):
+        depth, t = depth + 1, t.value_type
+    return depth
+
+
+def _inner_length_bounds(columns: Iterator[pa.Array], depth: int) -> list[list[int] | None]:
+    """Per list level inside the outermost (list<list<int>>: the inner lists), the fewest and most
+    values a list there holds, over ``columns``; None for a level that holds no list."""
+    levels: list[list[int] | None] = [None] * (depth - 1)
+    for col in columns:
+        values = col
+        for level in range(depth - 1):
+            values = values.flatten()  # the values of the non-null lists, the slice's own only
+            bounds = _bounds(iter([pc.list_value_length(values)]))
+            if bounds is not None:
+                seen = levels[level]
+                levels[level] = list(bounds) if seen is None else [min(seen[0], bounds[0]), max(seen[1], bounds[1])]
+    return levels
+
+
 def _bounds(arrays: Iterator[pa.Array]) -> tuple[int, int] | None:
     """The least and the most value over ``arrays`` (nulls aside); None where there is none."""
     low = high = None
@@ -406,6 +429,13 @@ class NodeStore:
             for i, (name, t) in enumerate(zip(schema.names, schema.types, strict=True))
             if (pa.types.is_list(t) or pa.types.is_large_list(t))
             and (bounds := _length_bounds(b.column(i) for b in self.batches)) is not None
+        }
+        # The same per level inside lists of lists: a tensor needs every inner list alike too, and
+        # lists of 2 inner lists of 2 values, then of 1, failed only at the rows that change.
+        self.inner_list_lengths = {
+            name: _inner_length_bounds((b.column(i) for b in self.batches), depth)
+            for i, (name, t) in enumerate(zip(schema.names, schema.types, strict=True))
+            if (depth := _list_depth(t)) > 1
         }
         self.nbytes = sum(self.column_bytes.values())
         # Per column with strings or lists: the offsets an in-order stream rebases (offsets.py),
@@ -443,9 +473,16 @@ class NodeStore:
             name: _bounds(pc.list_value_length(batch.column(name)).take(indices(local)) for batch, local in parts)
             for name in self.list_lengths
         }
+        inner = {
+            name: _inner_length_bounds(
+                (batch.column(name).take(indices(local)) for batch, local in parts), len(levels) + 1
+            )
+            for name, levels in self.inner_list_lengths.items()
+        }
         return {
             "null_counts": {name: n for name, n in null_counts.items() if n},
             "list_lengths": {name: list(bounds) for name, bounds in lengths.items() if bounds is not None},
+            **({"inner_list_lengths": inner} if inner else {}),  # tables with lists of lists only
         }
 
     @classmethod
