@@ -284,7 +284,10 @@ def test_a_local_file_is_read_without_holding_its_compressed_row_groups(tmp_path
     ("text", "value"),
     [
         *(("4Gi", 4 << 30), ("512Mi", 512 << 20), ("2G", 2 * 10**9), ("1024", 1024), ("1e9", 10**9)),
-        *(("1.5Gi", 3 << 29), ("1E", 10**18), ("8Ei", 8 << 60)),  # exa, not an exponent
+        *(("1.5Gi", 3 << 29), ("1E", 10**18), ("7Ei", 7 << 60)),  # exa, not an exponent
+        # A fraction of a byte past the first rounds up, as Kubernetes reads it (1.5 was 1 byte).
+        *(("1.5", 2), ("0.1Ki", 103), ("1.0000000001G", 1_000_000_001)),
+        ("123456789012345678", 123456789012345678),  # exactly (a float lost the last digits)
     ],
 )
 def test_parse_bytes(text, value):
@@ -298,6 +301,8 @@ def test_parse_bytes(text, value):
         # As Kubernetes reads them: m is a thousandth (500m was taken as 500 MB), and the
         # suffixes are case-sensitive, with no B.
         ("500m", "fraction of a byte (m means a thousandth): write 500Mi or 500M"),
+        ("0.5", "less than one byte"),
+        ("8Ei", "too large to be a memory size"),
         ("2GB", "case-sensitive, with no B"),
         ("4gi", "case-sensitive"),
         ("1e400", "too large to be a memory size"),

@@ -89,6 +89,12 @@ HINTS = (
         " (every branch of a CASE and both sides of an AND are evaluated on every row, so a guard does not "
         "help; divide by nullif(<divisor>, 0), which makes the row's value NULL)",
     ),
+    # MIN / -1, abs(MIN) and the like: DataFusion's own error, which names no way out.
+    (
+        "overflow",
+        " (integer arithmetic past its type's range: compute it in a wider type, CAST the operands AS "
+        "DECIMAL(38, 0), or AS DOUBLE)",
+    ),
     ("time64", " (compare a time column with a string: t < '01:00:00')"),
     ("fixedsizebinary(16)", " (a uuid column compares with its 16 bytes in hex: u = X'<32 hex digits>')"),
 )

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 
 import psutil
@@ -61,14 +63,15 @@ def parse_bytes(text: str, name: str = "`MEMORY_LIMIT`") -> int:
             f"{name} {text!r} is a fraction of a byte ({suffix} means {_FRACTIONS[suffix]}): "
             f"write {number}Mi or {number}M"
         )
-    try:
-        value = int(float(number + exponent)) if exponent else int(float(number) * _UNITS[suffix or ""])
-    except OverflowError:
-        raise ConfigError(f"{name} {text!r} is too large to be a memory size") from None
-    # 0 means "no limit given" (the cgroup limit applies); a fraction of a byte is a typo, not that.
-    if value == 0 and float(number) > 0:
+    # Exact (a float turned 1.5 into 1 byte and lost digits of large counts), and rounded up as
+    # Kubernetes rounds a quantity with a fraction of a byte: 1.5 is 2 bytes.
+    amount = Decimal(number + exponent) if exponent else Decimal(number) * _UNITS[suffix or ""]
+    if amount >= 1 << 63:
+        raise ConfigError(f"{name} {text!r} is too large to be a memory size")
+    # 0 means "no limit given" (the cgroup limit applies); less than a byte is a typo, not that.
+    if 0 < amount < 1:
         raise ConfigError(f"{name} {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
-    return value
+    return math.ceil(amount)
 
 
 def container_memory_limit() -> int | None:
