@@ -64,18 +64,24 @@ def test_a_lost_data_node_makes_the_head_unready_until_it_is_back(cluster, small
         replacement_health.stop()
 
 
-def test_a_replacement_is_reloaded_and_the_head_ready_at_once_not_at_the_next_polls(cluster, small_table, monkeypatch):
-    """The replacement's registration, and its report once loaded, each start a supervision round:
-    the head was degraded up to two polls (5 s each) longer than the reload itself."""
+def _lose_the_node(cluster, small_table, monkeypatch):
+    """A ready cluster whose one data node is gone (the head degraded), with supervision's polls
+    then slowed to a minute: what happens next comes from registrations, not from polling."""
     monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
     head, head_health, node, node_health = cluster(small_table.metadata_location)
     wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
     node.stop()
     node_health.stop()
     wait_for(lambda: get(head_health.port, "/ready")[0] == 503)
-    # From here on a poll alone would take 60 s.
     monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 60.0)
     time.sleep(0.5)  # the round under way ends; the next one waits 60 s
+    return head, head_health, node
+
+
+def test_a_replacement_is_reloaded_and_the_head_ready_at_once_not_at_the_next_polls(cluster, small_table, monkeypatch):
+    """The replacement's registration, and its report once loaded, each start a supervision round:
+    the head was degraded up to two polls (5 s each) longer than the reload itself."""
+    head, head_health, _ = _lose_the_node(cluster, small_table, monkeypatch)
     replacement = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
     try:
         replacement.start_registering()
@@ -117,14 +123,7 @@ def test_a_reload_whose_send_failed_but_was_taken_serves_once_the_node_holds_its
 ):
     """The send's error (its deadline passed as the node took the rows) was kept until the round
     after the node reported them loaded: the head stayed degraded a poll (5 s) longer."""
-    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
-    head, head_health, node, node_health = cluster(small_table.metadata_location)
-    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
-    node.stop()
-    node_health.stop()
-    wait_for(lambda: get(head_health.port, "/ready")[0] == 503)
-    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 60.0)
-    time.sleep(0.5)  # the round under way ends; the next one waits 60 s
+    head, head_health, _ = _lose_the_node(cluster, small_table, monkeypatch)
     send = head._send_load
 
     def sent_but_timed_out(index: int) -> None:

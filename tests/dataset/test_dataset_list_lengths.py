@@ -40,12 +40,17 @@ def _rows(lo: int, hi: int, width: int) -> pa.Table:
 def ragged_cache(tmp_path_factory) -> Iterator[LocalCache]:
     """`emb` holds 8 floats a row in the first file and 9 in the second (a model changed);
     `four` holds 4 in every row."""
-    root = tmp_path_factory.mktemp("ragged")
+    yield from _served(tmp_path_factory, "ragged", [_rows(0, PER_FILE, 8), _rows(PER_FILE, 2 * PER_FILE, 9)])
+
+
+def _served(tmp_path_factory, name: str, files: list[pa.Table]) -> Iterator[LocalCache]:
+    """A table of ``files`` (one append each), served by a 2-node cache."""
+    root = tmp_path_factory.mktemp(name)
     catalog = make_catalog(str(root / "wh"), root / "catalog.db")
     catalog.create_namespace("demo")
-    table = catalog.create_table("demo.ragged", schema=_rows(0, 1, 8).schema)
-    table.append(_rows(0, PER_FILE, 8))
-    table.append(_rows(PER_FILE, 2 * PER_FILE, 9))
+    table = catalog.create_table(f"demo.{name}", schema=files[0].schema)
+    for rows in files:
+        table.append(rows)
     with running_cache(table.metadata_location, data_nodes=2) as cache:
         yield cache
 
@@ -163,14 +168,7 @@ def _nested(lo: int, hi: int, inner: int) -> pa.Table:
 def nested_cache(tmp_path_factory) -> Iterator[LocalCache]:
     """`grid` holds 2 lists of 2 ints a row in the first file and 2 lists of 1 in the second:
     every row's own list holds 2, only the inner lists change."""
-    root = tmp_path_factory.mktemp("nested")
-    catalog = make_catalog(str(root / "wh"), root / "catalog.db")
-    catalog.create_namespace("demo")
-    table = catalog.create_table("demo.nested", schema=_nested(0, 1, 2).schema)
-    table.append(_nested(0, PER_FILE, 2))
-    table.append(_nested(PER_FILE, 2 * PER_FILE, 1))
-    with running_cache(table.metadata_location, data_nodes=2) as cache:
-        yield cache
+    yield from _served(tmp_path_factory, "nested", [_nested(0, PER_FILE, 2), _nested(PER_FILE, 2 * PER_FILE, 1)])
 
 
 def test_lists_of_lists_whose_inner_lists_change_are_refused_before_the_first_batch(nested_cache):

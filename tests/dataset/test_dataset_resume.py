@@ -581,7 +581,7 @@ class _LastBatchLate(DataCacheDataset):
 UNEVEN = {"batch_size": 1024, "columns": ["id"], "shuffle": True, "seed": 5, "filter": "id < 2049"}
 
 
-def _stateful(ds: DataCacheDataset, persistent: bool) -> StatefulDataLoader:
+def _stateful(ds: DataCacheDataset, persistent: bool, **options) -> StatefulDataLoader:
     return StatefulDataLoader(
         ds,
         batch_size=None,
@@ -589,6 +589,7 @@ def _stateful(ds: DataCacheDataset, persistent: bool) -> StatefulDataLoader:
         multiprocessing_context="forkserver",
         timeout=60,
         persistent_workers=persistent,
+        **options,
     )
 
 
@@ -658,15 +659,7 @@ def test_a_second_pass_of_persistent_workers_saves_its_own_position(cache, snaps
     the resumed loader's fast-forward ran out and raised StopIteration."""
 
     def persistent(ds: DataCacheDataset) -> StatefulDataLoader:
-        return StatefulDataLoader(
-            ds,
-            batch_size=None,
-            num_workers=2,
-            multiprocessing_context="forkserver",
-            timeout=60,
-            persistent_workers=True,
-            snapshot_every_n_steps=snapshot_every,
-        )
+        return _stateful(ds, persistent=True, snapshot_every_n_steps=snapshot_every)
 
     def unshuffled() -> DataCacheDataset:
         return DataCacheDataset(cache.endpoint, batch_size=1000, columns=["id"])
