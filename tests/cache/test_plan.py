@@ -288,6 +288,7 @@ def test_a_local_file_is_read_without_holding_its_compressed_row_groups(tmp_path
         # A fraction of a byte past the first rounds up, as Kubernetes reads it (1.5 was 1 byte).
         *(("1.5", 2), ("0.1Ki", 103), ("1.0000000001G", 1_000_000_001)),
         ("123456789012345678", 123456789012345678),  # exactly (a float lost the last digits)
+        ("1.0000000000000000000000000001", 2),  # past Decimal's default 28 digits
     ],
 )
 def test_parse_bytes(text, value):
@@ -303,6 +304,7 @@ def test_parse_bytes(text, value):
         ("500m", "fraction of a byte (m means a thousandth): write 500Mi or 500M"),
         ("0.5", "less than one byte"),
         ("8Ei", "too large to be a memory size"),
+        ("9223372036854775807.5", "too large to be a memory size"),  # rounds up to 2^63
         ("2GB", "case-sensitive, with no B"),
         ("4gi", "case-sensitive"),
         ("1e400", "too large to be a memory size"),

@@ -92,8 +92,8 @@ HINTS = (
     # MIN / -1, abs(MIN) and the like: DataFusion's own error, which names no way out.
     (
         "overflow",
-        " (integer arithmetic past its type's range: compute it in a wider type, CAST the operands AS "
-        "DECIMAL(38, 0), or AS DOUBLE)",
+        " (arithmetic past its type's range: compute it in a wider type, CAST integer operands AS "
+        "DECIMAL(38, 0), or any operands AS DOUBLE)",
     ),
     ("time64", " (compare a time column with a string: t < '01:00:00')"),
     ("fixedsizebinary(16)", " (a uuid column compares with its 16 bytes in hex: u = X'<32 hex digits>')"),

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from decimal import Decimal
+from decimal import Decimal, localcontext
 from pathlib import Path
 
 import psutil
@@ -65,13 +65,16 @@ def parse_bytes(text: str, name: str = "`MEMORY_LIMIT`") -> int:
         )
     # Exact (a float turned 1.5 into 1 byte and lost digits of large counts), and rounded up as
     # Kubernetes rounds a quantity with a fraction of a byte: 1.5 is 2 bytes.
-    amount = Decimal(number + exponent) if exponent else Decimal(number) * _UNITS[suffix or ""]
-    if amount >= 1 << 63:
+    with localcontext() as exact:
+        exact.prec = 100  # the default 28 digits rounded 1.0000000000000000000000000001 to 1
+        amount = Decimal(number + exponent) if exponent else Decimal(number) * _UNITS[suffix or ""]
+        # 0 means "no limit given" (the cgroup limit applies); less than a byte is a typo, not that.
+        if 0 < amount < 1:
+            raise ConfigError(f"{name} {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
+        value = math.ceil(amount)
+    if value >= 1 << 63:
         raise ConfigError(f"{name} {text!r} is too large to be a memory size")
-    # 0 means "no limit given" (the cgroup limit applies); less than a byte is a typo, not that.
-    if 0 < amount < 1:
-        raise ConfigError(f"{name} {text!r} is less than one byte: give a size such as 4Gi or 512Mi")
-    return math.ceil(amount)
+    return value
 
 
 def container_memory_limit() -> int | None:
