@@ -234,15 +234,19 @@ def test_the_default_termination_log_is_written_only_where_the_kubelet_mounted_i
     """Outside a container the default path does not exist, and a process run as root created
     /dev/termination-log on the machine, every failed `data-cache local` overwriting the last."""
     from kubeflow_data_cache import runner
+    from kubeflow_data_cache.config import build_config
 
     default = tmp_path / "dev" / "termination-log"
     default.parent.mkdir()
     monkeypatch.setattr(runner, "TERMINATION_LOG", str(default))
-    runner._write_termination_log(str(default), "the load failed")
+    runner._write_termination_log(None, "the load failed")  # TERMINATION_LOG unset
     assert not default.exists()
     default.write_text("")  # mounted by the kubelet
-    runner._write_termination_log(str(default), "the load failed")
+    runner._write_termination_log(None, "the load failed")
     assert default.read_text() == "the load failed"
-    chosen = tmp_path / "mine"  # TERMINATION_LOG set: written, also where it did not exist
-    runner._write_termination_log(str(chosen), "the load failed")
-    assert chosen.read_text() == "the load failed"
+    for chosen in (tmp_path / "mine", tmp_path / "dev" / "again"):  # TERMINATION_LOG set: written wherever it is
+        runner._write_termination_log(str(chosen), "the load failed")
+        assert chosen.read_text() == "the load failed"
+    assert build_config("head", {"metadata_loc": "/t/m.json", "data_nodes": 1}, env={}).termination_log is None
+    given = build_config("head", {"metadata_loc": "/t/m.json", "data_nodes": 1}, env={"TERMINATION_LOG": str(default)})
+    assert given.termination_log == str(default)  # the default path, set explicitly: written where it is

@@ -418,10 +418,9 @@ def test_an_endpoint_with_a_password_is_refused_without_showing_it(endpoint):
     with pytest.raises(ConfigError, match="AWS_ENDPOINT_URL holds a user name or password") as refused:
         s3_properties_from_env({"AWS_ENDPOINT_URL": endpoint})
     assert "Pw" not in str(refused.value) and "admin" not in str(refused.value)
-    # An '@' in the path is not a user name.
-    assert (
-        s3_properties_from_env({"AWS_ENDPOINT_URL": "http://minio:9000/a@b"})["s3.endpoint"] == "http://minio:9000/a@b"
-    )
+    # An '@' in the path or the query is not a user name.
+    for fine in ("http://minio:9000/a@b", "http://minio:9000?x=a@b", "http://minio:9000#a@b"):
+        assert s3_properties_from_env({"AWS_ENDPOINT_URL": fine})["s3.endpoint"] == fine
 
 
 def test_aws_ca_bundle_is_trusted_by_the_s3_client(tmp_path):

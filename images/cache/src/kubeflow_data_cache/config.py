@@ -58,7 +58,7 @@ class NodeConfig:
     startup_timeout: float
     failure_grace: float
     load_threads: int
-    termination_log: str
+    termination_log: str | None  # TERMINATION_LOG; None: the kubelet's path, where it mounted one
 
     @property
     def scheme(self) -> str:
@@ -499,5 +499,5 @@ def build_config(role: str, flags: dict, env: dict[str, str] | None = None) -> N
             label("LOAD_THREADS", "--load-threads"), pick("load_threads", "LOAD_THREADS"), available_cpus(), minimum=1
         ),
         # Empty counts as unset: an empty path wrote no termination message, without a word.
-        termination_log=env.get("TERMINATION_LOG") or constants.TERMINATION_LOG,
+        termination_log=env.get("TERMINATION_LOG") or None,
     )

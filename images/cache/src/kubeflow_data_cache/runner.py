@@ -30,13 +30,16 @@ DRAIN_POLL_SECONDS = 0.05
 SHUTDOWN_FLOOR_SECONDS = 1.0
 
 
-def _write_termination_log(path: str, message: str) -> None:
-    """Kubernetes shows this file as the container's termination message (kubectl describe)."""
-    if path == TERMINATION_LOG and not Path(path).exists():
-        # The kubelet mounts the default path into every container. Outside one (`data-cache
-        # local`, a node run by hand) it is absent, and a process that may write /dev (root)
-        # made it there, each failed run overwriting the last: the log line is enough then.
-        return
+def _write_termination_log(path: str | None, message: str) -> None:
+    """Kubernetes shows this file as the container's termination message (kubectl describe).
+    ``path``: TERMINATION_LOG, written wherever it is; None for the kubelet's default path."""
+    if path is None:
+        path = TERMINATION_LOG
+        if not Path(path).exists():
+            # The kubelet mounts the default path into every container. Outside one (`data-cache
+            # local`, a node run by hand) it is absent, and a process that may write /dev (root)
+            # made it there, each failed run overwriting the last: the log line is enough then.
+            return
     # Not in a container, or the path is read-only: the log line is enough then.
     with contextlib.suppress(OSError):
         Path(path).write_text(message[:4000])

@@ -48,7 +48,8 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     name = endpoint_variable(env)
     endpoint = env.get(name)
     if endpoint:
-        if "@" in endpoint.split("://", 1)[-1].split("/", 1)[0]:
+        # The authority alone: an '@' in the path or query (?x=a@b) is no user name.
+        if "@" in re.split(r"[/?#]", endpoint.split("://", 1)[-1], maxsplit=1)[0]:
             # user:password@host: the S3 client took the user name for the host, and every
             # message naming the endpoint (the unauthenticated /ready and /status among them)
             # showed the password. Refused without echoing it.
