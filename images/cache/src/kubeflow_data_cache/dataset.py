@@ -228,9 +228,10 @@ class World:
         else:
             # An empty value counts as unset, here as in _env_int: RANK="" beside WORLD_SIZE=2 was
             # read as rank 0 of 2 in every process, with no error.
-            has_rank, has_size = bool(env.get("RANK", "").strip()), bool(env.get("WORLD_SIZE", "").strip())
+            rank_text, size_text = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
+            has_rank, has_size = bool(rank_text), bool(size_text)
             # One without the other is fine only for a world of one (RANK=0, or WORLD_SIZE=1).
-            alone_ok = env.get("RANK", "0").strip() in ("", "0") and env.get("WORLD_SIZE", "1").strip() in ("", "1")
+            alone_ok = rank_text in ("", "0") and size_text in ("", "1")
             if has_rank != has_size and not alone_ok:
                 # Each process would read as rank 0 (or as the only one): duplicated rows, no error.
                 given, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
@@ -996,9 +997,8 @@ def column_to_tensor(
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return col.to_pylist()
     if _is_list_type(t):
-        if not _has_tensor_form(
-            t
-        ):  # checked first: padding lists of strings, or leaving their nulls out, would not help
+        # Checked first: padding lists of strings, or leaving their nulls out, would not help.
+        if not _has_tensor_form(t):
             raise TypeError(
                 f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
                 "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"

@@ -594,8 +594,7 @@ class Head(ReadOnlyFlight):
         bounds: dict[str, list[int]] = {}
         for s in statuses:
             for name, (low, high) in (s.get("list_lengths") or {}).items():
-                seen = bounds.setdefault(name, [low, high])
-                seen[:] = [min(seen[0], low), max(seen[1], high)]
+                bounds[name] = protocol.widen(bounds.get(name), low, high)
         names = set(schema.names)
         return {name: b for name, b in bounds.items() if b[0] != b[1] and name in names}
 
@@ -608,12 +607,7 @@ class Head(ReadOnlyFlight):
                 seen = levels.setdefault(name, [None] * len(bounds))
                 for level, b in enumerate(bounds[: len(seen)]):
                     if b is not None:
-                        low, high = b
-                        seen[level] = (
-                            [low, high]
-                            if seen[level] is None
-                            else [min(seen[level][0], low), max(seen[level][1], high)]
-                        )
+                        seen[level] = protocol.widen(seen[level], *b)
         names = set(schema.names)
         return {
             name: bounds

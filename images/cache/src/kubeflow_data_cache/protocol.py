@@ -65,6 +65,12 @@ def _level_bounds(value: Any) -> list[tuple[int, int] | None]:
     return [None if level is None else _bounds(level) for level in value]
 
 
+def widen(seen: list[int] | None, low: int, high: int) -> list[int]:
+    """The fewest and most values over ``seen`` (a ``[fewest, most]`` pair, None for none yet)
+    and ``low``..``high``: how the figures of several batches or nodes add up."""
+    return [low, high] if seen is None else [min(seen[0], low), max(seen[1], high)]
+
+
 def _bounds(value: Any) -> tuple[int, int]:
     low, high = value  # a pair, nothing else
     return int(low), int(high)

@@ -32,6 +32,7 @@ from kubeflow_data_cache.iceberg_reader import is_remote, task_batches, task_del
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.offsets import has_offsets, rebased_nbytes, value_offsets
 from kubeflow_data_cache.plan import Piece, estimate_column_bytes
+from kubeflow_data_cache.protocol import widen
 from kubeflow_data_cache.s3_settings import store_trouble
 
 log = logging.getLogger(__name__)
@@ -390,9 +391,8 @@ def _inner_length_bounds(columns: Iterator[tuple[pa.Array, np.ndarray | None]], 
     levels: list[list[int] | None] = [None] * (depth - 1)
     for col, rows in columns:
         lists = col
-        selected = np.ones(len(col), dtype=bool)
+        selected = np.ones(len(col), dtype=bool) if rows is None else np.zeros(len(col), dtype=bool)
         if rows is not None:
-            selected[:] = False
             selected[rows] = True
         for level in range(depth - 1):
             if lists.null_count:
@@ -407,9 +407,7 @@ def _inner_length_bounds(columns: Iterator[tuple[pa.Array, np.ndarray | None]], 
                 selected &= ~child.is_null().to_numpy(zero_copy_only=False)
             lengths = np.diff(child.offsets.to_numpy())[selected]
             if len(lengths):
-                low, high = int(lengths.min()), int(lengths.max())
-                seen = levels[level]
-                levels[level] = [low, high] if seen is None else [min(seen[0], low), max(seen[1], high)]
+                levels[level] = widen(levels[level], int(lengths.min()), int(lengths.max()))
             lists = child
     return levels
 
