@@ -76,6 +76,14 @@ lock: | uv ## Recompile the requirement locks (versions only; torch stays a plai
 	$(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
 	  -c requirements-dev.lock --generate-hashes images/initializer/pyproject.toml \
 	  -o images/initializer/requirements.lock
+	# Their build backend (pyproject's build-system requires), hashed likewise: the Dockerfiles build
+	# each package without pip's build isolation, which would fetch the newest setuptools of the day.
+	for image in cache initializer; do \
+	  python3 -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"], sep="\n")' \
+	    images/$$image/pyproject.toml \
+	  | $(UV) pip compile --quiet --python-version $(PYTHON_VERSION) --custom-compile-command "make lock" \
+	    -c requirements-dev.lock --generate-hashes - -o images/$$image/build.lock || exit 1; \
+	done
 	# The e2e trainer image's additions (torch and what the cache lock lacks for it), re-pinned likewise.
 	python3 hack/pin-like.py requirements-dev.lock images/trainer-e2e/requirements.lock
 

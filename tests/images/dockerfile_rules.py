@@ -1,9 +1,10 @@
 """A small Dockerfile reader and the rules the project's images follow.
 
 ``problems(text, context, console_scripts)`` returns what is wrong with one Dockerfile (empty when
-nothing is): slim Python 3.11 bases, dependencies installed from the lock with ``--no-deps``, a
-final stage that installs nothing and keeps no installer, a numeric non-root ``USER``, an
-exec-form ``ENTRYPOINT`` naming a console script, and ``COPY`` sources that exist in the context.
+nothing is): slim Python 3.11 bases, dependencies installed from the lock with ``--no-deps``, the
+package built by the backend its hashed ``build.lock`` pins (no build isolation), a final stage
+that installs nothing and keeps no installer, a numeric non-root ``USER``, an exec-form
+``ENTRYPOINT`` naming a console script, and ``COPY`` sources that exist in the context.
 """
 
 from __future__ import annotations
@@ -124,11 +125,34 @@ def problems(text: str, context: Path, console_scripts: set[str]) -> list[str]:
     if "requirements.lock" not in copied:
         found.append("requirements.lock is never copied into the build")
     # A lock with hashes is only worth them when pip checks every download against them.
-    lock = context / "requirements.lock"
-    if lock.is_file() and "--hash=" in lock.read_text():
-        for i in lock_installs:
-            if "--require-hashes" not in i.value:
-                found.append(f"line {i.line}: the lock has hashes, but pip install does not --require-hashes")
+    for i in installs:
+        for command in re.split(r"&&|;", i.value):
+            for name in re.findall(r"-r\s+(\S+\.lock)\b", command):
+                lock = context / Path(name).name
+                if lock.is_file() and "--hash=" in lock.read_text() and "--require-hashes" not in command:
+                    found.append(f"line {i.line}: {lock.name} has hashes, but pip install does not --require-hashes")
+
+    # The package itself is built by a backend pinned like everything else: pip's build isolation
+    # would fetch whatever setuptools is newest on the day of the build.
+    builds = [
+        (i, command)
+        for s in stages
+        for i in s.all("RUN")
+        for command in re.split(r"&&|;", i.value)
+        if re.search(r"\bpip\b.*\b(install|wheel)\b.*\s\.(?:\[\S*\]|\s|$)|\s\.\[", command + " ")
+    ]
+    for i, command in builds:
+        if "--no-build-isolation" not in command:
+            found.append(
+                f"line {i.line}: the package is built with pip's build isolation, from an unpinned build backend: "
+                "build it with --no-build-isolation where build.lock is installed"
+            )
+    if builds:
+        build_lock = context / "build.lock"
+        if not build_lock.is_file() or "--hash=" not in build_lock.read_text():
+            found.append(f"{build_lock} should pin the build backend with hashes (make lock)")
+        elif not any(re.search(r"-r\s+\S*build\.lock\b", i.value) for i in installs):
+            found.append("build.lock is never installed: the build backend would not be the pinned one")
 
     # The final stage installs nothing: no compilers, no package installs, and no pip left behind.
     for i in final.all("RUN"):

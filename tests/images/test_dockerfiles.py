@@ -71,6 +71,22 @@ def test_image_locks_pin_every_package_by_hash(image: str) -> None:
         assert re.search(r"--hash=sha256:[0-9a-f]{64}", block), block.splitlines()[0]
 
 
+@pytest.mark.parametrize("image", ["cache", "initializer"])
+def test_build_lock_pins_the_pyproject_build_backend_by_hash(image: str) -> None:
+    """What the Dockerfile builds the package with satisfies pyproject's build-system requires."""
+    requires = tomllib.loads((IMAGES / image / "pyproject.toml").read_text())["build-system"]["requires"]
+    lock = IMAGES / image / "build.lock"
+    pins = read_lock(lock)
+    for requirement in map(Requirement, requires):
+        assert requirement.specifier.contains(pins[requirement.name.lower()]), (requirement, pins)
+    blocks = re.split(r"\n(?=[A-Za-z0-9_.\-]+==)", lock.read_text().split("\n", 2)[2])
+    assert len(blocks) == len(pins) >= 1
+    for block in blocks:
+        assert re.search(r"--hash=sha256:[0-9a-f]{64}", block), block.splitlines()[0]
+    dev = read_lock(REPO / "requirements-dev.lock")
+    assert {name: dev.get(name) for name in pins} == pins, "build.lock drifted from the dev lock: make lock"
+
+
 @pytest.mark.parametrize("image", sorted(IMAGE_SCRIPTS))
 def test_dockerignore_keeps_build_leftovers_out(image: str) -> None:
     ignored = (IMAGES / image / ".dockerignore").read_text().splitlines()
@@ -87,7 +103,7 @@ BREAKAGES = [
     ("initializer", 'ENTRYPOINT ["cache-initializer"]', "ENTRYPOINT cache-initializer", "exec form"),
     ("cache", "-r requirements.lock", "-r requirements.txt", "must come from the lock"),
     ("initializer", "--require-hashes ", "", "does not --require-hashes"),
-    ("initializer", "install --no-deps .", "install .", "without --no-deps"),
+    ("initializer", "install --no-deps --no-index", "install --no-index", "without --no-deps"),
     ("cache", "COPY requirements.lock ./", "COPY requirements.lockfile ./", "not in the build context"),
     ("cache", "FROM ${PYTHON_IMAGE}\n", "FROM python:latest\n", "pinned python:3.11.N-slim"),
     ("initializer", "python:3.11.13-slim-bookworm", "python:3.11.13-bookworm", "pinned python:3.11.N-slim"),
@@ -106,6 +122,16 @@ BREAKAGES = [
         "runs pip install",
     ),
     ("trainer-e2e", 'ENTRYPOINT ["torchrun"]', 'ENTRYPOINT ["python"]', "not a console script"),
+    ("cache", "--no-build-isolation ", "", "built with pip's build isolation"),
+    (
+        "initializer",
+        "RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /tmp/wheels . \\\n"
+        " && pip --python /opt/venv/bin/python install --no-deps --no-index --find-links /tmp/wheels kubeflow-cache-initializer",
+        "RUN pip --python /opt/venv/bin/python install --no-deps .",
+        "built with pip's build isolation",
+    ),
+    ("cache", "--require-hashes -r /tmp/build.lock", "-r /tmp/build.lock", "build.lock has hashes"),
+    ("initializer", "-r /tmp/build.lock", "setuptools", "build.lock is never installed"),
 ]
 
 
