@@ -159,6 +159,11 @@ def test_make_lock_holds_the_image_locks_to_the_dev_locks_versions() -> None:
         (compile_line,) = [c for c in commands if f"-o {lock}" in c]
         assert "-c requirements-dev.lock" in compile_line and "--generate-hashes" in compile_line
     assert any("hack/pin-like.py requirements-dev.lock images/trainer-e2e/requirements.lock" in c for c in commands)
+    # The images' build backend: pyproject's build-system requires, hashed, held to the dev lock.
+    (build_line,) = [c for c in commands if "build.lock" in c]
+    assert '["build-system"]["requires"]' in build_line and "images/$image/pyproject.toml" in build_line
+    assert "-c requirements-dev.lock" in build_line and "--generate-hashes" in build_line
+    assert "-o images/$image/build.lock" in build_line and "for image in cache initializer" in build_line
 
 
 def test_the_image_locks_pin_the_dev_locks_versions() -> None:
