@@ -10,6 +10,7 @@ import pyarrow.flight as flight
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pyiceberg.table import StaticTable
 
 from kubeflow_data_cache.errors import server_message
 from kubeflow_data_cache.protocol import ShardRequest, Ticket
@@ -304,6 +305,10 @@ def test_status_list_flights_and_schema(small_cache, small_table):
     status = json.loads(action(small_cache.endpoint, "status")[0])
     assert status["state"] == "ready" and status["rows"] == small_table.rows
     assert [n["rows"] for n in status["nodes"]] == [5000, 5000]
+    # Which snapshot it serves: that of METADATA_LOC, whether or not the table moved on since.
+    snapshot = StaticTable.from_metadata(small_table.metadata_location).current_snapshot()
+    assert status["metadata_location"] == small_table.metadata_location
+    assert status["snapshot_id"] == snapshot.snapshot_id
     assert all(n["resident_bytes"] > 0 for n in status["nodes"])
     # Data nodes load through the pool allocator.py picks (unless the environment names one).
     try:

@@ -418,6 +418,58 @@ def test_a_head_status_answer_cut_short_or_not_http_is_not_reachable_yet(answer,
     assert why in reason, reason
 
 
+def test_a_head_status_answer_that_trickles_is_cut_at_its_timeout():
+    """The timeout bounds the whole answer: a server sending a byte a second passed every read's
+    timeout, and the wait's loop, blocked in this one call, never checked its own deadline."""
+    stop = threading.Event()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def trickle() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+                with contextlib.suppress(OSError):
+                    while not stop.wait(0.2):
+                        conn.sendall(b" ")
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        started = time.monotonic()
+        status, reason = fetch_head_status("127.0.0.1", port, timeout=1.5)
+        took = time.monotonic() - started
+        stop.set()
+        thread.join(5)
+    assert status is None
+    assert reason == f"GET http://127.0.0.1:{port}/status: no whole answer within 1.5 s", reason
+    assert took < 4, took
+
+
+def test_the_head_status_is_read_without_the_initializers_proxy(monkeypatch):
+    """The head's pod IP is reached directly, whatever HTTP_PROXY the initializer's pod has."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    body = b'{"state": "ready"}'
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def answer_once() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+        thread = threading.Thread(target=answer_once, daemon=True)
+        thread.start()
+        assert fetch_head_status("127.0.0.1", port, timeout=5) == ({"state": "ready"}, None)
+        thread.join(5)
+
+
 def _failed_pod(name: str, labels: dict[str, str], created: str | None = None) -> dict:
     """A pod whose container exited 1, as a cache head does on SIGTERM after a failed load."""
     meta = {"name": name, "namespace": NAMESPACE, "labels": labels}

@@ -775,6 +775,9 @@ class Head(ReadOnlyFlight):
             "role": "head",
             "table": f"{self.cfg.schema_name}.{self.cfg.table_name}",
             "metadata_location": self.cfg.metadata_loc,
+            # Which snapshot that metadata's current one is: a METADATA_LOC that is not the table's
+            # latest serves older data, and says so here (null: the table has none, or not planned yet).
+            "snapshot_id": self.plan.snapshot_id if self.plan is not None else None,
             "state": self.lifecycle.state,
             "detail": self.lifecycle.detail,
             "error": self.lifecycle.error,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
-import urllib.request
+import socket
+import threading
 
 from kubeflow_cache_initializer import constants as c
 
@@ -18,8 +20,6 @@ IMAGE_ERRORS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 # gives them CACHE_START_ERROR_GRACE_SECONDS.
 PULL_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff"})
 CONFIG_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
-# No proxy: the head's pod IP is reached directly, whatever HTTP(S)_PROXY the initializer has.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def pod_name(pod: dict) -> str:
@@ -116,20 +116,45 @@ def head_pod_ip(pods: list[dict]) -> str | None:
 def fetch_head_status(
     pod_ip: str, port: int, timeout: float = c.STATUS_HTTP_TIMEOUT_SECONDS
 ) -> tuple[dict | None, str | None]:
-    """The head's `/status` JSON and None; or None and why it did not answer (yet)."""
+    """The head's `/status` JSON and None; or None and why it did not answer (yet).
+
+    `timeout` bounds the whole answer, not only each read: a server that trickles its answer a
+    byte at a time passes every read's timeout, and the wait's deadline is checked only between
+    calls. A watchdog shuts the socket at the deadline, which ends the read in progress.
+    """
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
     url = f"http://{host}:{port}{c.STATUS_PATH}"
+    conn = http.client.HTTPConnection(pod_ip, port, timeout=timeout)  # no proxy: a pod IP
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout, expire)
+    watchdog.daemon = True
     try:
-        with _OPENER.open(url, timeout=timeout) as response:
-            status = json.load(response)
-    except (OSError, ValueError) as err:
-        log.debug("head /status on %s not available: %s", pod_ip, err)
-        return None, f"GET {url}: {getattr(err, 'reason', None) or err}"
-    except http.client.HTTPException as err:
-        # A head that died mid-answer (IncompleteRead), or an address now held by something that
-        # does not speak HTTP (BadStatusLine): not answering yet, as above, not a failed run.
+        conn.connect()  # bounded by `timeout` itself
+        watchdog.start()
+        conn.request("GET", c.STATUS_PATH)
+        response = conn.getresponse()
+        if response.status != 200:
+            return None, f"GET {url}: HTTP {response.status} {response.reason}"
+        status = json.load(response)
+    except (OSError, ValueError, http.client.HTTPException) as err:
+        # Not answering yet, not a failed run: a head that died mid-answer (IncompleteRead), or an
+        # address now held by something that does not speak HTTP (BadStatusLine).
         log.debug("head /status on %s not available: %r", pod_ip, err)
-        return None, f"GET {url}: not a whole HTTP answer ({type(err).__name__}: {str(err).strip()[:200]})"
+        if expired.is_set():
+            return None, f"GET {url}: no whole answer within {timeout:g} s"
+        if isinstance(err, http.client.HTTPException):
+            return None, f"GET {url}: not a whole HTTP answer ({type(err).__name__}: {str(err).strip()[:200]})"
+        return None, f"GET {url}: {err}"
+    finally:
+        watchdog.cancel()
+        conn.close()
     if not isinstance(status, dict):
         return None, f"GET {url}: not a JSON object"
     return status, None
