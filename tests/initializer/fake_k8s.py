@@ -124,7 +124,7 @@ class FakeKube:
         with self.cond:
             obj = self.objects.get((plural, namespace, name))
             if obj is None:
-                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found')
+                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found', {"name": name, "kind": plural})
             for field, want in (preconditions or {}).items():  # DeleteOptions.preconditions
                 if obj["metadata"].get(field) != want:
                     raise ApiFailure(
@@ -150,7 +150,7 @@ class FakeKube:
         with self.cond:
             obj = self.get(plural, namespace, name)
             if obj is None:
-                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found')
+                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found', {"name": name, "kind": plural})
             change(obj)
             return self.put(plural, obj)
 
@@ -226,7 +226,7 @@ class FakeKube:
         with self.cond:
             current = self.objects.get((plural, ns, name))
             if current is None:
-                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found')
+                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found', {"name": name, "kind": plural})
             want_rv = (patch.get("metadata") or {}).get("resourceVersion")
             if want_rv is not None and want_rv != current["metadata"]["resourceVersion"]:
                 raise ApiFailure(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": '
@@ -351,7 +351,7 @@ class FakeKube:
         if verb == "get":
             found = self.get(plural, ns, name)
             if found is None:
-                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found')
+                raise ApiFailure(404, "NotFound", f'{plural} "{name}" not found', {"name": name, "kind": plural})
             return 200, found, {}
         if verb == "list":
             with self.cond:

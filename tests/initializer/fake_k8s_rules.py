@@ -12,13 +12,15 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 class ApiFailure(Exception):
-    def __init__(self, code: int, reason: str, message: str):
+    def __init__(self, code: int, reason: str, message: str, details: dict | None = None):
         super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
+        self.code, self.reason, self.message, self.details = code, reason, message, details
 
     def status(self) -> dict:
+        # As the API server answers: details name the object a 404 did not find (none for a kind
+        # it does not serve).
         return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": self.message,
-                "reason": self.reason, "code": self.code}  # fmt: skip
+                "reason": self.reason, "code": self.code, **({"details": self.details} if self.details else {})}  # fmt: skip
 
 
 def merge_patch(target, patch):

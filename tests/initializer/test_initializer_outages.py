@@ -157,6 +157,29 @@ def test_a_train_job_named_like_another_ones_cache_is_refused(fake, make_sim, ru
     assert fake.items("leaderworkersets", NAMESPACE) == []
 
 
+def test_a_service_named_like_the_cache_that_selects_other_pods_is_refused(fake, make_sim, run_initializer):
+    """An app's Service `job-a-cache` (a Redis): the LeaderWorkerSet controller keeps a Service of
+    its name as the cache's subdomain, whatever it selects, and the data nodes' LWS_LEADER_ADDRESS
+    never resolves. Refused before anything is made, naming the Service."""
+    add_train_job(fake, "job-a")
+    fake.put("services", _headless_service("job-a-cache", {"app": "redis"}))
+
+    code, error = run_initializer(initializer_env(make_sim("healthy")))
+
+    assert code == 1
+    assert "Service team-a/job-a-cache exists and selects {'app': 'redis'}" in error
+    assert "Rename that Service, or this TrainJob" in error
+    assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_the_caches_own_leader_worker_set_service_is_no_clash(fake, make_sim, run_initializer):
+    """Left by a previous run's LeaderWorkerSet, or a shared cache's: the cache's own subdomain."""
+    add_train_job(fake, "job-a")
+    fake.put("services", _headless_service("job-a-cache", {"leaderworkerset.sigs.k8s.io/name": "job-a-cache"}))
+
+    assert run_initializer(initializer_env(make_sim("healthy"))) == (0, "")
+
+
 def test_the_train_jobs_own_headless_service_is_no_clash(fake, make_sim, run_initializer):
     add_train_job(fake, "job-a")
     fake.put("services", _headless_service("job-a", {"jobset.sigs.k8s.io/jobset-name": "job-a"}))

@@ -213,6 +213,25 @@ def test_a_cluster_without_leader_worker_set_is_named(fake, run_initializer):
     assert error.endswith("is the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1) installed?")
 
 
+def test_a_cluster_that_does_not_serve_the_train_job_api_is_named(fake, run_initializer):
+    """The API's 404 for the kind itself, not for the TrainJob: it read "TrainJob job-a not found",
+    and blamed TRAIN_JOB_NAME."""
+    del fake.kinds[("trainer.kubeflow.org", "v1alpha1", "trainjobs")]
+
+    code, error = run_initializer(initializer_env(None))
+
+    assert code == 1
+    assert error.startswith("the cluster does not serve the TrainJob API (trainer.kubeflow.org/v1alpha1)"), error
+    assert "TRAIN_JOB_NAME" not in error
+
+
+def test_a_missing_train_job_is_named_as_such(fake, run_initializer):
+    code, error = run_initializer(initializer_env(None))
+
+    assert code == 1
+    assert error.startswith("TrainJob job-a not found in namespace team-a: `TRAIN_JOB_NAME` must name"), error
+
+
 @pytest.mark.parametrize(
     ("scenario", "grace", "not_said", "said"),
     [

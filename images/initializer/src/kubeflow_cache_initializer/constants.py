@@ -78,6 +78,8 @@ CACHE_NAME_SUFFIX = "-cache"
 SERVICE_NAME_SUFFIX = "-cache-service"
 # What JobSet's headless Service (named after the JobSet, so the TrainJob) selects its pods by.
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+# The LeaderWorkerSet controller selects its headless Service (the pods' DNS subdomain) by this.
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 SHARED_NAME_PREFIX = "data-cache-"
 SHARED_HASH_CHARS = 10
 

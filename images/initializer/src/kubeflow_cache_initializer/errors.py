@@ -25,6 +25,7 @@ class KubeApiError(InitializerError):
         message: str,
         retry_after: float | None = None,
         hint: str | None = None,
+        details: dict | None = None,
     ):
         self.verb = verb
         self.what = what
@@ -34,6 +35,7 @@ class KubeApiError(InitializerError):
         self.retry_after = retry_after  # seconds, from the answer's Retry-After header
         self.retried_seconds: float | None = None  # how long the call was retried before this
         self.hint = hint  # what to do about it, where the answer says (rbac.forbidden_hint)
+        self.details = details or {}  # the Status answer's details: the object's name, group and kind
         super().__init__(f"{verb} {what} failed: HTTP {status} {reason}: {message}")
 
     def __str__(self) -> str:
@@ -47,6 +49,16 @@ class KubeApiError(InitializerError):
     @property
     def not_found(self) -> bool:
         return self.status == 404
+
+    @property
+    def kind_not_served(self) -> bool:
+        """A 404 for the kind itself (its API group and version not installed), not for one
+        object: the API names a missing object in the answer's details, and no object here."""
+        return (
+            self.status == 404
+            and not self.details.get("name")
+            and "could not find the requested resource" in self.message
+        )
 
     @property
     def already_exists(self) -> bool:

@@ -51,6 +51,12 @@ def get_train_job(kube: Kube, cfg: Config) -> dict:
     try:
         return kube.get(TRAINJOBS, cfg.namespace, cfg.train_job_name)
     except KubeApiError as err:
+        if err.kind_not_served:
+            raise TrainJobNotFoundError(
+                f"the cluster does not serve the TrainJob API ({TRAINJOBS.api_version}): install Kubeflow Trainer "
+                f"at a version that serves it (the chart's trainer, v2.1), or use an initializer image made for "
+                f"the Trainer installed ({err})"
+            ) from err
         if err.not_found:
             raise TrainJobNotFoundError(
                 f"TrainJob {cfg.train_job_name} not found in namespace {cfg.namespace}: "
@@ -82,7 +88,32 @@ def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
             f"each other's DNS. Rename one of the two TrainJobs (no TrainJob may be named like another's "
             f"plus `{c.CACHE_NAME_SUFFIX}` or `{c.SERVICE_NAME_SUFFIX}`)"
         )
+    _check_cache_subdomain(kube, cfg, names)
     _check_own_subdomain(kube, cfg)
+
+
+def _check_cache_subdomain(kube: Kube, cfg: Config, names: CacheNames) -> None:
+    """Any other Service already named like the cache's LeaderWorkerSet (an app's `foo-cache`).
+
+    The LeaderWorkerSet controller makes its headless Service only where none of that name
+    exists, and takes one that does as it is, whatever it selects: the cache pods would get no
+    DNS names under it, and the data nodes would never resolve the head's `LWS_LEADER_ADDRESS`.
+    """
+    try:
+        service = kube.get(SERVICES, cfg.namespace, names.cache)
+    except KubeApiError as err:
+        if err.not_found:
+            return
+        raise
+    selector = service.get("spec", {}).get("selector") or {}
+    if selector.get(c.LWS_NAME_LABEL) == names.cache:
+        return  # the LeaderWorkerSet's own: a shared cache, or a previous run's being replaced
+    raise ForeignObjectError(
+        f"Service {cfg.namespace}/{names.cache} exists and selects {selector or 'nothing'}, not the pods of "
+        f"the cache's LeaderWorkerSet {names.cache}: the LeaderWorkerSet controller would keep it as the cache's "
+        f"DNS subdomain, and the data nodes could not resolve the head. Rename that Service, or this TrainJob "
+        f"(its cache is named `{cfg.train_job_name}{c.CACHE_NAME_SUFFIX}`)"
+    )
 
 
 def _check_own_subdomain(kube: Kube, cfg: Config) -> None:

@@ -247,6 +247,7 @@ class Kube:
                 hint=forbidden_hint(resource.group, resource.plural, verb, namespace, message)
                 if response.status == 403
                 else None,
+                details=status.get("details") if isinstance(status.get("details"), dict) else None,
             )
         try:
             return json.loads(raw)
