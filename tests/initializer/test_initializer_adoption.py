@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kubeflow_cache_initializer.apply import differences
 from kubeflow_cache_initializer.builders import (
     build_leader_worker_set,
     build_service,
@@ -84,6 +85,52 @@ def test_a_restart_adopts_a_cache_with_its_tls_volume_as_the_api_server_stored_i
         fake.get("leaderworkersets", NAMESPACE, "job-a-cache")["metadata"]["generation"]
         == stored["metadata"]["generation"]
     )
+
+
+def _with_canonical_quantities(lws: dict) -> None:
+    """What LeaderWorkerSet's webhook stores: each quantity in Kubernetes' canonical form."""
+    canonical = {"0.5": "500m", "1.5": "1500m", "4096Mi": "4Gi", "1024Mi": "1Gi"}
+    for template in lws["spec"]["leaderWorkerTemplate"].values():
+        if isinstance(template, dict) and "spec" in template:
+            for container in template["spec"]["containers"]:
+                for amounts in container["resources"].values():
+                    amounts.update({k: canonical.get(v, v) for k, v in amounts.items()})
+
+
+def test_a_restart_adopts_a_cache_whose_quantities_the_webhook_made_canonical(fake, make_sim, run_initializer, caplog):
+    """`HEAD_CPU=0.5` is stored as `500m`: the same amount, so no drift. The restart read it as
+    one, logged "restoring ...resources...", and sent a patch the webhook undid."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"), HEAD_CPU="0.5", HEAD_MEM="1024Mi", WORKER_CPU="1.5", WORKER_MEM="4096Mi")
+    assert run_initializer(env)[0] == 0
+    fake.update("leaderworkersets", NAMESPACE, "job-a-cache", _with_canonical_quantities)
+    stored = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
+    head = stored["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["resources"]
+    assert head["limits"] == {"cpu": "500m", "memory": "1Gi"}
+    fake.responses.clear()
+
+    assert run_initializer(env) == (0, "")
+    assert not [r for r in fake.responses if r[0] == "PATCH"]
+    assert "restoring" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("want", "have", "drift"),
+    [
+        ("0.5", "500m", False),
+        ("4096Mi", "4Gi", False),
+        ("1", "1000m", False),
+        ("1", "2", True),  # a quantity changed by hand is drift, restored
+        ("4Gi", "4G", True),  # 4 GiB is not 4 GB
+        ("1Gi", "not a quantity", True),
+    ],
+)
+def test_resource_quantities_compare_by_amount_elsewhere_by_value(want, have, drift):
+    resources = ".spec.containers[0].resources.limits.memory"
+    found = differences({"limits": {"memory": want}}, {"limits": {"memory": have}}, ".spec.containers[0].resources")
+    assert found == ([resources] if drift else [])
+    # Elsewhere a string is a string: an env value "0.5" set to "500m" changed.
+    assert differences({"value": "0.5"}, {"value": "500m"}) == [".value"]
 
 
 def test_a_restart_after_a_crash_between_creates_finishes_the_job(fake, make_sim, run_initializer):

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from typing import Any
+
+from kubernetes.utils import parse_quantity
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.builders import cluster_key_entry, with_cluster_key_entry
@@ -26,6 +29,8 @@ from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, TRANSIENT_STATUS
 
 log = logging.getLogger(__name__)
 _MISSING = object()
+# Where the cache's objects hold Kubernetes quantities: container resources.
+_QUANTITY_PATH = re.compile(r"\.resources\.(?:requests|limits)\.[^\[\]]+$")
 
 
 def differences(want: Any, have: Any, path: str = "") -> list[str]:
@@ -38,7 +43,19 @@ def differences(want: Any, have: Any, path: str = "") -> list[str]:
         if not isinstance(have, list) or len(have) != len(want):
             return [path]
         return [d for i, (w, h) in enumerate(zip(want, have, strict=True)) for d in differences(w, h, f"{path}[{i}]")]
-    return [] if want == have else [path]
+    return [] if want == have or _same_quantity(path, want, have) else [path]
+
+
+def _same_quantity(path: str, want: Any, have: Any) -> bool:
+    """A resource quantity the server stored in its canonical form: LeaderWorkerSet's webhook
+    writes `0.5` back as `500m` and `4096Mi` as `4Gi`. The same amount, so no drift to restore
+    (nor a shared cache that differs)."""
+    if not (_QUANTITY_PATH.search(path) and isinstance(want, str) and isinstance(have, str)):
+        return False
+    try:
+        return parse_quantity(want) == parse_quantity(have)
+    except ValueError:
+        return False
 
 
 # Maps that must match exactly, not just contain ours: an extra selector key selects no pod.
