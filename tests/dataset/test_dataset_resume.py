@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 from copy import deepcopy
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from kubeflow_data_cache.client import CacheClient
-from kubeflow_data_cache.dataset import DataCacheDataset, World
+from kubeflow_data_cache.dataset import DataCacheDataset, RepeatedEpochWarning, World
 from kubeflow_data_cache.shared_epoch import SharedInt, SharedInts
 
 ROWS = 10_000  # small_table (tests/conftest.py)
@@ -563,6 +564,37 @@ def test_columns_in_another_order_resume_the_same_rows(cache):
     resumed.load_state_dict(first.state_dict())
     rest = [i for batch in resumed._iter_world(world) for i in batch["id"].tolist()]
     assert sorted(head + rest) == list(range(ROWS))
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+def test_a_position_loaded_here_is_used_once_by_the_workers_that_take_it(cache, shuffle):
+    """Loaded in this process and read by a DataLoader's workers: each pass starts new workers,
+    and each took the position again from this process's copy (only the worker's copy was
+    used up). Every pass of the epoch after the first left out the same 3,000 rows."""
+    world = World(0, 1, 0, 1)
+
+    def fresh() -> DataCacheDataset:
+        return DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"], shuffle=shuffle, seed=5)
+
+    first = fresh()
+    it = first._iter_world(world)
+    head = ids_of(next(it) for _ in range(30))
+    state = first.state_dict()
+    it.close()
+
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    workers = DataLoader(resumed, batch_size=None, num_workers=1, multiprocessing_context="forkserver", timeout=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RepeatedEpochWarning)  # the same epoch on purpose
+        passes = [ids_of(workers) for _ in range(3)]
+        assert sorted(head + passes[0]) == list(range(ROWS))
+        assert [sorted(p) for p in passes[1:]] == [list(range(ROWS))] * 2
+        assert resumed.state_dict()["rows"] == 0, "used: nothing left to resume"
+        # Loaded again, it is used again, once.
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["rows"] == 3000
+        assert [len(ids_of(workers)) for _ in range(2)] == [ROWS - 3000, ROWS]
 
 
 class _LastBatchLate(DataCacheDataset):

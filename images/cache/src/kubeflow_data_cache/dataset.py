@@ -363,6 +363,12 @@ class DataCacheDataset(IterableDataset):
         self._connection = KeptClient()
         self._progress: _Progress | None = None
         self._resume: dict[str, Any] | None = None
+        # A position loaded in this process is copied into every DataLoader worker started after,
+        # each pass's new ones too, while only the copy that reads is used up: set once a worker
+        # took it, so it is used once, as in this process. A worker's own load (StatefulDataLoader
+        # hands each its position) is its own, and does not go through this.
+        self._resume_loaded_here = False
+        self._resume_taken = SharedInt()
 
     @property
     def shuffle(self) -> bool:
@@ -692,10 +698,12 @@ class DataCacheDataset(IterableDataset):
         it to the end, the state says nothing of that epoch (resume with set_epoch(next)), as
         for a read of this process's own that ran to its end.
         """
+        # A position loaded and not yet used is where the next read starts, whatever workers read
+        # before the load.
+        if (resume := self._pending_resume()) is not None:
+            return dict(resume)
         if self._read_by_workers():
             return self._empty_state()
-        if self._resume is not None:
-            return dict(self._resume)
         if self._progress is None or self._progress.epoch != self.epoch:
             return self._empty_state()
         if self._progress.done and get_worker_info() is None:
@@ -764,11 +772,20 @@ class DataCacheDataset(IterableDataset):
             return
         self._epoch.value = saved
         self._resume = dict(state) if state["rows"] > 0 else None
+        self._resume_loaded_here = get_worker_info() is None
+        if self._resume_loaded_here:
+            self._resume_taken.value = 0
+
+    def _pending_resume(self) -> dict[str, Any] | None:
+        """The loaded position still to use: not one a DataLoader worker already took."""
+        if self._resume is not None and self._resume_loaded_here and self._resume_taken.value:
+            return None
+        return self._resume
 
     def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None]:
         """Rows to leave out of this reader's read of ``epoch``, and the stream lengths and
         shuffled order they were counted in (None where the state does not say)."""
-        state, self._resume = self._resume, None
+        state, self._resume = self._pending_resume(), None
         if state is None or state["epoch"] != epoch:
             return 0, None, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
@@ -776,6 +793,8 @@ class DataCacheDataset(IterableDataset):
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
+        if self._resume_loaded_here:
+            self._resume_taken.value = 1
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
         order = state.get("order")  # absent in states saved before orders were versioned
         return int(state["rows"]), (list(streams) if streams is not None else None), order
