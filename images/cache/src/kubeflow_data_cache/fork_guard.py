@@ -130,7 +130,9 @@ def check_usable() -> None:
         raise ForkedConnectionError(
             f"this process was forked while gRPC was still running in its parent (threads "
             f"{', '.join(sorted(set(_inherited_threads)))} after {FORK_QUIESCE_SECONDS:.0f}s); gRPC cannot be used "
-            "after such a fork. Pass multiprocessing_context='forkserver' to the DataLoader"
+            "after such a fork. Pass multiprocessing_context='forkserver' to the DataLoader. (Something in the "
+            "parent still runs gRPC: another gRPC library, or a connection left open by an earlier call that "
+            "failed, such as one to a cache that stopped answering: see that error)"
         )
 
 
