@@ -122,12 +122,22 @@ def _slices(store: NodeStore) -> list[pa.RecordBatch]:
             first = int(offset) + start
             numbers = indices(np.arange(first, first + piece.num_rows, dtype=np.int64))  # no numpy.ma: store.indices
             slices.append(piece.append_column(ROW_COLUMN, numbers))
-    if not slices:
-        # No rows to match, but the predicate is checked all the same: a filter refused only once
-        # the table has rows would break a job that was accepted while it was empty.
-        schema = store.schema.append(pa.field(ROW_COLUMN, pa.int64()))
-        slices.append(pa.RecordBatch.from_pylist([], schema=schema))
-    return slices
+    return slices or [_empty_slice(store)]
+
+
+def _empty_slice(store: NodeStore) -> pa.RecordBatch:
+    """No rows, the slices' schema: what a filter is checked and planned against. So a node
+    without rows checks it all the same: a filter refused only once the table has rows would
+    break a job that was accepted while it was empty."""
+    return pa.RecordBatch.from_pylist([], schema=store.schema.append(pa.field(ROW_COLUMN, pa.int64())))
+
+
+def _table_of(slices: list[pa.RecordBatch]):
+    import datafusion
+
+    ctx = datafusion.SessionContext()
+    ctx.register_record_batches("data", [slices])
+    return ctx.table("data")
 
 
 def _holds_struct(t: pa.DataType) -> bool:
@@ -164,13 +174,14 @@ def matching_rows(
     """Local row numbers (ascending) of the rows for which ``predicate`` is true. ``executing``
     is held while the matching runs (FilterCache: one at a time), not while the predicate is
     checked and planned: a mistake in a filter is named at once, whatever else is matched."""
-    import datafusion
 
     check_filter(predicate)  # also for a count sent to a node directly, not through the head
 
-    ctx = datafusion.SessionContext()
-    ctx.register_record_batches("data", [_slices(store)])
-    table = ctx.table("data")
+    # Checked and planned against the schema alone: the rows are registered only once this
+    # filter's turn to match comes. Their slices (and a row-number column, 8 bytes a row) made
+    # while waiting took ~6 MiB per waiting filter on a 500K-row node: 64 new filters at once
+    # took a node 100 MiB past its memory limit, though only one matched at a time.
+    table = _table_of([_empty_slice(store)])
     matched = []
     try:
         # Parsed as one expression over the table's own columns, never pasted into SQL text: a
@@ -200,7 +211,10 @@ def matching_rows(
         checked = [check.failed.alias(f"{OVERFLOW_COLUMN}{i}") for i, check in enumerate(overflows)]
         with executing or contextlib.nullcontext():
             started = time.monotonic()  # once its turn comes: waiting is not the filter's cost
-            for batch in table.select(_column(ROW_COLUMN), condition.alias(KEEP_COLUMN), *checked).execute_stream():
+            rows_table = _table_of(_slices(store))
+            for batch in rows_table.select(
+                _column(ROW_COLUMN), condition.alias(KEEP_COLUMN), *checked
+            ).execute_stream():
                 rows, keep, *failed = batch.to_pyarrow().columns
                 for check, column in zip(overflows, failed, strict=True):
                     if pc.any(column).as_py():
