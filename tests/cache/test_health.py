@@ -359,6 +359,42 @@ def test_a_client_that_trickles_its_request_is_closed_at_the_request_deadline(mo
         server.stop()
 
 
+def test_a_flood_of_idle_connections_holds_no_threads_and_probes_are_answered():
+    """2,000 connections that sent nothing held 3,385 threads on a data node (one per connection,
+    and a timer each); when they closed together its threads, Flight's too, stalled for seconds,
+    and the head's status poll timed out. Idle connections now cost no thread, past
+    MAX_CONNECTIONS the longest waiting is closed, and a probe is answered throughout."""
+    import socket
+    import threading
+
+    from kubeflow_data_cache import health_http
+
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), dict).start()
+    idle: list[socket.socket] = []
+    try:
+        assert get(server.port, "/live") == (200, "ok\n")
+        threads_before = threading.active_count()
+        for _ in range(health_http.MAX_CONNECTIONS + 100):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        started = time.monotonic()
+        assert get(server.port, "/live") == (200, "ok\n")
+        assert time.monotonic() - started < 2, "a probe waited behind the idle connections"
+        assert threading.active_count() <= threads_before + health_http.ANSWER_THREADS
+        # The longest waiting were closed to make room (the first ones); the newest still wait.
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""
+        idle[-1].settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            idle[-1].recv(1)
+        for sock in idle:
+            sock.close()
+        assert get(server.port, "/live") == (200, "ok\n")
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
 def test_other_methods_are_not_allowed_naming_the_ones_that_are(method):
     """They were answered 501 "Unsupported method", an HTML page."""

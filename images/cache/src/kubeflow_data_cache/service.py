@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import json
 import logging
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pyarrow.flight as flight
@@ -40,6 +36,7 @@ from kubeflow_data_cache.errors import (
     bounded_message,
     first_line,
 )
+from kubeflow_data_cache.health_http import LoopHTTPServer, listening_socket
 from kubeflow_data_cache.memory import resident_bytes
 from kubeflow_data_cache.protocol import ACTION_COUNT, ACTION_LOAD, ACTION_REGISTER, ACTION_STATUS
 
@@ -288,48 +285,9 @@ def parse_action_body(action: flight.Action) -> dict[str, Any]:
     return body
 
 
-class _QuietHTTPServer(ThreadingHTTPServer):
-    # socketserver's default of 5 pending connections: a burst of 200 scrapes and probes on a busy
-    # node left some waiting for the kernel's SYN retries (7 s), past a probe's timeout.
-    request_queue_size = 128
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A probe that timed out and hung up is routine on a busy node: not worth a traceback.
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-            return
-        super().handle_error(request, client_address)
-
-
-class _IPv6HTTPServer(_QuietHTTPServer):
-    address_family = socket.AF_INET6
-
-
-class _DualStackHTTPServer(_IPv6HTTPServer):
-    """``::`` with IPv4 too, whatever the host's net.ipv6.bindv6only says."""
-
-    def server_bind(self) -> None:
-        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
-
-
-WILDCARD_HOSTS = ("", "0.0.0.0", "::")
-# How long the health server waits on a connection's request (probes send theirs at once).
+# How long the health server waits on a connection, its request and answer included (probes
+# send theirs at once).
 HEALTH_REQUEST_TIMEOUT_SECONDS = 10.0
-
-
-def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
-    """A wildcard host listens on every address, IPv6 included where the kernel has it, as gRPC
-    does for the Flight port: on an IPv6-only pod the kubelet probes the pod's IPv6 address."""
-    if host in WILDCARD_HOSTS and socket.has_ipv6:
-        try:
-            return _DualStackHTTPServer(("::", port), handler)
-        except OSError as err:
-            if err.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL) or host == "::":
-                raise
-            # A kernel without IPv6: IPv4 alone, below.
-    if ":" in host:
-        return _IPv6HTTPServer((host.strip("[]"), port), handler)
-    return _QuietHTTPServer((host or "0.0.0.0", port), handler)
 
 
 class HealthServer:
@@ -339,26 +297,9 @@ class HealthServer:
         lifecycle_, metrics_, status_ = lifecycle, metrics, status
 
         class Handler(BaseHTTPRequestHandler):
-            # The health port takes no token and the per-job Service exposes it: a client that
-            # connects and sends nothing (or half a request) would hold its thread for ever.
-            timeout = HEALTH_REQUEST_TIMEOUT_SECONDS
-
-            def setup(self) -> None:
-                super().setup()
-                # ``timeout`` bounds each read, which a client sending a byte every few seconds
-                # passes every time: the whole connection (one request: HTTP/1.0) gets the same
-                # bound, after which its socket is shut and its thread ends.
-                self._deadline = threading.Timer(HEALTH_REQUEST_TIMEOUT_SECONDS, self._expire)
-                self._deadline.daemon = True
-                self._deadline.start()
-
-            def _expire(self) -> None:
-                with contextlib.suppress(OSError):
-                    self.connection.shutdown(socket.SHUT_RDWR)
-
-            def finish(self) -> None:
-                self._deadline.cancel()
-                super().finish()
+            # Fed a whole request by health_http.LoopHTTPServer, which reads it on its event loop
+            # under one deadline per connection (the health port takes no token, and the per-job
+            # Service exposes it: idle and trickling connections must not hold threads).
 
             def do_GET(self) -> None:
                 self._respond(with_body=True)
@@ -407,15 +348,12 @@ class HealthServer:
             def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
                 pass
 
-        self.httpd = http_server(host, port, Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True)
+        self._http = LoopHTTPServer(listening_socket(host, port), Handler, HEALTH_REQUEST_TIMEOUT_SECONDS)
+        self.port = self._http.port
 
     def start(self) -> HealthServer:
-        self._thread.start()
+        self._http.start()
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._http.stop()

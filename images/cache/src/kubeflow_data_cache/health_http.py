@@ -1,0 +1,191 @@
+"""The health port's HTTP connections, read on one event loop and answered by a few threads.
+
+The health port takes no token, and the per-job Service exposes it. With a thread per
+connection (http.server's ThreadingHTTPServer, plus a timer thread each for the request
+deadline), 2,000 connections that sent nothing held 3,385 threads on a data node; when they all
+closed at once, the node's Python threads, Flight's included, stalled for seconds: `/live` timed
+out, a read took 7.9 s instead of 0.15 s, and the head's status poll timed out and took the whole
+cache to `degraded`. Here a connection waiting for its request costs a socket and a coroutine:
+
+- each connection's request head is read on the loop, under one deadline for the whole
+  connection (HEALTH_REQUEST_TIMEOUT_SECONDS in service.py), so trickling a byte at a time
+  does not extend it;
+- a whole request is answered by one of ANSWER_THREADS threads, through the handler class
+  (http.server's own parsing and errors: 400, 414, 431, 501), fed the bytes read;
+- at most MAX_CONNECTIONS are open: one more closes the connection that has waited longest for
+  its request. A kubelet probe or a Prometheus scrape sends its request as it connects, so it
+  is never that one, and probes keep their answers while idle connections come and go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import io
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler
+
+MAX_CONNECTIONS = 256
+ANSWER_THREADS = 4
+# Read no further for a request's head: http.server then answers what it finds (431 where its
+# headers are too many; lines over 64 KiB are 414 or 431 already).
+MAX_REQUEST_HEAD_BYTES = 256 * 1024
+# Connections the kernel queues before they are accepted: a burst of 200 scrapes and probes on a
+# busy node, at socketserver's default of 5, left some waiting for SYN retries (7 s), past a
+# probe's timeout.
+LISTEN_BACKLOG = 128
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A wildcard host listens on every address, IPv6 included where the kernel has it, as gRPC
+    does for the Flight port: on an IPv6-only pod the kubelet probes the pod's IPv6 address."""
+    if host in WILDCARD_HOSTS and socket.has_ipv6:
+        try:
+            return _bound(socket.AF_INET6, ("::", port), dual_stack=True)
+        except OSError as err:
+            if err.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL) or host == "::":
+                raise
+            # A kernel without IPv6: IPv4 alone, below.
+    if ":" in host:
+        return _bound(socket.AF_INET6, (host.strip("[]"), port))
+    return _bound(socket.AF_INET, (host or "0.0.0.0", port))
+
+
+def _bound(family: socket.AddressFamily, address: tuple[str, int], dual_stack: bool = False) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dual_stack:  # ``::`` with IPv4 too, whatever the host's net.ipv6.bindv6only says
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _head_complete(buffer: bytearray, searched_from: int) -> bool:
+    """Whether the request's head (its lines up to an empty one) is all in ``buffer``. Only the
+    new bytes are searched (with the three before them): a client trickling a byte at a time
+    made each read search the whole buffer again."""
+    start = max(0, searched_from - 3)
+    return buffer.find(b"\r\n\r\n", start) >= 0 or buffer.find(b"\n\n", start) >= 0
+
+
+class LoopHTTPServer:
+    """``handler`` (a BaseHTTPRequestHandler) answering on ``sock``: one request per connection."""
+
+    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler], deadline_seconds: float):
+        self._sock = sock
+        self._handler = handler
+        self._deadline_seconds = deadline_seconds
+        self.port = sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._answers = ThreadPoolExecutor(ANSWER_THREADS, thread_name_prefix="health-answer")
+        # Open connections, oldest first: the writer and whether it still waits for its request.
+        self._open: dict[asyncio.StreamWriter, bool] = {}
+        self._server: asyncio.Server | None = None
+        self._thread = threading.Thread(target=self._run, name="health", daemon=True)
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+
+    def start(self) -> LoopHTTPServer:
+        self._thread.start()
+        self._started.wait()
+        if self._failure is not None:
+            self.stop()
+            raise self._failure
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        self._answers.shutdown(wait=False, cancel_futures=True)
+        self._sock.close()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._connection, sock=self._sock, backlog=LISTEN_BACKLOG)
+            )
+        except BaseException as err:  # start() raises it
+            self._failure = err
+            self._loop.close()
+            return
+        finally:
+            self._started.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._server.close()
+            for writer in list(self._open):
+                writer.transport.abort()
+            with contextlib.suppress(Exception):
+                tasks = asyncio.all_tasks(self._loop)
+                for task in tasks:
+                    task.cancel()
+                self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.close()
+
+    def _make_room(self) -> bool:
+        """At the cap, close the connection that has waited longest for its request; False where
+        every open one has sent its request (being answered): then the new one waits its turn."""
+        if len(self._open) < MAX_CONNECTIONS:
+            return True
+        oldest_waiting = next((w for w, waiting in self._open.items() if waiting), None)
+        if oldest_waiting is None:
+            return False
+        oldest_waiting.transport.abort()
+        del self._open[oldest_waiting]
+        return True
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._make_room():
+            writer.transport.abort()
+            return
+        self._open[writer] = True
+        try:
+            async with asyncio.timeout(self._deadline_seconds):
+                head = await self._read_head(reader)
+                if writer not in self._open:  # closed to make room
+                    return
+                self._open[writer] = False
+                peer = writer.get_extra_info("peername")
+                answer = await self._loop.run_in_executor(self._answers, self._answer, head, peer)
+                if answer:
+                    writer.write(answer)
+                    await writer.drain()
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
+            pass  # a client that said nothing in time, or hung up: routine on a health port
+        finally:
+            self._open.pop(writer, None)
+            writer.close()
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> bytes:
+        buffer = bytearray()
+        while len(buffer) <= MAX_REQUEST_HEAD_BYTES:
+            chunk = await reader.read(65536)
+            if not chunk:
+                break  # the client stopped sending: answer what came (nothing: no answer)
+            searched_from = len(buffer)
+            buffer += chunk
+            if _head_complete(buffer, searched_from):
+                break
+        return bytes(buffer)
+
+    def _answer(self, head: bytes, peer: object) -> bytes:
+        """The handler's answer to ``head``: http.server's parsing and errors, then its do_GET."""
+        handler = self._handler.__new__(self._handler)
+        handler.request, handler.client_address, handler.server = None, peer, self
+        handler.rfile, handler.wfile = io.BytesIO(head), io.BytesIO()
+        handler.close_connection = True
+        handler.handle_one_request()
+        return handler.wfile.getvalue()
