@@ -25,6 +25,12 @@ COLUMNS = {
     "map": pa.array([[("k", i)] for i in range(ROWS)], pa.map_(pa.string(), pa.int64())),
     "id": pa.array(np.arange(ROWS)),
     "id_with_nulls": pa.array([None if i % 4 == 0 else i for i in range(ROWS)]),
+    # A boolean's values are a bitmap too: a slice spans one byte more of it than IPC sends
+    # where it starts mid-byte (the bytes-served metric counted +1 per such batch and column).
+    "flag": pa.array([i % 2 == 0 for i in range(ROWS)]),
+    "flag_with_nulls": pa.array([None if i % 6 == 0 else i % 3 == 0 for i in range(ROWS)]),
+    "flags": pa.array([[i % 2 == 0, True, False] for i in range(ROWS)], pa.list_(pa.bool_())),
+    "fixed_flags": pa.array([[i % 2 == 0, True, False] for i in range(ROWS)], pa.list_(pa.bool_(), 3)),
 }
 BATCH = pa.record_batch(COLUMNS)
 

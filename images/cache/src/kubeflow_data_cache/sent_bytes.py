@@ -26,11 +26,15 @@ def _unsent_validity(array: pa.Array) -> int:
     if pa.types.is_struct(kind):
         # nbytes leaves a struct's own bitmap out (it counts the fields, sliced to the struct).
         return sum(_unsent_validity(array.field(i)) for i in range(kind.num_fields))
+    # nbytes counts a bitmap's bytes the rows span; IPC sends the rows' bits realigned to the
+    # first byte (one byte less where a slice starts mid-byte).
+    spanned = (array.offset + len(array) + 7) // 8 - array.offset // 8
+    realigned = (len(array) + 7) // 8
     if array.buffers()[0] is not None:
-        # nbytes counts the bitmap's bytes the rows span; IPC sends none without nulls, else
-        # the rows' bits realigned to the first byte.
-        spanned = (array.offset + len(array) + 7) // 8 - array.offset // 8
-        unsent += spanned - ((len(array) + 7) // 8 if array.null_count else 0)
+        # The validity bitmap: none is sent without nulls.
+        unsent += spanned - (realigned if array.null_count else 0)
+    if pa.types.is_boolean(kind):
+        unsent += spanned - realigned  # the values, a bitmap too
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
         if len(array):
             offsets = array.offsets
