@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
@@ -106,3 +108,46 @@ def test_client_statuses_are_formatted_without_a_traceback_and_other_errors_as_b
     assert "test_errors.py" in "".join(traceback.format_exception(other))
     # INVALID_ARGUMENT and UNIMPLEMENTED as before: pyarrow maps ValueError and NotImplementedError.
     assert isinstance(InvalidArgument("x"), pa.ArrowInvalid) and isinstance(Unimplemented("x"), NotImplementedError)
+
+
+class _LateAnswer(flight.FlightServerBase):
+    """Its call waits past the caller's deadline, then reaches a handler wrapped as the cache's are."""
+
+    def __init__(self, location: str):
+        super().__init__(location)
+        from kubeflow_data_cache.service import Metrics, flight_errors
+
+        self.metrics = Metrics("head")
+        self.ran: list[str] = []
+        self.raised: list[BaseException] = []
+        self.answer = flight_errors(self.metrics, "GetFlightInfo")(lambda context: self.ran.append("answered"))
+
+    def do_action(self, context, action):
+        time.sleep(0.5)  # a call that waited for a thread, or for the GIL, past its deadline
+        try:
+            self.answer(context)
+        except BaseException as err:
+            self.raised.append(err)
+        return []
+
+
+def test_a_call_whose_caller_left_is_not_answered():
+    """A storm of calls with 2 ms deadlines: each was answered all the same, for no one, and
+    gRPC kept adding threads for the work (3,600 on a head) until its probes timed out."""
+    server = _LateAnswer("grpc://127.0.0.1:0")
+    client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    try:
+        with pytest.raises(flight.FlightTimedOutError):
+            list(client.do_action(flight.Action("x", b""), flight.FlightCallOptions(timeout=0.1)))
+        deadline = time.monotonic() + 5
+        while not server.raised and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.ran == []
+        assert [type(err) for err in server.raised] == [flight.FlightCancelledError]
+        labels = {"method": "GetFlightInfo", "action": "", "code": "CANCELLED"}
+        assert server.metrics.registry.get_sample_value("data_cache_errors_total", labels) == 1
+        # A caller still waiting is answered.
+        assert list(client.do_action(flight.Action("x", b""))) == [] and server.ran == ["answered"]
+    finally:
+        client.close()
+        server.shutdown()

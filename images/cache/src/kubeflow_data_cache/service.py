@@ -189,6 +189,12 @@ def action_label(method: str, call_args: tuple) -> str:
     return kind if kind in ACTION_LABELS else "other"
 
 
+def _cancelled(context: Any) -> bool:
+    """Whether a call's caller has left; False for what is not a server call's context."""
+    is_cancelled = getattr(context, "is_cancelled", None)
+    return bool(is_cancelled()) if callable(is_cancelled) else False
+
+
 def flight_errors(metrics: Metrics, method: str) -> Callable:
     """Map our errors to Flight statuses, count them, and never let one crash the server."""
 
@@ -199,6 +205,11 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
             metrics.requests.labels(**labels).inc()
             started = time.perf_counter()
             try:
+                if args and _cancelled(args[0]):
+                    # The caller left (its deadline passed while the call waited for a thread):
+                    # answering it is work for no one, and under a storm of short deadlines that
+                    # work kept gRPC adding threads, 3,600 on a head, until probes timed out.
+                    raise flight.FlightCancelledError(f"{method}: the caller cancelled or its deadline passed")
                 return fn(*args, **kwargs)
             except (BadRequestError, StaleTicketError) as err:
                 metrics.errors.labels(**labels, code="INVALID_ARGUMENT").inc()
