@@ -295,6 +295,39 @@ class _RawServer:
         self.sock.close()
 
 
+@pytest.mark.parametrize(
+    ("answer", "unserved"),
+    [
+        # An older API server, for a group it does not serve: Go's plain text.
+        (b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: 19\r\n\r\n404 page not found\n", True),
+        (
+            b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\n\r\n"
+            + json.dumps(
+                {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
+                 "message": "the server could not find the requested resource", "details": {}}
+            ).encode(),
+            True,
+        ),
+        (
+            b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\n\r\n"
+            + json.dumps(
+                {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
+                 "message": 'trainjobs.trainer.kubeflow.org "job-a" not found',
+                 "details": {"name": "job-a", "group": "trainer.kubeflow.org", "kind": "trainjobs"}}
+            ).encode(),
+            False,
+        ),
+    ],
+    ids=["plain-text", "status", "object"],
+)  # fmt: skip
+def test_a_404_for_a_kind_not_served_is_told_from_one_for_a_missing_object(answer, unserved):
+    server = _RawServer(answer)
+    with pytest.raises(KubeApiError) as caught:
+        server.kube(10).get(TRAINJOBS, NAMESPACE, "job-a")
+    server.close()
+    assert caught.value.not_found and caught.value.kind_not_served is unserved
+
+
 def test_an_answer_that_breaks_mid_body_is_retried_like_no_answer():
     body = json.dumps({"kind": "TrainJob", "metadata": {"name": "job-a"}}).encode()
     server = _RawServer(_answer(body, cut_at=5), _answer(body))
@@ -441,7 +474,8 @@ def test_a_head_status_answer_cut_short_or_not_http_is_not_reachable_yet(answer,
     assert why in reason, reason
 
 
-def test_a_head_status_answer_that_trickles_is_cut_at_its_timeout():
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+def test_a_head_status_answer_that_trickles_is_cut_at_its_timeout(version):
     """The timeout bounds the whole answer: a server sending a byte a second passed every read's
     timeout, and the wait's loop, blocked in this one call, never checked its own deadline."""
     stop = threading.Event()
@@ -454,7 +488,10 @@ def test_a_head_status_answer_that_trickles_is_cut_at_its_timeout():
             conn, _ = listener.accept()
             with conn:
                 conn.recv(4096)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+                # The head answers HTTP/1.0, after which http.client lets go of the socket.
+                conn.sendall(
+                    version.encode() + b" 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                )
                 with contextlib.suppress(OSError):
                     while not stop.wait(0.2):
                         conn.sendall(b" ")

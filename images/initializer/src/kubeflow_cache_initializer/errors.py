@@ -54,10 +54,12 @@ class KubeApiError(InitializerError):
     def kind_not_served(self) -> bool:
         """A 404 for the kind itself (its API group and version not installed), not for one
         object: the API names a missing object in the answer's details, and no object here."""
+        # Newer API servers say so in a Status; older ones answered an unserved group with Go's
+        # plain-text "404 page not found".
         return (
             self.status == 404
             and not self.details.get("name")
-            and "could not find the requested resource" in self.message
+            and any(words in self.message for words in ("could not find the requested resource", "404 page not found"))
         )
 
     @property

@@ -126,17 +126,21 @@ def fetch_head_status(
     url = f"http://{host}:{port}{c.STATUS_PATH}"
     conn = http.client.HTTPConnection(pod_ip, port, timeout=timeout)  # no proxy: a pod IP
     expired = threading.Event()
+    sock: list[socket.socket] = []
 
     def expire() -> None:
         expired.set()
-        if conn.sock is not None:
+        # The socket itself, not conn.sock: an HTTP/1.0 answer (the head's) or one that says
+        # `Connection: close` makes getresponse() drop conn.sock while the body is still read.
+        for connected in sock:
             with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                connected.shutdown(socket.SHUT_RDWR)
 
     watchdog = threading.Timer(timeout, expire)
     watchdog.daemon = True
     try:
         conn.connect()  # bounded by `timeout` itself
+        sock.append(conn.sock)
         watchdog.start()
         conn.request("GET", c.STATUS_PATH)
         response = conn.getresponse()
