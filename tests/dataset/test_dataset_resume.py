@@ -597,6 +597,43 @@ def test_a_position_loaded_here_is_used_once_by_the_workers_that_take_it(cache, 
         assert [len(ids_of(workers)) for _ in range(2)] == [ROWS - 3000, ROWS]
 
 
+def test_a_position_loaded_here_is_refused_by_every_other_shards_worker_however_they_start(cache):
+    """A position of shard 0 of 2 read by two workers: worker 1 has none to resume. It refused
+    it only when it started before worker 0 took the position (2 runs in 8)."""
+    world = World(0, 1, 0, 2)
+    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    it = first._iter_world(world)
+    ids_of(next(it) for _ in range(10))
+    state = first.state_dict()
+    it.close()
+    for _ in range(3):
+        resumed = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+        resumed.load_state_dict(state)
+        workers = DataLoader(resumed, batch_size=None, num_workers=2, multiprocessing_context="forkserver", timeout=60)
+        with pytest.raises(ValueError, match="the saved state is for shard 0 of 2, but this reader is shard 1 of 2"):
+            ids_of(workers)
+
+
+def test_persistent_workers_started_before_a_load_leave_no_stale_position(cache):
+    """They never see a position loaded after they started, and read the epoch whole: the state
+    after that said the loaded position (a checkpoint resumed from it left 3,000 rows out)."""
+    world = World(0, 1, 0, 1)
+    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    it = first._iter_world(world)
+    ids_of(next(it) for _ in range(30))
+    state = first.state_dict()
+    it.close()
+    ds = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=1, persistent_workers=True, multiprocessing_context="forkserver", timeout=60
+    )
+    assert len(ids_of(loader)) == ROWS
+    ds.load_state_dict(state)
+    assert ds.state_dict()["rows"] == 3000, "loaded, not yet read"
+    assert len(ids_of(loader)) == ROWS, "the persistent worker never saw the load"
+    assert ds.state_dict()["rows"] == 0
+
+
 class _LastBatchLate(DataCacheDataset):
     """Hands out a shard's 1-row last batch a second late: the other worker's part has run out by
     then, and StatefulDataLoader has kept that worker's state from its end."""

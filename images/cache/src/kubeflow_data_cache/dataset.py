@@ -698,12 +698,10 @@ class DataCacheDataset(IterableDataset):
         it to the end, the state says nothing of that epoch (resume with set_epoch(next)), as
         for a read of this process's own that ran to its end.
         """
-        # A position loaded and not yet used is where the next read starts, whatever workers read
-        # before the load.
-        if (resume := self._pending_resume()) is not None:
-            return dict(resume)
         if self._read_by_workers():
             return self._empty_state()
+        if (resume := self._pending_resume()) is not None:
+            return dict(resume)
         if self._progress is None or self._progress.epoch != self.epoch:
             return self._empty_state()
         if self._progress.done and get_worker_info() is None:
@@ -775,6 +773,10 @@ class DataCacheDataset(IterableDataset):
         self._resume_loaded_here = get_worker_info() is None
         if self._resume_loaded_here:
             self._resume_taken.value = 0
+            # What workers read before the load is no longer the position: the loaded one is,
+            # until a reader takes it. (Persistent workers started before the load never see
+            # it; once they have read the epoch, the state says so again.)
+            self._worker_reads.clear()
 
     def _pending_resume(self) -> dict[str, Any] | None:
         """The loaded position still to use: not one a DataLoader worker already took."""
@@ -785,15 +787,20 @@ class DataCacheDataset(IterableDataset):
     def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None]:
         """Rows to leave out of this reader's read of ``epoch``, and the stream lengths and
         shuffled order they were counted in (None where the state does not say)."""
-        state, self._resume = self._pending_resume(), None
+        state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return 0, None, None
+        # Checked whether or not another reader took it: a loaded position is one reader's, and
+        # the others of its split have none to resume. (Checked after the taking, a worker of
+        # another shard refused it or not by which of the two workers started first.)
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
         if self._resume_loaded_here:
+            if self._resume_taken.value:
+                return 0, None, None  # used by a worker of an earlier pass
             self._resume_taken.value = 1
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
         order = state.get("order")  # absent in states saved before orders were versioned
