@@ -374,7 +374,7 @@ def test_a_flood_of_idle_connections_holds_no_threads_and_probes_are_answered():
     try:
         assert get(server.port, "/live") == (200, "ok\n")
         threads_before = threading.active_count()
-        for _ in range(health_http.MAX_CONNECTIONS + 100):
+        for _ in range(health_http.MAX_WAITING + 100):
             idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
         started = time.monotonic()
         assert get(server.port, "/live") == (200, "ok\n")
@@ -393,6 +393,63 @@ def test_a_flood_of_idle_connections_holds_no_threads_and_probes_are_answered():
         for sock in idle:
             sock.close()
         server.stop()
+
+
+def test_probes_are_answered_ahead_of_slow_answers_and_a_burst_of_requests_is_queued():
+    """Slow /status answers held every answering thread, and /live went unanswered for 10 s; and
+    a burst of 300 real requests at once had 24 closed unanswered."""
+    import concurrent.futures
+    import threading
+
+    from kubeflow_data_cache import health_http
+
+    slow = threading.Event()
+
+    def status() -> dict:
+        if slow.is_set():
+            time.sleep(2)
+        else:
+            time.sleep(0.02)
+        return {}
+
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), status).start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(300) as pool:
+            codes = list(pool.map(lambda _: get(server.port, "/status")[0], range(300)))
+        assert codes == [200] * 300
+        slow.set()
+        with concurrent.futures.ThreadPoolExecutor(health_http.ANSWER_THREADS) as pool:
+            held = [pool.submit(get, server.port, "/status") for _ in range(health_http.ANSWER_THREADS)]
+            time.sleep(0.3)  # every answering thread is in a slow /status now
+            started = time.monotonic()
+            assert get(server.port, "/live") == (200, "ok\n")
+            assert get(server.port, "/ready")[0] == 503
+            assert time.monotonic() - started < 1, "the probes waited behind /status"
+            assert [f.result()[0] for f in held] == [200] * health_http.ANSWER_THREADS
+    finally:
+        server.stop()
+
+
+def test_stopping_with_connections_open_logs_no_errors(caplog):
+    import socket
+
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), dict).start()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(20)]
+    assert get(server.port, "/live") == (200, "ok\n")  # the idle ones are accepted by now
+    server.stop()
+    for sock in idle:
+        sock.close()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_a_health_server_that_cannot_start_raises_why():
+    from kubeflow_data_cache.health_http import LoopHTTPServer, listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    server = LoopHTTPServer(sock, type("Handler", (__import__("http.server").server.BaseHTTPRequestHandler,), {}), 1.0)
+    sock.close()
+    with pytest.raises(OSError):
+        server.start()
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"])

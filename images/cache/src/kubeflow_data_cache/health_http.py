@@ -10,11 +10,14 @@ cache to `degraded`. Here a connection waiting for its request costs a socket an
 - each connection's request head is read on the loop, under one deadline for the whole
   connection (HEALTH_REQUEST_TIMEOUT_SECONDS in service.py), so trickling a byte at a time
   does not extend it;
-- a whole request is answered by one of ANSWER_THREADS threads, through the handler class
-  (http.server's own parsing and errors: 400, 414, 431, 501), fed the bytes read;
-- at most MAX_CONNECTIONS are open: one more closes the connection that has waited longest for
-  its request. A kubelet probe or a Prometheus scrape sends its request as it connects, so it
-  is never that one, and probes keep their answers while idle connections come and go.
+- a whole request is answered through the handler class (http.server's own parsing and errors:
+  400, 414, 431, 501), fed the bytes read: the probes' paths (``inline_paths``, cheap reads of
+  the process's state) on the loop itself, so no number of slow ``/status`` or ``/metrics``
+  answers delays them; the others by one of ANSWER_THREADS threads;
+- at most MAX_WAITING connections wait for their request: one more closes the one that has
+  waited longest. A kubelet probe or a Prometheus scrape sends its request as it connects, so it
+  is never that one, and probes keep their answers while idle connections come and go. A burst
+  of real requests is queued for its answers, up to MAX_OPEN connections in all.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 
-MAX_CONNECTIONS = 256
+MAX_WAITING = 256
+MAX_OPEN = 1024
 ANSWER_THREADS = 4
 # Read no further for a request's head: http.server then answers what it finds (431 where its
 # headers are too many; lines over 64 KiB are 414 or 431 already).
@@ -70,6 +74,14 @@ def _bound(family: socket.AddressFamily, address: tuple[str, int], dual_stack: b
     return sock
 
 
+def _request_path(head: bytes) -> str | None:
+    """The path of a request's first line, without its query; None where it has none."""
+    words = head.split(b"\n", 1)[0].split()
+    if len(words) < 2:
+        return None
+    return words[1].split(b"?", 1)[0].decode("latin-1")
+
+
 def _head_complete(buffer: bytearray, searched_from: int) -> bool:
     """Whether the request's head (its lines up to an empty one) is all in ``buffer``. Only the
     new bytes are searched (with the three before them): a client trickling a byte at a time
@@ -81,10 +93,17 @@ def _head_complete(buffer: bytearray, searched_from: int) -> bool:
 class LoopHTTPServer:
     """``handler`` (a BaseHTTPRequestHandler) answering on ``sock``: one request per connection."""
 
-    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler], deadline_seconds: float):
+    def __init__(
+        self,
+        sock: socket.socket,
+        handler: type[BaseHTTPRequestHandler],
+        deadline_seconds: float,
+        inline_paths: frozenset[str] = frozenset(),
+    ):
         self._sock = sock
         self._handler = handler
         self._deadline_seconds = deadline_seconds
+        self._inline_paths = inline_paths
         self.port = sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
         self._answers = ThreadPoolExecutor(ANSWER_THREADS, thread_name_prefix="health-answer")
@@ -98,8 +117,10 @@ class LoopHTTPServer:
     def start(self) -> LoopHTTPServer:
         self._thread.start()
         self._started.wait()
-        if self._failure is not None:
-            self.stop()
+        if self._failure is not None:  # the loop never ran, and its thread is ending
+            self._thread.join(10)
+            self._answers.shutdown(wait=False)
+            self._sock.close()
             raise self._failure
         return self
 
@@ -136,15 +157,14 @@ class LoopHTTPServer:
             self._loop.close()
 
     def _make_room(self) -> bool:
-        """At the cap, close the connection that has waited longest for its request; False where
-        every open one has sent its request (being answered): then the new one waits its turn."""
-        if len(self._open) < MAX_CONNECTIONS:
-            return True
-        oldest_waiting = next((w for w, waiting in self._open.items() if waiting), None)
-        if oldest_waiting is None:
+        """With MAX_WAITING connections waiting for their request, close the one that has waited
+        longest; False where MAX_OPEN are open (the new one is closed at once)."""
+        if len(self._open) >= MAX_OPEN:
             return False
-        oldest_waiting.transport.abort()
-        del self._open[oldest_waiting]
+        waiting = [w for w, is_waiting in self._open.items() if is_waiting]
+        if len(waiting) >= MAX_WAITING:
+            waiting[0].transport.abort()
+            del self._open[waiting[0]]
         return True
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -159,12 +179,17 @@ class LoopHTTPServer:
                     return
                 self._open[writer] = False
                 peer = writer.get_extra_info("peername")
-                answer = await self._loop.run_in_executor(self._answers, self._answer, head, peer)
+                if _request_path(head) in self._inline_paths:
+                    answer = self._answer(head, peer)
+                else:
+                    answer = await self._loop.run_in_executor(self._answers, self._answer, head, peer)
                 if answer:
                     writer.write(answer)
                     await writer.drain()
         except (TimeoutError, OSError, asyncio.IncompleteReadError):
             pass  # a client that said nothing in time, or hung up: routine on a health port
+        except asyncio.CancelledError:
+            return  # stop(): the connection is closed below (re-raised, 3.11 logs each as an error)
         finally:
             self._open.pop(writer, None)
             writer.close()

@@ -359,7 +359,10 @@ class HealthServer:
             def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
                 pass
 
-        self._http = LoopHTTPServer(listening_socket(host, port), Handler, HEALTH_REQUEST_TIMEOUT_SECONDS)
+        # The probes' paths are answered on the server's loop, ahead of any /status or /metrics.
+        self._http = LoopHTTPServer(
+            listening_socket(host, port), Handler, HEALTH_REQUEST_TIMEOUT_SECONDS, frozenset({"/live", "/ready"})
+        )
         self.port = self._http.port
 
     def start(self) -> HealthServer:
