@@ -430,6 +430,73 @@ def test_probes_are_answered_ahead_of_slow_answers_and_a_burst_of_requests_is_qu
         server.stop()
 
 
+def test_past_the_queue_a_request_is_told_busy_and_a_failing_answer_is_a_500(monkeypatch):
+    import concurrent.futures
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from kubeflow_data_cache import health_http
+
+    monkeypatch.setattr(health_http, "MAX_QUEUED", 2)
+    slow, fail = threading.Event(), threading.Event()
+
+    def status() -> dict:
+        if fail.is_set():
+            raise RuntimeError("status failed mid-reload")
+        slow.wait(10)
+        return {}
+
+    def busy_answer() -> tuple[int, str | None, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/status", timeout=5) as answer:
+                return answer.status, None, answer.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers["Retry-After"], err.read()
+
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), status).start()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        queued = [pool.submit(get, server.port, "/status") for _ in range(2)]
+        time.sleep(0.3)
+        assert busy_answer() == (503, "1", b"busy: too many requests wait for an answer; retry shortly\n")
+        assert get(server.port, "/live") == (200, "ok\n")  # probes are never busy
+        slow.set()
+        assert [f.result()[0] for f in queued] == [200, 200]
+        fail.set()
+        assert get(server.port, "/status") == (500, "the answer failed; the process logged why\n")
+    finally:
+        slow.set()
+        pool.shutdown()
+        server.stop()
+
+
+def test_an_answer_the_client_does_not_read_in_time_is_dropped_at_the_deadline(monkeypatch):
+    """It stayed in the kernel's buffers, the connection open, past the deadline (an 8 MB one)."""
+    import socket
+
+    from kubeflow_data_cache import service
+
+    monkeypatch.setattr(service, "HEALTH_REQUEST_TIMEOUT_SECONDS", 0.5)
+    big = {"x": "a" * 8_000_000}
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), lambda: big).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            client.sendall(b"GET /status HTTP/1.0\r\n\r\n")
+            time.sleep(2)  # not reading, past the deadline
+            received = 0
+            try:
+                while chunk := client.recv(1 << 20):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+        assert received < 8_000_000
+        assert get(server.port, "/live") == (200, "ok\n")
+    finally:
+        server.stop()
+
+
 def test_stopping_with_connections_open_logs_no_errors(caplog):
     import socket
 

@@ -614,6 +614,26 @@ def test_a_position_loaded_here_is_refused_by_every_other_shards_worker_however_
             ids_of(workers)
 
 
+def test_a_position_used_by_one_split_is_gone_for_a_later_pass_of_another(cache):
+    """Used by a 1-worker pass (shard 0 of 1), then the epoch read again by 2 workers: they
+    refused it as the position of another split, though it had been used."""
+    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    it = first._iter_world(World(0, 1, 0, 1))
+    ids_of(next(it) for _ in range(30))
+    state = first.state_dict()
+    it.close()
+    resumed = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    resumed.load_state_dict(state)
+
+    def read(workers: int) -> list[int]:
+        return ids_of(
+            DataLoader(resumed, batch_size=None, num_workers=workers, multiprocessing_context="forkserver", timeout=60)
+        )
+
+    assert len(read(1)) == ROWS - 3000
+    assert sorted(read(2)) == list(range(ROWS))
+
+
 def test_persistent_workers_started_before_a_load_leave_no_stale_position(cache):
     """They never see a position loaded after they started, and read the epoch whole: the state
     after that said the loaded position (a checkpoint resumed from it left 3,000 rows out)."""

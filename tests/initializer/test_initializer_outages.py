@@ -326,6 +326,7 @@ def test_a_404_for_a_kind_not_served_is_told_from_one_for_a_missing_object(answe
         server.kube(10).get(TRAINJOBS, NAMESPACE, "job-a")
     server.close()
     assert caught.value.not_found and caught.value.kind_not_served is unserved
+    assert "\n" not in str(caught.value), "one line, for the termination log"
 
 
 def test_an_answer_that_breaks_mid_body_is_retried_like_no_answer():

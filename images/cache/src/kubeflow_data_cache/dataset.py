@@ -364,9 +364,10 @@ class DataCacheDataset(IterableDataset):
         self._progress: _Progress | None = None
         self._resume: dict[str, Any] | None = None
         # A position loaded in this process is copied into every DataLoader worker started after,
-        # each pass's new ones too, while only the copy that reads is used up: set once a worker
-        # took it, so it is used once, as in this process. A worker's own load (StatefulDataLoader
-        # hands each its position) is its own, and does not go through this.
+        # each pass's new ones too, while only the copy that reads is used up: set (to the taker's
+        # shard count) once a reader took it, so it is used once, as in this process. A worker's
+        # own load (StatefulDataLoader hands each its position) is its own, and does not go
+        # through this.
         self._resume_loaded_here = False
         self._resume_taken = SharedInt()
 
@@ -790,18 +791,23 @@ class DataCacheDataset(IterableDataset):
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return 0, None, None
-        # Checked whether or not another reader took it: a loaded position is one reader's, and
-        # the others of its split have none to resume. (Checked after the taking, a worker of
-        # another shard refused it or not by which of the two workers started first.)
+        # Which split's reader took it (its shard count), where a worker did: a reader of another
+        # split reads whole (the position was used). A reader of the same split checks it whether
+        # or not it was taken: a loaded position is one reader's, and the others of its split have
+        # none to resume (checked after the taking, a worker of another shard refused it or not by
+        # which of two workers started first).
+        taken_by = self._resume_taken.value if self._resume_loaded_here else 0
+        if taken_by and taken_by != world.num_shards:
+            return 0, None, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
+        if taken_by:
+            return 0, None, None  # used by this shard's worker of an earlier pass
         if self._resume_loaded_here:
-            if self._resume_taken.value:
-                return 0, None, None  # used by a worker of an earlier pass
-            self._resume_taken.value = 1
+            self._resume_taken.value = world.num_shards
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
         order = state.get("order")  # absent in states saved before orders were versioned
         return int(state["rows"]), (list(streams) if streams is not None else None), order

@@ -17,7 +17,9 @@ cache to `degraded`. Here a connection waiting for its request costs a socket an
 - at most MAX_WAITING connections wait for their request: one more closes the one that has
   waited longest. A kubelet probe or a Prometheus scrape sends its request as it connects, so it
   is never that one, and probes keep their answers while idle connections come and go. A burst
-  of real requests is queued for its answers, up to MAX_OPEN connections in all.
+  of real requests is queued for the answering threads, up to MAX_QUEUED; past that a request
+  is answered 503 at once (a probe never is: every connection is read, and probes are answered
+  on the loop). No connection is refused before it says what it asks.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ import asyncio
 import contextlib
 import errno
 import io
+import logging
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 
+log = logging.getLogger(__name__)
+
 MAX_WAITING = 256
-MAX_OPEN = 1024
+MAX_QUEUED = 512
 ANSWER_THREADS = 4
 # Read no further for a request's head: http.server then answers what it finds (431 where its
 # headers are too many; lines over 64 KiB are 414 or 431 already).
@@ -74,6 +79,18 @@ def _bound(family: socket.AddressFamily, address: tuple[str, int], dual_stack: b
     return sock
 
 
+def _plain_answer(status: str, text: str, *headers: str) -> bytes:
+    body = text.encode()
+    lines = [f"HTTP/1.0 {status}", "Content-Type: text/plain", f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+BUSY_ANSWER = _plain_answer(
+    "503 Service Unavailable", "busy: too many requests wait for an answer; retry shortly\n", "Retry-After: 1"
+)
+ERROR_ANSWER = _plain_answer("500 Internal Server Error", "the answer failed; the process logged why\n")
+
+
 def _request_path(head: bytes) -> str | None:
     """The path of a request's first line, without its query; None where it has none."""
     words = head.split(b"\n", 1)[0].split()
@@ -109,6 +126,7 @@ class LoopHTTPServer:
         self._answers = ThreadPoolExecutor(ANSWER_THREADS, thread_name_prefix="health-answer")
         # Open connections, oldest first: the writer and whether it still waits for its request.
         self._open: dict[asyncio.StreamWriter, bool] = {}
+        self._queued = 0  # requests waiting for, or being given, an answering thread's answer
         self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
         self._started = threading.Event()
@@ -156,22 +174,18 @@ class LoopHTTPServer:
                 self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self._loop.close()
 
-    def _make_room(self) -> bool:
+    def _make_room(self) -> None:
         """With MAX_WAITING connections waiting for their request, close the one that has waited
-        longest; False where MAX_OPEN are open (the new one is closed at once)."""
-        if len(self._open) >= MAX_OPEN:
-            return False
+        longest."""
         waiting = [w for w, is_waiting in self._open.items() if is_waiting]
         if len(waiting) >= MAX_WAITING:
             waiting[0].transport.abort()
             del self._open[waiting[0]]
-        return True
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self._make_room():
-            writer.transport.abort()
-            return
+        self._make_room()
         self._open[writer] = True
+        answered = False
         try:
             async with asyncio.timeout(self._deadline_seconds):
                 head = await self._read_head(reader)
@@ -181,18 +195,31 @@ class LoopHTTPServer:
                 peer = writer.get_extra_info("peername")
                 if _request_path(head) in self._inline_paths:
                     answer = self._answer(head, peer)
+                elif self._queued >= MAX_QUEUED:
+                    answer = BUSY_ANSWER
                 else:
-                    answer = await self._loop.run_in_executor(self._answers, self._answer, head, peer)
+                    self._queued += 1
+                    try:
+                        answer = await self._loop.run_in_executor(self._answers, self._answer, head, peer)
+                    finally:
+                        self._queued -= 1
                 if answer:
                     writer.write(answer)
-                    await writer.drain()
+                writer.close()
+                await writer.wait_closed()  # sent, within the deadline
+                answered = True
         except (TimeoutError, OSError, asyncio.IncompleteReadError):
             pass  # a client that said nothing in time, or hung up: routine on a health port
         except asyncio.CancelledError:
             return  # stop(): the connection is closed below (re-raised, 3.11 logs each as an error)
+        except Exception:  # a bug here: one line, and the connection closed, not a loop traceback
+            log.warning("the health port's answer failed", exc_info=True)
         finally:
             self._open.pop(writer, None)
-            writer.close()
+            if not answered:
+                # An answer the client did not read in time is dropped with the connection, not
+                # left in the kernel's buffers past the deadline.
+                writer.transport.abort()
 
     async def _read_head(self, reader: asyncio.StreamReader) -> bytes:
         buffer = bytearray()
@@ -212,5 +239,9 @@ class LoopHTTPServer:
         handler.request, handler.client_address, handler.server = None, peer, self
         handler.rfile, handler.wfile = io.BytesIO(head), io.BytesIO()
         handler.close_connection = True
-        handler.handle_one_request()
+        try:
+            handler.handle_one_request()
+        except Exception as err:  # a status() that failed mid-reload, say: 500, not no answer
+            log.warning("health answer to %r failed: %s", _request_path(head), err)
+            return ERROR_ANSWER
         return handler.wfile.getvalue()

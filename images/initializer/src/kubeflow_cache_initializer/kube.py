@@ -235,7 +235,7 @@ class Kube:
             try:
                 status = json.loads(raw)
             except ValueError:
-                status = {"message": raw.decode(errors="replace")}
+                status = {"message": raw.decode(errors="replace").strip()}  # one line: Go's ends in \n
             message = status.get("message", "")
             raise KubeApiError(
                 verb,
