@@ -18,8 +18,8 @@ cache to `degraded`. Here a connection waiting for its request costs a socket an
   waited longest. A kubelet probe or a Prometheus scrape sends its request as it connects, so it
   is never that one, and probes keep their answers while idle connections come and go. A burst
   of real requests is queued for the answering threads, up to MAX_QUEUED; past that a request
-  is answered 503 at once (a probe never is: every connection is read, and probes are answered
-  on the loop). No connection is refused before it says what it asks.
+  is answered 503 at once (a probe never is: probes are answered on the loop). A new
+  connection is never turned away; only the longest-waiting idle one is closed for it.
 """
 
 from __future__ import annotations

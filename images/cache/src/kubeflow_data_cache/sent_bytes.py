@@ -4,7 +4,9 @@
 validity bitmap of an array with no nulls. A gather (``pc.take``) or a DataFusion filter gives
 string and list columns an all-valid bitmap the loaded batches did not have, so the same rows
 counted one bit per row and column more when read shuffled or filtered than in order, and more
-than the client got.
+than the client got. IPC also realigns the bitmaps it does send (validity with nulls, and a
+boolean column's values) to their first row: a slice starting mid-byte spans a byte more in
+memory than it sends.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import pyarrow as pa
 
 
 def sent_nbytes(batch: pa.RecordBatch | pa.Table) -> int:
-    """``batch.nbytes`` less the validity bitmaps IPC does not send (arrays with no nulls); a
+    """``batch.nbytes`` less the bitmap bytes IPC does not send (validity bitmaps of arrays
+    without nulls, and the byte a slice starting mid-byte spans beyond the realigned bitmaps); a
     table (a window of batches a node sends at once) is sent as its chunks."""
     if isinstance(batch, pa.Table):
         return sum(sent_nbytes(chunk) for chunk in batch.to_batches())

@@ -76,7 +76,8 @@ class KubeApiError(InitializerError):
 
 
 class TrainJobNotFoundError(InitializerError):
-    """`TRAIN_JOB_NAME` names no TrainJob in the pod's namespace."""
+    """`TRAIN_JOB_NAME` names no TrainJob in the pod's namespace, or the cluster does not serve
+    the TrainJob API at all."""
 
 
 class ForeignObjectError(InitializerError):

@@ -118,9 +118,10 @@ def fetch_head_status(
 ) -> tuple[dict | None, str | None]:
     """The head's `/status` JSON and None; or None and why it did not answer (yet).
 
-    `timeout` bounds the whole answer, not only each read: a server that trickles its answer a
-    byte at a time passes every read's timeout, and the wait's deadline is checked only between
-    calls. A watchdog shuts the socket at the deadline, which ends the read in progress.
+    `timeout` bounds the whole call, connect and answer, not only each read: a server that
+    trickles its answer a byte at a time passes every read's timeout, and the wait's deadline is
+    checked only between calls. A watchdog shuts the socket at the deadline, which ends the read
+    in progress.
     """
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
     url = f"http://{host}:{port}{c.STATUS_PATH}"
@@ -138,10 +139,12 @@ def fetch_head_status(
 
     watchdog = threading.Timer(timeout, expire)
     watchdog.daemon = True
+    watchdog.start()
     try:
         conn.connect()  # bounded by `timeout` itself
         sock.append(conn.sock)
-        watchdog.start()
+        if expired.is_set():  # it fired while connecting, with no socket to shut yet
+            raise TimeoutError("connected at the deadline")
         conn.request("GET", c.STATUS_PATH)
         response = conn.getresponse()
         if response.status != 200:

@@ -66,7 +66,8 @@ def get_train_job(kube: Kube, cfg: Config) -> dict:
 
 
 def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
-    """Refuse to run where another TrainJob already holds one of the cache's names.
+    """Refuse to run where another TrainJob already holds one of the cache's names (or another
+    Service that of the cache's LeaderWorkerSet: _check_cache_subdomain).
 
     Trainer names a TrainJob's JobSet after it, and the JobSet names its headless Service after
     itself; the LeaderWorkerSet names its own headless Service after itself too. So TrainJob
