@@ -597,15 +597,20 @@ def test_a_position_loaded_here_is_used_once_by_the_workers_that_take_it(cache, 
         assert [len(ids_of(workers)) for _ in range(2)] == [ROWS - 3000, ROWS]
 
 
+def _position_after(cache, world: World, batches: int) -> dict:
+    """The state of an unshuffled reader of ``world`` after ``batches`` batches of 100."""
+    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
+    it = first._iter_world(world)
+    ids_of(next(it) for _ in range(batches))
+    state = first.state_dict()
+    it.close()
+    return state
+
+
 def test_a_position_loaded_here_is_refused_by_every_other_shards_worker_however_they_start(cache):
     """A position of shard 0 of 2 read by two workers: worker 1 has none to resume. It refused
     it only when it started before worker 0 took the position (2 runs in 8)."""
-    world = World(0, 1, 0, 2)
-    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
-    it = first._iter_world(world)
-    ids_of(next(it) for _ in range(10))
-    state = first.state_dict()
-    it.close()
+    state = _position_after(cache, World(0, 1, 0, 2), batches=10)
     for _ in range(3):
         resumed = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
         resumed.load_state_dict(state)
@@ -617,13 +622,8 @@ def test_a_position_loaded_here_is_refused_by_every_other_shards_worker_however_
 def test_a_position_used_by_one_split_is_gone_for_a_later_pass_of_another(cache):
     """Used by a 1-worker pass (shard 0 of 1), then the epoch read again by 2 workers: they
     refused it as the position of another split, though it had been used."""
-    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
-    it = first._iter_world(World(0, 1, 0, 1))
-    ids_of(next(it) for _ in range(30))
-    state = first.state_dict()
-    it.close()
     resumed = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(_position_after(cache, World(0, 1, 0, 1), batches=30))
 
     def read(workers: int) -> list[int]:
         return ids_of(
@@ -637,12 +637,7 @@ def test_a_position_used_by_one_split_is_gone_for_a_later_pass_of_another(cache)
 def test_persistent_workers_started_before_a_load_leave_no_stale_position(cache):
     """They never see a position loaded after they started, and read the epoch whole: the state
     after that said the loaded position (a checkpoint resumed from it left 3,000 rows out)."""
-    world = World(0, 1, 0, 1)
-    first = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
-    it = first._iter_world(world)
-    ids_of(next(it) for _ in range(30))
-    state = first.state_dict()
-    it.close()
+    state = _position_after(cache, World(0, 1, 0, 1), batches=30)
     ds = DataCacheDataset(cache.endpoint, batch_size=100, columns=["id"])
     loader = DataLoader(
         ds, batch_size=None, num_workers=1, persistent_workers=True, multiprocessing_context="forkserver", timeout=60

@@ -445,6 +445,25 @@ def test_an_answer_that_is_not_json_fails_at_once_quoting_it():
     assert "the answer is not JSON: '<html><body>Proxy login" in str(caught.value)
 
 
+@contextlib.contextmanager
+def _head_on_one_connection(serve):
+    """A port whose first connection, its request read, is handed to ``serve`` in a thread."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+
+        def accept() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                serve(conn)
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        yield listener.getsockname()[1]
+        thread.join(5)
+
+
 @pytest.mark.parametrize(
     ("answer", "why"),
     [
@@ -455,21 +474,8 @@ def test_an_answer_that_is_not_json_fails_at_once_quoting_it():
 def test_a_head_status_answer_cut_short_or_not_http_is_not_reachable_yet(answer, why):
     """A head that dies mid-answer, or a pod IP now held by something else: 'not answering' (the
     wait goes on to its deadline), not an error that ends the run and deletes the cache."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-
-        def answer_once() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(4096)
-                conn.sendall(answer)
-
-        thread = threading.Thread(target=answer_once, daemon=True)
-        thread.start()
+    with _head_on_one_connection(lambda conn: conn.sendall(answer)) as port:
         status, reason = fetch_head_status("127.0.0.1", port, timeout=5)
-        thread.join(5)
     assert status is None
     assert reason.startswith(f"GET http://127.0.0.1:{port}/status: "), reason
     assert why in reason, reason
@@ -480,30 +486,19 @@ def test_a_head_status_answer_that_trickles_is_cut_at_its_timeout(version):
     """The timeout bounds the whole answer: a server sending a byte a second passed every read's
     timeout, and the wait's loop, blocked in this one call, never checked its own deadline."""
     stop = threading.Event()
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
 
-        def trickle() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(4096)
-                # The head answers HTTP/1.0, after which http.client lets go of the socket.
-                conn.sendall(
-                    version.encode() + b" 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
-                )
-                with contextlib.suppress(OSError):
-                    while not stop.wait(0.2):
-                        conn.sendall(b" ")
+    def trickle(conn: socket.socket) -> None:
+        # The head answers HTTP/1.0, after which http.client lets go of the socket.
+        conn.sendall(version.encode() + b" 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.2):
+                conn.sendall(b" ")
 
-        thread = threading.Thread(target=trickle, daemon=True)
-        thread.start()
+    with _head_on_one_connection(trickle) as port:
         started = time.monotonic()
         status, reason = fetch_head_status("127.0.0.1", port, timeout=1.5)
         took = time.monotonic() - started
         stop.set()
-        thread.join(5)
     assert status is None
     assert reason == f"GET http://127.0.0.1:{port}/status: no whole answer within 1.5 s", reason
     assert took < 4, took
@@ -514,21 +509,9 @@ def test_the_head_status_is_read_without_the_initializers_proxy(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
     body = b'{"state": "ready"}'
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-
-        def answer_once() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(4096)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-
-        thread = threading.Thread(target=answer_once, daemon=True)
-        thread.start()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with _head_on_one_connection(lambda conn: conn.sendall(answer)) as port:
         assert fetch_head_status("127.0.0.1", port, timeout=5) == ({"state": "ready"}, None)
-        thread.join(5)
 
 
 def _failed_pod(name: str, labels: dict[str, str], created: str | None = None) -> dict:
