@@ -212,8 +212,8 @@ class LoopHTTPServer:
             pass  # a client that said nothing in time, or hung up: routine on a health port
         except asyncio.CancelledError:
             return  # stop(): the connection is closed below (re-raised, 3.11 logs each as an error)
-        except Exception:  # a bug here: one line, and the connection closed, not a loop traceback
-            log.warning("the health port's answer failed", exc_info=True)
+        except Exception as err:  # a bug here: one line, and the connection closed, not a loop traceback
+            log.warning("the health port's answer failed: %r", err)
         finally:
             self._open.pop(writer, None)
             if not answered:
