@@ -362,8 +362,8 @@ def test_a_client_that_trickles_its_request_is_closed_at_the_request_deadline(mo
 def test_a_flood_of_idle_connections_holds_no_threads_and_probes_are_answered():
     """2,000 connections that sent nothing held 3,385 threads on a data node (one per connection,
     and a timer each); when they closed together its threads, Flight's too, stalled for seconds,
-    and the head's status poll timed out. Idle connections now cost no thread, past
-    MAX_CONNECTIONS the longest waiting is closed, and a probe is answered throughout."""
+    and the head's status poll timed out. Idle connections now cost no thread, past MAX_WAITING
+    the longest waiting is closed, and a probe is answered throughout."""
     import socket
     import threading
 
@@ -380,7 +380,10 @@ def test_a_flood_of_idle_connections_holds_no_threads_and_probes_are_answered():
         assert get(server.port, "/live") == (200, "ok\n")
         assert time.monotonic() - started < 2, "a probe waited behind the idle connections"
         assert threading.active_count() <= threads_before + health_http.ANSWER_THREADS
-        # The longest waiting were closed to make room (the first ones); the newest still wait.
+        # Once the longest waiting has waited long enough, a new connection closes it; the
+        # newest still wait.
+        time.sleep(health_http.CLOSE_AFTER_WAITING_SECONDS + 0.2)
+        idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
         idle[0].settimeout(5)
         assert idle[0].recv(1) == b""
         idle[-1].settimeout(0.2)
@@ -391,6 +394,34 @@ def test_a_flood_of_idle_connections_holds_no_threads_and_probes_are_answered():
         assert get(server.port, "/live") == (200, "ok\n")
     finally:
         for sock in idle:
+            sock.close()
+        server.stop()
+
+
+def test_a_burst_of_new_connections_does_not_close_one_whose_request_is_not_read_yet(monkeypatch):
+    """A probe accepted just before a burst, its request not yet read, was the longest waiting
+    and closed for the burst's first connection past MAX_WAITING. A connection is closed for a
+    newer one only once it has waited CLOSE_AFTER_WAITING_SECONDS (or at MAX_WAITING_BURST)."""
+    import socket
+
+    from kubeflow_data_cache import health_http
+
+    monkeypatch.setattr(health_http, "MAX_WAITING", 4)
+    monkeypatch.setattr(health_http, "MAX_WAITING_BURST", 16)
+    server = HealthServer("127.0.0.1", 0, Lifecycle(), Metrics("head"), dict).start()
+    burst: list[socket.socket] = []
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as probe:
+            burst += [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(8)]
+            time.sleep(0.2)  # all accepted: the probe is the longest waiting
+            probe.sendall(b"GET /live HTTP/1.0\r\n\r\n")
+            assert probe.recv(1024).startswith(b"HTTP/1.0 200 OK")
+        # Past the burst's bound the oldest goes whatever its age.
+        burst += [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(16)]
+        burst[0].settimeout(5)
+        assert burst[0].recv(1) == b""
+    finally:
+        for sock in burst:
             sock.close()
         server.stop()
 

@@ -15,8 +15,9 @@ cache to `degraded`. Here a connection waiting for its request costs a socket an
   the process's state) on the loop itself, so no number of slow ``/status`` or ``/metrics``
   answers delays them; the others by one of ANSWER_THREADS threads;
 - at most MAX_WAITING connections wait for their request: one more closes the one that has
-  waited longest. A kubelet probe or a Prometheus scrape sends its request as it connects, so it
-  is never that one, and probes keep their answers while idle connections come and go. A burst
+  waited longest, once it has waited CLOSE_AFTER_WAITING_SECONDS. A kubelet probe or a Prometheus
+  scrape sends its request as it connects, so it is never the longest waiting for long, and
+  probes keep their answers while idle connections come and go. A burst
   of real requests is queued for the answering threads, up to MAX_QUEUED; past that a request
   is answered 503 at once (a probe never is: probes are answered on the loop). A new
   connection is never turned away; only the longest-waiting idle one is closed for it.
@@ -37,6 +38,12 @@ from http.server import BaseHTTPRequestHandler
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 256
+# A connection is closed for a newer one only once it has waited this long for its request: in a
+# burst of new connections, one accepted just before the others (a probe whose request the loop
+# has not read yet) is not the longest waiting for long. Past MAX_WAITING_BURST the oldest goes
+# whatever its age.
+CLOSE_AFTER_WAITING_SECONDS = 1.0
+MAX_WAITING_BURST = 4 * MAX_WAITING
 MAX_QUEUED = 512
 ANSWER_THREADS = 4
 # Read no further for a request's head: http.server then answers what it finds (431 where its
@@ -124,8 +131,9 @@ class LoopHTTPServer:
         self.port = sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
         self._answers = ThreadPoolExecutor(ANSWER_THREADS, thread_name_prefix="health-answer")
-        # Open connections, oldest first: the writer and whether it still waits for its request.
-        self._open: dict[asyncio.StreamWriter, bool] = {}
+        # Open connections, oldest first: the writer and, while it waits for its request, since
+        # when (the loop's clock); None once its request is read.
+        self._open: dict[asyncio.StreamWriter, float | None] = {}
         self._queued = 0  # requests waiting for, or being given, an answering thread's answer
         self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
@@ -176,22 +184,27 @@ class LoopHTTPServer:
 
     def _make_room(self) -> None:
         """With MAX_WAITING connections waiting for their request, close the one that has waited
-        longest."""
-        waiting = [w for w, is_waiting in self._open.items() if is_waiting]
-        if len(waiting) >= MAX_WAITING:
-            waiting[0].transport.abort()
-            del self._open[waiting[0]]
+        longest, once it has waited CLOSE_AFTER_WAITING_SECONDS (at MAX_WAITING_BURST, whatever
+        its age)."""
+        waiting = [(w, since) for w, since in self._open.items() if since is not None]
+        if len(waiting) < MAX_WAITING:
+            return
+        oldest, since = waiting[0]
+        if self._loop.time() - since < CLOSE_AFTER_WAITING_SECONDS and len(waiting) < MAX_WAITING_BURST:
+            return
+        oldest.transport.abort()
+        del self._open[oldest]
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._make_room()
-        self._open[writer] = True
+        self._open[writer] = self._loop.time()
         answered = False
         try:
             async with asyncio.timeout(self._deadline_seconds):
                 head = await self._read_head(reader)
                 if writer not in self._open:  # closed to make room
                     return
-                self._open[writer] = False
+                self._open[writer] = None
                 peer = writer.get_extra_info("peername")
                 if _request_path(head) in self._inline_paths:
                     answer = self._answer(head, peer)
