@@ -174,7 +174,6 @@ def matching_rows(
     """Local row numbers (ascending) of the rows for which ``predicate`` is true. ``executing``
     is held while the matching runs (FilterCache: one at a time), not while the predicate is
     checked and planned: a mistake in a filter is named at once, whatever else is matched."""
-
     check_filter(predicate)  # also for a count sent to a node directly, not through the head
 
     # Checked and planned against the schema alone: the rows are registered only once this

@@ -67,7 +67,7 @@ def get_train_job(kube: Kube, cfg: Config) -> dict:
 
 def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
     """Refuse to run where another TrainJob already holds one of the cache's names (or another
-    Service that of the cache's LeaderWorkerSet: _check_cache_subdomain).
+    Service the name of the cache's LeaderWorkerSet: _check_cache_subdomain).
 
     Trainer names a TrainJob's JobSet after it, and the JobSet names its headless Service after
     itself; the LeaderWorkerSet names its own headless Service after itself too. So TrainJob
@@ -100,15 +100,11 @@ def _check_cache_subdomain(kube: Kube, cfg: Config, names: CacheNames) -> None:
     exists, and takes one that does as it is, whatever it selects: the cache pods would get no
     DNS names under it, and the data nodes would never resolve the head's `LWS_LEADER_ADDRESS`.
     """
-    try:
-        service = kube.get(SERVICES, cfg.namespace, names.cache)
-    except KubeApiError as err:
-        if err.not_found:
-            return
-        raise
-    selector = service.get("spec", {}).get("selector") or {}
-    if selector.get(c.LWS_NAME_LABEL) == names.cache:
-        return  # the LeaderWorkerSet's own: a shared cache, or a previous run's being replaced
+    # The LeaderWorkerSet's own (a shared cache, or a previous run's being replaced) is no clash.
+    foreign = _foreign_subdomain_service(kube, cfg.namespace, names.cache, c.LWS_NAME_LABEL)
+    if foreign is None:
+        return
+    _, selector = foreign
     raise ForeignObjectError(
         f"Service {cfg.namespace}/{names.cache} exists and selects {selector or 'nothing'}, not the pods of "
         f"the cache's LeaderWorkerSet {names.cache}: the LeaderWorkerSet controller would keep it as the cache's "
@@ -125,15 +121,11 @@ def _check_own_subdomain(kube: Kube, cfg: Config) -> None:
     then stand for TrainJob `foo-cache`'s subdomain, selecting none of its pods: their hostnames
     would not resolve, and torch's rendezvous would fail on them after the cache came up.
     """
-    try:
-        service = kube.get(SERVICES, cfg.namespace, cfg.train_job_name)
-    except KubeApiError as err:
-        if err.not_found:  # not made yet, or no DNS hostnames for this TrainJob
-            return
-        raise
-    selector = service.get("spec", {}).get("selector") or {}
-    if selector.get(c.JOBSET_NAME_LABEL) == cfg.train_job_name:
-        return  # the JobSet's own
+    # None where there is none yet (or no DNS hostnames for this TrainJob), or it is the JobSet's own.
+    foreign = _foreign_subdomain_service(kube, cfg.namespace, cfg.train_job_name, c.JOBSET_NAME_LABEL)
+    if foreign is None:
+        return
+    service, selector = foreign
     owners = ", ".join(
         f"{ref.get('kind')} {ref.get('name')}" for ref in service["metadata"].get("ownerReferences") or []
     )
@@ -143,6 +135,19 @@ def _check_own_subdomain(kube: Kube, cfg: Config) -> None:
         f"the training's rendezvous would fail. Rename this TrainJob (no TrainJob may be named like another's "
         f"plus `{c.CACHE_NAME_SUFFIX}` or `{c.SERVICE_NAME_SUFFIX}`)"
     )
+
+
+def _foreign_subdomain_service(kube: Kube, namespace: str, name: str, owner_label: str) -> tuple[dict, dict] | None:
+    """The Service ``name`` and its selector, where one exists that does not select the pods
+    labelled ``owner_label=name`` (those of the controller whose subdomain that name is)."""
+    try:
+        service = kube.get(SERVICES, namespace, name)
+    except KubeApiError as err:
+        if err.not_found:
+            return None
+        raise
+    selector = service.get("spec", {}).get("selector") or {}
+    return None if selector.get(owner_label) == name else (service, selector)
 
 
 def run(kube: Kube, cfg: Config) -> CacheReady:
