@@ -9,6 +9,7 @@ import pytest
 
 from kubeflow_cache_initializer.constants import COMPONENT_HEAD, LABEL_COMPONENT
 
+from .fake_k8s_rules import ApiFailure
 from .support import NAMESPACE, add_train_job, initializer_env
 
 
@@ -211,6 +212,25 @@ def test_a_cluster_without_leader_worker_set_is_named(fake, run_initializer):
     assert code != 0
     assert "HTTP 404" in error
     assert error.endswith("is the LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1) installed?")
+
+
+def test_a_404_naming_an_object_is_not_blamed_on_a_missing_api(fake, run_initializer):
+    # An API server answers a create in a namespace it no longer holds with a 404 that names the
+    # namespace: the LeaderWorkerSet API is there, and asking whether it is installed misleads.
+    add_train_job(fake, "job-a")
+
+    def namespace_gone():
+        raise ApiFailure(
+            404, "NotFound", f'namespaces "{NAMESPACE}" not found', {"name": NAMESPACE, "kind": "namespaces"}
+        )
+
+    fake.before[("leaderworkersets", "create")] = [namespace_gone]
+
+    code, error = run_initializer(initializer_env(None))
+
+    assert code != 0
+    assert f'namespaces "{NAMESPACE}" not found' in error  # the API's own words
+    assert "installed?" not in error
 
 
 def test_a_cluster_that_does_not_serve_the_train_job_api_is_named(fake, run_initializer):

@@ -106,11 +106,11 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
             log.info("created %s", _describe(desired))
             return created
         except KubeApiError as err:
-            if err.not_found:
+            if err.kind_not_served:
                 raise InitializerError(
                     f"{err}: is the {resource.kind} API ({resource.api_version}) installed?"
                 ) from err
-            if not err.already_exists:
+            if not err.already_exists:  # a 404 naming an object (its namespace) says so itself
                 raise
         try:
             existing = kube.get(resource, namespace, name)
