@@ -87,7 +87,11 @@ def parse_values(
     helm = _helm()
     values: dict = {}
     for path in files:
-        _merge(values, helm.values_from_yaml(Path(path).read_text()))
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:  # as helm names it, not as a traceback
+            raise HelmCliError(f"cannot read values file {path}: {exc.strerror or exc}") from None
+        _merge(values, helm.values_from_yaml(text))
     for parse, expressions in (
         (helm.parse_set_json, set_jsons or []),
         (helm.parse_set_string, sets),

@@ -278,10 +278,45 @@ def test_notes_bind_by_hand_with_the_pull_secrets_and_say_what_is_not_scraped():
         o for o in render_chart(values) if o["kind"] == "ServiceAccount" and o["metadata"]["namespace"] == "team-a"
     )
     assert json.loads(patch.group(1)) == {"imagePullSecrets": sa["imagePullSecrets"]}
-    assert "pull with regcred, mirror: create these Secrets in <namespace> too" in notes
+    assert "(the initializer pulls with regcred: create that Secret in <namespace> too)" in notes
+    assert "(the cache pods pull with regcred, mirror: create these Secrets in <namespace> too)" in notes
     assert "dataCache.metrics.podMonitor.allNamespaces=true" in notes
     values["dataCache"]["metrics"]["podMonitor"]["allNamespaces"] = True
     assert "allNamespaces=true" not in render_notes(values)
+
+
+@pytest.mark.parametrize(
+    ("initializer", "cache", "lines"),
+    [
+        # Only the initializer's: the cache pods get none, and the notes say so rather than
+        # naming them among the pods that pull with it.
+        (
+            ["regcred"],
+            [],
+            [
+                "(the initializer pulls with regcred: create that Secret in <namespace> too; the cache pods pull "
+                "with none: set dataCache.cache.imagePullSecrets if their image is private too)"
+            ],
+        ),
+        ([], ["mirror"], ["(the cache pods pull with mirror: create that Secret in <namespace> too)"]),
+        (
+            ["a", "b"],
+            ["a", "b"],
+            ["(the initializer and cache pods pull with a, b: create these Secrets in <namespace> too)"],
+        ),
+        ([], [], []),
+    ],
+)
+def test_notes_name_each_pods_own_pull_secrets(initializer, cache, lines):
+    values = {
+        "dataCache": {
+            "enabled": True,
+            "initializer": {"imagePullSecrets": [{"name": n} for n in initializer]},
+            "cache": {"imagePullSecrets": [{"name": n} for n in cache]},
+        }
+    }
+    notes = render_notes(values)
+    assert [line for line in notes.splitlines() if "pull with" in line or "pulls with" in line] == lines
 
 
 @pytest.mark.parametrize(

@@ -46,3 +46,13 @@ def test_lint_cli_fails_on_a_broken_template(tmp_path):
     )  # fmt: skip
     assert result.returncode == 1
     assert "broken.yaml" in result.stdout
+
+
+def test_template_cli_names_a_values_file_it_cannot_read(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "template", str(prepared_chart()), "-f", str(missing)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: cannot read values file {missing}: No such file or directory"
