@@ -8,7 +8,14 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from kubeflow_data_cache.errors import MAX_ERROR_CHARS, bounded_message, first_line, server_message, shown
+from kubeflow_data_cache.errors import (
+    MAX_ERROR_BYTES,
+    bounded_message,
+    first_line,
+    grpc_message_bytes,
+    server_message,
+    shown,
+)
 
 
 class _Failing(flight.FlightServerBase):
@@ -65,10 +72,10 @@ def test_a_long_message_keeps_its_start_and_its_end_within_the_limit():
     """A message past what gRPC's trailers carry keeps what failed (its start) and the fix (its end)."""
     message = "invalid filter 'id IN (" + "1, " * 5000 + "...)': No field named lable. Name a column of the table"
     bounded = bounded_message(message)
-    assert len(bounded) <= MAX_ERROR_CHARS
+    assert len(bounded) <= MAX_ERROR_BYTES
     assert bounded.startswith("invalid filter 'id IN (1, 1, ")
     assert bounded.endswith("No field named lable. Name a column of the table")
-    assert f"[... {len(message) - MAX_ERROR_CHARS + 60} characters left out ...]" in bounded
+    assert f"[... {len(message) - MAX_ERROR_BYTES + 60} characters left out ...]" in bounded
     assert bounded_message("short") == "short"
     assert shown("x" * 10) == "'xxxxxxxxxx'"
     assert shown("x" * 500) == "'" + "x" * 199 + f"... ({len('x' * 500) + 2} characters)"
@@ -78,6 +85,19 @@ def test_a_long_message_reaches_a_flight_client_with_its_reason(failing_client):
     """Past 16 KiB of trailers the client got "Stream removed", not the message."""
     err = _raised(failing_client, "value", bounded_message("no such column: " + "c" * 30_000 + " (see docs)"))
     assert server_message(err).endswith("(see docs)")
+
+
+@pytest.mark.parametrize("name", ["列名称甲", "é", "%", "\n"])
+def test_a_message_is_bounded_by_the_bytes_grpc_sends_not_its_characters(failing_client, name):
+    """gRPC percent-encodes what is not printable ASCII, three bytes for each byte of it: 600
+    column names in CJK, listed in a refusal, took 19,602 bytes and the client got "Stream
+    removed" instead of the reason."""
+    message = "unknown column(s) ['x']; the table has " + str([f"{name}{i}" for i in range(3000)]) + " (the fix)"
+    bounded = bounded_message(message)
+    assert grpc_message_bytes(bounded) <= MAX_ERROR_BYTES
+    assert bounded.startswith("unknown column(s) ['x']; the table has [") and bounded.endswith(" (the fix)")
+    err = _raised(failing_client, "value", bounded)
+    assert server_message(err) == bounded
 
 
 def test_client_statuses_are_formatted_without_a_traceback_and_other_errors_as_before():

@@ -214,7 +214,7 @@ def test_a_node_without_rows_checks_the_filter_all_the_same():
             "name" + "['a']" * 8000 + " IS NULL",
             "has 8001 operators (keywords such as IS, IN, WHEN and CAST count too, "
             "and each subscript [...]), more than 128",
-        ),  # fmt: skip
+        ),
         ("name" + "[1:2]" * 600 + " IS NULL", "has 601 operators"),
         # At the parser's recursion limit, 50 nested CAST(...) (800 characters) backtracked for minutes.
         ("CAST(" * 50 + "id" + " AS BIGINT)" * 50 + " > 1", "nests parentheses 50 deep, more than 32"),

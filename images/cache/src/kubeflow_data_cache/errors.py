@@ -74,7 +74,9 @@ LOAD_FAILED_INFO = b"kubeflow-data-cache/load-failed"
 
 # gRPC refuses a call's trailers past 16 KiB, and Flight carries an error's message in them twice:
 # a longer message (a 64 KiB filter quoted back) reached the client as "Stream removed" instead.
-MAX_ERROR_CHARS = 4000
+# Counted as gRPC sends it, percent-encoded: every byte of a character outside printable ASCII
+# (and %) takes three, so 4,000 characters of column names in CJK took 19,602 bytes and failed.
+MAX_ERROR_BYTES = 4000
 # How much of a client's value an error quotes back.
 SHOWN_VALUE_CHARS = 200
 
@@ -87,13 +89,34 @@ def shown(value: object) -> str:
     return f"{text[:SHOWN_VALUE_CHARS]}... ({len(text)} characters)"
 
 
+def _sent_bytes(char: str) -> int:
+    """What one character takes in a gRPC status message, percent-encoded as gRPC sends it."""
+    return 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "surrogatepass"))
+
+
+def grpc_message_bytes(message: str) -> int:
+    return sum(map(_sent_bytes, message))
+
+
 def bounded_message(message: str) -> str:
-    """``message`` within MAX_ERROR_CHARS: its middle left out, so that both the start (what
-    failed) and the end (the fix) reach the client."""
-    if len(message) <= MAX_ERROR_CHARS:
+    """``message`` within MAX_ERROR_BYTES as gRPC sends it: its middle left out, so that both the
+    start (what failed) and the end (the fix) reach the client."""
+    if grpc_message_bytes(message) <= MAX_ERROR_BYTES:
         return message
-    keep = (MAX_ERROR_CHARS - 60) // 2
-    return f"{message[:keep]} [... {len(message) - 2 * keep} characters left out ...] {message[-keep:]}"
+    budget = (MAX_ERROR_BYTES - 60) // 2
+    head = _within(message, budget)
+    tail = _within(message[::-1], budget)[::-1]
+    return f"{head} [... {len(message) - len(head) - len(tail)} characters left out ...] {tail}"
+
+
+def _within(text: str, budget: int) -> str:
+    """The longest start of ``text`` that gRPC sends in ``budget`` bytes."""
+    used = 0
+    for i, char in enumerate(text):
+        used += _sent_bytes(char)
+        if used > budget:
+            return text[:i]
+    return text
 
 
 def answered_not_ready(err: BaseException) -> bool:
