@@ -228,6 +228,29 @@ def test_an_unknown_action_with_a_long_name_is_quoted_cut(small_cache):
     node.close()
 
 
+def test_a_request_past_16_mib_is_refused_before_it_is_parsed(small_cache):
+    """Six 256 MiB descriptors parsed at once took a head from 140 MiB to 2.4 GiB (its default
+    limit is 1 GiB): a descriptor, a ticket or an action body past 16 MiB is refused by its size."""
+    huge = json.dumps({"x" * (17 << 20): 1}).encode()
+    head = flight.FlightClient(small_cache.endpoint)
+    node = flight.FlightClient(read_path_shard(small_cache.endpoint, 0, 1)[0].endpoints[0].locations[0].uri.decode())
+    calls = {
+        "shard request": lambda: head.get_flight_info(flight.FlightDescriptor.for_command(huge)),
+        "ticket": lambda: node.do_get(flight.Ticket(huge)).read_all(),
+        "body of action 'count'": lambda: list(node.do_action(flight.Action("count", huge))),
+        "body of action 'register'": lambda: list(head.do_action(flight.Action("register", huge))),
+    }
+    for what, call in calls.items():
+        with pytest.raises(pa.ArrowInvalid) as err:
+            call()
+        message = server_message(err.value)
+        assert message.startswith(f"the {what} is {len(huge)} bytes, more than 16777216: "), message[:300]
+        assert_no_server_traceback(err.value)
+    head.close()
+    node.close()
+    assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
+
+
 def test_bad_and_stale_tickets(small_cache):
     info, _ = read_path_shard(small_cache.endpoint, 0, 1)
     node = flight.FlightClient(info.endpoints[0].locations[0].uri.decode())

@@ -590,7 +590,7 @@ class DataNode(ReadOnlyFlight):
         if action.type == protocol.ACTION_STATUS:
             return [json.dumps(self.status()).encode()]
         if action.type == protocol.ACTION_LOAD:
-            self._start_load(parse_action_body(action))
+            self._start_load(parse_action_body(action, bounded=False))  # lists every file the node loads
             return [b"{}"]
         if action.type == protocol.ACTION_COUNT:
             predicate = parse_action_body(action).get("filter")

@@ -129,6 +129,13 @@ _OPERATOR = re.compile(
     re.IGNORECASE,
 )
 
+# A shard request, a ticket or an action's body past this is refused before it is parsed: the
+# largest a client sends names 2**14 columns and a 64 KiB filter. Parsing six 256 MiB descriptors
+# at once took a head from 140 MiB to 2.4 GiB (its default limit is 1 GiB) and held its
+# interpreter for seconds. gRPC itself still takes in a message of any size before any of this
+# code sees it (pyarrow sets no limit and offers none): docs/cache.md says what guards that.
+MAX_REQUEST_BYTES = 16 << 20
+
 # Actions served by the head and the data nodes (DoAction types).
 ACTION_STATUS = "status"
 ACTION_REGISTER = "register"  # data node -> head
@@ -136,6 +143,14 @@ ACTION_LOAD = "load"  # head -> data node
 # In register and load bodies where DATA_CACHE_CLUSTER_KEY is set (security.load_cluster_key).
 CLUSTER_KEY_FIELD = "cluster_key"
 ACTION_COUNT = "count"  # head -> data node: rows matching a filter
+
+
+def check_request_size(size: int, what: str) -> None:
+    _require(
+        size <= MAX_REQUEST_BYTES,
+        f"the {what} is {size} bytes, more than {MAX_REQUEST_BYTES}: a request names its columns (at most "
+        f"{MAX_COLUMNS}) and one filter (at most {MAX_FILTER_CHARS} characters), and a ticket is the head's, unchanged",
+    )
 
 
 def check_filter(predicate: str) -> None:
@@ -464,6 +479,7 @@ def with_skip(raw: bytes, skip: int) -> bytes:
 
 
 def _loads(raw: bytes, what: str) -> Any:
+    check_request_size(len(raw), what)
     try:
         return json.loads(raw)
     # ValueError: an integer of more digits than Python converts; RecursionError: deep nesting.

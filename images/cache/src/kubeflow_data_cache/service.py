@@ -38,7 +38,13 @@ from kubeflow_data_cache.errors import (
 )
 from kubeflow_data_cache.health_http import LoopHTTPServer, listening_socket
 from kubeflow_data_cache.memory import resident_bytes
-from kubeflow_data_cache.protocol import ACTION_COUNT, ACTION_LOAD, ACTION_REGISTER, ACTION_STATUS
+from kubeflow_data_cache.protocol import (
+    ACTION_COUNT,
+    ACTION_LOAD,
+    ACTION_REGISTER,
+    ACTION_STATUS,
+    check_request_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -282,8 +288,13 @@ def meter_calls(server: Any, metrics: Metrics) -> None:
         setattr(server, name, flight_errors(metrics, method)(getattr(server, name)))
 
 
-def parse_action_body(action: flight.Action) -> dict[str, Any]:
-    raw = action.body.to_pybytes() if action.body is not None else b""
+def parse_action_body(action: flight.Action, *, bounded: bool = True) -> dict[str, Any]:
+    """The action's JSON object; with ``bounded``, refused past MAX_REQUEST_BYTES before it is
+    copied or parsed (a head's ``load``, which lists a node's files, is not bounded)."""
+    size = action.body.size if action.body is not None else 0
+    if bounded:
+        check_request_size(size, f"body of action {action.type!r}")
+    raw = action.body.to_pybytes() if size else b""
     if not raw:
         return {}
     try:
