@@ -35,7 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank (0: read in the rank)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--even-split", choices=["drop", "pad"], help="even split (repeats or drops rows: not exactly once)")
+    p.add_argument(
+        "--even-split",
+        choices=["drop", "pad"],
+        help="even split: the same batches on every rank, each shard dropping or repeating up to a row, so an epoch "
+        "is checked for what that promises instead of exactly once",
+    )
     return p.parse_args(argv)
 
 
@@ -61,9 +66,11 @@ class DataWait:
             yield batch
 
 
-def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tuple[torch.Tensor, int, float, float]:
-    """Train one epoch; return this rank's per-id counts, tensor bytes received, seconds, and
-    seconds spent waiting for data.
+def run_epoch(
+    model, optimizer, loader, rows: int, epoch: int, rank: int
+) -> tuple[torch.Tensor, int, int, float, float]:
+    """Train one epoch; return this rank's per-id counts, batches, tensor bytes received,
+    seconds, and seconds spent waiting for data.
 
     The model (labels are ``id % 10``, out of a linear model's reach) only makes the step real:
     the demo measures and checks the data path, not the fit.
@@ -93,7 +100,28 @@ def run_epoch(model, optimizer, loader, rows: int, epoch: int, rank: int) -> tup
     outside = (ids < 0) | (ids >= rows)
     counts = torch.bincount(ids[~outside], minlength=rows).to(torch.int32)
     counts = torch.cat([counts, outside.sum().to(torch.int32).reshape(1)])
-    return counts, nbytes, seconds, wait.seconds
+    return counts, len(seen), nbytes, seconds, wait.seconds
+
+
+def epoch_verdict(counts: torch.Tensor, rows: int, shards: int, even: str | None) -> tuple[bool, str, str]:
+    """Whether an epoch delivered what the split promises, its name, and what went wrong if not.
+
+    ``counts`` holds how often each row id was seen, then the ids outside [0, rows). Without
+    ``even`` every row comes once; "drop" cuts each shard to rows // shards (the rows past that,
+    none twice), "pad" fills each to the ceiling (every row at least once, the rest repeats).
+    """
+    seen, outside = counts[:-1], int(counts[-1])
+    missing, repeated = int((seen == 0).sum()), int((seen > 1).sum())
+    extra = int(seen.sum()) - rows + missing  # reads beyond each row's first
+    if even == "drop":
+        promise, ok = "at most once", repeated == 0 and missing == rows - shards * (rows // shards)
+    elif even == "pad":
+        promise, ok = "at least once", missing == 0 and extra == shards * -(-rows // shards) - rows
+    else:
+        promise, ok = "exactly once", missing == 0 and repeated == 0
+    ok = ok and outside == 0
+    why = f"{missing} row(s) never seen, {repeated} seen more than once, {outside} id(s) outside 0..{rows - 1}"
+    return ok, promise, why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,14 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     ok, total_rows, total_bytes, total_seconds, total_waited = True, 0, 0, 0.0, 0.0
     for epoch in range(args.epochs):
         dataset.set_epoch(epoch)
-        counts, nbytes, seconds, waited = run_epoch(model, optimizer, loader, args.rows, epoch, rank)
+        counts, batches, nbytes, seconds, waited = run_epoch(model, optimizer, loader, args.rows, epoch, rank)
         dist.all_reduce(counts)  # per row id: how many ranks' batches held it, summed
         sent = torch.tensor([nbytes], dtype=torch.int64)
         dist.all_reduce(sent)
         slowest = torch.tensor([seconds, waited], dtype=torch.float64)  # each on the slowest rank
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        once = int(counts[-1]) == 0 and bool((counts[:-1] == 1).all())
-        ok = ok and once
+        shards = world * max(1, args.workers)
+        delivered, promise, why = epoch_verdict(counts, args.rows, shards, args.even_split)
+        # Under an even split every rank reads as many batches: fewest and most, over the ranks.
+        spread = torch.tensor([batches, -batches], dtype=torch.int64)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        level = not args.even_split or int(spread[0]) == -int(spread[1])
+        ok = ok and delivered and level
         rows, nbytes, (seconds, waited) = int(counts.sum()), int(sent), slowest.tolist()
         total_rows, total_bytes = total_rows + rows, total_bytes + nbytes
         total_seconds, total_waited = total_seconds + seconds, total_waited + waited
@@ -138,22 +171,19 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"epoch {epoch}: {rows:,} rows in {seconds:.2f}s ({rows / seconds:,.0f} rows/s, "
                 f"{nbytes / seconds / 1e6:.1f} MB/s through the training loop; {waited:.2f}s of it waiting "
-                f"for data), exactly once: {'yes' if once else 'NO'}",
+                f"for data), {promise}: {'yes' if delivered else 'NO'}",
                 flush=True,
             )
-            if not once:
-                missing, repeated = int((counts[:-1] == 0).sum()), int((counts[:-1] > 1).sum())
-                print(
-                    f"  {missing} row(s) never seen, {repeated} seen more than once, "
-                    f"{int(counts[-1])} id(s) outside 0..{args.rows - 1}",
-                    flush=True,
-                )
+            if not delivered:
+                print(f"  {why}", flush=True)
+            if not level:
+                print(f"  ranks read {-int(spread[1])} to {int(spread[0])} batches, not the same", flush=True)
     if rank == 0:
         print(
             f"summary: {total_rows:,} rows over {args.epochs} epochs, {total_rows / total_seconds:,.0f} rows/s and "
             f"{total_bytes / total_seconds / 1e6:.1f} MB/s through the training loop, "
             f"{100 * total_waited / total_seconds:.0f}% of its time waiting for data, "
-            f"exactly once: {'yes' if ok else 'NO'}",
+            f"{'exactly once' if not args.even_split else 'as the even split promises'}: {'yes' if ok else 'NO'}",
             flush=True,
         )
     dist.destroy_process_group()

@@ -207,6 +207,54 @@ def test_the_check_fails_when_a_row_is_missing(small_cache, tmp_path):
     )
 
 
+@pytest.mark.parametrize(("even", "promise"), [("drop", "at most once"), ("pad", "at least once")])
+def test_the_check_of_an_even_split_is_what_that_split_promises(small_cache, tmp_path, even, promise):
+    """--even-split failed every run whose rows did not divide by the shards: the demo checked
+    exactly once, which an even split does not promise. 10,000 rows over 3 shards: "drop"
+    leaves one row out, "pad" reads two twice, and each rank reads as many batches."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    cmd += ["--log-dir", str(tmp_path / "torchrun")]
+    cmd += [str(REPO_ROOT / "hack" / "demo_train.py"), "--endpoint", small_cache.endpoint, "--rows", "10000"]
+    cmd += ["--epochs", "1", "--workers", "3", "--even-split", even]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = "9,999" if even == "drop" else "10,002"
+    assert re.search(rf"epoch 0: {rows} rows .* {promise}: yes", run.stdout), run.stdout
+    assert "summary: " in run.stdout and "as the even split promises: yes" in run.stdout
+
+
+def _epoch_verdict():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_train", REPO_ROOT / "hack" / "demo_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.epoch_verdict
+
+
+@pytest.mark.parametrize(
+    ("seen", "even", "ok"),
+    [
+        ([1, 1, 1, 1, 1], None, True),
+        ([1, 1, 1, 1, 0], None, False),
+        ([1, 1, 1, 1, 0], "drop", True),  # 5 rows over 2 shards: 2 each, one left out
+        ([1, 1, 1, 0, 0], "drop", False),  # two left out: more than the split drops
+        ([2, 1, 1, 1, 0], "drop", False),  # a row twice is never dropping
+        ([2, 1, 1, 1, 1], "pad", True),  # 3 each: one read twice
+        ([2, 2, 1, 1, 0], "pad", False),  # a row never read is never padding
+        ([3, 1, 1, 1, 1], "pad", False),  # two repeats: more than the split pads
+    ],
+)
+def test_the_epoch_verdict_of_each_split(seen, even, ok):
+    import torch
+
+    counts = torch.tensor([*seen, 0], dtype=torch.int32)
+    assert _epoch_verdict()(counts, rows=5, shards=2, even=even)[0] is ok
+    counts[-1] = 1  # an id outside the table fails every split
+    assert _epoch_verdict()(counts, rows=5, shards=2, even=even)[0] is False
+
+
 # Two ranks from mp.spawn with a tcp:// process group and no RANK/WORLD_SIZE in the environment,
 # each reading through spawn DataLoader workers: the workers have no process group to ask.
 _MP_SPAWN_SCRIPT = """
