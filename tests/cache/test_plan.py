@@ -393,6 +393,45 @@ def test_s3_properties_from_standard_env():
     assert "s3.region" not in s3_properties_from_env({})
 
 
+def test_the_s3_clients_timeouts_and_addressing_reach_its_filesystem():
+    """A store slower than 3 s to answer failed every load, with nothing to set; a store that
+    takes only virtual-hosted requests (bucket.host) could not be read at all."""
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    env = {
+        "AWS_ENDPOINT_URL": "http://minio:9000",
+        "AWS_TIMEOUT": "30s",
+        "AWS_CONNECT_TIMEOUT": "1500ms",
+        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "true",
+    }
+    props = s3_properties_from_env(env)
+    settings = PyArrowFileIO(props).fs_by_scheme("s3", "bucket").__reduce__()[1][0]
+    assert (settings["request_timeout"], settings["connect_timeout"]) == (30.0, 1.5)
+    assert settings["force_virtual_addressing"] is True
+    assert s3_properties_from_env({"AWS_TIMEOUT": "2m"})["s3.request-timeout"] == "120.0"
+    assert s3_properties_from_env({"AWS_TIMEOUT": "45"})["s3.request-timeout"] == "45.0"  # seconds
+    assert s3_properties_from_env({"AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false"}) == {
+        "s3.force-virtual-addressing": "false"
+    }
+    unset = PyArrowFileIO(s3_properties_from_env({"AWS_ENDPOINT_URL": "http://minio:9000"}))
+    assert unset.fs_by_scheme("s3", "bucket").__reduce__()[1][0]["force_virtual_addressing"] is False
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"AWS_TIMEOUT": "soon"}, "AWS_TIMEOUT='soon' should be a positive duration: seconds (30), or 30s"),
+        ({"AWS_TIMEOUT": "0"}, "AWS_TIMEOUT='0' should be a positive duration"),
+        ({"AWS_CONNECT_TIMEOUT": "-1s"}, "AWS_CONNECT_TIMEOUT='-1s' should be a positive duration"),
+        ({"AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "maybe"}, "AWS_VIRTUAL_HOSTED_STYLE_REQUEST='maybe' should be true"),
+    ],
+)
+def test_s3_client_settings_that_cannot_work_are_refused_naming_them(env, says):
+    with pytest.raises(ConfigError) as refused:
+        s3_properties_from_env(env)
+    assert str(refused.value).startswith(says)
+
+
 def test_s3_settings_that_cannot_work_are_refused_naming_the_variable():
     """An endpoint without a scheme was taken as https ("SSL connect error ... wrong version
     number"), and half a key pair failed in pyarrow's words; a lone session token, which the AWS
@@ -520,6 +559,11 @@ S3_ERRORS = {
     "bad CA file": "When reading information for key 'd.parquet' in bucket 'b': AWS Error NETWORK_CONNECTION during "
     "HeadObject operation: curlCode: 77, Problem with the SSL CA cert (path? access rights?); Details: error "
     "adding trust anchors from file: /etc/ca.pem",
+    # The store's refusals once the S3 client's retries ran out (moto answering 503 and 500).
+    "throttled": "Could not open Parquet input source 's3://b/d.parquet': AWS Error SLOW_DOWN during GetObject "
+    "operation: Reduce your request rate.",
+    "failing": "Could not open Parquet input source 's3://b/d.parquet': AWS Error INTERNAL_FAILURE during GetObject "
+    "operation: We encountered an internal error. Please try again.",
 }
 
 
@@ -538,7 +582,9 @@ S3_ERRORS = {
                 case,
                 "the object store at http://minio:9000 (AWS_ENDPOINT_URL) was reached but stopped answering "
                 "(a request timed out)",
-                "check the store's health and load, and that AWS_ENDPOINT_URL names the store itself",
+                "check the store's health and load, and that AWS_ENDPOINT_URL names the store itself, not another "
+                "service; a store that is slow to answer can be given longer with AWS_TIMEOUT (3 s unless set, "
+                "e.g. AWS_TIMEOUT=30s)",
             )
             for case in ("silent", "stalled")
         ),
@@ -551,6 +597,16 @@ S3_ERRORS = {
             "bad CA file",
             "the CA file for the object store could not be loaded",
             "check that SSL_CERT_FILE (or AWS_CA_BUNDLE) names a readable file of PEM certificates",
+        ),
+        (
+            "throttled",
+            "the object store kept refusing requests as too many (503 SlowDown), past the S3 client's retries",
+            "restart the cache once the store's load drops",
+        ),
+        (
+            "failing",
+            "the object store failed the requests (HTTP 500), past the S3 client's retries",
+            "check the store's health and logs, then restart the cache",
         ),
     ],
 )
@@ -567,6 +623,20 @@ def test_a_data_file_the_store_fails_names_the_setting_to_check(monkeypatch, cas
     assert message.endswith(f"({S3_ERRORS[case]})")  # the client's own words are kept, after the fix
     metadata = str(_open_error("s3://b/m.metadata.json", "s3://b/m.metadata.json", err, "http://minio:9000"))
     assert metadata.startswith(f"{problem}, reading METADATA_LOC 's3://b/m.metadata.json': {fix}"), metadata
+
+
+def test_a_data_file_gone_between_planning_and_its_read_is_named_as_gone():
+    """Found by the planning's HEAD, gone by the GET: the S3 client's NO_SUCH_KEY, which came
+    through raw, without the "it is gone" of a file found missing at once."""
+    from kubeflow_data_cache.store import _read_error
+
+    err = OSError(
+        "Could not open Parquet input source '<Buffer>': AWS Error NO_SUCH_KEY during GetObject operation: "
+        "The specified key does not exist."
+    )
+    message = _read_error("s3://b/d.parquet", err, "http://minio:9000")
+    assert message.startswith("cannot read data file s3://b/d.parquet: it is gone, though the table's metadata names")
+    assert message.endswith("point METADATA_LOC at the current metadata.json")
 
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"

@@ -5,10 +5,12 @@ Every setting reaches the nodes the way it does in a pod: through the standard A
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import os
 import socket
 import threading
+import time
 
 import pyarrow.compute as pc
 import pytest
@@ -278,7 +280,73 @@ def test_wrong_bucket_fails_with_the_location_it_tried(moto_s3):
     location = "s3://no-such-bucket/wh/demo/events/metadata/00003-0a1b2c3d.metadata.json"
     code, stderr = failed_run(location, moto_s3.env())
     assert code != 0
-    assert f"METADATA_LOC {location!r} does not exist" in stderr
+    # A missing bucket reads as a missing key (a HEAD's 404 has no body): both are named.
+    assert (
+        f"METADATA_LOC {location!r} does not exist on the object store at {moto_s3.endpoint} (AWS_ENDPOINT_URL): "
+        "point it at the table's current metadata.json, and check that the bucket 'no-such-bucket' is on that store "
+        "and that AWS_ENDPOINT_URL names the store itself"
+    ) in stderr
+
+
+class _SlowStore:
+    """A proxy in front of moto that waits ``delay`` seconds before answering each data file's
+    GET: a store slower than the S3 client's default 3 s to start an answer."""
+
+    def __init__(self, upstream: str, delay: float):
+        host, port = upstream.removeprefix("http://").split(":")
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "GET" and self.path.split("?")[0].endswith(".parquet"):
+                    time.sleep(delay)
+                    proxy.delayed += 1
+                upstream_conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                upstream_conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                answer = upstream_conn.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                dropped = ("transfer-encoding", "connection") + (() if self.command == "HEAD" else ("content-length",))
+                for name, value in answer.getheaders():
+                    if name.lower() not in dropped:  # a HEAD's length is the object's
+                        self.send_header(name, value)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream_conn.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = _forward
+
+            def log_message(self, *args):
+                pass
+
+        self.delayed = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_a_store_slower_than_the_default_request_timeout_loads_with_aws_timeout(moto_s3, s3_tables):
+    """A store that took 5 s to start each answer failed every load ("Operation too slow ... the
+    last 3 seconds"), and no setting could give it longer: AWS_TIMEOUT does."""
+    store = _SlowStore(moto_s3.endpoint, delay=4.0)
+    try:
+        env = {**moto_s3.env(), "AWS_ENDPOINT_URL": store.endpoint, "AWS_TIMEOUT": "20s"}
+        with running_cache(s3_tables["events"].metadata_location, data_nodes=1, env=env) as cache:
+            assert_every_row_once(read_path_shards(cache.endpoint, total=1), ROWS)
+        assert store.delayed >= FILES  # every data file came late
+    finally:
+        store.close()
 
 
 @pytest.mark.slow

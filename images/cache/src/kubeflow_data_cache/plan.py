@@ -30,7 +30,7 @@ from kubeflow_data_cache.constants import (
 from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError, shown
 from kubeflow_data_cache.expansion import measure_expansions
 from kubeflow_data_cache.iceberg_reader import is_remote, rows_after_deletes
-from kubeflow_data_cache.s3_settings import store_trouble
+from kubeflow_data_cache.s3_settings import endpoint_variable, store_trouble
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,16 @@ def _open_error(
             return TableLoadError(
                 f"METADATA_LOC {metadata_location!r} does not exist as written: pyiceberg does not decode "
                 f"percent-escapes in a local path; write it unescaped, {unescaped!r}"
+            )
+        if is_remote(location):
+            # A store answers a missing bucket as it answers a missing key (a HEAD's 404 has no
+            # body), and so does an endpoint that is no S3 store at all: name both.
+            bucket = location.split("://", 1)[1].split("/", 1)[0]
+            store = f"the object store at {endpoint} ({endpoint_variable()})" if endpoint else "AWS S3"
+            return TableLoadError(
+                f"METADATA_LOC {metadata_location!r} does not exist on {store}: point it at the table's current "
+                f"metadata.json, and check that the bucket {bucket!r} is on that store"
+                + (f" and that {endpoint_variable()} names the store itself" if endpoint else "")
             )
         return TableLoadError(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "

@@ -91,12 +91,44 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     if env.get("AWS_PROFILE") and not (key_id and secret) and (missing := missing_profile(env["AWS_PROFILE"], env)):
         # Not refused: the SDK goes on down its chain (web identity, the instance role), which may sign.
         log.warning("%s", missing)
+    props.update(_client_settings(env))
     # Static keys only as a pair, with their session token; a token on its own is ignored, as
     # the AWS SDKs ignore incomplete environment credentials and go on down the chain.
     if key_id and secret:
         props["s3.access-key-id"], props["s3.secret-access-key"] = key_id, secret
         if env.get("AWS_SESSION_TOKEN"):
             props["s3.session-token"] = env["AWS_SESSION_TOKEN"]
+    return props
+
+
+# The S3 client's own settings, under the names Arrow's Rust object_store reads them by (the AWS
+# SDKs have none for them); the initializer forwards them to the cache pods as every AWS_*
+# setting. pyarrow's request timeout is how long a request may wait for the store's next bytes
+# (3 s by default): a store slower than that to start an answer failed every load, with nothing
+# to set.
+TIMEOUT_SETTINGS = {"AWS_TIMEOUT": "s3.request-timeout", "AWS_CONNECT_TIMEOUT": "s3.connect-timeout"}
+VIRTUAL_HOSTED_SETTING = "AWS_VIRTUAL_HOSTED_STYLE_REQUEST"
+_DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m)?")
+_SECONDS_PER_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def _client_settings(env: dict[str, str]) -> dict[str, str]:
+    props = {}
+    for name, prop in TIMEOUT_SETTINGS.items():
+        if value := env.get(name):
+            match = _DURATION.fullmatch(value.strip())
+            seconds = float(match["number"]) * _SECONDS_PER_UNIT[match["unit"]] if match else 0.0
+            if seconds <= 0:
+                raise ConfigError(f"{name}={value!r} should be a positive duration: seconds (30), or 30s, 500ms, 2m")
+            props[prop] = str(seconds)
+    if value := env.get(VIRTUAL_HOSTED_SETTING):
+        words = {"true": "true", "1": "true", "false": "false", "0": "false"}
+        if value.strip().lower() not in words:
+            raise ConfigError(
+                f"{VIRTUAL_HOSTED_SETTING}={value!r} should be true (requests to bucket.host, as some stores "
+                "require) or false (requests to host/bucket, the default with AWS_ENDPOINT_URL)"
+            )
+        props["s3.force-virtual-addressing"] = words[value.strip().lower()]
     return props
 
 
@@ -274,6 +306,11 @@ def _ca_fix() -> str:
     )
 
 
+def _timeout_now() -> str:
+    given = os.environ.get("AWS_TIMEOUT")
+    return f"now {given}" if given else "3 s unless set, e.g. AWS_TIMEOUT=30s"
+
+
 def _unreachable(endpoint: str | None, err: BaseException) -> StoreTrouble:
     if endpoint:
         name = endpoint_variable()
@@ -323,11 +360,26 @@ def store_trouble(err: BaseException, endpoint: str | None) -> StoreTrouble | No
             name = endpoint_variable()
             return StoreTrouble(
                 f"the object store at {endpoint} ({name}) was reached but stopped answering (a request timed out)",
-                f"check the store's health and load, and that {name} names the store itself, not another service",
+                f"check the store's health and load, and that {name} names the store itself, not another service; "
+                f"a store that is slow to answer can be given longer with AWS_TIMEOUT ({_timeout_now()})",
             )
         return StoreTrouble(
             "AWS S3 was reached but stopped answering (a request timed out)",
-            "check the network between this pod and S3 (a proxy or NAT gateway), then restart the cache",
+            "check the network between this pod and S3 (a proxy or NAT gateway), then restart the cache; a slow "
+            f"path can be given longer with AWS_TIMEOUT ({_timeout_now()})",
+        )
+    # The store's own refusals past the S3 client's retries: throttling (503 SlowDown) and its
+    # failures (500), which the AWS text names without saying what to do.
+    if "SLOW_DOWN" in text or "HTTP status 503" in text:
+        return StoreTrouble(
+            "the object store kept refusing requests as too many (503 SlowDown), past the S3 client's retries",
+            "restart the cache once the store's load drops, or give the store more capacity; fewer data nodes "
+            "send fewer requests at once",
+        )
+    if "INTERNAL_FAILURE" in text or "HTTP status 500" in text:
+        return StoreTrouble(
+            "the object store failed the requests (HTTP 500), past the S3 client's retries",
+            "check the store's health and logs, then restart the cache",
         )
     if "NETWORK_CONNECTION" in text:
         return _unreachable(endpoint, err)

@@ -178,7 +178,9 @@ def _read_error(path: str, err: Exception, endpoint: str | None) -> str:
     trouble = store_trouble(err, endpoint) if is_remote(path) else None
     if trouble is not None:
         return f"cannot read data file {path}: {trouble.problem}: {trouble.fix} ({err})"
-    if isinstance(err, FileNotFoundError):
+    # A file found at planning (HEAD) but gone by its GET is the S3 client's NO_SUCH_KEY, no
+    # FileNotFoundError: the same cause.
+    if isinstance(err, FileNotFoundError) or "NO_SUCH_KEY" in str(err):
         # The metadata was read moments ago and names it: the file went after the table was
         # written (an expired snapshot's files, an orphan-file cleanup), or METADATA_LOC is old.
         return (
