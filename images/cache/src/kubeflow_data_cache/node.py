@@ -298,7 +298,7 @@ class DataNode(ReadOnlyFlight):
         if tasks:
             # Beside the open, not in it: a load waits for the open, and a warm-up read that
             # stalls on storage must not hold the load (whose own reads are the ones named).
-            args = (table, next(iter(tasks.values())))
+            args = (table, min(tasks.values(), key=lambda task: task.file.file_size_in_bytes))  # least to fetch
             threading.Thread(target=warm_reader, args=args, name="warm-reader", daemon=True).start()
         return table, arrow_schema(table), tasks
 
