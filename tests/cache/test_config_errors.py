@@ -3,6 +3,7 @@ traceback, never a setting that silently turns a deadline or a budget off."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -246,6 +247,24 @@ def test_a_config_error_is_printed_once():
 def test_flight_port_in_use_names_the_port(listening):
     result = data_cache("head", "--metadata-loc", "x", "--data-nodes", "1", "--port", str(listening))
     assert_one_line_error(result, f"port {listening}", "already in use", "`FLIGHT_PORT` (--port)")
+
+
+def test_a_privileged_port_is_named_as_the_port_to_change_not_the_host():
+    """EACCES on port 80 said "check --host", the one setting that was right."""
+    import shutil
+
+    # Run without the capability to bind it (root here has it, as a pod's root may not).
+    drop = ["setpriv", "--bounding-set=-net_bind_service", "--inh-caps=-net_bind_service"] if os.geteuid() == 0 else []
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("running as root, and setpriv is not here to drop CAP_NET_BIND_SERVICE")
+    cmd = [*drop, sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", "/x/metadata.json"]
+    result = subprocess.run(
+        [*cmd, "--port", "80"], capture_output=True, text=True, timeout=DEADLINE, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert_one_line_error(
+        result, "cannot listen on 127.0.0.1:80 (Permission denied): ports below 1024 need root or CAP_NET_BIND_SERVICE",
+        "pick a port of 1024 or more with `--port`",
+    )  # fmt: skip
 
 
 def test_health_port_in_use_names_the_port(listening):

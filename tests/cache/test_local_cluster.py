@@ -45,6 +45,71 @@ def test_a_port_another_cache_serves_is_refused_not_reported_ready(small_cache, 
     assert time.monotonic() - started < 30  # refused before any node starts
 
 
+_HOLD_PORT = """
+import sys
+from kubeflow_data_cache import local
+print(local._reserve(int(sys.argv[1])), flush=True)
+sys.stdin.read()  # a `local` whose head is still importing, its --port not bound yet
+"""
+
+
+def test_a_port_another_local_is_starting_on_is_refused_at_once(small_table):
+    """A second `local` given the same --port while the first's head was still starting found it
+    free too (nothing bound it yet), and printed READY for the first's cache, its own table unread."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_PORT, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        cmd = [sys.executable, "-m", "kubeflow_data_cache", "local", "--metadata-loc", small_table.metadata_location]
+        result = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=DEADLINE)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert result.returncode == 2 and "READY" not in result.stdout
+    assert_one_line_error(
+        result, f"port {port} is taken by another `data-cache local` that is still starting", "--port"
+    )
+
+
+def test_a_status_from_a_head_this_local_did_not_start_is_refused(small_cache, small_table):
+    """The port's check passes, then another cache binds it before our head does: its "ready"
+    was taken for ours. A head's status names its process, and local takes only its own head's."""
+    import json
+
+    import pyarrow.flight as flight
+
+    from kubeflow_data_cache import protocol
+    from kubeflow_data_cache.local import LocalCluster
+
+    with contextlib.closing(flight.FlightClient(small_cache.endpoint)) as client:
+        (answer,) = client.do_action(flight.Action(protocol.ACTION_STATUS, b""))
+    status = json.loads(answer.body.to_pybytes())
+    heads = [c.pid for c in psutil.Process(small_cache.proc.pid).children() if " head " in " ".join(c.cmdline())]
+    assert [status["pid"]] == heads  # the head's own process
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cluster = LocalCluster(small_table.metadata_location, 1, small_cache.port)
+        cluster.procs.append(("head", ours))
+        try:
+            cluster._check_ours(status)
+        except RuntimeError as err:
+            refusal = str(err)
+        else:
+            raise AssertionError("a foreign head's status was taken as ours")
+        assert refusal.startswith(
+            f"another cache answers at grpc://127.0.0.1:{small_cache.port} (process {status['pid']}"
+        )
+        assert refusal.endswith("not the head this `local` started: pick another port with --port")
+        cluster._check_ours({**status, "pid": ours.pid})  # our own head's answer passes
+    finally:
+        ours.kill()
+        ours.wait()
+
+
 def test_port_0_picks_a_free_port_and_names_it(table_factory):
     table = table_factory(2000, 1)
     # The later --port 0 wins over the one LocalCache passes.
@@ -132,7 +197,38 @@ def test_a_stalled_reader_lets_the_nodes_end_their_own_grace_under_sigterm(table
         cache.proc.send_signal(signal.SIGTERM)
         assert cache.proc.wait(timeout=SHUTDOWN_GRACE_SECONDS + 30) == 0
         assert time.monotonic() - started >= SHUTDOWN_GRACE_SECONDS - 1
-        assert "exiting without them" in cache.read_stderr()
+        log = cache.read_stderr()
+        assert "exiting without them" in log
+        assert "waiting up to 10s for 1 open stream(s) to finish" in log
+        # The head stops at once; the node, draining, went on trying to register with it.
+        assert "cannot register with the head" not in log, log[-3000:]
+        reader.close()
+    finally:
+        cache.stop()
+
+
+def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory):
+    """A second Ctrl-C was recorded and ignored: the terminal waited out the whole grace."""
+    import pyarrow.flight as flight
+
+    from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
+
+    cache = LocalCache(table_factory(200_000, 2).metadata_location, 1)
+    try:
+        cache.wait_ready()
+        options = [("grpc.http2.bdp_probe", 0)]
+        info = flight.FlightClient(cache.endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+        reader = flight.FlightClient(info.endpoints[0].locations[0].uri.decode(), generic_options=options)
+        stream = reader.do_get(info.endpoints[0].ticket)
+        stream.read_chunk()  # then stop reading
+        started = time.monotonic()
+        os.killpg(cache.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        deadline = time.monotonic() + DEADLINE
+        while "Ctrl-C again to stop now" not in cache.read_stderr() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(cache.proc.pid, signal.SIGINT)
+        assert cache.proc.wait(timeout=SHUTDOWN_GRACE_SECONDS + 30) == 0
+        assert time.monotonic() - started < SHUTDOWN_GRACE_SECONDS - 3, cache.read_stderr()[-3000:]
         reader.close()
     finally:
         cache.stop()
@@ -303,7 +399,7 @@ def test_a_local_removes_its_port_lock_files_as_it_exits(table_factory, tmp_path
     try:
         cache.wait_ready()
         held = sorted(p.name for p in locks.iterdir())
-        assert len(held) == 5, held  # the head's health port, and a Flight and a health port per data node
+        assert len(held) == 6, held  # the head's two ports, and a Flight and a health port per data node
     finally:
         assert cache.stop() == 0
     assert list(locks.iterdir()) == []

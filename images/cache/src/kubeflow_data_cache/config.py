@@ -370,6 +370,12 @@ def claim_port(host: str, port: int, port_name: str, host_name: str) -> int:
                 f"port {port} on {host} is already in use: stop what listens there or pick another "
                 f"port with {port_name}"
             ) from None
+        if err.errno == errno.EACCES and 0 < port < 1024:
+            # Not the host's fault: binding a port below 1024 takes root or CAP_NET_BIND_SERVICE.
+            raise ConfigError(
+                f"cannot listen on {host_port(host, port)} ({err.strerror}): ports below 1024 need root or "
+                f"CAP_NET_BIND_SERVICE; pick a port of 1024 or more with {port_name}"
+            ) from None
         raise ConfigError(
             f"cannot listen on {host_port(host, port)} ({err.strerror or err}): check {host_name}"
         ) from None

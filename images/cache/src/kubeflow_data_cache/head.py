@@ -773,6 +773,9 @@ class Head(ReadOnlyFlight):
             )
         return {
             "role": "head",
+            # Which process answered: `data-cache local` tells its own head from another that
+            # took its port meanwhile (a "ready" from there was printed as its own READY).
+            "pid": os.getpid(),
             "table": f"{self.cfg.schema_name}.{self.cfg.table_name}",
             "metadata_location": self.cfg.metadata_loc,
             # Which snapshot that metadata's current one is: a METADATA_LOC that is not the table's

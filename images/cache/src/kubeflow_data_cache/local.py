@@ -153,6 +153,13 @@ def _free_ports(host: str, count: int, taken: set[int]) -> list[int]:
     return ports
 
 
+def _reserve_given(port: int, flag: str) -> None:
+    if not _reserve(port):
+        raise ConfigError(
+            f"port {port} is taken by another `data-cache local` that is still starting: pick another port with {flag}"
+        )
+
+
 def _child_preexec(die_with_parent: Callable[[], None] | None) -> Callable[[], None]:
     """Each node's ``preexec_fn``: die with us, and ignore the terminal's Ctrl-C until its own
     handlers are in (runner.run_node): the SIGINT that reaches the whole process group otherwise
@@ -261,10 +268,14 @@ class LocalCluster:
         # whatever listens there, and another cache there answers "ready". Port 0 becomes a free
         # port picked here, so that the READY line can name it.
         self.port = claim_port(self.host, self.port, label("--port"), label("--host"))
+        # Locked as the nodes' ports are: a second `local` given the same --port a moment later
+        # found it free too (the first's head still importing), and its READY named the first's cache.
+        _reserve_given(self.port, "--port")
         if self.health_port:
             if self.health_port == self.port:
                 raise ConfigError(f"--health-port {self.health_port} is also --port: give the head two ports")
             claim_port(self.host, self.health_port, label("--health-port"), label("--host"))
+            _reserve_given(self.health_port, "--health-port")
         # The nodes' memory refusal names our flags; each node gets SIGTERM if we die, even by SIGKILL.
         env = {**os.environ, LOCAL_ENV: "1"}
         # `data-cache --log-level X local` sets this process's level: the nodes, which do the work, too.
@@ -335,6 +346,7 @@ class LocalCluster:
                 status = {"state": "starting", "detail": f"head not answering yet{why}"}
             else:
                 unanswered_since = None
+                self._check_ours(status)
             if status.get("state") == "ready":
                 return status
             if should_stop():
@@ -356,6 +368,16 @@ class LocalCluster:
                 why = "; ".join(filter(None, [last_detail, reads]))
                 raise RuntimeError(f"the cache was not ready within {self.startup_timeout:.0f}s ({why})")
             time.sleep(0.1)
+
+    def _check_ours(self, status: dict) -> None:
+        """Refuse an answer from a head this `local` did not start: one that took the port
+        between our check and our head's bind (ours then fails to bind it)."""
+        head = self.procs[0][1]
+        if status.get("pid") != head.pid:
+            raise RuntimeError(
+                f"another cache answers at {self.head_location} (process {status['pid']}, table "
+                f"{status.get('metadata_location')!r}), not the head this `local` started: pick another port with --port"
+            )
 
     def stop(self) -> None:
         # The nodes share this process's group: signal each one, never the group.

@@ -325,7 +325,9 @@ class DataNode(ReadOnlyFlight):
         delay, last_error = 0.1, ""
         failing_since: float | None = None
         warned_at = float("-inf")
-        while not self._stop.is_set():
+        # Not once the node is stopping: its head, stopped first, is gone, and each node warned
+        # "cannot register with the head" through the whole of its streams' grace.
+        while not self._stop.is_set() and self.lifecycle.state != STOPPING:
             body = {
                 "index": self.cfg.node_index,
                 "location": self.location,
@@ -363,6 +365,8 @@ class DataNode(ReadOnlyFlight):
                 )
                 return
             except Exception as err:  # head not up yet, or restarting: retry with backoff
+                if self.lifecycle.state == STOPPING:
+                    return
                 last_error = first_line(err)
                 if (mismatch := self._tls_mismatch()) is not None:
                     self.lifecycle.fail(mismatch)

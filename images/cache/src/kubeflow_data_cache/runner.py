@@ -122,11 +122,26 @@ def run_node(cfg: NodeConfig) -> NoReturn:
         # ever: the whole of it is bounded.
         server.lifecycle.set(STOPPING, "shutting down")
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
-        while server.open_streams() and time.monotonic() < deadline:
+
+        def hurried() -> bool:
+            # Ctrl-C pressed again: the operator will not wait for the streams. (SIGTERM after a
+            # Ctrl-C is `local` stopping its nodes, which should drain as asked.)
+            return signals.count(signal.SIGINT) > 1
+
+        if open_streams := server.open_streams():
+            log.info(
+                "waiting up to %.0fs for %d open stream(s) to finish%s",
+                SHUTDOWN_GRACE_SECONDS,
+                open_streams,
+                " (Ctrl-C again to stop now)" if signals[:1] == [signal.SIGINT] else "",
+            )
+        while server.open_streams() and time.monotonic() < deadline and not hurried():
             time.sleep(DRAIN_POLL_SECONDS)
         stopper = threading.Thread(target=server.stop, name="shutdown", daemon=True)
         stopper.start()
-        stopper.join(max(SHUTDOWN_FLOOR_SECONDS, deadline - time.monotonic()))
+        floor = time.monotonic() + SHUTDOWN_FLOOR_SECONDS
+        while stopper.is_alive() and time.monotonic() < (floor if hurried() else max(floor, deadline)):
+            stopper.join(DRAIN_POLL_SECONDS)
         health.stop()
         if stopper.is_alive():
             log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)
