@@ -234,6 +234,34 @@ def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory):
         cache.stop()
 
 
+def _wait_logged(cache: LocalCache, text: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in cache.read_stderr():
+        assert time.monotonic() < deadline, f"{text!r} not logged: {cache.read_stderr()[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_local_says_when_the_serving_cache_degrades_and_when_it_recovers(table_factory):
+    """A frozen data node or head after READY left the terminal silent, every read refused."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
+    try:
+        cache.wait_ready()
+        children = psutil.Process(cache.proc.pid).children()
+        node = next(p for p in children if " worker " in " ".join(p.cmdline()))
+        head = next(p for p in children if " head " in " ".join(p.cmdline()))
+        node.suspend()
+        _wait_logged(cache, "WARNING kubeflow_data_cache.local: cache degraded: ")
+        node.resume()
+        _wait_logged(cache, "INFO kubeflow_data_cache.local: cache ready again: ")
+        head.suspend()
+        _wait_logged(cache, "the head has not answered for ")
+        head.resume()
+        _wait_logged(cache, "the head answers again")
+        assert cache.proc.poll() is None  # still serving: it says so, it does not stop
+    finally:
+        cache.stop()
+
+
 def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(table_factory):
     """An operator's view into a process that seems stuck (`kill -USR1`), which leaves it running."""
     cache = LocalCache(table_factory(2000, 1).metadata_location, 1)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -384,6 +385,46 @@ class LocalCluster:
         stop_processes((proc for _, proc in self.procs), STOP_GRACE_SECONDS)
 
 
+# After READY, how often `local` asks its head how the cache is, and how long the head may not
+# answer before that is logged: a frozen head or data node was never reported, the terminal
+# silent while every read failed.
+WATCH_SECONDS = 5.0
+UNANSWERED_WARN_SECONDS = 15.0
+
+
+def watch_head(cluster: LocalCluster, stopped: threading.Event) -> None:
+    """Log each change of the serving cache's state: degraded and back, or a head that stops
+    answering and answers again (the processes' exits are the main loop's)."""
+    client = cluster.tls.client_for(cluster.head_location)
+    last_state, silent_since, warned = "ready", None, False
+    while not stopped.wait(WATCH_SECONDS):
+        try:
+            raw = list(client.do_action(flight.Action(protocol.ACTION_STATUS, b""), call_options(cluster.token, 5)))
+            status = json.loads(raw[0].body.to_pybytes())
+        except Exception as err:
+            if stopped.is_set():
+                return
+            silent_since = silent_since or time.monotonic()
+            if not warned and time.monotonic() - silent_since >= UNANSWERED_WARN_SECONDS:
+                log.warning(
+                    "the head has not answered for %.0fs (readers are refused meanwhile): %s",
+                    time.monotonic() - silent_since,
+                    first_line(err),
+                )
+                warned = True
+            continue
+        if warned:
+            log.info("the head answers again")
+        silent_since, warned = None, False
+        state = status.get("state")
+        if state != last_state:
+            if state == "ready":
+                log.info("cache ready again: %s", status.get("detail"))
+            else:
+                log.warning("cache %s: %s", state, status.get("error") or status.get("detail"))
+            last_state = state
+
+
 class StoppedBeforeReady(Exception):
     """SIGTERM or Ctrl-C while the cache loads: a stop asked for, not a failure."""
 
@@ -394,6 +435,7 @@ def run_local(cluster: LocalCluster) -> int:
     def on_signal(signum, _frame):
         stopping["signal"] = signum
 
+    watching = threading.Event()  # set: the watch of the serving cache ends
     handle_signals(on_signal)
     dump_stacks_on_signal()  # as each node does: USR1's default action would end `local`, and the cache
     try:
@@ -415,6 +457,7 @@ def run_local(cluster: LocalCluster) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             log.error("stdout is closed (%s): the READY line could not be written; stopping the cache", err)
             return 1
+        threading.Thread(target=watch_head, args=(cluster, watching), name="watch-head", daemon=True).start()
         while stopping["signal"] is None:
             dead = cluster._dead()
             if dead and stopping["signal"] is None:  # not a node that exited on the same Ctrl-C
@@ -433,4 +476,5 @@ def run_local(cluster: LocalCluster) -> int:
         # A node that refused its settings (exit 2, its error line printed) is a settings error of ours.
         return 2 if any(proc.returncode == 2 for _, proc in cluster.procs) else 1
     finally:
+        watching.set()
         cluster.stop()
