@@ -30,8 +30,8 @@ from bench.tables import BenchTable
 # What a user's fresh process runs to get the whole table in memory without the cache.
 # It also times the to_arrow() call alone, after the warm-up a data node does before its own
 # clock starts (store.warm_reader: one decoded batch of one column of the smallest file, which
-# sets up the reader stack), so the two first reads start from the same state. The warm-up's own time is left out
-# of the whole interpreter's figure, which stays what a user's process takes.
+# sets up the reader stack), so the two first reads start from the same state. The warm-up's
+# own time is left out of the whole interpreter's figure, which stays what a user's process takes.
 _COLD_SCRIPT = """
 import json, sys, time
 from pyiceberg.table import StaticTable
