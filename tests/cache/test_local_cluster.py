@@ -234,6 +234,22 @@ def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory):
         cache.stop()
 
 
+def test_a_data_node_killed_by_sigkill_is_named_with_the_likely_cause(table_factory):
+    """ "was killed by SIGKILL" alone: nothing of ours sends it, the OOM killer does."""
+    cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
+    try:
+        cache.wait_ready()
+        (node,) = [p for p in psutil.Process(cache.proc.pid).children() if " worker " in " ".join(p.cmdline())]
+        node.kill()
+        assert cache.proc.wait(timeout=DEADLINE) == 1
+        assert (
+            "data node 0 was killed by SIGKILL (as the kernel's OOM killer ends a process: if it ran out of memory, "
+            "spread the table over more --data-nodes, or give each one more with --memory-limit); stopping the cache"
+        ) in cache.read_stderr()
+    finally:
+        cache.stop()
+
+
 def _wait_logged(cache: LocalCache, text: str, timeout: float = DEADLINE) -> None:
     deadline = time.monotonic() + timeout
     while text not in cache.read_stderr():

@@ -311,7 +311,14 @@ class LocalCluster:
     def _dead(self) -> str | None:
         for name, proc in self.procs:
             if proc.poll() is not None:
-                return f"{name} {exit_status(proc.returncode)}"
+                # Nothing of ours sends SIGKILL: the kernel's OOM killer is the usual sender.
+                hint = (
+                    " (as the kernel's OOM killer ends a process: if it ran out of memory, spread the table over "
+                    "more --data-nodes, or give each one more with --memory-limit)"
+                    if proc.returncode == -signal.SIGKILL
+                    else ""
+                )
+                return f"{name} {exit_status(proc.returncode)}{hint}"
         return None
 
     def wait_ready(self, should_stop=lambda: False) -> dict:
@@ -367,7 +374,7 @@ class LocalCluster:
                 nodes = ((n["index"], n) for n in status.get("nodes", []))
                 reads = waiting_reads(nodes, at_least=0, below=slow_read_seconds())
                 why = "; ".join(filter(None, [last_detail, reads]))
-                raise RuntimeError(f"the cache was not ready within {self.startup_timeout:.0f}s ({why})")
+                raise RuntimeError(f"the cache was not ready within {self.startup_timeout:g}s ({why})")
             time.sleep(0.1)
 
     def _check_ours(self, status: dict) -> None:
