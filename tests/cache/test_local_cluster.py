@@ -13,6 +13,7 @@ import time
 import psutil
 
 from kubeflow_data_cache.client import CacheClient
+from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
 from kubeflow_data_cache.memory import available_cpus
 from kubeflow_data_cache.processes import DUMP_STACKS_SIGNAL
 from tests.cache.conftest import read_path_shards
@@ -177,22 +178,33 @@ def test_nodes_stop_when_local_is_sigkilled(table_factory):
         cache.stop()  # SIGKILL to its whole session sweeps up whatever is left
 
 
+def _stalled_reader(cache: LocalCache):
+    """A reader and the stream it stopped reading after one chunk (the node's writer blocks on
+    flow control): hold both, as a stream let go of is cancelled; close the reader when done."""
+    import pyarrow.flight as flight
+
+    # bdp_probe off: gRPC would otherwise grow the window until the whole stream is buffered.
+    options = [("grpc.http2.bdp_probe", 0)]
+    info = flight.FlightClient(cache.endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
+    reader = flight.FlightClient(info.endpoints[0].locations[0].uri.decode(), generic_options=options)
+    stream = reader.do_get(info.endpoints[0].ticket)
+    stream.read_chunk()
+    return reader, stream
+
+
+def _child(cache: LocalCache, role: str) -> psutil.Process:
+    """The `local`'s head (``"head"``) or its only data node (``"worker"``)."""
+    (child,) = [p for p in psutil.Process(cache.proc.pid).children() if f" {role} " in " ".join(p.cmdline())]
+    return child
+
+
 def test_a_stalled_reader_lets_the_nodes_end_their_own_grace_under_sigterm(table_factory):
     """SIGTERM to `local` while a reader holds a stream it stopped reading: the node waits out
     its own grace for streams, says so and exits 0; `local` must not SIGKILL it first."""
-    import pyarrow.flight as flight
-
-    from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
-
     cache = LocalCache(table_factory(200_000, 2).metadata_location, 1)
     try:
         cache.wait_ready()
-        # bdp_probe off: gRPC would otherwise grow the window until the whole stream is buffered.
-        options = [("grpc.http2.bdp_probe", 0)]
-        info = flight.FlightClient(cache.endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
-        reader = flight.FlightClient(info.endpoints[0].locations[0].uri.decode(), generic_options=options)
-        stream = reader.do_get(info.endpoints[0].ticket)
-        stream.read_chunk()  # then stop reading: the node's writer blocks on flow control
+        reader, _stream = _stalled_reader(cache)
         started = time.monotonic()
         cache.proc.send_signal(signal.SIGTERM)
         assert cache.proc.wait(timeout=SHUTDOWN_GRACE_SECONDS + 30) == 0
@@ -209,23 +221,13 @@ def test_a_stalled_reader_lets_the_nodes_end_their_own_grace_under_sigterm(table
 
 def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory):
     """A second Ctrl-C was recorded and ignored: the terminal waited out the whole grace."""
-    import pyarrow.flight as flight
-
-    from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
-
     cache = LocalCache(table_factory(200_000, 2).metadata_location, 1)
     try:
         cache.wait_ready()
-        options = [("grpc.http2.bdp_probe", 0)]
-        info = flight.FlightClient(cache.endpoint).get_flight_info(flight.FlightDescriptor.for_path("0", "1"))
-        reader = flight.FlightClient(info.endpoints[0].locations[0].uri.decode(), generic_options=options)
-        stream = reader.do_get(info.endpoints[0].ticket)
-        stream.read_chunk()  # then stop reading
+        reader, _stream = _stalled_reader(cache)
         started = time.monotonic()
         os.killpg(cache.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
-        deadline = time.monotonic() + DEADLINE
-        while "Ctrl-C again to stop now" not in cache.read_stderr() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_logged(cache, "Ctrl-C again to stop now")
         os.killpg(cache.proc.pid, signal.SIGINT)
         assert cache.proc.wait(timeout=SHUTDOWN_GRACE_SECONDS + 30) == 0
         assert time.monotonic() - started < SHUTDOWN_GRACE_SECONDS - 3, cache.read_stderr()[-3000:]
@@ -235,12 +237,11 @@ def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory):
 
 
 def test_a_data_node_killed_by_sigkill_is_named_with_the_likely_cause(table_factory):
-    """ "was killed by SIGKILL" alone: nothing of ours sends it, the OOM killer does."""
+    """Said as "was killed by SIGKILL" alone, though nothing of ours sends it: the OOM killer does."""
     cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
     try:
         cache.wait_ready()
-        (node,) = [p for p in psutil.Process(cache.proc.pid).children() if " worker " in " ".join(p.cmdline())]
-        node.kill()
+        _child(cache, "worker").kill()
         assert cache.proc.wait(timeout=DEADLINE) == 1
         assert (
             "data node 0 was killed by SIGKILL (as the kernel's OOM killer ends a process: if it ran out of memory, "
@@ -262,9 +263,7 @@ def test_local_says_when_the_serving_cache_degrades_and_when_it_recovers(table_f
     cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
     try:
         cache.wait_ready()
-        children = psutil.Process(cache.proc.pid).children()
-        node = next(p for p in children if " worker " in " ".join(p.cmdline()))
-        head = next(p for p in children if " head " in " ".join(p.cmdline()))
+        node, head = _child(cache, "worker"), _child(cache, "head")
         node.suspend()
         _wait_logged(cache, "WARNING kubeflow_data_cache.local: cache degraded: ")
         node.resume()
