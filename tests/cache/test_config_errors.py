@@ -232,6 +232,21 @@ def test_locations_the_cache_cannot_use_exit_2_at_once(args, fragments):
     assert_one_line_error(data_cache(*args), *fragments)
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--memory-limit", "1Ki"], {}, "--memory-limit 1Ki leaves a data node no room for rows"),
+        (["--memory-limit", "400Mi"], {}, "--memory-limit 400Mi leaves a data node no room for rows"),
+        ([], {"MEMORY_LIMIT": "256Mi"}, "MEMORY_LIMIT (from the environment; --memory-limit overrides it) 256Mi"),
+    ],
+)
+def test_local_refuses_a_memory_limit_no_row_fits_under_before_starting(args, env, says):
+    """1Ki started the whole cluster and failed after planning, naming no flag."""
+    result = data_cache("local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", *args, env=env)
+    assert_one_line_error(result, says, "each keeps 400 MiB for its interpreter; give each more than that")
+    assert "exited with code" not in result.stderr
+
+
 def test_local_checks_a_memory_limit_its_nodes_would_inherit_from_the_environment():
     """Unchecked, a bad MEMORY_LIMIT showed only as "data node 0 exited with code 2"."""
     result = data_cache("local", "--metadata-loc", "x", env={"MEMORY_LIMIT": "2GB"})

@@ -210,13 +210,23 @@ class LocalCluster:
         # Read as the nodes read it (config.int_setting), so a value local takes they take too.
         given = int_setting(label("LOAD_THREADS"), os.environ.get("LOAD_THREADS"), 0, minimum=1)
         self.load_threads = given or local_load_threads(data_nodes)
+        limit_name, limit = None, 0
         if memory_limit:
-            parse_bytes(memory_limit, "`--memory-limit`")
+            limit_name, limit = "--memory-limit", parse_bytes(memory_limit, "`--memory-limit`")
         elif os.environ.get("MEMORY_LIMIT", "").strip():
             # The nodes inherit it: unchecked here, a bad one showed only as "data node 0 exited
             # with code 2", the reason in that node's log.
-            parse_bytes(
+            limit_name = "MEMORY_LIMIT (from the environment; --memory-limit overrides it)"
+            limit = parse_bytes(
                 os.environ["MEMORY_LIMIT"], "`MEMORY_LIMIT` (from the environment; --memory-limit overrides it)"
+            )
+        if 0 < limit <= constants.BASELINE_MEMORY_BYTES:
+            # No row fits beside the interpreter: refused after the whole cluster started and
+            # planned, in the memory check's words, which named no flag.
+            raise ConfigError(
+                f"{limit_name} {memory_limit or os.environ['MEMORY_LIMIT']} leaves a data node no room for rows: "
+                f"each keeps {constants.BASELINE_MEMORY_BYTES >> 20} MiB for its interpreter; give each more than "
+                "that (--memory-limit 1Gi), or 0 for this machine's own limit"
             )
         if not metadata_loc.strip():
             raise ConfigError(
