@@ -40,7 +40,7 @@ from kubeflow_data_cache.plan import (
 from kubeflow_data_cache.s3_settings import s3_properties_from_env
 from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from kubeflow_data_cache.store import NodeStore
-from tests.cache.conftest import held_and_estimated, pool_peak_in_a_fresh_process
+from tests.cache.conftest import held_and_estimated, pool_peak_in_a_fresh_process, table_in_files
 from tests.conftest import json_from_a_fresh_process
 
 # What the trust check looks for; the S3 client itself never reads it in these tests.
@@ -70,12 +70,29 @@ def test_more_nodes_than_rows_gives_empty_nodes(table_factory):
     assert all(not a.pieces for a in assignments if a.rows == 0)
 
 
-def test_empty_table(table_factory):
+def test_empty_table(table_factory, caplog):
     table = table_factory(0, 1)
     _, plan, _ = planned(table)
     assert plan.rows == 0 and plan.files == ()
     assert [a.rows for a in assign_rows(plan, 3)] == [0, 0, 0]
     assert plan.schema.names[0] == "id"
+    # Served, but said: a table's first metadata file, before its first commit, is an easy
+    # METADATA_LOC to give by mistake, and READY with 0 rows said nothing of it.
+    assert "has no snapshot, so the cache serves no rows: if it should have some, point METADATA_LOC" in caplog.text
+
+
+def test_a_snapshot_with_every_row_deleted_is_said_to_hold_none(tmp_path, caplog):
+    from pyiceberg.expressions import AlwaysTrue
+
+    from kubeflow_data_cache.sample import make_catalog
+
+    table_in_files(tmp_path, pa.table({"id": pa.array([1, 2, 3], pa.int64())}))
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.load_table("s.t").delete(AlwaysTrue())
+    location = catalog.load_table("s.t").metadata_location
+    _, plan, _ = planned_location(location)
+    assert plan.rows == 0 and plan.snapshot_id is not None
+    assert f"the table's current snapshot ({plan.snapshot_id}) holds no rows, so the cache serves none" in caplog.text
 
 
 def test_loaded_rows_match_the_plan_and_the_estimate_is_close(table_factory):

@@ -552,6 +552,16 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     snapshot = table.current_snapshot()
     plan = TablePlan(metadata_location, snapshot.snapshot_id if snapshot else None, schema, tuple(files), expansions)
     log.info("planned %d file(s), %d row(s), about %d MiB in memory", len(files), plan.rows, plan.estimated_bytes >> 20)
+    if snapshot is None:
+        # Served as an empty table, as it is; but a table's first metadata file (00000-...,
+        # written before its first commit) is an easy METADATA_LOC to give by mistake.
+        log.warning(
+            "the table at %s has no snapshot, so the cache serves no rows: if it should have some, point "
+            "METADATA_LOC at its current metadata.json (the one its catalog reports, the latest written)",
+            metadata_location,
+        )
+    elif not plan.rows:
+        log.warning("the table's current snapshot (%d) holds no rows, so the cache serves none", snapshot.snapshot_id)
     return plan, tasks
 
 
