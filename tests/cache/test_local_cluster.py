@@ -11,6 +11,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from kubeflow_data_cache.client import CacheClient
 from kubeflow_data_cache.constants import SHUTDOWN_GRACE_SECONDS
@@ -106,6 +107,9 @@ def test_a_status_from_a_head_this_local_did_not_start_is_refused(small_cache, s
         )
         assert refusal.endswith("not the head this `local` started: pick another port with --port")
         cluster._check_ours({**status, "pid": ours.pid})  # our own head's answer passes
+        # Nor one without a pid (a data node's, an older head's): named, not a KeyError.
+        with pytest.raises(RuntimeError, match=r"\(process unknown, table"):
+            cluster._check_ours({"role": "data-node", "state": "ready"})
     finally:
         ours.kill()
         ours.wait()
@@ -219,15 +223,21 @@ def test_a_stalled_reader_lets_the_nodes_end_their_own_grace_under_sigterm(table
         cache.stop()
 
 
-def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory):
-    """A second Ctrl-C was recorded and ignored: the terminal waited out the whole grace."""
+@pytest.mark.parametrize("first", ["ctrl-c", "sigterm"])
+def test_ctrl_c_again_ends_the_wait_for_a_stalled_reader(table_factory, first):
+    """A second Ctrl-C was recorded and ignored: the terminal waited out the whole grace (also
+    after a `kill`, then a Ctrl-C)."""
     cache = LocalCache(table_factory(200_000, 2).metadata_location, 1)
     try:
         cache.wait_ready()
         reader, _stream = _stalled_reader(cache)
         started = time.monotonic()
-        os.killpg(cache.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
-        _wait_logged(cache, "Ctrl-C again to stop now")
+        if first == "ctrl-c":
+            os.killpg(cache.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+            _wait_logged(cache, "waiting up to 10s for 1 open stream(s) to finish (Ctrl-C again to stop now)")
+        else:
+            cache.proc.send_signal(signal.SIGTERM)  # `local` alone; it stops its nodes with SIGTERM
+            _wait_logged(cache, "waiting up to 10s for 1 open stream(s) to finish\n")
         os.killpg(cache.proc.pid, signal.SIGINT)
         assert cache.proc.wait(timeout=SHUTDOWN_GRACE_SECONDS + 30) == 0
         assert time.monotonic() - started < SHUTDOWN_GRACE_SECONDS - 3, cache.read_stderr()[-3000:]

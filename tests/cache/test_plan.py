@@ -425,8 +425,11 @@ def test_the_s3_clients_timeouts_and_addressing_reach_its_filesystem():
     settings = PyArrowFileIO(props).fs_by_scheme("s3", "bucket").__reduce__()[1][0]
     assert (settings["request_timeout"], settings["connect_timeout"]) == (30.0, 1.5)
     assert settings["force_virtual_addressing"] is True
-    assert s3_properties_from_env({"AWS_TIMEOUT": "2m"})["s3.request-timeout"] == "120.0"
     assert s3_properties_from_env({"AWS_TIMEOUT": "45"})["s3.request-timeout"] == "45.0"  # seconds
+    # humantime's spellings, as object_store (whose names these are) reads them: "1min" was refused.
+    for spelled, seconds in (("2m", 120.0), ("1min", 60.0), ("1m 30s", 90.0), ("1h", 3600.0), ("250ms", 0.25)):
+        assert s3_properties_from_env({"AWS_TIMEOUT": spelled})["s3.request-timeout"] == str(seconds), spelled
+    assert s3_properties_from_env({"AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "on"})["s3.force-virtual-addressing"] == "true"
     assert s3_properties_from_env({"AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false"}) == {
         "s3.force-virtual-addressing": "false"
     }
@@ -438,6 +441,8 @@ def test_the_s3_clients_timeouts_and_addressing_reach_its_filesystem():
     ("env", "says"),
     [
         ({"AWS_TIMEOUT": "soon"}, "AWS_TIMEOUT='soon' should be a positive duration: seconds (30), or 30s"),
+        ({"AWS_TIMEOUT": "30 parsecs"}, "AWS_TIMEOUT='30 parsecs' should be a positive duration"),
+        ({"AWS_TIMEOUT": "1m 30"}, "AWS_TIMEOUT='1m 30' should be a positive duration"),  # a bare number only alone
         ({"AWS_TIMEOUT": "0"}, "AWS_TIMEOUT='0' should be a positive duration"),
         ({"AWS_CONNECT_TIMEOUT": "-1s"}, "AWS_CONNECT_TIMEOUT='-1s' should be a positive duration"),
         ({"AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "maybe"}, "AWS_VIRTUAL_HOSTED_STYLE_REQUEST='maybe' should be true"),
@@ -581,6 +586,9 @@ S3_ERRORS = {
     "operation: Reduce your request rate.",
     "failing": "Could not open Parquet input source 's3://b/d.parquet': AWS Error INTERNAL_FAILURE during GetObject "
     "operation: We encountered an internal error. Please try again.",
+    # A 503 page from a load balancer, no S3 body: the SDK names the status alone.
+    "unavailable": "Could not open Parquet input source 's3://b/d.parquet': AWS Error SERVICE_UNAVAILABLE during "
+    "GetObject operation: ",
 }
 
 
@@ -621,6 +629,11 @@ S3_ERRORS = {
             "restart the cache once the store's load drops",
         ),
         (
+            "unavailable",
+            "the object store kept refusing requests as too many (503 SlowDown), past the S3 client's retries",
+            "restart the cache once the store's load drops",
+        ),
+        (
             "failing",
             "the object store failed the requests (HTTP 500), past the S3 client's retries",
             "check the store's health and logs, then restart the cache",
@@ -640,6 +653,18 @@ def test_a_data_file_the_store_fails_names_the_setting_to_check(monkeypatch, cas
     assert message.endswith(f"({S3_ERRORS[case]})")  # the client's own words are kept, after the fix
     metadata = str(_open_error("s3://b/m.metadata.json", "s3://b/m.metadata.json", err, "http://minio:9000"))
     assert metadata.startswith(f"{problem}, reading METADATA_LOC 's3://b/m.metadata.json': {fix}"), metadata
+
+
+def test_the_sdks_own_internal_failure_is_not_called_the_stores():
+    """A small ranged read whose error body (a 403's) was larger than the read: the SDK fails
+    to take it in and says INTERNAL_FAILURE, whatever the store answered."""
+    from kubeflow_data_cache.s3_settings import store_trouble
+
+    text = (
+        "When reading from key 'd.parquet' in bucket 'b': AWS Error INTERNAL_FAILURE during GetObject operation: "
+        "Failed to flush response stream (eof: 0, bad: 1)"
+    )
+    assert store_trouble(OSError(text), "http://minio:9000") is None  # its own words, not "HTTP 500"
 
 
 def test_a_data_file_gone_between_planning_and_its_read_is_named_as_gone():

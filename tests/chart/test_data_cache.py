@@ -305,6 +305,12 @@ def test_notes_bind_by_hand_with_the_pull_secrets_and_say_what_is_not_scraped():
             ["(the initializer and cache pods pull with a, b: create these Secrets in <namespace> too)"],
         ),
         ([], [], []),
+        # The same Secrets in another order, or one named twice, are still one list.
+        (
+            ["a", "b", "a"],
+            ["b", "a"],
+            ["(the initializer and cache pods pull with a, b: create these Secrets in <namespace> too)"],
+        ),
     ],
 )
 def test_notes_name_each_pods_own_pull_secrets(initializer, cache, lines):

@@ -393,7 +393,7 @@ class LocalCluster:
         head = self.procs[0][1]
         if status.get("pid") != head.pid:
             raise RuntimeError(
-                f"another cache answers at {self.head_location} (process {status['pid']}, table "
+                f"another cache answers at {self.head_location} (process {status.get('pid', 'unknown')}, table "
                 f"{status.get('metadata_location')!r}), not the head this `local` started: pick another port with --port"
             )
 
@@ -430,6 +430,9 @@ def watch_head(cluster: LocalCluster, stopped: threading.Event) -> None:
                 )
                 warned = True
             continue
+        # A Ctrl-C reaches the head too: its "stopping" may come before our main loop ends this.
+        if stopped.is_set() or status.get("state") == "stopping":
+            return
         if warned:
             log.info("the head answers again")
         silent_since, warned = None, False

@@ -124,9 +124,9 @@ def run_node(cfg: NodeConfig) -> NoReturn:
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
 
         def hurried() -> bool:
-            # Ctrl-C pressed again: the operator will not wait for the streams. (SIGTERM after a
-            # Ctrl-C is `local` stopping its nodes, which should drain as asked.)
-            return signals.count(signal.SIGINT) > 1
+            # A Ctrl-C after the stop began: the operator will not wait for the streams. (SIGTERM
+            # after a Ctrl-C is `local` stopping its nodes, which should drain as asked.)
+            return signal.SIGINT in signals[1:]
 
         if open_streams := server.open_streams():
             log.info(
@@ -144,7 +144,11 @@ def run_node(cfg: NodeConfig) -> NoReturn:
             stopper.join(DRAIN_POLL_SECONDS)
         health.stop()
         if stopper.is_alive():
-            log.warning("streams still open after %.0fs; exiting without them", SHUTDOWN_GRACE_SECONDS)
+            log.warning(
+                "streams still open after %.0fs%s; exiting without them",
+                SHUTDOWN_GRACE_SECONDS - (deadline - time.monotonic()),
+                " (Ctrl-C again)" if hurried() else "",
+            )
     except BaseException:
         log.exception("shutting down")
         code = code or 1

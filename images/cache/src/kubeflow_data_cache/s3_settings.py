@@ -108,27 +108,49 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
 # to set.
 TIMEOUT_SETTINGS = {"AWS_TIMEOUT": "s3.request-timeout", "AWS_CONNECT_TIMEOUT": "s3.connect-timeout"}
 VIRTUAL_HOSTED_SETTING = "AWS_VIRTUAL_HOSTED_STYLE_REQUEST"
-_DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m)?")
-_SECONDS_PER_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+# Plain seconds, or humantime's spellings as object_store reads them: "30s", "500ms", "1min",
+# "1m 30s", "2h".
+_DURATION_PART = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)")
+_SECONDS_PER_UNIT = {
+    **dict.fromkeys(("ms", "msec", "msecs", "millis", "millisecond", "milliseconds"), 0.001),
+    **dict.fromkeys(("", "s", "sec", "secs", "second", "seconds"), 1.0),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600.0),
+}
+_TRUE_WORDS, _FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _seconds(value: str) -> float | None:
+    """A duration in seconds, or None where ``value`` is not one."""
+    text, at, total = value.strip().lower(), 0, 0.0
+    while at < len(text):
+        part = _DURATION_PART.match(text, at)
+        if part is None or part["unit"] not in _SECONDS_PER_UNIT or (part["unit"] == "" and at > 0):
+            return None
+        total += float(part["number"]) * _SECONDS_PER_UNIT[part["unit"]]
+        at = part.end()
+    return total if text else None
 
 
 def _client_settings(env: dict[str, str]) -> dict[str, str]:
     props = {}
     for name, prop in TIMEOUT_SETTINGS.items():
         if value := env.get(name):
-            match = _DURATION.fullmatch(value.strip())
-            seconds = float(match["number"]) * _SECONDS_PER_UNIT[match["unit"]] if match else 0.0
-            if seconds <= 0:
-                raise ConfigError(f"{name}={value!r} should be a positive duration: seconds (30), or 30s, 500ms, 2m")
+            seconds = _seconds(value)
+            if not seconds:
+                raise ConfigError(
+                    f"{name}={value!r} should be a positive duration: seconds (30), or 30s, 500ms, 1min, 1m 30s"
+                )
             props[prop] = str(seconds)
     if value := env.get(VIRTUAL_HOSTED_SETTING):
-        words = {"true": "true", "1": "true", "false": "false", "0": "false"}
-        if value.strip().lower() not in words:
+        word = value.strip().lower()
+        if word not in _TRUE_WORDS + _FALSE_WORDS:
             raise ConfigError(
                 f"{VIRTUAL_HOSTED_SETTING}={value!r} should be true (requests to bucket.host, as some stores "
-                "require) or false (requests to host/bucket, the default with AWS_ENDPOINT_URL)"
+                "require) or false (requests to host/bucket, the default with AWS_ENDPOINT_URL; AWS itself is "
+                "always reached at bucket.host)"
             )
-        props["s3.force-virtual-addressing"] = words[value.strip().lower()]
+        props["s3.force-virtual-addressing"] = "true" if word in _TRUE_WORDS else "false"
     return props
 
 
@@ -370,13 +392,15 @@ def store_trouble(err: BaseException, endpoint: str | None) -> StoreTrouble | No
         )
     # The store's own refusals past the S3 client's retries: throttling (503 SlowDown) and its
     # failures (500), which the AWS text names without saying what to do.
-    if "SLOW_DOWN" in text or "HTTP status 503" in text:
+    if "SLOW_DOWN" in text or "SERVICE_UNAVAILABLE" in text or "HTTP status 503" in text:
         return StoreTrouble(
             "the object store kept refusing requests as too many (503 SlowDown), past the S3 client's retries",
             "restart the cache once the store's load drops, or give the store more capacity; fewer data nodes "
             "send fewer requests at once",
         )
-    if "INTERNAL_FAILURE" in text or "HTTP status 500" in text:
+    # Not the SDK's own INTERNAL_FAILURE for an answer it could not take in ("Failed to flush
+    # response stream": an error body larger than a small ranged read), whatever the store said.
+    if ("INTERNAL_FAILURE" in text or "HTTP status 500" in text) and "Failed to flush response stream" not in text:
         return StoreTrouble(
             "the object store failed the requests (HTTP 500), past the S3 client's retries",
             "check the store's health and logs, then restart the cache",
