@@ -210,21 +210,22 @@ class LocalCluster:
         # Read as the nodes read it (config.int_setting), so a value local takes they take too.
         given = int_setting(label("LOAD_THREADS"), os.environ.get("LOAD_THREADS"), 0, minimum=1)
         self.load_threads = given or local_load_threads(data_nodes)
-        limit_name, limit = None, 0
+        given, limit_name, limit = memory_limit, "--memory-limit", 0
         if memory_limit:
-            limit_name, limit = "--memory-limit", parse_bytes(memory_limit, "`--memory-limit`")
+            limit = parse_bytes(memory_limit, "`--memory-limit`")
         elif os.environ.get("MEMORY_LIMIT", "").strip():
             # The nodes inherit it: unchecked here, a bad one showed only as "data node 0 exited
             # with code 2", the reason in that node's log.
-            limit_name = "MEMORY_LIMIT (from the environment; --memory-limit overrides it)"
-            limit = parse_bytes(
-                os.environ["MEMORY_LIMIT"], "`MEMORY_LIMIT` (from the environment; --memory-limit overrides it)"
+            given, limit_name = (
+                os.environ["MEMORY_LIMIT"],
+                "MEMORY_LIMIT (from the environment; --memory-limit overrides it)",
             )
+            limit = parse_bytes(given, "`MEMORY_LIMIT` (from the environment; --memory-limit overrides it)")
         if 0 < limit <= constants.BASELINE_MEMORY_BYTES:
             # No row fits beside the interpreter: refused after the whole cluster started and
             # planned, in the memory check's words, which named no flag.
             raise ConfigError(
-                f"{limit_name} {memory_limit or os.environ['MEMORY_LIMIT']} leaves a data node no room for rows: "
+                f"{limit_name} {given} leaves a data node no room for rows: "
                 f"each keeps {constants.BASELINE_MEMORY_BYTES >> 20} MiB for its interpreter; give each more than "
                 "that (--memory-limit 1Gi), or 0 for this machine's own limit"
             )
@@ -348,8 +349,7 @@ class LocalCluster:
             if dead:
                 raise RuntimeError(f"{dead} before the cache was ready")
             try:
-                raw = list(client.do_action(flight.Action(protocol.ACTION_STATUS, b""), call_options(self.token, 5)))
-                status = json.loads(raw[0].body.to_pybytes())
+                status = self.head_status(client)
             except flight.FlightUnauthenticatedError as err:
                 raise RuntimeError(f"the head refused our token: {err}") from None
             except Exception as err:
@@ -387,6 +387,11 @@ class LocalCluster:
                 raise RuntimeError(f"the cache was not ready within {self.startup_timeout:g}s ({why})")
             time.sleep(0.1)
 
+    def head_status(self, client: flight.FlightClient) -> dict:
+        """The head's `status` answer, asked with our token and a 5 s deadline."""
+        raw = list(client.do_action(flight.Action(protocol.ACTION_STATUS, b""), call_options(self.token, 5)))
+        return json.loads(raw[0].body.to_pybytes())
+
     def _check_ours(self, status: dict) -> None:
         """Refuse an answer from a head this `local` did not start: one that took the port
         between our check and our head's bind (ours then fails to bind it)."""
@@ -416,8 +421,7 @@ def watch_head(cluster: LocalCluster, stopped: threading.Event) -> None:
     last_state, silent_since, warned = "ready", None, False
     while not stopped.wait(WATCH_SECONDS):
         try:
-            raw = list(client.do_action(flight.Action(protocol.ACTION_STATUS, b""), call_options(cluster.token, 5)))
-            status = json.loads(raw[0].body.to_pybytes())
+            status = cluster.head_status(client)
         except Exception as err:
             if stopped.is_set():
                 return

@@ -191,11 +191,12 @@ def _open_error(
             # A store answers a missing bucket as it answers a missing key (a HEAD's 404 has no
             # body), and so does an endpoint that is no S3 store at all: name both.
             bucket = location.split("://", 1)[1].split("/", 1)[0]
-            store = f"the object store at {endpoint} ({endpoint_variable()})" if endpoint else "AWS S3"
+            variable = endpoint_variable()
+            store = f"the object store at {endpoint} ({variable})" if endpoint else "AWS S3"
             return TableLoadError(
                 f"METADATA_LOC {metadata_location!r} does not exist on {store}: point it at the table's current "
                 f"metadata.json, and check that the bucket {bucket!r} is on that store"
-                + (f" and that {endpoint_variable()} names the store itself" if endpoint else "")
+                + (f" and that {variable} names the store itself" if endpoint else "")
             )
         return TableLoadError(
             f"METADATA_LOC {metadata_location!r} does not exist: point it at the table's current "

@@ -294,9 +294,9 @@ def parse_action_body(action: flight.Action, *, bounded: bool = True) -> dict[st
     size = action.body.size if action.body is not None else 0
     if bounded:
         check_request_size(size, f"body of action {action.type!r}")
-    raw = action.body.to_pybytes() if size else b""
-    if not raw:
+    if not size:
         return {}
+    raw = action.body.to_pybytes()
     try:
         body = json.loads(raw)
     # ValueError: an integer of more digits than Python converts; RecursionError: deep nesting.

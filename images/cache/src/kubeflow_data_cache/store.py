@@ -138,19 +138,20 @@ def warm_reader(table, task) -> None:
     the load. One column, the file's smallest: every column of a batch fetched a whole row group
     from S3 on each node (12 MB of 48 MB at each start) and decoded it outside the load's memory
     budget. A failure here is left for the real read to report."""
-    field_ids = [_smallest_field(table, task)] if table.schema().fields else None
+    field = _smallest_field(table, task)
+    field_ids = None if field is None else [field]
     with contextlib.suppress(Exception), contextlib.closing(task_batches(table, task, field_ids)) as batches:
         next(batches, None)
 
 
-def _smallest_field(table, task) -> int:
+def _smallest_field(table, task) -> int | None:
     """The top-level primitive column the file stores in the fewest bytes (its statistics), else
-    the first column."""
+    the first column; None for a table without columns."""
     fields = table.schema().fields
     sizes = task.file.column_sizes or {}
     primitive = [f for f in fields if f.field_type.is_primitive]
     if not primitive:
-        return fields[0].field_id
+        return fields[0].field_id if fields else None
     return min(primitive, key=lambda f: sizes.get(f.field_id, float("inf"))).field_id
 
 
