@@ -377,14 +377,17 @@ def test_local_help_describes_every_flag():
 
 
 def test_local_exits_2_when_its_nodes_refuse_their_settings():
-    """A setting only the nodes read (an empty DATA_CACHE_CLUSTER_KEY from the environment) is
-    still a settings error: local exits 2 as its nodes did, after their error line, not 1 as for
-    a failed load."""
-    result = data_cache(
-        "local", "--metadata-loc", "/nonexistent/metadata.json", "--port", "0", env={"DATA_CACHE_CLUSTER_KEY": ""}
+    """A setting only the nodes check (here a flag local hands them as given) is still a settings
+    error: local exits 2 as its nodes did, after their error line, not 1 as for a failed load."""
+    script = (
+        "import sys\n"
+        "from kubeflow_data_cache.local import LocalCluster, run_local\n"
+        "cluster = LocalCluster('/nonexistent/metadata.json', 1, 0, extra_args=('--failure-grace', '-1'))\n"
+        "sys.exit(run_local(cluster))\n"
     )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "error: DATA_CACHE_CLUSTER_KEY is set but empty" in result.stderr
+    assert "error: `DATA_CACHE_FAILURE_GRACE_SECONDS` (--failure-grace)" in result.stderr
     assert "exited with code 2" in result.stderr
 
 
@@ -395,6 +398,11 @@ def test_local_exits_2_when_its_nodes_refuse_their_settings():
         ({"LOAD_THREADS": "0"}, "`LOAD_THREADS` should be >= 1, got 0"),
         ({"LOAD_THREADS": " "}, "`LOAD_THREADS` should be an integer, got ' '"),  # as a node reads it
         ({"DATA_CACHE_STARTUP_TIMEOUT_SECONDS": "-5"}, "`DATA_CACHE_STARTUP_TIMEOUT_SECONDS` (--startup-timeout)"),
+        # Each node printed these once (the line twice for one node) and local said "exited with code 2".
+        ({"DATA_CACHE_CLUSTER_KEY": ""}, "DATA_CACHE_CLUSTER_KEY is set but empty"),
+        ({"AWS_CA_BUNDLE": "/nonexistent/ca.pem"}, "AWS_CA_BUNDLE='/nonexistent/ca.pem' is not a file"),
+        # This one failed the load, with exit code 1, after every node had started.
+        ({"AWS_ENDPOINT_URL": "minio:9000"}, "AWS_ENDPOINT_URL='minio:9000' has no scheme"),
     ],
 )
 def test_local_refuses_a_bad_setting_it_hands_its_nodes_before_starting_them(env, fragment):

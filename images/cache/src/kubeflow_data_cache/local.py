@@ -44,11 +44,13 @@ from kubeflow_data_cache.processes import (
     handle_signals,
     stop_processes,
 )
+from kubeflow_data_cache.s3_settings import checked_ca_bundle, s3_properties_from_env
 from kubeflow_data_cache.security import (
     CLUSTER_KEY_ENV,
     TLS_DIR_ENV,
     TLS_SERVER_NAME_ENV,
     call_options,
+    load_cluster_key,
     load_token,
 )
 
@@ -251,6 +253,12 @@ class LocalCluster:
         # The nodes read these settings from the env they inherit; we need them to poll the head.
         env = os.environ
         self.token = load_token(env.get("DATA_CACHE_TOKEN"), env.get("DATA_CACHE_TOKEN_FILE"))
+        # Checked here as the nodes check them: refused by the nodes, each of them printed the
+        # same line and local then said "head exited with code 2" (or, for an S3 setting, failed
+        # the load after starting them all).
+        load_cluster_key(env.get(CLUSTER_KEY_ENV))
+        checked_ca_bundle(env)
+        s3_properties_from_env(env, warn=False)
         self.tls = tls_config(
             env.get("DATA_CACHE_TLS_CERT"),
             env.get("DATA_CACHE_TLS_KEY"),

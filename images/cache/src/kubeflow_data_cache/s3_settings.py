@@ -36,12 +36,13 @@ def endpoint_variable(env: dict[str, str] | None = None) -> str:
     return "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
 
 
-def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def s3_properties_from_env(env: dict[str, str] | None = None, warn: bool = True) -> dict[str, str]:
     """pyiceberg FileIO properties from the standard AWS settings.
 
     Credentials are passed only when set explicitly; otherwise pyarrow's S3 filesystem walks
     the AWS default chain (web identity / IRSA, instance profile, shared credentials file).
-    Region and endpoint come from these variables only, not from a profile's config.
+    Region and endpoint come from these variables only, not from a profile's config. ``warn``
+    False leaves the warnings to the processes that read the store (`local` only checks).
     """
     env = dict(os.environ if env is None else env)
     props: dict[str, str] = {}
@@ -88,7 +89,8 @@ def s3_properties_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
             f"{missing} is not set but {'AWS_ACCESS_KEY_ID' if key_id else 'AWS_SECRET_ACCESS_KEY'} is: set both, or "
             "neither to use the AWS default chain (web identity / IRSA, a profile, the instance role)"
         )
-    if env.get("AWS_PROFILE") and not (key_id and secret) and (missing := missing_profile(env["AWS_PROFILE"], env)):
+    profile = env.get("AWS_PROFILE") if warn and not (key_id and secret) else None
+    if profile and (missing := missing_profile(profile, env)):
         # Not refused: the SDK goes on down its chain (web identity, the instance role), which may sign.
         log.warning("%s", missing)
     props.update(_client_settings(env))
@@ -214,15 +216,11 @@ def _check_pem(path: str, setting: str) -> None:
 _ca_given: tuple[str, str] | None = None
 
 
-def trust_aws_ca_bundle(environ) -> None:
-    """Make the object store's private CA (MinIO or Ceph behind an internal CA) trusted by
-    pyarrow's S3 client, which reads SSL_CERT_FILE (pyiceberg passes it no CA of its own).
-
-    The CA is AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting), else ``ca.crt`` in
-    DATA_CACHE_S3_CA_DIR where the folder has one. A SSL_CERT_FILE already set wins. A bundle
-    named but missing, or holding no certificate, is refused here: the S3 client would fail every
-    TLS handshake with an error that says nothing of the file.
-    """
+def checked_ca_bundle(environ) -> str | None:
+    """The object store's CA file the settings name (AWS_CA_BUNDLE, else ``ca.crt`` in
+    DATA_CACHE_S3_CA_DIR where the folder has one), or None; a ConfigError naming the setting
+    where the file is missing or holds no certificate. It changes nothing: `local` checks the
+    settings its nodes inherit with it before it starts them."""
     bundle = environ.get("AWS_CA_BUNDLE")
     if bundle and not os.path.isfile(bundle):  # checked even where SSL_CERT_FILE wins: a mistake either way
         raise ConfigError(
@@ -243,6 +241,19 @@ def trust_aws_ca_bundle(environ) -> None:
         bundle = mounted if os.path.isfile(mounted) else None
         if bundle:
             _check_pem(bundle, f"{S3_CA_FILE} in {S3_CA_DIR_ENV} (the `data-cache-s3-ca` ConfigMap)")
+    return bundle
+
+
+def trust_aws_ca_bundle(environ) -> None:
+    """Make the object store's private CA (MinIO or Ceph behind an internal CA) trusted by
+    pyarrow's S3 client, which reads SSL_CERT_FILE (pyiceberg passes it no CA of its own).
+
+    The CA is AWS_CA_BUNDLE (the AWS SDKs' and CLI's setting), else ``ca.crt`` in
+    DATA_CACHE_S3_CA_DIR where the folder has one. A SSL_CERT_FILE already set wins. A bundle
+    named but missing, or holding no certificate, is refused here: the S3 client would fail every
+    TLS handshake with an error that says nothing of the file.
+    """
+    bundle = checked_ca_bundle(environ)
     given = environ.get("SSL_CERT_FILE")
     if given:
         if bundle and os.path.realpath(bundle) != os.path.realpath(given):
