@@ -33,6 +33,7 @@ SCENARIOS = (
     "evicted",
     "workers_refused",
     "node_load_error",
+    "exits_0",
     "head_load_error",
     "compaction",
     "not_available",
@@ -295,6 +296,10 @@ class CacheSim:
         if self.scenario == "oom":
             oom = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
             self._set(pods[2], state={"waiting": {"reason": "CrashLoopBackOff"}}, lastState=oom)
+            return
+        if self.scenario == "exits_0":  # a command that ends at once, restarted over and over
+            done = {"terminated": {"reason": "Completed", "exitCode": 0}}
+            self._set(pods[1], state={"waiting": {"reason": "CrashLoopBackOff"}}, lastState=done)
             return
         if self.scenario == "node_load_error":
             failed = {

@@ -258,9 +258,14 @@ def test_a_watch_that_breaks_while_a_cache_is_deleted_is_watched_again(fake, mak
     assert fake.get("leaderworkersets", NAMESPACE, name)["metadata"].get("deletionTimestamp") is None
 
 
-def test_a_cache_being_deleted_is_waited_for_then_created_again(fake, make_sim, run_initializer, caplog):
-    """A shared cache whose last TrainJob just went: the LWS is terminating when the next job comes."""
+@pytest.mark.parametrize("watch_gone", [False, True], ids=["watched", "first-watch-410"])
+def test_a_cache_being_deleted_is_waited_for_then_created_again(fake, make_sim, run_initializer, caplog, watch_gone):
+    """A shared cache whose last TrainJob just went: the LWS is terminating when the next job comes.
+    Its watch answered HTTP 410 (as some API servers and proxies say "too old") is read again,
+    as the cache's own wait does: it failed the run."""
     add_train_job(fake, "job-a")
+    if watch_gone:
+        fake.fail_next[("leaderworkersets", "watch")] = [410]
     sim = make_sim("healthy")
     env = initializer_env(sim, DATA_CACHE_SHARED="true")
     cache = load_config(env)

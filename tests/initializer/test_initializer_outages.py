@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 
 from kubeflow_cache_initializer import main as main_module
-from kubeflow_cache_initializer.builders import build_service, cache_names
+from kubeflow_cache_initializer.builders import build_leader_worker_set, build_service, cache_names
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
 from kubeflow_cache_initializer.health import describe_status, fetch_head_status, not_ready_reason, status_failure
@@ -113,6 +113,43 @@ def test_a_foreign_service_stops_the_run_before_any_cache_pod_exists(fake, make_
     assert "Service team-a/job-a-cache-service already exists and is not owned by TrainJob job-a" in error
     assert fake.items("leaderworkersets", NAMESPACE) == []
     assert fake.items("pods", NAMESPACE) == []
+
+
+@pytest.mark.parametrize("owned_by", ["someone-else", None])
+def test_a_foreign_leader_worker_set_is_refused_and_left_as_it_is(fake, make_sim, run_initializer, owned_by):
+    """The run fails, and the LeaderWorkerSet it found under the cache's name, another's or no
+    one's, is not deleted with the run's own objects."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"))
+    owners = []
+    if owned_by:
+        other = add_train_job(fake, owned_by)
+        owners = [{"apiVersion": other["apiVersion"], "kind": "TrainJob", "name": owned_by, "controller": True}]
+        owners[0]["uid"] = other["metadata"]["uid"]
+    foreign = fake.put("leaderworkersets", build_leader_worker_set(load_config(env), owners, "some-secret"))
+
+    code, error = run_initializer(env)
+
+    assert code == 1
+    assert "LeaderWorkerSet team-a/job-a-cache already exists and is not owned by TrainJob job-a" in error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache")["metadata"]["uid"] == foreign["metadata"]["uid"]
+
+
+def test_sigterm_as_the_cache_is_created_still_deletes_it(fake, run_initializer):
+    """A SIGTERM that came while the LeaderWorkerSet's create was answered: the run said its cache
+    was deleted, and the cache pods ran on (through a Kueue suspension, holding their quota)."""
+    import os
+    import signal
+
+    add_train_job(fake, "job-a")
+    fake.before[("leaderworkersets", "create")] = [lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2))]
+
+    code, error = run_initializer(initializer_env(None, CACHE_READY_TIMEOUT_SECONDS="10"))
+    time.sleep(1)  # the create the signal interrupted lands 0.2 s after it
+
+    assert code == 143
+    assert "stopped by SIGTERM before the cache was ready" in error
+    assert fake.items("leaderworkersets", NAMESPACE) == []
 
 
 @pytest.mark.parametrize("other", ["job-a-cache", "job-a-cache-service"])

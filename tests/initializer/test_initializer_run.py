@@ -82,6 +82,7 @@ HOPELESS = [
     # After CACHE_UNSCHEDULABLE_GRACE_SECONDS (0.3 s in these tests): a StatefulSet makes it again.
     ("evicted", "cache pod job-a-cache-0-1 failed: Evicted The node was low on resource: memory. (for "),
     ("node_load_error", "cache pod job-a-cache-0-1 exited with code 1: load failed: NoSuchKey data/0.parquet"),
+    ("exits_0", "cache pod job-a-cache-0-1 keeps exiting with code 0 (CrashLoopBackOff)"),
     ("head_load_error", "failed load: AccessDenied reading s3://bucket/data/0.parquet"),
 ]
 

@@ -308,7 +308,9 @@ def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: floa
                             break
                         version = obj["metadata"]["resourceVersion"]
             except KubeApiError as err:
-                if err.status not in TRANSIENT_STATUSES:
+                # 410: our version is too old, said as the HTTP status (as some API servers and
+                # proxies do): the object is read again below, as for a broken watch.
+                if err.status not in TRANSIENT_STATUSES and not err.gone:
                     raise
                 _watch_broke(err, remaining)
             except Exception as err:  # a dropped connection, as the cache's own wait takes it (wait._Watcher)

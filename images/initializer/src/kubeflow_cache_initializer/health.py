@@ -57,6 +57,17 @@ def hopeless_reason(pod: dict) -> str | None:
             if term.get("exitCode", 0) != 0:
                 detail = (term.get("message") or term.get("reason") or "").strip()
                 return f"cache pod {name} exited with code {term['exitCode']}: {detail}"
+    for cs in status.get("containerStatuses") or []:  # an init container's exit 0 is its success
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        term = (cs.get("lastState") or {}).get("terminated") or {}
+        if waiting.get("reason") == "CrashLoopBackOff" and term and term.get("exitCode", 0) == 0:
+            # The cache server exits 0 only when told to stop: over and over, that is a failing
+            # liveness probe or a command that ends at once. Waited out to the deadline before.
+            return (
+                f"cache pod {name} keeps exiting with code 0 (CrashLoopBackOff): the cache server exits 0 only "
+                f"when stopped, so its liveness probe fails (kubectl describe pod {name}) or its command ends at "
+                "once (check CACHE_IMAGE)"
+            )
     return None
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer import termination
 from kubeflow_cache_initializer.apply import create_or_keep, ensure
 from kubeflow_cache_initializer.builders import (
     CacheNames,
@@ -182,15 +183,17 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     # The Service first: it holds no resources, so a refusal here (a foreign Service under its
     # name) leaves no cache pods behind; once the LeaderWorkerSet exists, any failure deletes it.
     ensure(kube, SERVICES, build_service(cfg, [job_owner]), job_owner, shared=False, deadline=deadline)
-    cache = ensure(
-        kube,
-        LEADER_WORKER_SETS,
-        build_leader_worker_set(cfg, [cache_owner], new_key_secret_name(cfg)),
-        cache_owner,
-        shared=cfg.shared,
-        deadline=deadline,
-    )
+    cache = None
     try:
+        with termination.held(kube):  # a SIGTERM is raised once the cache is made, and so deleted below
+            cache = ensure(
+                kube,
+                LEADER_WORKER_SETS,
+                build_leader_worker_set(cfg, [cache_owner], new_key_secret_name(cfg)),
+                cache_owner,
+                shared=cfg.shared,
+                deadline=deadline,
+            )
         _ensure_key_secret(kube, cfg, cache)
         status = wait_until_ready(kube, cfg, deadline)
     except Exception as err:
@@ -198,6 +201,8 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         # watch grant, something unforeseen), this run reports failure and its dedicated cache
         # would hold its CPU and memory until the TrainJob is deleted. A retried initializer
         # creates it again.
+        if cache is None:
+            raise  # none made: refused (another's under its name), or the API failed us
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
         elif not _made_by_another(cache, train_job):

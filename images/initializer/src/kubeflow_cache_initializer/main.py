@@ -15,10 +15,11 @@ from kubernetes import client, config
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer.config import load_config
-from kubeflow_cache_initializer.errors import InitializerError, TerminatedError
+from kubeflow_cache_initializer.errors import InitializerError
 from kubeflow_cache_initializer.health import describe_status
 from kubeflow_cache_initializer.initializer import run
 from kubeflow_cache_initializer.kube import Kube, with_bounded_retries
+from kubeflow_cache_initializer.termination import on_sigterm
 
 log = logging.getLogger("kubeflow_cache_initializer")
 
@@ -44,15 +45,6 @@ def _write_termination_message(path: Path, message: str) -> None:
         log.debug("could not write the termination message to %s", path)
 
 
-def _terminated(signum, frame) -> None:
-    # Once: a second SIGTERM must not cut short the cleanup the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise TerminatedError(
-        "stopped by SIGTERM before the cache was ready (the pod was deleted or evicted, or its TrainJob "
-        "suspended); a cache no other TrainJob uses is deleted, so that its pods free their resources"
-    )
-
-
 def main(
     *,
     env: Mapping[str, str] | None = None,
@@ -64,7 +56,7 @@ def main(
     # this run made is deleted, and the reason goes to the log and the termination message. (It
     # ended the process at once, with neither, its cache pods left holding their resources.)
     previous = (
-        signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+        signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
     )
     try:
         cfg = load_config(os.environ if env is None else env)

@@ -1,0 +1,55 @@
+"""SIGTERM, raised as an error where the run is, except while the cache's LeaderWorkerSet is made.
+
+Raised, it ends the run as any failure does: what the run made is deleted, and the reason goes
+to the log and the termination message. Raised while the LeaderWorkerSet's create (or adoption
+patch) was being answered, it left the cache the API server then made running, with no one left
+to delete it: its pods held their CPU and memory through a Kueue suspension. So that call is
+let finish (its retries cut short), and the SIGTERM is raised after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+
+from kubeflow_cache_initializer.errors import TerminatedError
+from kubeflow_cache_initializer.kube import Kube
+
+MESSAGE = (
+    "stopped by SIGTERM before the cache was ready (the pod was deleted or evicted, or its TrainJob "
+    "suspended); a cache no other TrainJob uses is deleted, so that its pods free their resources"
+)
+
+# Set while a call is held from SIGTERM: its Kube (whose retries a SIGTERM ends), and whether one came.
+_holding: Kube | None = None
+_pending = False
+
+
+def on_sigterm(signum, frame) -> None:
+    """The SIGTERM handler main installs."""
+    global _pending
+    # Once: a second SIGTERM must not cut short the cleanup the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _holding is None:
+        raise TerminatedError(MESSAGE)
+    _pending = True
+    _holding.deadline = time.monotonic()  # no more retries: the call in flight is answered, then we stop
+
+
+@contextlib.contextmanager
+def held(kube: Kube) -> Iterator[None]:
+    """Hold a SIGTERM back while the block runs; raise it once the block has finished."""
+    global _holding, _pending
+    _holding, _pending = kube, False
+    try:
+        yield
+    except Exception as err:
+        if _pending:  # the call failed for the retries the SIGTERM cut short: the SIGTERM is the cause
+            raise TerminatedError(MESSAGE) from err
+        raise
+    finally:
+        _holding = None
+    if _pending:
+        raise TerminatedError(MESSAGE)
