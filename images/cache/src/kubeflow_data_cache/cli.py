@@ -260,11 +260,13 @@ def _main(args: argparse.Namespace) -> int:
         _setup_logging(_log_level(args.log_level), role)
         require_server(args.command)  # every command runs or writes for the server
         if args.command in ("head", "worker"):
-            if args.command == "worker":
-                from kubeflow_data_cache import allocator
+            from kubeflow_data_cache import allocator
 
-                # Before pyarrow loads (it reads the pool choice once) and before threads start.
+            # Before pyarrow loads (it reads the pool choice once) and before threads start.
+            if args.command == "worker":
                 allocator.prepare_data_node()
+            else:
+                allocator.prepare_head()
             from kubeflow_data_cache.config import build_config
             from kubeflow_data_cache.runner import run_node
             from kubeflow_data_cache.s3_settings import trust_aws_ca_bundle
