@@ -18,18 +18,33 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _certificate(
-    subject: x509.Name, issuer: x509.Name, public_key, signing_key, ca: bool, sans: list[x509.GeneralName]
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key,
+    signing_key,
+    ca: bool,
+    sans: list[x509.GeneralName],
+    expired: bool = False,
 ) -> x509.Certificate:
-    """Valid from 5 minutes ago for a day; ``sans`` (may be empty) as its subject alternative names."""
+    """Valid from 5 minutes ago for a day (``expired``: from two days ago until yesterday);
+    ``sans`` (may be empty) as its subject alternative names."""
     now = datetime.datetime.now(datetime.UTC)
+    since, until = (
+        (now - datetime.timedelta(days=2), now - datetime.timedelta(days=1))
+        if expired
+        else (
+            now - datetime.timedelta(minutes=5),
+            now + datetime.timedelta(days=1),
+        )
+    )
     builder = (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(issuer)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(since)
+        .not_valid_after(until)
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if sans:
@@ -56,12 +71,12 @@ def self_signed_pems(ip: str, dns: str) -> tuple[bytes, bytes]:
     return _pem(_certificate(name, name, key.public_key(), key, True, sans)), _key_pem(key)
 
 
-def tls_secret_pems(dns: str) -> dict[str, bytes]:
+def tls_secret_pems(dns: str, expired: bool = False) -> dict[str, bytes]:
     """``tls.crt`` (a leaf naming only ``dns``: no address, as for pods whose IPs are not known in
     advance), ``tls.key``, and ``ca.crt``, the CA that signed it (which is not the leaf, so
     trusting the leaf will not do); PEM each."""
     ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("data-cache-test-ca")
     ca = _certificate(ca_name, ca_name, ca_key.public_key(), ca_key, True, [])
-    leaf = _certificate(_name(dns), ca_name, leaf_key.public_key(), ca_key, False, [x509.DNSName(dns)])
+    leaf = _certificate(_name(dns), ca_name, leaf_key.public_key(), ca_key, False, [x509.DNSName(dns)], expired)
     return {"ca.crt": _pem(ca), "tls.crt": _pem(leaf), "tls.key": _key_pem(leaf_key)}

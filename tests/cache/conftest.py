@@ -242,11 +242,11 @@ def make_cert(folder: Path, ip: str, dns: str) -> Certificate:
     return Certificate(cert_file, key_file)
 
 
-def make_tls_secret_folder(folder: Path, dns: str) -> Path:
-    """A TLS Secret's folder as a pod mounts it: ``tls.crt`` naming only ``dns``, ``tls.key`` and
-    the signing CA's ``ca.crt`` (tests/tls_certs.py)."""
+def make_tls_secret_folder(folder: Path, dns: str, expired: bool = False) -> Path:
+    """A TLS Secret's folder as a pod mounts it: ``tls.crt`` naming only ``dns`` (past its end
+    where ``expired``), ``tls.key`` and the signing CA's ``ca.crt`` (tests/tls_certs.py)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, pem in tls_secret_pems(dns).items():
+    for name, pem in tls_secret_pems(dns, expired).items():
         (folder / name).write_bytes(pem)
     return folder
 

@@ -315,17 +315,20 @@ def test_calls_refused_for_the_token_are_counted(small_table):
 
 def test_local_names_the_tls_error_when_its_certificate_does_not_cover_the_nodes(small_table, tmp_path):
     """A certificate whose names leave out the address the nodes use: nothing connects, and
-    `local` said only "head not answering yet" at its deadline. Now it gives gRPC's reason."""
+    `local` said only "head not answering yet" at its deadline; then gRPC's reason, at the
+    deadline. Now the data node fails at once, naming the name and the fix."""
     elsewhere = make_cert(tmp_path, "10.9.9.9", "elsewhere.example")
     result = run_data_cache(
         *("local", "--metadata-loc", small_table.metadata_location, "--data-nodes", "1", "--port", "0"),
-        *("--startup-timeout", "8"),
+        *("--startup-timeout", "60"),
         env={**os.environ, **elsewhere.env()},
         timeout=90,
     )
     assert result.returncode == 1
-    (line,) = [ln for ln in result.stderr.splitlines() if "was not ready within 8s" in ln]
-    assert "head not answering yet: " in line and "127.0.0.1" in line, line
+    assert "data node 0 exited with code 1 before the cache was ready" in result.stderr
+    line = next(ln for ln in result.stderr.splitlines() if "the head's certificate at" in ln)
+    assert "does not carry the name checked" in line and "Peer name 127.0.0.1 is not in peer certificate" in line
+    assert "set DATA_CACHE_TLS_SERVER_NAME to a name it carries" in line
 
 
 def test_every_channel_to_a_cache_process_caps_the_reconnect_backoff(monkeypatch):
@@ -419,6 +422,69 @@ def test_a_data_node_whose_head_speaks_the_other_protocol_says_so_at_once(self_s
         head.stop()
         if node is not None:
             node.stop()
+
+
+def test_a_data_node_that_refuses_the_heads_certificate_fails_at_once(self_signed_cert, small_table, tmp_path):
+    """Head and node with certificates from two Secrets (each trusting its own): the node
+    retried its registration to its startup deadline (600 s), where no retry changes a
+    certificate."""
+    from kubeflow_data_cache.head import Head
+    from kubeflow_data_cache.node import DataNode
+    from kubeflow_data_cache.service import FAILED
+    from tests.cache.inprocess import FLAGS, wait_for
+
+    other = make_cert(tmp_path, "127.0.0.1", "localhost")
+    head_tls = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
+    head_flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, **head_tls}
+    head = Head(build_config("head", head_flags, env={}))
+    head.start()
+    node = None
+    try:
+        port = head.location.rsplit(":", 1)[1]
+        node_flags = {**FLAGS, "index": 0, "head": f"grpc+tls://127.0.0.1:{port}", "startup_timeout": 600}
+        node_flags |= {"tls_cert": str(other.cert_file), "tls_key": str(other.key_file)}
+        node = DataNode(build_config("worker", node_flags, env={}))
+        node.start_registering()
+        wait_for(lambda: node.lifecycle.state == FAILED, timeout=30)
+        assert f"the head's certificate at grpc+tls://127.0.0.1:{port} does not verify" in node.lifecycle.detail
+        assert "certificate verify failed" in node.lifecycle.detail
+        assert head.registered == {}
+    finally:
+        head.stop()
+        if node is not None:
+            node.stop()
+
+
+def test_certificates_to_trust_with_a_plaintext_endpoint_are_refused(self_signed_cert, monkeypatch):
+    """They were not used: the token and rows went in clear, without a word."""
+    from kubeflow_data_cache.dataset import DataCacheDataset
+
+    for make in (CacheClient, DataCacheDataset):
+        with pytest.raises(ValueError, match=r"tls_root_certs is given, but endpoint grpc://h:1 is plaintext"):
+            make("grpc://h:1", tls_root_certs=self_signed_cert.pem)
+    # From the environment (the runtime mounts the Secret for every trainer): said, not refused.
+    monkeypatch.setenv("DATA_CACHE_TLS_DIR", str(self_signed_cert.cert_file.parent))
+    monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://h:1")
+    with pytest.warns(UserWarning, match=r"holds the cache's certificate, but DATA_CACHE_ENDPOINT grpc://h:1 is plain"):
+        DataCacheDataset()
+
+
+def test_a_reader_told_of_an_expired_certificate_is_not_sent_for_another_ca(tmp_path):
+    """The certificate authority was right; the hint said to pass one."""
+    from tests.cache.conftest import make_tls_secret_folder
+
+    folder = make_tls_secret_folder(tmp_path, "data-cache", expired=True)
+    server = flight.FlightServerBase(
+        "grpc+tls://127.0.0.1:0",
+        tls_certificates=[((folder / "tls.crt").read_bytes(), (folder / "tls.key").read_bytes())],
+    )
+    try:
+        location = f"grpc+tls://127.0.0.1:{server.port}"
+        client = CacheClient(location, tls_root_certs=(folder / "ca.crt").read_bytes(), tls_server_name="data-cache")
+        with client, pytest.raises(CacheUnavailableError, match="the cache's certificate has expired: renew it"):
+            client.status()
+    finally:
+        server.shutdown()
 
 
 def test_a_tls_reader_refuses_a_plain_data_node_location_before_dialing_it():

@@ -115,6 +115,55 @@ def test_a_secret_folder_with_a_certificate_and_no_key_is_refused_naming_both(se
         _head_config({"DATA_CACHE_TLS_DIR": str(tmp_path)})
 
 
+def test_an_expired_certificate_is_refused_at_start(tmp_path):
+    """The head served on with it, its data nodes retried their registration to the startup
+    deadline, and readers were told to pass the certificate authority they passed."""
+    folder = make_tls_secret_folder(tmp_path / "secret", SERVER_NAME, expired=True)
+    with pytest.raises(ConfigError, match=r"tls.crt'?: the certificate expired on .*: renew it"):
+        _head_config({"DATA_CACHE_TLS_DIR": str(folder)})
+
+
+def test_a_certificate_without_the_server_name_peers_check_is_refused_at_start(secret_folder):
+    with pytest.raises(
+        ConfigError, match=r"the certificate names data-cache, not `DATA_CACHE_TLS_SERVER_NAME` .*'cache.team-a'"
+    ):
+        _head_config({"DATA_CACHE_TLS_DIR": str(secret_folder), "DATA_CACHE_TLS_SERVER_NAME": "cache.team-a"})
+    with pytest.raises(ConfigError, match=r"not `DATA_CACHE_TLS_SERVER_NAME` \(--tls-server-name\) 'other'"):
+        _head_config({"DATA_CACHE_TLS_DIR": str(secret_folder)}, tls_server_name="other")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name", "matches"),
+    [
+        ("data-cache", "DATA-CACHE", True),
+        ("data-cache.", "data-cache", True),
+        ("*.team-a.svc", "cache.team-a.svc", True),
+        ("*.team-a.svc", "a.cache.team-a.svc", False),  # one label only
+        ("*.team-a.svc", "team-a.svc", False),
+        ("data-cache", "data-cache-2", False),
+    ],
+)
+def test_certificate_names_match_as_peers_match_them(pattern, name, matches):
+    from kubeflow_data_cache.config import _name_matches
+
+    assert _name_matches(pattern, name) is matches
+
+
+def test_an_unreadable_ca_file_in_the_folder_is_one_line_not_a_traceback(secret_folder, monkeypatch):
+    """A ca.crt the process may not read raised PermissionError, a traceback and exit 1, where an
+    unreadable key gave one line naming it. (Refused as OpenSSL refuses it: a test run as root
+    reads any file.)"""
+    import ssl
+
+    def unreadable(self, cafile=None, **kwargs):
+        if str(cafile).endswith("ca.crt"):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", unreadable)
+    with pytest.raises(ConfigError, match=r"DATA_CACHE_TLS_DIR.* cannot read .*ca\.crt': Permission denied"):
+        _head_config({"DATA_CACHE_TLS_DIR": str(secret_folder)})
+
+
 def test_a_secret_folder_that_is_not_there_is_refused(tmp_path):
     """A typo in the path would otherwise read as "no Secret" and serve plaintext."""
     with pytest.raises(ConfigError, match="is not a folder: point it at where the TLS Secret is mounted"):

@@ -50,7 +50,15 @@ from kubeflow_data_cache.protocol import (
     with_skip,
 )
 from kubeflow_data_cache.readahead import Readahead
-from kubeflow_data_cache.security import channel_options, check_token, is_tls, server_name_problem, speaks_tls
+from kubeflow_data_cache.security import (
+    CERTIFICATE_REFUSED,
+    TLS_NAME_MISMATCH,
+    channel_options,
+    check_token,
+    is_tls,
+    server_name_problem,
+    speaks_tls,
+)
 from kubeflow_data_cache.stall_watch import StallWatch
 
 __all__ = [
@@ -102,10 +110,8 @@ ENDPOINT_HINT = (
     "cache's grpc:// address (grpc+tls:// where the cache serves TLS)"
 )
 # What gRPC says when the server's certificate does not verify: no retry changes that.
-TLS_FAILURES = ("Ssl handshake failed", "certificate verify failed", "TSI_PROTOCOL_FAILURE")
-# gRPC's words where the certificate verified but names neither the address dialled nor the
-# override: a name mismatch, which no retry mends either.
-TLS_NAME_MISMATCH = "is not in peer certificate"
+TLS_FAILURES = ("Ssl handshake failed", CERTIFICATE_REFUSED, "TSI_PROTOCOL_FAILURE")
+CERTIFICATE_EXPIRED = "certificate has expired"  # OpenSSL's words, within gRPC's
 TOKEN_HINT = (
     "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or DataCacheDataset's token argument; CacheClient's token, "
     "which reads no env) to the cache's token"
@@ -210,6 +216,15 @@ def check_deadline_seconds(value: Any) -> None:
         raise ValueError(f"deadline_seconds should be a number of seconds > 0, got {value!r}")
 
 
+def plaintext_with_root_certs(endpoint: str, source: str) -> str:
+    """Why certificates to trust and a plaintext endpoint do not go together: they were not
+    used, and the token and rows went in clear without a word."""
+    return (
+        f"tls_root_certs is given, but {source} {endpoint} is plaintext, where they would not be used: dial "
+        f"grpc+tls://{endpoint.split('://', 1)[-1]} to read over TLS, or leave tls_root_certs out"
+    )
+
+
 class CacheClient:
     """A Flight client for the cache's head, with one connection per data node location."""
 
@@ -227,6 +242,8 @@ class CacheClient:
         check_deadline_seconds(deadline_seconds)
         if tls_root_certs is not None:
             check_root_certs(tls_root_certs)
+            if not is_tls(endpoint):
+                raise ValueError(plaintext_with_root_certs(endpoint, "endpoint"))
         check_server_name(tls_server_name)
         self.endpoint = endpoint
         self.deadline_seconds = float(deadline_seconds)
@@ -428,6 +445,12 @@ class CacheClient:
                         "where the cache's certificate names none of its addresses, pass a name it carries as "
                         "tls_server_name (DATA_CACHE_TLS_SERVER_NAME in a trainer; data-cache for a cache made "
                         "by the initializer)"
+                    ) from err
+                if CERTIFICATE_EXPIRED in str(err):  # the certificate authority is right: no other will do
+                    raise CacheUnavailableError(
+                        f"the TLS handshake with the cache at {location} failed for {what}: {server_message(err)}; "
+                        "the cache's certificate has expired: renew it (on Kubernetes, its TLS Secret) and start "
+                        "the cache again"
                     ) from err
                 if any(marker in str(err) for marker in TLS_FAILURES):
                     raise CacheUnavailableError(

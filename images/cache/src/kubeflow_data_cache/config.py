@@ -11,6 +11,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -136,15 +137,62 @@ def tls_config(
         cert_name = key_name = f"{dir_name} {tls_dir!r}:"
         if folder.ca is not None:
             ca = _pem_certificates(folder.ca, f"{dir_name} {tls_dir!r}:")
-    return TlsSetting(tls_setting(cert_file, key_file, cert_name, key_name), ca, server)
+    certificates = tls_setting(cert_file, key_file, cert_name, key_name)
+    if certificates:
+        _check_certificate(cert_file, cert_name, server, name(TLS_SERVER_NAME_ENV, "--tls-server-name"))
+    return TlsSetting(certificates, ca, server)
+
+
+def _check_certificate(cert_file: str, cert_name: str, server_name: str | None, server_source: str) -> None:
+    """Refuse a certificate no peer accepts: one that has expired, or, where peers check
+    ``server_name`` (DATA_CACHE_TLS_SERVER_NAME), one that does not carry that name. The head
+    served on with it, each data node retried its registration to the startup deadline, and
+    readers were told to pass a certificate authority they already passed."""
+    # CPython's decoder of a PEM file's first certificate (ssl has no public one); without it, no check.
+    decode = getattr(ssl._ssl, "_test_decode_cert", None)  # type: ignore[attr-defined]
+    try:
+        info = decode(cert_file) if decode is not None else None
+    except (ssl.SSLError, OSError, ValueError):
+        info = None
+    if not info:
+        return
+    not_after = info.get("notAfter")
+    if not_after and ssl.cert_time_to_seconds(not_after) < time.time():
+        raise ConfigError(
+            f"{cert_name} {cert_file!r}: the certificate expired on {not_after}, and no peer accepts it: renew it "
+            "(on Kubernetes, update the TLS Secret; cert-manager renews its own) and start the cache again"
+        )
+    if server_name is None:
+        return
+    names = [value for kind, value in info.get("subjectAltName", ()) if kind == "DNS"]
+    if not names:  # no DNS names: a peer may fall back to the subject's common name
+        names = [value for rdn in info.get("subject", ()) for key, value in rdn if key == "commonName"]
+    if not any(_name_matches(pattern, server_name) for pattern in names):
+        raise ConfigError(
+            f"{cert_name} {cert_file!r}: the certificate names {', '.join(names) or 'no DNS name'}, not "
+            f"{server_source} {server_name!r}, the name every peer checks: make the certificate for that name (a "
+            f"dnsNames entry), or set {TLS_SERVER_NAME_ENV} to a name it carries, in the cache and its readers"
+        )
+
+
+def _name_matches(pattern: str, name: str) -> bool:
+    """A certificate's DNS name against a server name: equal ignoring case, or a wildcard
+    (``*.example.com``) standing for exactly one leftmost label."""
+    pattern, name = pattern.lower().rstrip("."), name.lower().rstrip(".")
+    if pattern.startswith("*."):
+        label, _, rest = name.partition(".")
+        return bool(label) and rest == pattern[2:]
+    return pattern == name
 
 
 def _pem_certificates(path: str, source: str) -> bytes:
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+        return Path(path).read_bytes()
     except ssl.SSLError:
         raise ConfigError(f"{source} {path!r} holds no PEM certificate: check the Secret's ca.crt") from None
-    return Path(path).read_bytes()
+    except OSError as err:  # a traceback, exit 1, where the key and certificate gave one line
+        raise ConfigError(f"{source} cannot read {path!r}: {err.strerror}") from None
 
 
 def host_port(host: str, port: int) -> str:

@@ -37,6 +37,7 @@ from kubeflow_data_cache.client import (
     check_server_name,
     check_token,
     int_arg,
+    plaintext_with_root_certs,
 )
 from kubeflow_data_cache.errors import BadRequestError, ConfigError
 from kubeflow_data_cache.interleave import rotation_order
@@ -55,6 +56,7 @@ from kubeflow_data_cache.security import (
     TLS_SERVER_NAME_ENV,
     checked_server_name,
     checked_token,
+    is_tls,
     read_token_file,
     tls_folder,
 )
@@ -332,6 +334,15 @@ class DataCacheDataset(IterableDataset):
         # Here, not at the first batch inside a DataLoader worker; naming where the value came from.
         source = "endpoint" if endpoint is not None else _endpoint_source()
         check_endpoint(self.endpoint, source)
+        if self.tls_root_certs is not None and not is_tls(self.endpoint):
+            if tls_root_certs is not None:  # asked for TLS in so many words: reading in clear is no answer
+                raise ValueError(plaintext_with_root_certs(self.endpoint, source))
+            warnings.warn(  # maybe another cache, plain on purpose: said, not refused
+                f"{TLS_DIR_ENV} {os.environ.get(TLS_DIR_ENV)} holds the cache's certificate, but {source} "
+                f"{self.endpoint} is plaintext, so it is not used: the token and rows travel in clear. Dial "
+                "grpc+tls:// to read over TLS",
+                stacklevel=2,
+            )
         check_token(token)
         self.token = token if token is not None else default_token()
         self.batch_size = size

@@ -50,7 +50,15 @@ from kubeflow_data_cache.offsets import has_offsets, rebaser
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, scan_tasks
 from kubeflow_data_cache.readahead import Readahead
 from kubeflow_data_cache.s3_settings import s3_properties_from_env
-from kubeflow_data_cache.security import TLS_SCHEME, TokenAuthFactory, call_options, key_matches, speaks_tls
+from kubeflow_data_cache.security import (
+    CERTIFICATE_REFUSED,
+    TLS_NAME_MISMATCH,
+    TLS_SCHEME,
+    TokenAuthFactory,
+    call_options,
+    key_matches,
+    speaks_tls,
+)
 from kubeflow_data_cache.sent_bytes import sent_nbytes
 from kubeflow_data_cache.service import (
     FAILED,
@@ -318,6 +326,22 @@ class DataNode(ReadOnlyFlight):
             "later ones: delete the cache's pods (or its TrainJob) so that they all start again"
         )
 
+    def _certificate_refused(self, error: str) -> str | None:
+        """Why the head's certificate is refused, where gRPC's ``error`` says it is."""
+        where = f"data node {self.cfg.node_index}: the head's certificate at {self.cfg.head_location}"
+        if TLS_NAME_MISMATCH in error:
+            return (
+                f"{where} does not carry the name checked ({first_line(error)}): make the certificate for the "
+                "address the nodes dial, or set DATA_CACHE_TLS_SERVER_NAME to a name it carries, in every process "
+                "of the cache"
+            )
+        if CERTIFICATE_REFUSED in error:
+            return (
+                f"{where} does not verify ({first_line(error)}): every process of a cache serves the same "
+                "certificate and trusts its ca.crt (on Kubernetes, one TLS Secret): check its dates and its CA"
+            )
+        return None
+
     def _register_loop(self) -> None:
         """Register with the head, then keep re-registering so a restarted head finds us again."""
         client = self.cfg.tls.client_for(self.cfg.head_location)
@@ -370,6 +394,10 @@ class DataNode(ReadOnlyFlight):
                 last_error = first_line(err)
                 if (mismatch := self._tls_mismatch()) is not None:
                     self.lifecycle.fail(mismatch)
+                    return
+                if not self._registered.is_set() and (refused := self._certificate_refused(str(err))):
+                    # Retried to the startup deadline (600 s by default), where no retry changes a certificate.
+                    self.lifecycle.fail(refused)
                     return
                 # /ready says why (a TLS name mismatch shows here), also for a node the head
                 # registered and then went away from before sending it rows.

@@ -30,6 +30,10 @@ _SERVER_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 TLS_SCHEME = "grpc+tls"
+# gRPC's words where a peer's certificate does not verify, and where it verified but names
+# neither the address dialled nor the override: no retry changes either.
+CERTIFICATE_REFUSED = "certificate verify failed"
+TLS_NAME_MISMATCH = "is not in peer certificate"
 
 
 def is_tls(location: str) -> bool:
