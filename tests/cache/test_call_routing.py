@@ -45,6 +45,17 @@ def test_list_flights_before_ready_is_unavailable_and_counted(cluster, small_tab
     assert errors == 1
 
 
+def test_get_schema_before_ready_says_unavailable_without_the_servers_traceback(cluster, small_table):
+    """pyarrow's server passes no Flight error out of GetSchema: the client read "Unknown error"
+    followed by the server's traceback (its source paths), while /metrics said UNAVAILABLE."""
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    with pytest.raises(OSError, match=r"^UNAVAILABLE: the cache is not ready yet") as refused:
+        flight.FlightClient(head.location).get_schema(flight.FlightDescriptor.for_path("0", "1"))
+    assert "Traceback" not in str(refused.value) and ".py" not in str(refused.value)
+    errors = head.metrics.errors.labels(method="GetSchema", action="", code="UNAVAILABLE")._value.get()
+    assert errors == 1
+
+
 def test_not_ready_is_marked_so_that_clients_need_not_read_the_words(cluster, small_table):
     """The marker, not the message, tells a reader that the cache answered "not ready yet"."""
     head, _, _, _ = cluster(small_table.metadata_location, with_node=False)

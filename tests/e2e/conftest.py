@@ -72,10 +72,12 @@ RBAC_OVERLAY = OVERLAY / "namespace-rbac"
 METHODS = ["helm", "kustomize"]
 
 
-def unavailable(reason: str) -> None:
+def unavailable(what: str, reason: str) -> None:
+    """Skip ``what`` (the kind suite, one install path) for ``reason``; with E2E_REQUIRE=1 (what
+    `make test-e2e` sets), fail, and say so in words that do not read "skipped"."""
     if os.environ.get("E2E_REQUIRE") == "1":
-        pytest.fail(f"{reason} (E2E_REQUIRE=1)")
-    pytest.skip(reason)
+        pytest.fail(f"{what} cannot run: {reason} (E2E_REQUIRE=1)")
+    pytest.skip(f"{what} skipped: {reason}")
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -111,16 +113,16 @@ def docker_engine(request) -> str:
 def _docker_engine_version() -> str:
     docker = shutil.which("docker")
     if docker is None:
-        unavailable("kind suite skipped: no `docker` client on PATH")
+        unavailable("kind suite", "no `docker` client on PATH")
     try:
         done = subprocess.run(
             [docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
         )
     except subprocess.TimeoutExpired:
-        unavailable("kind suite skipped: `docker info` did not answer within 30s")
+        unavailable("kind suite", "`docker info` did not answer within 30s")
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        unavailable(f"kind suite skipped: no Docker engine answers (`docker info`: {last})")
+        unavailable("kind suite", f"no Docker engine answers (`docker info`: {last})")
     return done.stdout.strip()
 
 
@@ -170,7 +172,7 @@ def kind_cluster(request, docker_engine, tmp_path_factory) -> Iterator[E2EKindCl
     workdir = tmp_path_factory.mktemp("kind")
     found = download_platform(platform.system(), platform.machine())
     if found is None and not (shutil.which("kind") and shutil.which("kubectl")):
-        unavailable(f"kind suite skipped: put kind {KIND_VERSION} and kubectl on PATH (no release binaries "
+        unavailable("kind suite", f"put kind {KIND_VERSION} and kubectl on PATH (no release binaries "
                     f"to download for {platform.system()} {platform.machine()})")  # fmt: skip
     try:
         name = cluster_name()
@@ -315,10 +317,10 @@ def distribution(request, kube, e2e_images, artifacts, tmp_path_factory) -> Iter
     method = request.param
     namespace = f"dc-e2e-{method}"
     if method == "helm" and not kube.helm_bin:
-        unavailable("helm install skipped: no `helm` on PATH")
+        unavailable("helm install", "no `helm` on PATH")
     if method == "kustomize" and not shutil.which("git"):
         # kubectl's kustomize runs git to fetch Trainer's CRDs from GitHub (a git address).
-        unavailable("kustomize install skipped: no `git` on PATH (kubectl kustomize fetches Trainer's CRDs with it)")
+        unavailable("kustomize install", "no `git` on PATH (kubectl kustomize fetches Trainer's CRDs with it)")
     kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}])
     rendered: list[dict] = []
     try:

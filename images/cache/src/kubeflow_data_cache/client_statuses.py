@@ -1,4 +1,4 @@
-"""INVALID_ARGUMENT and UNIMPLEMENTED answers without the server's Python traceback.
+"""INVALID_ARGUMENT and UNIMPLEMENTED answers (and GetSchema's others) without the server's Python traceback.
 
 Flight has no error class for those two codes: a handler raises ValueError (pyarrow's
 ArrowInvalid) or NotImplementedError, and pyarrow turns the Python exception into a status whose
@@ -29,6 +29,14 @@ class InvalidArgument(ClientStatus, pa.ArrowInvalid):
 
 class Unimplemented(ClientStatus, NotImplementedError):
     """UNIMPLEMENTED."""
+
+
+class GetSchemaStatus(ClientStatus, OSError):
+    """Any other status of a GetSchema call, its code leading the message ("UNAVAILABLE: the
+    cache is not ready yet ..."). pyarrow's server passes no Flight error out of a GetSchema
+    handler (it does for the other calls): raised as such, it reached the client as UNKNOWN with
+    the server's traceback in the message. This one reaches it as UNKNOWN too (Arrow's IOError:
+    pyarrow's client raises OSError, as it does for every GetSchema failure), without the traceback."""
 
 
 _format_exception = traceback.format_exception

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kubeflow_data_cache.client_statuses import InvalidArgument, Unimplemented, install
+from kubeflow_data_cache.client_statuses import GetSchemaStatus, InvalidArgument, Unimplemented, install
 from kubeflow_data_cache.errors import (
     LOAD_FAILED_INFO,
     NOT_READY_INFO,
@@ -243,7 +243,17 @@ def flight_errors(metrics: Metrics, method: str) -> Callable:
             finally:
                 metrics.request_seconds.labels(**labels).observe(time.perf_counter() - started)
 
-        return inner
+        if method != "GetSchema":
+            return inner
+
+        @functools.wraps(fn)
+        def get_schema(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except flight.FlightError as err:  # counted above, under its own code
+                raise GetSchemaStatus(f"{flight_status(err)}: {err}") from None
+
+        return get_schema
 
     return wrap
 
