@@ -56,6 +56,17 @@ def test_get_schema_before_ready_says_unavailable_without_the_servers_traceback(
     assert errors == 1
 
 
+def test_the_planned_snapshot_is_named_while_the_head_waits_for_its_nodes(cluster, small_table):
+    """It said null until the loads were sent, and for good where the memory check then failed."""
+    from pyiceberg.table import StaticTable
+
+    head, _, _, _ = cluster(small_table.metadata_location, with_node=False)
+    wait_for(lambda: head.plan_seconds > 0, timeout=30)
+    assert head.status()["state"] == "waiting"
+    snapshot = StaticTable.from_metadata(small_table.metadata_location).current_snapshot()
+    assert head.status()["snapshot_id"] == snapshot.snapshot_id
+
+
 def test_not_ready_is_marked_so_that_clients_need_not_read_the_words(cluster, small_table):
     """The marker, not the message, tells a reader that the cache answered "not ready yet"."""
     head, _, _, _ = cluster(small_table.metadata_location, with_node=False)

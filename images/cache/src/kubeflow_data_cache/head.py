@@ -80,6 +80,7 @@ class Head(ReadOnlyFlight):
         # What the nodes hold now, as /status sums it (a node gone or reloading holds nothing).
         self.metrics.follow(self.lifecycle, lambda: self._held("rows"), lambda: self._held("bytes"))
         self.plan: TablePlan | None = None
+        self.snapshot_id: int | None = None  # the planned snapshot's, once planned
         self.assignments = []
         self.generation = uuid.uuid4().hex[:12]
         self.load_seconds = 0.0
@@ -206,6 +207,8 @@ class Head(ReadOnlyFlight):
             self._planning = False
             self.lifecycle.waiting_detail(self._forming_detail())  # planned: no longer "planning"
             self.plan_seconds = time.monotonic() - planning
+            # Said from now on, the fit check's failure included (self.plan waits for the loads).
+            self.snapshot_id = plan.snapshot_id
             self._wait_for_nodes(deadline)
             started = time.monotonic()
             assignments = assign_rows(plan, self.cfg.data_nodes)
@@ -780,7 +783,7 @@ class Head(ReadOnlyFlight):
             "metadata_location": self.cfg.metadata_loc,
             # Which snapshot that metadata's current one is: a METADATA_LOC that is not the table's
             # latest serves older data, and says so here (null: the table has none, or not planned yet).
-            "snapshot_id": self.plan.snapshot_id if self.plan is not None else None,
+            "snapshot_id": self.snapshot_id,
             "state": self.lifecycle.state,
             "detail": self.lifecycle.detail,
             "error": self.lifecycle.error,
