@@ -420,6 +420,34 @@ def test_an_endpoint_from_the_environment_is_named_with_what_is_wrong(monkeypatc
         DataCacheDataset()
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        # Each was refused as "names port N, outside 1 to 65535", which was not the trouble.
+        ("grpc://fd00::5:50051", r"an IPv6 address without its brackets: write grpc://\[fd00::5\]:50051"),
+        ("grpc://fd00::5", r"an IPv6 address without its brackets: write grpc://\[fd00::5\]:50051"),
+        ("grpc://[fd00::5:50051", r"opens a \[ it does not close"),
+        ("grpc://host:50051:1", "has more than one ':' after its host"),
+        # Taken at construction, then refused at the first batch (in a DataLoader worker) as if
+        # the cache had "rejected" the request.
+        ("grpc://my host:50051", "is not a URI Flight can dial"),
+        ("grpc://ho%st:50051", "is not a URI Flight can dial"),
+    ],
+)
+def test_an_endpoint_gRPC_cannot_dial_is_refused_at_construction_saying_why(endpoint, says):
+    with pytest.raises(ValueError, match=f"^the cache endpoint .*{says}"):
+        CacheClient(endpoint)
+    with pytest.raises(ValueError, match=f"^endpoint .*{says}"):
+        DataCacheDataset(endpoint)
+
+
+def test_an_endpoint_made_from_a_job_name_it_cannot_carry_names_that_variable(monkeypatch):
+    monkeypatch.delenv("DATA_CACHE_ENDPOINT", raising=False)
+    monkeypatch.setenv("TRAIN_JOB_NAME", "my job")
+    with pytest.raises(ValueError, match="^the endpoint made from TRAIN_JOB_NAME is not a URI Flight can dial"):
+        DataCacheDataset()
+
+
 def test_an_empty_endpoint_or_a_token_no_header_can_carry_is_refused(monkeypatch):
     monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://elsewhere:50051")
     # An empty value (from a config file, say) is a mistake, not "use the environment".

@@ -214,6 +214,7 @@ def test_a_node_frozen_before_its_stream_starts_is_given_up_on_within_the_deadli
     (error,) = outcome
     assert isinstance(error, CacheUnavailableError)
     assert re.search(rf"data node {location} stayed unavailable .*stalled", str(error))
+    assert "check that data node (in Kubernetes, the cache's worker pod with that address" in str(error)
 
 
 def test_a_frozen_node_is_given_up_on_at_the_deadline_not_a_stall_limit_later(cluster, monkeypatch):

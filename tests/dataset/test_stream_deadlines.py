@@ -117,6 +117,42 @@ def test_an_address_that_accepts_and_never_answers_is_named_as_the_setting_to_ch
     assert "set DATA_CACHE_ENDPOINT" in message and "stopped answering" not in message
 
 
+def test_an_http_server_at_the_endpoint_fails_at_once_saying_it_is_not_grpc():
+    """The cache's Service carries its health port beside Flight's: a reader pointed at it
+    retried to its deadline (120 s by default) and was told only that HTTP/2 did not parse."""
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"grpc://127.0.0.1:{server.server_address[1]}"
+        started = time.monotonic()
+        with CacheClient(endpoint, deadline_seconds=60) as client, pytest.raises(CacheUnavailableError) as err:
+            client.status()
+        assert time.monotonic() - started < 20  # the TLS probe's 2 s, not the deadline
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = str(err.value)
+    assert f"something answers at {endpoint}, but not gRPC" in message
+    assert "a cache's health port (8080; Flight is on 50051)" in message and "set DATA_CACHE_ENDPOINT" in message
+
+
+def test_a_job_cache_service_that_cannot_be_reached_points_at_the_initializer():
+    """The endpoint DataCacheDataset makes from TRAIN_JOB_NAME: "set DATA_CACHE_ENDPOINT" sent the
+    user to a variable they never set, where the Service is missing or the job uses another runtime."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    # A name no resolver knows (a .invalid domain): unreachable at once, as a missing Service is.
+    endpoint = f"grpc://job-a.invalid-cache-service:{port}"
+    with CacheClient(endpoint, deadline_seconds=1) as client, pytest.raises(CacheUnavailableError) as err:
+        client.status()
+    message = str(err.value)
+    assert "the Service job-a.invalid-cache-service is the one the cache initializer makes" in message
+    assert "torch-distributed-with-cache runtime" in message
+
+
 class _ReloadingNode(flight.FlightServerBase):
     """Head and data node in one, whose node reloads ``reloads`` times in the middle of a stream:
     each time the stream breaks after ``RELOAD_EVERY`` rows, tickets of the old load are refused

@@ -8,6 +8,7 @@ everything else fails at once with a message that says what to fix.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -20,11 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from kubeflow_data_cache import fork_guard
+from kubeflow_data_cache import constants, fork_guard
 from kubeflow_data_cache.allocator import tune_glibc_malloc
 from kubeflow_data_cache.config import uri_port
 from kubeflow_data_cache.errors import (
@@ -36,6 +38,7 @@ from kubeflow_data_cache.errors import (
     ForkedConnectionError,
     NotReadyError,
     answered_not_ready,
+    first_line,
     server_message,
 )
 from kubeflow_data_cache.interleave import ResumePoint, resume_point, sequential_point
@@ -112,6 +115,9 @@ ENDPOINT_HINT = (
 # What gRPC says when the server's certificate does not verify: no retry changes that.
 TLS_FAILURES = ("Ssl handshake failed", CERTIFICATE_REFUSED, "TSI_PROTOCOL_FAILURE")
 CERTIFICATE_EXPIRED = "certificate has expired"  # OpenSSL's words, within gRPC's
+# gRPC's words where the peer answered bytes that are not HTTP/2: an HTTP/1 server (a health
+# port) or another protocol, which no retry turns into a cache.
+NOT_GRPC = "Failed parsing HTTP/2"
 TOKEN_HINT = (
     "set DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE (or DataCacheDataset's token argument; CacheClient's token, "
     "which reads no env) to the cache's token"
@@ -133,6 +139,14 @@ class StreamStalledError(flight.FlightUnavailableError):
 MIN_CALL_SECONDS = 0.5
 
 
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_endpoint(endpoint: str, source: str = "the cache endpoint") -> None:
     """A URI gRPC can dial, or a ValueError naming ``source`` (the argument, or the variable it
     came from) and what is wrong with it."""
@@ -144,14 +158,32 @@ def check_endpoint(endpoint: str, source: str = "the cache endpoint") -> None:
             f"{source} should be a grpc://, grpc+tls://, grpc+tcp:// or grpc+unix:// URI (grpc://host:50051), "
             f"got {endpoint!r}"
         )
-    if endpoint.startswith("grpc+unix://") or uri_port(endpoint):
+    if endpoint.startswith("grpc+unix://"):
         return
-    _, _, rest = endpoint.partition("://")
-    named = rest.rpartition("@")[2].split("/")[0].rpartition(":")[2]
-    if named.isdigit():
-        raise ValueError(f"{source} names port {named}, outside 1 to 65535, got {endpoint!r}")
-    # Without one, gRPC would quietly dial port 443.
-    raise ValueError(f"{source} should name its port (grpc://host:50051), got {endpoint!r}")
+    scheme, _, rest = endpoint.partition("://")
+    authority = rest.rpartition("@")[2].split("/")[0]
+    if authority.startswith("[") and "]" not in authority:
+        raise ValueError(f"{source} opens a [ it does not close (grpc://[fd00::5]:50051), got {endpoint!r}")
+    if not authority.startswith("[") and authority.count(":") > 1:
+        # An IPv6 address without its brackets read as a host and a bad port, and was refused as such.
+        address, _, last = authority.rpartition(":")
+        for host, port in ((authority, str(constants.FLIGHT_PORT)), (address, last)):
+            if _is_ipv6(host):
+                raise ValueError(
+                    f"{source} holds an IPv6 address without its brackets: write {scheme}://[{host}]:{port}, "
+                    f"got {endpoint!r}"
+                )
+        raise ValueError(f"{source} has more than one ':' after its host (grpc://host:50051), got {endpoint!r}")
+    if not uri_port(endpoint):
+        named = authority.rpartition(":")[2]
+        if named.isdigit():
+            raise ValueError(f"{source} names port {named}, outside 1 to 65535, got {endpoint!r}")
+        # Without one, gRPC would quietly dial port 443.
+        raise ValueError(f"{source} should name its port (grpc://host:50051), got {endpoint!r}")
+    try:
+        flight.Location(endpoint)  # Arrow's own parse: a space or a stray % failed only at the first batch
+    except pa.ArrowInvalid as err:
+        raise ValueError(f"{source} is not a URI Flight can dial ({first_line(err)}), got {endpoint!r}") from None
 
 
 def check_root_certs(pem: bytes) -> None:
@@ -397,11 +429,21 @@ class CacheClient:
                 "the head (in Kubernetes, the cache's leader pod: its status, events and log)"
             )
         if location == self.endpoint:
+            hint, host = ENDPOINT_HINT, urlsplit(location).hostname or ""
+            if host.endswith(constants.JOB_CACHE_SERVICE_SUFFIX):
+                # Made from TRAIN_JOB_NAME (or named like it): the variable to set is not the likely fix.
+                hint = (
+                    f"the Service {host} is the one the cache initializer makes for a TrainJob: check that the "
+                    "TrainJob uses the torch-distributed-with-cache runtime and that its dataset initializer "
+                    f"succeeded (kubectl get service {host}); or {hint}"
+                )
             return CacheUnavailableError(
-                f"could not reach the data cache at {location} for {what} within {waited:.0f}s: {reason}; {ENDPOINT_HINT}"
+                f"could not reach the data cache at {location} for {what} within {waited:.0f}s: {reason}; {hint}"
             )
         return CacheUnavailableError(
-            f"data node {location} stayed unavailable for {waited:.0f}s during {what}: {reason}"
+            f"data node {location} stayed unavailable for {waited:.0f}s during {what}: {reason}; check that data "
+            "node (in Kubernetes, the cache's worker pod with that address: its status, events and log) and the "
+            "head's /status"
         )
 
     def _refuse_if_tls(self, location: str, what: str, deadline: float) -> None:
@@ -461,6 +503,13 @@ class CacheClient:
                 if not tls_asked:
                     tls_asked = True  # once per call: the failure path only, a healthy read never asks
                     self._refuse_if_tls(location, what, deadline)
+                if NOT_GRPC in str(err):  # after the TLS probe: a TLS server's answer does not parse either
+                    hint = ENDPOINT_HINT if location == self.endpoint else "the head was told a wrong data node port"
+                    raise CacheUnavailableError(
+                        f"something answers at {location}, but not gRPC ({what}: {server_message(err)}): an HTTP "
+                        f"server, such as a cache's health port ({constants.HEALTH_PORT}; Flight is on "
+                        f"{constants.FLIGHT_PORT}); {hint}"
+                    ) from err
                 if time.monotonic() >= deadline:
                     raise self._unavailable(err, location, what, time.monotonic() - start) from err
                 reason = server_message(err)

@@ -2,6 +2,8 @@
 
 FLIGHT_PORT = 50051
 HEALTH_PORT = 8080
+# The Service the initializer makes for a TrainJob's cache: {TRAIN_JOB_NAME}-cache-service.
+JOB_CACHE_SERVICE_SUFFIX = "-cache-service"
 
 # Columns the cache adds while filtering; table columns may not start with this.
 INTERNAL_COLUMN_PREFIX = "__dc_"

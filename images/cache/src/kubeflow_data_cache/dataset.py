@@ -39,6 +39,7 @@ from kubeflow_data_cache.client import (
     int_arg,
     plaintext_with_root_certs,
 )
+from kubeflow_data_cache.constants import JOB_CACHE_SERVICE_SUFFIX
 from kubeflow_data_cache.errors import BadRequestError, ConfigError
 from kubeflow_data_cache.interleave import rotation_order
 from kubeflow_data_cache.protocol import (
@@ -101,7 +102,7 @@ def default_endpoint(env: dict[str, str] | None = None, tls: bool = False) -> st
     if env.get("DATA_CACHE_ENDPOINT"):
         return env["DATA_CACHE_ENDPOINT"]
     if env.get("TRAIN_JOB_NAME"):
-        return f"{'grpc+tls' if tls else 'grpc'}://{env['TRAIN_JOB_NAME']}-cache-service:{CACHE_PORT}"
+        return f"{'grpc+tls' if tls else 'grpc'}://{env['TRAIN_JOB_NAME']}{JOB_CACHE_SERVICE_SUFFIX}:{CACHE_PORT}"
     raise ConfigError(
         "no cache endpoint: pass endpoint='grpc://host:port', set DATA_CACHE_ENDPOINT, "
         "or run inside a TrainJob (which sets TRAIN_JOB_NAME)"
