@@ -145,6 +145,12 @@ def test_token_file_is_read_and_its_token_never_logged(table_factory, tmp_path, 
     assert TOKEN not in cache.stderr
 
 
+def test_a_cache_without_a_token_says_so_as_it_starts(small_cache):
+    """An optional Secret without its `token` key leaves DATA_CACHE_TOKEN unset: the cache served
+    everyone who reached its port, and its log said nothing of it."""
+    assert "no token: any client that reaches it reads the table (DATA_CACHE_TOKEN)" in small_cache.read_stderr()
+
+
 # --- TLS -----------------------------------------------------------------------------------------
 
 

@@ -77,7 +77,11 @@ def run_node(cfg: NodeConfig) -> NoReturn:
         server.location,
         host_port(cfg.bind_host, server.port),
         health.port,
-        ", token required" if cfg.token else "",
+        # Said where there is none: an optional Secret without its `token` key leaves the
+        # variable unset, and the cache serves anyone who reaches its port without a word.
+        ", token required"
+        if cfg.token
+        else ", no token: any client that reaches it reads the table (DATA_CACHE_TOKEN)",
     )
     # The handler only appends to a list: a Python handler runs in the main thread between two
     # bytecodes, and threading.Event.set() there could wait for ever on the Event's own lock,
