@@ -287,6 +287,32 @@ def test_local_says_when_the_serving_cache_degrades_and_when_it_recovers(table_f
         cache.stop()
 
 
+def test_the_watch_ends_quietly_when_the_head_says_it_is_stopping(monkeypatch, caplog):
+    """A Ctrl-C reaches the head as well as local: the head's "stopping" could come before local's
+    own loop ended the watch, which then warned "cache stopping" on every Ctrl-C."""
+    import threading
+    from types import SimpleNamespace
+
+    from kubeflow_data_cache import local
+
+    answers = iter([{"state": "ready", "detail": "2000 rows"}, {"state": "stopping", "detail": "shutting down"}])
+    asked = []
+
+    def head_status(client):
+        asked.append(1)
+        return next(answers)
+
+    cluster = SimpleNamespace(
+        tls=SimpleNamespace(client_for=lambda location: None), head_location="grpc://h:1", head_status=head_status
+    )
+    monkeypatch.setattr(local, "WATCH_SECONDS", 0.01)
+    watch = threading.Thread(target=local.watch_head, args=(cluster, threading.Event()), daemon=True)
+    watch.start()
+    watch.join(10)
+    assert not watch.is_alive() and len(asked) == 2  # ended at the head's "stopping", asking no more
+    assert "cache stopping" not in caplog.text
+
+
 def test_sigusr1_dumps_every_threads_stack_and_keeps_serving(table_factory):
     """An operator's view into a process that seems stuck (`kill -USR1`), which leaves it running."""
     cache = LocalCache(table_factory(2000, 1).metadata_location, 1)
