@@ -86,6 +86,19 @@ def test_override_hook_converts_whole_record_batches(cache):
     assert len(Features.calls) < len(batches) / 10
 
 
+def test_a_hook_written_as_upstreams_generator_is_told_the_difference(cache):
+    """Upstream's example hook yields each batch_size chunk; this one returns a whole run."""
+
+    class Upstream(DataCacheDataset):
+        def from_arrow_rb_to_tensor(self, batch):
+            yield {"label": torch.tensor(batch["label"].to_numpy())}
+
+    with pytest.raises(
+        TypeError, match=r"returned an iterator \(a generator, as in upstream's example.*return instead of yield"
+    ):
+        next(iter(Upstream(cache.endpoint, batch_size=10, columns=["label"])))
+
+
 def test_a_hook_that_changes_the_row_count_is_named(cache):
     class Pairs(DataCacheDataset):
         def from_arrow_rb_to_tensor(self, batch):

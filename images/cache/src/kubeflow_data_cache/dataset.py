@@ -941,6 +941,15 @@ def _row_counts(obj: Any, path: str = "") -> dict[str, int]:
 
 
 def _check_rows(converted: Any, rows: int) -> None:
+    if isinstance(converted, Iterator):
+        # The upstream example's hook is a generator, called per batch_size rows: here it failed
+        # as "should return tensors ..., got generator", naming nothing of the difference.
+        raise TypeError(
+            "from_arrow_rb_to_tensor returned an iterator (a generator, as in upstream's example, whose hook "
+            "yields each batch): here it is called once for a record batch many training batches long and "
+            "returns one row-aligned dict or tuple (return instead of yield, without a batch dimension of "
+            "its own), which the dataset slices into batch_size rows"
+        )
     wrong = {k: n for k, n in _row_counts(converted).items() if n != rows}
     if wrong:
         shown = {k: ("a scalar" if n < 0 else n) for k, n in wrong.items()}
