@@ -222,3 +222,26 @@ print(pa.default_memory_pool().max_memory() - before)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) < 16 << 20  # a copy of the matched values: 64 MiB
+
+
+@pytest.mark.parametrize("with_number", [True, False])
+def test_the_warm_up_read_decodes_a_fixed_width_column_or_nothing(tmp_path, monkeypatch, with_number):
+    """The smallest column on disk was a repeated string (dictionary-encoded: a few KiB), and its
+    one warm-up batch decoded 650 MiB on every data node, outside the load's memory budget."""
+    from kubeflow_data_cache import store
+    from kubeflow_data_cache.plan import open_table, scan_tasks
+    from tests.cache.conftest import table_in_files
+
+    rows = 10_000
+    columns = {"s": pa.array(["x" * 1000] * rows)}
+    if with_number:
+        columns["id"] = pa.array(np.arange(rows, dtype=np.int64))
+    location = table_in_files(tmp_path, pa.table(columns))
+    table = open_table(location, {})
+    (task,) = scan_tasks(table, location).values()
+    assert task.file.column_sizes[1] < task.file.column_sizes.get(2, 1 << 30)  # the string is smallest on disk
+    read = []
+    real = store.task_batches
+    monkeypatch.setattr(store, "task_batches", lambda t, k, ids: read.append(ids) or real(t, k, ids))
+    store.warm_reader(table, task)
+    assert read == ([[2]] if with_number else [])  # the id column, or no warm-up at all

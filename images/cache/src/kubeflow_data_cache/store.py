@@ -135,24 +135,31 @@ def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
 def warm_reader(table, task) -> None:
     """Read one batch of one column of one file and drop it. The first Parquet read in a process
     sets up the reader stack (hundreds of ms); doing it while the cluster forms keeps it out of
-    the load. One column, the file's smallest: every column of a batch fetched a whole row group
-    from S3 on each node (12 MB of 48 MB at each start) and decoded it outside the load's memory
-    budget. A failure here is left for the real read to report."""
-    field = _smallest_field(table, task)
-    field_ids = None if field is None else [field]
-    with contextlib.suppress(Exception), contextlib.closing(task_batches(table, task, field_ids)) as batches:
+    the load. One column, the file's smallest of fixed width: every column of a batch fetched a
+    whole row group from S3 on each node (12 MB of 48 MB at each start) and decoded it outside the
+    load's memory budget. No warm-up for a table without such a column: its smallest column by
+    bytes on disk was a string one repeated (dictionary-encoded), whose one batch decoded 650 MiB
+    on every node, also outside the budget. A failure here is left for the real read to report."""
+    field = _warm_up_field(table, task)
+    if field is None:
+        return
+    with contextlib.suppress(Exception), contextlib.closing(task_batches(table, task, [field])) as batches:
         next(batches, None)
 
 
-def _smallest_field(table, task) -> int | None:
-    """The top-level primitive column the file stores in the fewest bytes (its statistics), else
-    the first column; None for a table without columns."""
-    fields = table.schema().fields
+def _warm_up_field(table, task) -> int | None:
+    """The top-level fixed-width column (numbers, booleans, dates and times, decimals, UUIDs) the
+    file stores in the fewest bytes (its statistics): a batch of it decodes to a few bytes a row,
+    whatever the file holds. None where the table has none."""
+    from pyiceberg.types import BinaryType, FixedType, StringType
+
     sizes = task.file.column_sizes or {}
-    primitive = [f for f in fields if f.field_type.is_primitive]
-    if not primitive:
-        return fields[0].field_id if fields else None
-    return min(primitive, key=lambda f: sizes.get(f.field_id, float("inf"))).field_id
+    fixed = [
+        f
+        for f in table.schema().fields
+        if f.field_type.is_primitive and not isinstance(f.field_type, (StringType, BinaryType, FixedType))
+    ]
+    return min(fixed, key=lambda f: sizes.get(f.field_id, float("inf"))).field_id if fixed else None
 
 
 def column_groups(
