@@ -188,6 +188,7 @@ def test_a_sample_of_large_values_decodes_a_bounded_number_of_bytes(tmp_path, mo
     from kubeflow_data_cache import expansion
 
     monkeypatch.setattr(expansion, "SAMPLE_MAX_DICTIONARY_BYTES", 1 << 40)
+    monkeypatch.setattr(expansion, "SAMPLE_MAX_DICTIONARY_DECODED_BYTES", 1 << 40)
     location = _images_table(tmp_path, rows=64, size=1 << 20)
     table = open_table(location)
     plan, tasks = plan_table(table, location)
@@ -203,6 +204,34 @@ def test_a_sample_of_large_values_decodes_a_bounded_number_of_bytes(tmp_path, mo
     (rows,) = asked
     assert 1 <= rows <= expansion.SAMPLE_MAX_BYTES // (1 << 20)  # 8 rows of 1 MiB at most, not 8,192
     assert 1.0 <= next(iter(ratios.values())) < 1.1
+
+
+def test_a_sample_of_large_repeated_values_stops_at_its_decoded_bytes(tmp_path, monkeypatch):
+    """One 96 KiB value in every row is a dictionary of one entry: a few KiB on disk, so the rows
+    sampled were sized at the full 8,192, which decoded to 768 MiB (the head reached 1.2 GiB).
+    The sample now stops once it holds SAMPLE_MAX_BYTES decoded."""
+    from kubeflow_data_cache import expansion
+
+    value = np.random.default_rng(2).bytes(96 << 10)
+    data = pa.table({"id": pa.array(range(3000), pa.int64()), "blob": pa.array([value] * 3000)})
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    catalog.create_table("s.blobs", schema=data.schema).append(data)
+    location = catalog.load_table("s.blobs").metadata_location
+    table = open_table(location)
+    plan, tasks = plan_table(table, location)
+    decoded = []
+    real = pq.ParquetFile.iter_batches
+
+    def recording(self, *args, **kwargs):
+        for part in real(self, *args, **kwargs):
+            decoded.append(part.nbytes)
+            yield part
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
+    measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
+    step = expansion.SAMPLE_STEP_ROWS * len(value)
+    assert 0 < sum(decoded) <= expansion.SAMPLE_MAX_BYTES + step  # ~14 MiB, not 3,000 x 96 KiB
 
 
 def test_a_dictionary_page_whose_offset_an_older_writer_left_out_is_bounded_by_its_chunk():
@@ -222,3 +251,25 @@ def test_a_dictionary_page_whose_offset_an_older_writer_left_out_is_bounded_by_i
         encodings=("RLE_DICTIONARY",), has_dictionary_page=True, dictionary_page_offset=4, data_page_offset=1004
     )
     assert _dictionary_page_bytes(reported) == 1000
+
+
+def test_a_dictionary_small_on_disk_but_large_decoded_is_sized_not_decoded():
+    """31 zero-padded 16 MiB values made a 16 KiB dictionary page of 496 MiB: its compressed size
+    passed the cap, and decoding it took the head to 1.1 GiB. The chunk's uncompressed size bounds it."""
+    from types import SimpleNamespace
+
+    from kubeflow_data_cache.expansion import SAMPLE_MAX_DICTIONARY_DECODED_BYTES, _large_dictionary
+
+    def chunk(uncompressed: int, dictionary: bool = True):
+        return SimpleNamespace(
+            encodings=("RLE_DICTIONARY",) if dictionary else ("PLAIN",),
+            has_dictionary_page=dictionary,
+            dictionary_page_offset=4 if dictionary else None,
+            data_page_offset=16_388,
+            total_compressed_size=16_400,
+            total_uncompressed_size=uncompressed,
+        )
+
+    assert _large_dictionary(chunk(520 << 20))
+    assert not _large_dictionary(chunk(SAMPLE_MAX_DICTIONARY_DECODED_BYTES))
+    assert not _large_dictionary(chunk(520 << 20, dictionary=False))  # plain pages decode a batch at a time

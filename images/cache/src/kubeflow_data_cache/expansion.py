@@ -48,6 +48,14 @@ SAMPLE_MAX_BYTES = 8 << 20
 # batch before it falls back (600 distinct 512 KiB images made a 300 MiB page, and sampling it
 # took the head to 1.3 GiB). Its ratio comes from the chunk's own sizes instead (below).
 SAMPLE_MAX_DICTIONARY_BYTES = 8 << 20
+# Nor one whose dictionary may decode past this: the page's compressed size says little of it (31
+# zero-padded 16 MiB values made a 16 KiB page of 496 MiB, and the head reached 1.1 GiB). The
+# chunk's uncompressed size, dictionary and data pages together, bounds it.
+SAMPLE_MAX_DICTIONARY_DECODED_BYTES = 64 << 20
+# Rows decoded at a time, until the sample holds SAMPLE_ROWS rows or SAMPLE_MAX_BYTES decoded:
+# sized by bytes on disk alone, a dictionary-encoded column of large repeated values decoded its
+# whole 8,192 rows (96 KiB each took the head to 1.2 GiB; 512 KiB would have taken 8 GiB).
+SAMPLE_STEP_ROWS = 64
 # Read the sampled pages as they are needed, not the whole row group's column chunks (on S3 a
 # row group can be hundreds of MiB).
 SAMPLE_BUFFER_BYTES = 1 << 20
@@ -141,15 +149,23 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
             return {}
         chunks = {group.column(j).path_in_schema: group.column(j) for j in range(group.num_columns)}
         present = {name for name in by_id.values() if name in chunks}
-        by_sizes = {name for name in present if _dictionary_page_bytes(chunks[name]) > SAMPLE_MAX_DICTIONARY_BYTES}
+        by_sizes = {name for name in present if _large_dictionary(chunks[name])}
         names = sorted(present - by_sizes)
-        batch = None
+        decoded, sampled_rows = {name: 0 for name in names}, 0
         if names:
             # All the sampled columns together, by the larger of their compressed and uncompressed
             # sizes: values that compress well decode far past their bytes on disk.
             row_bytes = sum(_chunk_bytes(chunks[name]) for name in names) / group.num_rows
             rows = max(1, min(SAMPLE_ROWS, int(SAMPLE_MAX_BYTES / max(row_bytes, 1e-9))))
-            batch = next(parquet.iter_batches(batch_size=rows, row_groups=[0], columns=names, use_threads=False))
+            steps = parquet.iter_batches(
+                batch_size=min(rows, SAMPLE_STEP_ROWS), row_groups=[0], columns=names, use_threads=False
+            )
+            for part in steps:
+                sampled_rows += part.num_rows
+                for name in names:
+                    decoded[name] += part.column(name).nbytes
+                if sampled_rows >= rows or sum(decoded.values()) >= SAMPLE_MAX_BYTES:
+                    break
     ratios = {}
     for field_id, name in by_id.items():
         chunk = chunks.get(name)
@@ -160,14 +176,23 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
                 MIN_EXPANSION, (chunk.total_uncompressed_size + 4 * group.num_rows) / chunk.total_compressed_size
             )
             continue
-        on_disk = chunk.total_compressed_size * batch.num_rows / group.num_rows if chunk is not None else 0
+        on_disk = chunk.total_compressed_size * sampled_rows / group.num_rows if chunk is not None else 0
         if on_disk >= MIN_SAMPLE_BYTES:
-            ratios[field_id] = max(MIN_EXPANSION, batch.column(name).nbytes / on_disk)
+            ratios[field_id] = max(MIN_EXPANSION, decoded[name] / on_disk)
     return ratios
 
 
 def _chunk_bytes(chunk) -> int:
     return max(chunk.total_compressed_size, chunk.total_uncompressed_size)
+
+
+def _large_dictionary(chunk) -> bool:
+    """Whether ``chunk``'s dictionary page is too large to decode on the head: on disk, or as far
+    as the chunk's uncompressed size can tell."""
+    page = _dictionary_page_bytes(chunk)
+    return page > SAMPLE_MAX_DICTIONARY_BYTES or (
+        page > 0 and chunk.total_uncompressed_size > SAMPLE_MAX_DICTIONARY_DECODED_BYTES
+    )
 
 
 def _dictionary_page_bytes(chunk) -> int:
