@@ -152,6 +152,33 @@ def test_sigterm_as_the_cache_is_created_still_deletes_it(fake, run_initializer)
     assert fake.items("leaderworkersets", NAMESPACE) == []
 
 
+def test_sigterm_while_an_earlier_cache_is_deleted_ends_the_run_at_once(fake, run_initializer):
+    """Held while the cache was made, a SIGTERM was held through the wait for an earlier cache's
+    deletion too: the run went on to its deadline (600 s by default), and the kubelet's 30 s grace
+    ended it with a SIGKILL and no message."""
+    import os
+    import signal
+
+    add_train_job(fake, "job-a")
+    env = initializer_env(None, DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="20")
+    dying = build_leader_worker_set(load_config(env), [], "some-secret")
+    dying["metadata"].pop("ownerReferences")
+    dying["metadata"] |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "finalizers": ["example.com/slow"]}
+    fake.put("leaderworkersets", dying)
+
+    def terminate() -> None:
+        fake.wait_for_watches(("leaderworkersets",))
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate, daemon=True).start()
+    started = time.monotonic()
+    code, error = run_initializer(env)
+
+    assert time.monotonic() - started < 10
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+
+
 @pytest.mark.parametrize("other", ["job-a-cache", "job-a-cache-service"])
 def test_a_train_job_named_like_the_cache_is_refused(fake, make_sim, run_initializer, other):
     add_train_job(fake, "job-a")

@@ -23,8 +23,15 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer import termination
 from kubeflow_cache_initializer.builders import cluster_key_entry, with_cluster_key_entry
-from kubeflow_cache_initializer.errors import CacheTimeoutError, ForeignObjectError, InitializerError, KubeApiError
+from kubeflow_cache_initializer.errors import (
+    CacheTimeoutError,
+    ForeignObjectError,
+    InitializerError,
+    KubeApiError,
+    TerminatedError,
+)
 from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, TRANSIENT_STATUSES, Kube, Resource
 
 log = logging.getLogger(__name__)
@@ -119,7 +126,8 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
                 continue
             raise
         if existing["metadata"].get("deletionTimestamp"):
-            _wait_deleted(kube, resource, existing, deadline)
+            with termination.released():  # nothing made yet: a SIGTERM need not wait for the deletion
+                _wait_deleted(kube, resource, existing, deadline)
             continue
         if not shared and _left_by_a_deleted_namesake(existing, owner):
             # A TrainJob deleted and made again under its name: the garbage collector deletes the
@@ -129,7 +137,8 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
                 _describe(existing),
                 owner["name"],
             )
-            _wait_deleted(kube, resource, existing, deadline, collected=True)
+            with termination.released():
+                _wait_deleted(kube, resource, existing, deadline, collected=True)
             continue
         if resource == LEADER_WORKER_SETS:
             # Each run draws a new key Secret name: compared as it is, it would read as drift (and,
@@ -313,6 +322,8 @@ def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: floa
                 if err.status not in TRANSIENT_STATUSES and not err.gone:
                     raise
                 _watch_broke(err, remaining)
+            except TerminatedError:
+                raise  # a SIGTERM is no broken watch: it took the whole wait to be seen
             except Exception as err:  # a dropped connection, as the cache's own wait takes it (wait._Watcher)
                 _watch_broke(err, remaining)
         else:

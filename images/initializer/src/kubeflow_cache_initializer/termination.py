@@ -53,3 +53,19 @@ def held(kube: Kube) -> Iterator[None]:
         _holding = None
     if _pending:
         raise TerminatedError(MESSAGE)
+
+
+@contextlib.contextmanager
+def released() -> Iterator[None]:
+    """Within ``held``, a stretch that waits rather than makes (an earlier cache's deletion, for
+    up to the run's deadline): a SIGTERM is raised at once, as a pending one is on entry. Held
+    there, it waited out the deadline, and the kubelet's grace (30 s) ended in a SIGKILL."""
+    global _holding, _pending
+    kube, _holding = _holding, None
+    try:
+        if _pending:
+            _pending = False
+            raise TerminatedError(MESSAGE)
+        yield
+    finally:
+        _holding = kube
