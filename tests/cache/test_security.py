@@ -461,18 +461,22 @@ def test_a_data_node_that_refuses_the_heads_certificate_fails_at_once(self_signe
             node.stop()
 
 
-def test_certificates_to_trust_with_a_plaintext_endpoint_are_refused(self_signed_cert, monkeypatch):
+def test_certificates_to_trust_with_a_plaintext_endpoint_are_refused(self_signed_cert, small_cache, monkeypatch):
     """They were not used: the token and rows went in clear, without a word."""
     from kubeflow_data_cache.dataset import DataCacheDataset
 
     for make in (CacheClient, DataCacheDataset):
         with pytest.raises(ValueError, match=r"tls_root_certs is given, but endpoint grpc://h:1 is plaintext"):
             make("grpc://h:1", tls_root_certs=self_signed_cert.pem)
-    # From the environment (the runtime mounts the Secret for every trainer): said, not refused.
+    # From the environment (the runtime mounts the Secret for every trainer): said, not refused,
+    # and the plaintext cache read as before.
     monkeypatch.setenv("DATA_CACHE_TLS_DIR", str(self_signed_cert.cert_file.parent))
-    monkeypatch.setenv("DATA_CACHE_ENDPOINT", "grpc://h:1")
-    with pytest.warns(UserWarning, match=r"holds the cache's certificate, but DATA_CACHE_ENDPOINT grpc://h:1 is plain"):
-        DataCacheDataset()
+    monkeypatch.setenv("DATA_CACHE_ENDPOINT", small_cache.endpoint)
+    with pytest.warns(
+        UserWarning, match=rf"holds the cache's certificate, but DATA_CACHE_ENDPOINT {small_cache.endpoint}"
+    ):
+        dataset = DataCacheDataset(batch_size=1000, columns=["id"])
+    assert sum(len(batch["id"]) for batch in dataset) == 10_000
 
 
 def test_a_reader_told_of_an_expired_certificate_is_not_sent_for_another_ca(tmp_path):

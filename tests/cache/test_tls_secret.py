@@ -132,6 +132,15 @@ def test_a_certificate_without_the_server_name_peers_check_is_refused_at_start(s
         _head_config({"DATA_CACHE_TLS_DIR": str(secret_folder)}, tls_server_name="other")
 
 
+def test_a_server_name_that_is_an_address_matches_the_certificates_address(self_signed_cert):
+    """gRPC matches an address given as the server name against the certificate's IP entries:
+    the start-up check compared DNS names only, and refused a certificate every peer accepted."""
+    flags = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
+    assert _head_config({}, **flags, tls_server_name="127.0.0.1").tls.server_name == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"the certificate names localhost, 127\.0\.0\.1, not .*'10\.0\.0\.1'"):
+        _head_config({}, **flags, tls_server_name="10.0.0.1")
+
+
 @pytest.mark.parametrize(
     ("pattern", "name", "matches"),
     [

@@ -164,15 +164,27 @@ def _check_certificate(cert_file: str, cert_name: str, server_name: str | None, 
         )
     if server_name is None:
         return
-    names = [value for kind, value in info.get("subjectAltName", ()) if kind == "DNS"]
+    sans = info.get("subjectAltName", ())
+    names = [value for kind, value in sans if kind == "DNS"]
+    addresses = [value.strip() for kind, value in sans if kind == "IP Address"]
     if not names:  # no DNS names: a peer may fall back to the subject's common name
         names = [value for rdn in info.get("subject", ()) for key, value in rdn if key == "commonName"]
-    if not any(_name_matches(pattern, server_name) for pattern in names):
+    # A server name may be an address, which peers match against the address entries.
+    if not any(_name_matches(pattern, server_name) for pattern in names) and not any(
+        _same_address(address, server_name) for address in addresses
+    ):
         raise ConfigError(
-            f"{cert_name} {cert_file!r}: the certificate names {', '.join(names) or 'no DNS name'}, not "
+            f"{cert_name} {cert_file!r}: the certificate names {', '.join(names + addresses) or 'nothing'}, not "
             f"{server_source} {server_name!r}, the name every peer checks: make the certificate for that name (a "
             f"dnsNames entry), or set {TLS_SERVER_NAME_ENV} to a name it carries, in the cache and its readers"
         )
+
+
+def _same_address(address: str, name: str) -> bool:
+    try:
+        return ipaddress.ip_address(address) == ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
 
 
 def _name_matches(pattern: str, name: str) -> bool:

@@ -344,6 +344,7 @@ class DataCacheDataset(IterableDataset):
                 "grpc+tls:// to read over TLS",
                 stacklevel=2,
             )
+            self.tls_root_certs = None  # as said: the client refuses certificates with a plaintext endpoint
         check_token(token)
         self.token = token if token is not None else default_token()
         self.batch_size = size
