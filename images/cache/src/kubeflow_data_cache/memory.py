@@ -303,6 +303,18 @@ class LoadMemoryGuard:
             )
         else:
             why = "The rows decode larger than the manifests' statistics suggest (highly compressible strings do this)"
+        if not rows_read:
+            # No rows, so no rate: the first row group alone decoded past the limit. pyarrow decodes
+            # a row group's columns whole, whatever share of it a node keeps, so the advice to add
+            # data nodes (all there was) did not help: three nodes each decoded a 386 MiB group.
+            raise MemoryBudgetError(
+                f"stopped its load before the kernel's OOM kill: {what} before any of its {self.rows} rows "
+                "were read. One row group decoded past it: pyarrow decodes a row group's columns whole, and "
+                "values repeated in a Parquet dictionary (or that compress very well) decode to each copy, "
+                f"far past the manifests' statistics; give each data node more memory ({memory_knob}; more "
+                f"data nodes, {nodes_knob}, do not shrink a row group), or write the table with smaller row "
+                "groups (pyiceberg's write.parquet.row-group-limit)"
+            )
         raise MemoryBudgetError(
             f"stopped its load before the kernel's OOM kill: {what} with {share:.0%} of its {self.rows} "
             f"rows read{rate}. {why}; give each data node more memory ({memory_knob}) or use more "
