@@ -186,7 +186,15 @@ def test_data_nodes_cap_glibc_arenas():
     assert DATA_NODE_GLIBC_ARENAS < _arenas("node", MALLOC_ARENA_MAX="5") <= 5
 
 
-def test_the_worker_command_prepares_its_process_first(monkeypatch):
+@pytest.mark.parametrize(
+    ("preparation", "argv"),
+    [
+        # A short deadline: a worker that skipped the preparation fails soon instead of waiting.
+        ("prepare_data_node", ["worker", "--head", "grpc://127.0.0.1:1", "--index", "0", "--startup-timeout", "2"]),
+        ("prepare_head", ["head", "--metadata-loc", "/nonexistent/metadata.json", "--data-nodes", "1"]),
+    ],
+)
+def test_each_node_command_prepares_its_process_first(monkeypatch, preparation, argv):
     import kubeflow_data_cache.allocator as allocator
     from kubeflow_data_cache import cli
 
@@ -196,16 +204,15 @@ def test_the_worker_command_prepares_its_process_first(monkeypatch):
     def prepare(environ=None):
         raise Prepared
 
-    monkeypatch.setattr(allocator, "prepare_data_node", prepare)
+    monkeypatch.setattr(allocator, preparation, prepare)
     import kubeflow_data_cache.runner as runner
 
     def ran(cfg):  # run_node ends in os._exit: a regression must fail this test, not end pytest
-        raise AssertionError("the worker ran without preparing its process first")
+        raise AssertionError(f"the {argv[0]} ran without preparing its process first")
 
     monkeypatch.setattr(runner, "run_node", ran)
     with pytest.raises(Prepared):
-        # A short deadline: a worker that skipped the preparation fails soon instead of waiting.
-        cli.main(["worker", "--head", "grpc://127.0.0.1:1", "--index", "0", "--startup-timeout", "2"])
+        cli.main(argv)
 
 
 @pytest.mark.slow
@@ -560,24 +567,3 @@ def test_a_head_hands_back_what_its_order_builds_freed():
     )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) < 120, f"{out.stdout.strip()} MiB kept after the builds"
-
-
-def test_the_head_command_prepares_its_process_first(monkeypatch):
-    import kubeflow_data_cache.allocator as allocator
-    from kubeflow_data_cache import cli
-
-    class Prepared(Exception):
-        pass
-
-    def prepare(environ=None):
-        raise Prepared
-
-    monkeypatch.setattr(allocator, "prepare_head", prepare)
-    import kubeflow_data_cache.runner as runner
-
-    def ran(cfg):  # run_node ends in os._exit: a regression must fail this test, not end pytest
-        raise AssertionError("the head ran without preparing its process first")
-
-    monkeypatch.setattr(runner, "run_node", ran)
-    with pytest.raises(Prepared):
-        cli.main(["head", "--metadata-loc", "/nonexistent/metadata.json", "--data-nodes", "1"])

@@ -392,73 +392,66 @@ def test_a_tls_head_refuses_a_data_node_registering_at_a_plain_location(self_sig
         head.stop()
 
 
-@pytest.mark.parametrize("tls_side", ["head", "node"])
-def test_a_data_node_whose_head_speaks_the_other_protocol_says_so_at_once(self_signed_cert, small_table, tls_side):
-    """Head and node dial each other with their own scheme: a pod group whose TLS Secret reached
-    only some pods failed every handshake, and the node retried to its deadline (600 s) saying
-    "Socket closed" or "wrong version number", and nothing of TLS."""
-    from kubeflow_data_cache.config import build_config
+def _failed_registration(head_flags: dict, node_flags_for) -> tuple[str, str, dict]:
+    """Start a head, then a data node whose flags ``node_flags_for(head port)`` gives, and wait
+    (30 s at most, its own deadline being 600 s) for the node to fail: (the head's port, the
+    node's reason, what the head registered)."""
     from kubeflow_data_cache.head import Head
     from kubeflow_data_cache.node import DataNode
     from kubeflow_data_cache.service import FAILED
     from tests.cache.inprocess import FLAGS, wait_for
 
-    tls = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
-    head_flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}
-    head = Head(build_config("head", {**head_flags, **(tls if tls_side == "head" else {})}, env={}))
+    head = Head(build_config("head", {**FLAGS, "data_nodes": 1, **head_flags}, env={}))
     head.start()
     node = None
     try:
         port = head.location.rsplit(":", 1)[1]
-        scheme = "grpc+tls" if tls_side == "node" else "grpc"  # the node dials with its own scheme
-        node_flags = {**FLAGS, "index": 0, "head": f"{scheme}://127.0.0.1:{port}", "startup_timeout": 600}
-        node = DataNode(build_config("worker", {**node_flags, **(tls if tls_side == "node" else {})}, env={}))
-        started = time.monotonic()
+        node = DataNode(
+            build_config("worker", {**FLAGS, "index": 0, "startup_timeout": 600, **node_flags_for(port)}, env={})
+        )
         node.start_registering()
         wait_for(lambda: node.lifecycle.state == FAILED, timeout=30)
-        assert time.monotonic() - started < 30
-        head_says, node_says = ("serves TLS", "does not") if tls_side == "head" else ("does not serve TLS", "does")
-        assert (
-            f"the head at {scheme}://127.0.0.1:{port} {head_says} and this data node {node_says}"
-            in node.lifecycle.detail
-        )
-        assert "every pod of a cache serves TLS or none does" in node.lifecycle.detail
-        assert head.registered == {}
+        return port, node.lifecycle.detail, dict(head.registered)
     finally:
         head.stop()
         if node is not None:
             node.stop()
+
+
+@pytest.mark.parametrize("tls_side", ["head", "node"])
+def test_a_data_node_whose_head_speaks_the_other_protocol_says_so_at_once(self_signed_cert, small_table, tls_side):
+    """Head and node dial each other with their own scheme: a pod group whose TLS Secret reached
+    only some pods failed every handshake, and the node retried to its deadline (600 s) saying
+    "Socket closed" or "wrong version number", and nothing of TLS."""
+    tls = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
+    scheme = "grpc+tls" if tls_side == "node" else "grpc"  # the node dials with its own scheme
+    port, detail, registered = _failed_registration(
+        {"metadata_loc": small_table.metadata_location, **(tls if tls_side == "head" else {})},
+        lambda port: {"head": f"{scheme}://127.0.0.1:{port}", **(tls if tls_side == "node" else {})},
+    )
+    head_says, node_says = ("serves TLS", "does not") if tls_side == "head" else ("does not serve TLS", "does")
+    assert f"the head at {scheme}://127.0.0.1:{port} {head_says} and this data node {node_says}" in detail
+    assert "every pod of a cache serves TLS or none does" in detail
+    assert registered == {}
 
 
 def test_a_data_node_that_refuses_the_heads_certificate_fails_at_once(self_signed_cert, small_table, tmp_path):
     """Head and node with certificates from two Secrets (each trusting its own): the node
     retried its registration to its startup deadline (600 s), where no retry changes a
     certificate."""
-    from kubeflow_data_cache.head import Head
-    from kubeflow_data_cache.node import DataNode
-    from kubeflow_data_cache.service import FAILED
-    from tests.cache.inprocess import FLAGS, wait_for
-
     other = make_cert(tmp_path, "127.0.0.1", "localhost")
     head_tls = {"tls_cert": str(self_signed_cert.cert_file), "tls_key": str(self_signed_cert.key_file)}
-    head_flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, **head_tls}
-    head = Head(build_config("head", head_flags, env={}))
-    head.start()
-    node = None
-    try:
-        port = head.location.rsplit(":", 1)[1]
-        node_flags = {**FLAGS, "index": 0, "head": f"grpc+tls://127.0.0.1:{port}", "startup_timeout": 600}
-        node_flags |= {"tls_cert": str(other.cert_file), "tls_key": str(other.key_file)}
-        node = DataNode(build_config("worker", node_flags, env={}))
-        node.start_registering()
-        wait_for(lambda: node.lifecycle.state == FAILED, timeout=30)
-        assert f"the head's certificate at grpc+tls://127.0.0.1:{port} does not verify" in node.lifecycle.detail
-        assert "certificate verify failed" in node.lifecycle.detail
-        assert head.registered == {}
-    finally:
-        head.stop()
-        if node is not None:
-            node.stop()
+    port, detail, registered = _failed_registration(
+        {"metadata_loc": small_table.metadata_location, **head_tls},
+        lambda port: {
+            "head": f"grpc+tls://127.0.0.1:{port}",
+            "tls_cert": str(other.cert_file),
+            "tls_key": str(other.key_file),
+        },
+    )
+    assert f"the head's certificate at grpc+tls://127.0.0.1:{port} does not verify" in detail
+    assert "certificate verify failed" in detail
+    assert registered == {}
 
 
 def test_certificates_to_trust_with_a_plaintext_endpoint_are_refused(self_signed_cert, small_cache, monkeypatch):
