@@ -201,8 +201,8 @@ def test_a_sample_of_large_values_decodes_a_bounded_number_of_bytes(tmp_path, mo
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
     ratios = measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
-    (rows,) = asked
-    assert 1 <= rows <= expansion.SAMPLE_MAX_BYTES // (1 << 20)  # 8 rows of 1 MiB at most, not 8,192
+    first, rows = asked  # the first row alone, then the sample
+    assert first == 1 and 1 <= rows <= expansion.SAMPLE_MAX_BYTES // (1 << 20)  # 8 rows of 1 MiB at most, not 8,192
     assert 1.0 <= next(iter(ratios.values())) < 1.1
 
 
@@ -232,6 +232,32 @@ def test_a_sample_of_large_repeated_values_stops_at_its_decoded_bytes(tmp_path, 
     measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
     step = expansion.SAMPLE_STEP_ROWS * len(value)
     assert 0 < sum(decoded) <= expansion.SAMPLE_MAX_BYTES + step  # ~14 MiB, not 3,000 x 96 KiB
+
+
+def test_a_sample_of_one_very_large_repeated_value_decodes_a_few_of_it(tmp_path, monkeypatch):
+    """One 4 MiB value in every row: the first step of 64 rows decoded 256 MiB before the byte cap
+    was looked at (16 MiB values: 1 GiB). The first row, decoded alone, bounds the rows."""
+    from kubeflow_data_cache import expansion
+
+    value = np.random.default_rng(3).bytes(4 << 20)
+    data = pa.table({"id": pa.array(range(200), pa.int64()), "blob": pa.array([value] * 200)})
+    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
+    catalog.create_namespace("s")
+    catalog.create_table("s.big", schema=data.schema).append(data)
+    location = catalog.load_table("s.big").metadata_location
+    table = open_table(location)
+    plan, tasks = plan_table(table, location)
+    decoded = []
+    real = pq.ParquetFile.iter_batches
+
+    def recording(self, *args, **kwargs):
+        for part in real(self, *args, **kwargs):
+            decoded.append(part.nbytes)
+            yield part
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
+    measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
+    assert 0 < sum(decoded) <= expansion.SAMPLE_MAX_BYTES + 2 * len(value)  # 12 MiB, not 64 x 4 MiB
 
 
 def test_a_dictionary_page_whose_offset_an_older_writer_left_out_is_bounded_by_its_chunk():

@@ -793,6 +793,10 @@ def test_the_load_guard_stops_within_its_margin_and_projects_the_need():
     # the message advised), smaller row groups do.
     assert "before any of its 1000 rows were read. One row group decoded past it" in str(err.value)
     assert "do not shrink a row group), or write the table with smaller row groups" in str(err.value)
+    # Rows decoded in column groups, none settled yet: rows came, so not that message.
+    with pytest.raises(MemoryBudgetError) as err:
+        LoadMemoryGuard(resident, 1000, local=False).check_resident(0, decoded=400)
+    assert "One row group decoded past it" not in str(err.value) and "0% of its 1000 rows read" in str(err.value)
     # Rows that decode wider than the limit allows stop the load once a tenth of them are read,
     # long before resident memory gets there; earlier, one wide file does not speak for all.
     roomy = LoadMemoryGuard(resident + (4 << 30), 1000, local=True)

@@ -245,3 +245,20 @@ def test_the_warm_up_read_decodes_a_fixed_width_column_or_nothing(tmp_path, monk
     monkeypatch.setattr(store, "task_batches", lambda t, k, ids: read.append(ids) or real(t, k, ids))
     store.warm_reader(table, task)
     assert read == ([[2]] if with_number else [])  # the id column, or no warm-up at all
+
+
+def test_the_warm_up_never_takes_a_variable_width_primitive():
+    """pyiceberg has primitives of variable width besides strings and binaries (geometry): one,
+    smallest on disk, was taken for a fixed-width column."""
+    from types import SimpleNamespace
+
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import GeometryType, LongType, NestedField, StringType
+
+    from kubeflow_data_cache.store import _warm_up_field
+
+    schema = Schema(
+        NestedField(1, "id", LongType()), NestedField(2, "shape", GeometryType()), NestedField(3, "s", StringType())
+    )
+    task = SimpleNamespace(file=SimpleNamespace(column_sizes={1: 80_000, 2: 4_000, 3: 1000}))
+    assert _warm_up_field(SimpleNamespace(schema=lambda: schema), task) == 1

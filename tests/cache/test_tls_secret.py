@@ -139,6 +139,11 @@ def test_a_server_name_that_is_an_address_matches_the_certificates_address(self_
     assert _head_config({}, **flags, tls_server_name="127.0.0.1").tls.server_name == "127.0.0.1"
     with pytest.raises(ConfigError, match=r"the certificate names localhost, 127\.0\.0\.1, not .*'10\.0\.0\.1'"):
         _head_config({}, **flags, tls_server_name="10.0.0.1")
+    # As gRPC matches them: the usual form of an IPv6 address, not another spelling of it.
+    from kubeflow_data_cache.config import _same_address
+
+    assert _same_address("0:0:0:0:0:0:0:1", "::1") and _same_address("::1", "[::1]")
+    assert not _same_address("::1", "0:0:0:0:0:0:0:1") and not _same_address("::1", "0::1")
 
 
 @pytest.mark.parametrize(

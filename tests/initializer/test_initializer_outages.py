@@ -678,3 +678,22 @@ def test_a_head_status_with_node_entries_of_another_shape_does_not_fail_the_run(
     expected = "data node 1 failed to load: disk" if failed else None
     assert status_failure(status) == expected
     assert describe_status(status).startswith("head loading: 0/")
+
+
+def test_a_sigterm_held_then_raised_leaves_nothing_pending(monkeypatch):
+    """A SIGTERM during a held call that then failed was raised, and stayed pending: a later run
+    in the same process (a test's) was stopped by a SIGTERM no one sent."""
+    import signal
+    from types import SimpleNamespace
+
+    from kubeflow_cache_initializer import termination
+    from kubeflow_cache_initializer.errors import TerminatedError
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the handler ignores SIGTERM from then on: not here
+    with pytest.raises(TerminatedError), termination.held(SimpleNamespace(deadline=None)):
+        termination.on_sigterm(signal.SIGTERM, None)
+        raise RuntimeError("the call its retries were cut short for")
+    with termination.released():  # a later run's wait for an earlier ServiceAccount: no SIGTERM came since
+        pass
+    with termination.held(SimpleNamespace(deadline=None)), termination.released():
+        pass

@@ -181,8 +181,14 @@ def _check_certificate(cert_file: str, cert_name: str, server_name: str | None, 
 
 
 def _same_address(address: str, name: str) -> bool:
+    """Whether a certificate's IP entry is the server name, written as gRPC matches it: an
+    address in its usual form (``::1``; gRPC refused ``0:0:0:0:0:0:0:1`` for the same address)."""
+    written = name.strip("[]").lower()
     try:
-        return ipaddress.ip_address(address) == ipaddress.ip_address(name.strip("[]"))
+        return (
+            ipaddress.ip_address(address) == ipaddress.ip_address(written)
+            and str(ipaddress.ip_address(written)) == written
+        )
     except ValueError:
         return False
 

@@ -157,6 +157,10 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
             # sizes: values that compress well decode far past their bytes on disk.
             row_bytes = sum(_chunk_bytes(chunks[name]) for name in names) / group.num_rows
             rows = max(1, min(SAMPLE_ROWS, int(SAMPLE_MAX_BYTES / max(row_bytes, 1e-9))))
+            # The first row, decoded alone, bounds the rows by bytes decoded before a step of
+            # SAMPLE_STEP_ROWS decodes them: one 16 MiB value in every row took 64 at once, 1 GiB.
+            first = next(parquet.iter_batches(batch_size=1, row_groups=[0], columns=names, use_threads=False))
+            rows = max(1, min(rows, SAMPLE_MAX_BYTES // max(first.nbytes, 1)))
             steps = parquet.iter_batches(
                 batch_size=min(rows, SAMPLE_STEP_ROWS), row_groups=[0], columns=names, use_threads=False
             )

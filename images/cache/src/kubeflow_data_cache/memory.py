@@ -247,11 +247,20 @@ class LoadMemoryGuard:
         # memory has come back under the margin since (a decode's peak passed).
         self.breached: MemoryBudgetError | None = None
 
-    def check(self, rows_read: int, bytes_read: int = 0, estimate_read: float = 0.0, estimate_all: int = 0) -> None:
+    def check(
+        self,
+        rows_read: int,
+        bytes_read: int = 0,
+        estimate_read: float = 0.0,
+        estimate_all: int = 0,
+        decoded: int | None = None,
+    ) -> None:
         """``estimate_read`` and ``estimate_all``: the manifests' estimate of the rows read and of
         all the node's rows. Where given, the projection scales what the rows read decoded to by
         how far they were estimated to go (rows of 1 MiB images read first, among short ones,
-        had the per-row projection stop a load that fits at 3x its size); else by rows."""
+        had the per-row projection stop a load that fits at 3x its size); else by rows.
+        ``decoded``: rows decoded so far, settled or not (a read in column groups settles its rows
+        once all its groups are in), where it differs from ``rows_read``."""
         if self.breached is not None:
             raise self.breached
         if self.limit is None:
@@ -266,9 +275,9 @@ class LoadMemoryGuard:
             early = rows_read < self.rows * LOAD_GUARD_PROJECT_AFTER  # too early to extrapolate
         if resident <= threshold and (early or projected <= threshold):
             return
-        self._refuse(rows_read, resident, threshold, projected, early)
+        self._refuse(rows_read, resident, threshold, projected, early, decoded)
 
-    def check_resident(self, rows_read: int) -> None:
+    def check_resident(self, rows_read: int, decoded: int | None = None) -> None:
         """The resident check alone, for LoadMemoryWatch between batches (the projection's
         figures change together only at a batch), at the watch's narrower margin."""
         if self.limit is None:
@@ -276,9 +285,17 @@ class LoadMemoryGuard:
         threshold = load_watch_threshold(self.limit)
         resident = resident_bytes()
         if resident > threshold:
-            self._refuse(rows_read, resident, threshold, None, True)
+            self._refuse(rows_read, resident, threshold, None, True, decoded)
 
-    def _refuse(self, rows_read: int, resident: int, threshold: int, projected: float | None, early: bool) -> None:
+    def _refuse(
+        self,
+        rows_read: int,
+        resident: int,
+        threshold: int,
+        projected: float | None,
+        early: bool,
+        decoded: int | None = None,
+    ) -> None:
         share = rows_read / self.rows if self.rows else 0.0
         nodes_knob, memory_knob = _knobs(self.local)
         if resident > threshold:
@@ -303,7 +320,7 @@ class LoadMemoryGuard:
             )
         else:
             why = "The rows decode larger than the manifests' statistics suggest (highly compressible strings do this)"
-        if not rows_read:
+        if not (rows_read if decoded is None else decoded):
             # No rows, so no rate: the first row group alone decoded past the limit. pyarrow decodes
             # a row group's columns whole, whatever share of it a node keeps, so the advice to add
             # data nodes (all there was) did not help: three nodes each decoded a 386 MiB group.

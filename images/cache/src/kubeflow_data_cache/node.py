@@ -519,6 +519,7 @@ class DataNode(ReadOnlyFlight):
                 progress.settled_bytes,
                 progress.settled_estimate,
                 progress.expected_estimate,
+                progress.rows,
             ),
         )
         self._progress = progress
@@ -542,7 +543,7 @@ class DataNode(ReadOnlyFlight):
                 guard.breached = err
                 self._fail_load(order, err)
 
-            with LoadMemoryWatch(lambda: guard.check_resident(progress.settled_rows), breached):
+            with LoadMemoryWatch(lambda: guard.check_resident(progress.settled_rows, progress.rows), breached):
                 store = NodeStore.load(
                     table, tasks, schema, list(order.pieces), self.cfg.load_threads, progress, order.expansions
                 )

@@ -132,6 +132,26 @@ def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.take(indices(np.arange(batch.num_rows, dtype=np.int64)))
 
 
+# pyiceberg's types whose Arrow form is a few bytes a row, whatever the file holds.
+FIXED_WIDTH_TYPES = frozenset(
+    {
+        "BooleanType",
+        "IntegerType",
+        "LongType",
+        "FloatType",
+        "DoubleType",
+        "DateType",
+        "TimeType",
+        "TimestampType",
+        "TimestamptzType",
+        "TimestampNanoType",
+        "TimestamptzNanoType",
+        "DecimalType",
+        "UUIDType",
+    }
+)
+
+
 def warm_reader(table, task) -> None:
     """Read one batch of one column of one file and drop it. The first Parquet read in a process
     sets up the reader stack (hundreds of ms); doing it while the cluster forms keeps it out of
@@ -151,14 +171,10 @@ def _warm_up_field(table, task) -> int | None:
     """The top-level fixed-width column (numbers, booleans, dates and times, decimals, UUIDs) the
     file stores in the fewest bytes (its statistics): a batch of it decodes to a few bytes a row,
     whatever the file holds. None where the table has none."""
-    from pyiceberg.types import BinaryType, FixedType, StringType
-
     sizes = task.file.column_sizes or {}
-    fixed = [
-        f
-        for f in table.schema().fields
-        if f.field_type.is_primitive and not isinstance(f.field_type, (StringType, BinaryType, FixedType))
-    ]
+    # By name, as pyiceberg has more primitives of variable width than strings and binaries
+    # (geometry, geography), and may add others.
+    fixed = [f for f in table.schema().fields if type(f.field_type).__name__ in FIXED_WIDTH_TYPES]
     return min(fixed, key=lambda f: sizes.get(f.field_id, float("inf"))).field_id if fixed else None
 
 

@@ -50,8 +50,9 @@ def held(kube: Kube) -> Iterator[None]:
             raise TerminatedError(MESSAGE) from err
         raise
     finally:
-        _holding = None
-    if _pending:
+        # Nothing left pending once raised: a later run in this process (a test's) saw it again.
+        _holding, came, _pending = None, _pending, False
+    if came:
         raise TerminatedError(MESSAGE)
 
 
@@ -63,7 +64,7 @@ def released() -> Iterator[None]:
     global _holding, _pending
     kube, _holding = _holding, None
     try:
-        if _pending:
+        if kube is not None and _pending:
             _pending = False
             raise TerminatedError(MESSAGE)
         yield
