@@ -206,14 +206,11 @@ def test_a_sample_of_large_values_decodes_a_bounded_number_of_bytes(tmp_path, mo
     assert 1.0 <= next(iter(ratios.values())) < 1.1
 
 
-def test_a_sample_of_large_repeated_values_stops_at_its_decoded_bytes(tmp_path, monkeypatch):
-    """One 96 KiB value in every row is a dictionary of one entry: a few KiB on disk, so the rows
-    sampled were sized at the full 8,192, which decoded to 768 MiB (the head reached 1.2 GiB).
-    The sample now stops once it holds SAMPLE_MAX_BYTES decoded."""
-    from kubeflow_data_cache import expansion
-
-    value = np.random.default_rng(2).bytes(96 << 10)
-    data = pa.table({"id": pa.array(range(3000), pa.int64()), "blob": pa.array([value] * 3000)})
+def _sampled_bytes_of_one_value_repeated(tmp_path, monkeypatch, size: int, rows: int) -> int:
+    """What the head's sample decodes of a table holding one random ``size``-byte value in each of
+    ``rows`` rows: a dictionary of one entry, a few KiB on disk."""
+    value = np.random.default_rng(2).bytes(size)
+    data = pa.table({"id": pa.array(range(rows), pa.int64()), "blob": pa.array([value] * rows)})
     catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
     catalog.create_namespace("s")
     catalog.create_table("s.blobs", schema=data.schema).append(data)
@@ -230,8 +227,17 @@ def test_a_sample_of_large_repeated_values_stops_at_its_decoded_bytes(tmp_path, 
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
     measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
-    step = expansion.SAMPLE_STEP_ROWS * len(value)
-    assert 0 < sum(decoded) <= expansion.SAMPLE_MAX_BYTES + step  # ~14 MiB, not 3,000 x 96 KiB
+    return sum(decoded)
+
+
+def test_a_sample_of_large_repeated_values_stops_at_its_decoded_bytes(tmp_path, monkeypatch):
+    """One 96 KiB value in every row: the rows sampled were sized by bytes on disk at the full
+    8,192, which decoded to 768 MiB (the head reached 1.2 GiB). The sample now stops once it
+    holds SAMPLE_MAX_BYTES decoded."""
+    from kubeflow_data_cache import expansion
+
+    decoded = _sampled_bytes_of_one_value_repeated(tmp_path, monkeypatch, 96 << 10, 3000)
+    assert 0 < decoded <= expansion.SAMPLE_MAX_BYTES + expansion.SAMPLE_STEP_ROWS * (96 << 10)  # ~14 MiB
 
 
 def test_a_sample_of_one_very_large_repeated_value_decodes_a_few_of_it(tmp_path, monkeypatch):
@@ -239,25 +245,8 @@ def test_a_sample_of_one_very_large_repeated_value_decodes_a_few_of_it(tmp_path,
     was looked at (16 MiB values: 1 GiB). The first row, decoded alone, bounds the rows."""
     from kubeflow_data_cache import expansion
 
-    value = np.random.default_rng(3).bytes(4 << 20)
-    data = pa.table({"id": pa.array(range(200), pa.int64()), "blob": pa.array([value] * 200)})
-    catalog = make_catalog(str(tmp_path / "wh"), tmp_path / "c.db")
-    catalog.create_namespace("s")
-    catalog.create_table("s.big", schema=data.schema).append(data)
-    location = catalog.load_table("s.big").metadata_location
-    table = open_table(location)
-    plan, tasks = plan_table(table, location)
-    decoded = []
-    real = pq.ParquetFile.iter_batches
-
-    def recording(self, *args, **kwargs):
-        for part in real(self, *args, **kwargs):
-            decoded.append(part.nbytes)
-            yield part
-
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
-    measure_expansions(table, tasks, plan.schema, list(table.schema().fields), VARIABLE_WIDTH_EXPANSION)
-    assert 0 < sum(decoded) <= expansion.SAMPLE_MAX_BYTES + 2 * len(value)  # 12 MiB, not 64 x 4 MiB
+    decoded = _sampled_bytes_of_one_value_repeated(tmp_path, monkeypatch, 4 << 20, 200)
+    assert 0 < decoded <= expansion.SAMPLE_MAX_BYTES + 2 * (4 << 20)  # 12 MiB, not 64 x 4 MiB
 
 
 def test_a_dictionary_page_whose_offset_an_older_writer_left_out_is_bounded_by_its_chunk():
