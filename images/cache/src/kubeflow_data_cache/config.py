@@ -185,10 +185,8 @@ def _same_address(address: str, name: str) -> bool:
     address in its usual form (``::1``; gRPC refused ``0:0:0:0:0:0:0:1`` for the same address)."""
     written = name.strip("[]").lower()
     try:
-        return (
-            ipaddress.ip_address(address) == ipaddress.ip_address(written)
-            and str(ipaddress.ip_address(written)) == written
-        )
+        given = ipaddress.ip_address(written)
+        return ipaddress.ip_address(address) == given and str(given) == written
     except ValueError:
         return False
 
