@@ -57,6 +57,19 @@ READ_SCRATCH_SHARE = 0.12
 READ_GROUP_MIN_BYTES = 4 << 20
 # The same from an object store (s3://, s3a://): each group's reopening is a few requests there.
 READ_GROUP_MIN_REMOTE_BYTES = 32 << 20
+# A data node's reads of large row groups (parquet_batches): about how many decoded bytes one
+# batch holds (small beside a node's memory, large enough that a batch's fixed costs stay a
+# small share of its decode), and at most how many rows (pyarrow's scanner's batch size, the
+# most pyiceberg yielded at once before).
+BATCH_TARGET_BYTES = 16 << 20
+MAX_BATCH_ROWS = 131_072
+# A file is read batch by batch where a row group of it holds more than this many rows, or more
+# than this many uncompressed bytes of the columns read; else by the scanner. pyarrow's file
+# reader holds some MiB per column beside what it yields (a 250,000-row file of the sample table:
+# 44 MiB at its peak, against the scanner's 30), so it pays only where the scanner would decode
+# more than a couple of batches at once.
+BATCHWISE_MIN_GROUP_ROWS = 2 * MAX_BATCH_ROWS
+BATCHWISE_MIN_GROUP_BYTES = 2 * BATCH_TARGET_BYTES
 # Filters whose per-node match counts the head keeps (least recently used dropped): a few per
 # job; the bound keeps clients that send ever-new predicates from growing the head for ever.
 CACHED_FILTER_COUNTS = 256

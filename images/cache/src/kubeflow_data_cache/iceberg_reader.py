@@ -68,63 +68,99 @@ def is_remote(path: str) -> bool:
 # (the plan's read-ahead window, plan.READ_AHEAD_BYTES, is as large), and reads faster so.
 LOCAL_PREBUFFER_MAX_BYTES = 64 << 20
 
-# Set while this thread pulls a batch of a local file: pyiceberg's file formats are made then.
-_local_read = threading.local()
+# While this thread pulls a batch through ``task_batches``: ``batchwise`` (always) has pyiceberg's
+# per-file reads decode batch by batch (parquet_batches), ``unbuffered`` (a large local file) has
+# its file formats made without pre-buffering. Both are read where pyiceberg calls the switches.
+_reading = threading.local()
 _switch_lock = threading.Lock()
 _switch_installed: bool | None = None
 
 
-def _install_prebuffer_switch() -> bool:
-    """Wrap pyiceberg's file-format factory so that reads marked local are not pre-buffered.
-    Returns False (reads stay pre-buffered, with a warning once) where this pyiceberg has no
-    such factory."""
+class _Scanner:
+    """pyarrow.dataset's Scanner, as pyiceberg's reader module sees it: a read of a whole
+    fragment's columns with no filter, pulled by ``task_batches``, decodes batch by batch where
+    its row groups are large (parquet_batches.BatchwiseRead.of says where)."""
+
+    @staticmethod
+    def from_fragment(fragment, schema=None, filter=None, columns=None, **kwargs):
+        import pyarrow.dataset as ds  # not at the top: see _Dataset
+
+        from kubeflow_data_cache.parquet_batches import BatchwiseRead
+
+        if getattr(_reading, "batchwise", False) and filter is None and columns is not None and not kwargs:
+            read = BatchwiseRead.of(fragment, schema if schema is not None else fragment.physical_schema, columns)
+            if read is not None:
+                return read
+        return ds.Scanner.from_fragment(fragment, schema=schema, filter=filter, columns=columns, **kwargs)
+
+
+class _Dataset:
+    """pyarrow.dataset with the Scanner above, for pyiceberg's reader module alone. Imported
+    where first used, as pyiceberg does: pyarrow.dataset imports pyarrow's S3 client, which
+    reads SSL_CERT_FILE once (s3_settings.trust_aws_ca_bundle sets it first)."""
+
+    Scanner = _Scanner
+
+    def __getattr__(self, name):
+        import pyarrow.dataset as ds
+
+        return getattr(ds, name)
+
+
+def _install_switches() -> bool:
+    """Wrap pyiceberg's file-format factory, so that reads marked unbuffered are not
+    pre-buffered, and its pyarrow.dataset, so that marked reads decode batch by batch. Returns
+    False (reads stay pre-buffered and by row group, with a warning once) where this pyiceberg
+    has no such factory or module."""
     global _switch_installed
     with _switch_lock:
         if _switch_installed is None:
+            import pyarrow.dataset as ds
             from pyiceberg.io import pyarrow as pyiceberg_arrow
 
             make_format = getattr(pyiceberg_arrow, "_get_file_format", None)
-            _switch_installed = make_format is not None
-            if make_format is None:
+            _switch_installed = make_format is not None and getattr(pyiceberg_arrow, "ds", None) is ds
+            if not _switch_installed:
                 log.warning(
-                    "this pyiceberg reads every Parquet file pre-buffered: loads from local paths "
-                    "hold each file's compressed bytes while it is read; use the pyiceberg of the "
-                    "image's requirements lock"
+                    "this pyiceberg reads every Parquet file pre-buffered and a row group at a time: "
+                    "a load holds each row group decoded whole, and each local file's compressed "
+                    "bytes while it is read; use the pyiceberg of the image's requirements lock"
                 )
             else:
 
                 def file_format(file_format, **kwargs):
-                    if getattr(_local_read, "active", False) and "pre_buffer" in kwargs:
+                    if getattr(_reading, "unbuffered", False) and "pre_buffer" in kwargs:
                         kwargs["pre_buffer"] = False
                     return make_format(file_format, **kwargs)
 
                 pyiceberg_arrow._get_file_format = file_format
+                pyiceberg_arrow.ds = _Dataset()
         return _switch_installed
 
 
 def reads_prebuffered(path: str, stored_bytes: int) -> bool:
     """Whether ``task_batches`` reads this data file (``stored_bytes`` large) pre-buffered: one in
     an object store, a small local one, or any where this pyiceberg lacks the per-file stream
-    (its public path reads in its own threads) or the format factory."""
+    (its public path reads in its own threads) or the switches."""
     return (
         is_remote(path)
         or stored_bytes <= LOCAL_PREBUFFER_MAX_BYTES
         or _delete_reader() is None
-        or not _install_prebuffer_switch()
+        or not _install_switches()
     )
 
 
-def _unbuffered(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``batches``, with each one pulled while this thread's reads are marked local."""
+def _marked(batches: Iterator[pa.RecordBatch], unbuffered: bool) -> Iterator[pa.RecordBatch]:
+    """``batches``, with each one pulled while this thread's reads are marked."""
     try:
         while True:
-            _local_read.active = True
+            _reading.batchwise, _reading.unbuffered = True, unbuffered
             try:
                 batch = next(batches)
             except StopIteration:
                 return
             finally:
-                _local_read.active = False
+                _reading.batchwise = _reading.unbuffered = False
             yield batch
     finally:
         close = getattr(batches, "close", None)
@@ -133,13 +169,15 @@ def _unbuffered(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 def task_batches(table, task, field_ids=None, deletes=None) -> Iterator[pa.RecordBatch]:
-    """One data file's batches in file order, positional deletes applied, decoded as consumed
-    (pyarrow's scanner reads a window ahead). pyiceberg's reader also handles schema evolution
-    by field id and partition values that are not in the file. Close the generator to stop
-    early: that closes the file.
+    """One data file's batches in file order, positional deletes applied, decoded as consumed:
+    a large row group batch by batch (parquet_batches), a small one whole by pyarrow's scanner,
+    which reads a window ahead. pyiceberg's reader also handles schema evolution by field id and
+    partition values that are not in the file. Close the generator to stop early: that closes
+    the file.
 
     ``field_ids`` (top-level Iceberg field ids) reads only those columns: a reader decodes a
-    row group's columns together, so fewer columns at a time is less in decode at once.
+    batch's (or a row group's) columns together, so fewer columns at a time is less in decode
+    at once.
     ``deletes`` is ``task_deletes``' result, to read the delete files once per data file."""
     from pyiceberg.expressions import AlwaysTrue
     from pyiceberg.io.pyarrow import ArrowScan
@@ -155,8 +193,8 @@ def task_batches(table, task, field_ids=None, deletes=None) -> Iterator[pa.Recor
     if deletes is None:
         return scan.to_record_batches([task])
     batches = scan._record_batches_from_scan_tasks_and_deletes([task], deletes)
-    prebuffered = reads_prebuffered(task.file.file_path, task.file.file_size_in_bytes)
-    return batches if prebuffered else _unbuffered(batches)
+    _install_switches()
+    return _marked(batches, unbuffered=not reads_prebuffered(task.file.file_path, task.file.file_size_in_bytes))
 
 
 def rows_after_deletes(table, task) -> int:

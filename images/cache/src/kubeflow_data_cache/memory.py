@@ -18,7 +18,12 @@ from pathlib import Path
 
 import psutil
 
-from kubeflow_data_cache.constants import BASELINE_MEMORY_BYTES, MAX_DATA_NODES
+from kubeflow_data_cache.constants import (
+    BASELINE_MEMORY_BYTES,
+    BATCHWISE_MIN_GROUP_BYTES,
+    BATCHWISE_MIN_GROUP_ROWS,
+    MAX_DATA_NODES,
+)
 from kubeflow_data_cache.errors import ConfigError, MemoryBudgetError, NodeBusyError
 
 log = logging.getLogger(__name__)
@@ -322,11 +327,13 @@ class LoadMemoryGuard:
             why = "The rows decode larger than the manifests' statistics suggest (highly compressible strings do this)"
         if not (rows_read if decoded is None else decoded):
             # No rows, so no rate: the first row group alone decoded past the limit. pyarrow decodes
-            # a row group's columns whole, whatever share of it a node keeps, so the advice to add
-            # data nodes (all there was) did not help: three nodes each decoded a 386 MiB group.
+            # a small row group's columns whole (parquet_batches: a large one a batch at a time),
+            # whatever share of it a node keeps, so the advice to add data nodes (all there was) did
+            # not help: three nodes each decoded a 386 MiB group.
             raise MemoryBudgetError(
                 f"stopped its load before the kernel's OOM kill: {what} before any of its {self.rows} rows "
-                "were read. One row group decoded past it: pyarrow decodes a row group's columns whole, and "
+                "were read. One row group decoded past it: pyarrow decodes a row group of up to "
+                f"{BATCHWISE_MIN_GROUP_ROWS} rows and {_fmt(BATCHWISE_MIN_GROUP_BYTES)} stored whole, and "
                 "values repeated in a Parquet dictionary (or that compress very well) decode to each copy, "
                 f"far past the manifests' statistics; give each data node more memory ({memory_knob}; more "
                 f"data nodes, {nodes_knob}, do not shrink a row group), or write the table with smaller row "
