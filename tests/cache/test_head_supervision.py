@@ -469,3 +469,74 @@ def test_a_node_that_never_answers_where_it_registered_fails_the_load_naming_bot
         assert "must be reachable from the head, or the node stopped and did not come back" in head.lifecycle.detail
     finally:
         head.stop()
+
+
+def test_a_replacement_takes_the_index_of_a_node_that_is_stopping(cluster, small_table):
+    """SIGTERM leaves a data node answering through its streams' grace (up to 10 s), as data
+    node 0 but stopping: a replacement started meanwhile was refused as a duplicate, failed for
+    good, and the head stayed degraded once the old one was gone."""
+    from kubeflow_data_cache.service import STOPPING
+
+    head, head_health, node, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: get(head_health.port, "/ready")[0] == 200)
+    node.lifecycle.set(STOPPING, "shutting down")  # what the runner does on SIGTERM
+    replacement = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    try:
+        replacement.start_registering()
+        wait_for(lambda: head.registered[0]["location"] == replacement.location, timeout=20)
+        node.stop()
+        wait_for(lambda: replacement.lifecycle.state == "ready", timeout=30)
+        assert not replacement.lifecycle.failed_event.is_set()
+        wait_for(lambda: get(head_health.port, "/ready")[0] == 200, timeout=30)
+        assert total_records(head) == small_table.rows
+    finally:
+        replacement.stop()
+
+
+def test_a_node_the_head_cannot_send_its_rows_is_named_while_it_tries(small_table):
+    """Every node registered, one of them gone: the head tries it for LOAD_UNREACHABLE_SECONDS.
+    Meanwhile it said "waiting: 2/2 data nodes registered", every node waiting with no error,
+    and logged nothing; now it is loading, naming the node it cannot reach."""
+    from kubeflow_data_cache.head import Head
+    from tests.conftest import free_port
+
+    head = Head(build_config("head", {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}, env={}))
+    head.start()
+    try:
+        gone = f"grpc://127.0.0.1:{free_port()}"
+        body = json.dumps({"index": 0, "location": gone}).encode()
+        list(flight.FlightClient(head.location).do_action(flight.Action("register", body)))
+        wait_for(lambda: "has not answered for" in head.lifecycle.detail, timeout=30)
+        assert head.lifecycle.state == "loading"
+        assert f"sending data node 0 its rows: {gone} has not answered for" in head.lifecycle.detail
+        (status,) = head.status()["nodes"]
+        assert status["state"] == "unreachable" and status["error"]
+    finally:
+        head.stop()
+
+
+def test_a_registered_node_whose_head_is_gone_before_its_rows_gives_up(small_table, monkeypatch):
+    """Registered, then its head went away for good before sending rows: the node waited for ever
+    (the startup deadline stopped at registration). It now gives up as long after, naming why."""
+    never = threading.Event()
+    monkeypatch.setattr(head_module.Head, "_plan", lambda self: never.wait())
+    monkeypatch.setattr(node_module, "REGISTER_INTERVAL_SECONDS", 0.2)
+    head = head_module.Head(
+        build_config("head", {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1}, env={})
+    )
+    head.start()
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location, "startup_timeout": 3}, env={}))
+    try:
+        node.start_registering()
+        wait_for(lambda: 0 in head.registered)
+        time.sleep(3)  # past the deadline counted from the node's start: registered, it waits on
+        assert not node.lifecycle.failed_event.is_set()
+        never.set()
+        head.stop()
+        wait_for(lambda: node.lifecycle.failed_event.is_set(), timeout=20)
+        assert f"the head at {head.location} registered this data node and then did not answer for 3s" in (
+            node.lifecycle.error
+        )
+    finally:
+        never.set()
+        node.stop()

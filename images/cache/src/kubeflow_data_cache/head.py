@@ -55,6 +55,7 @@ from kubeflow_data_cache.service import (
     FAILED,
     LOADING,
     READY,
+    STOPPING,
     WAITING,
     Lifecycle,
     Metrics,
@@ -162,7 +163,17 @@ class Head(ReadOnlyFlight):
             except flight.FlightUnavailableError as err:
                 if self._stop.is_set():
                     raise
-                if time.monotonic() - unreachable_since >= LOAD_UNREACHABLE_SECONDS:
+                waited = time.monotonic() - unreachable_since
+                if delay == 0.5:  # the first try: said once in the log
+                    log.warning("data node %d at %s does not answer (%s); retrying", node, location, first_line(err))
+                # Said while it lasts (/ready, /status), as the load's own polls say it.
+                self.node_status[node] = {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
+                self.lifecycle.set(
+                    LOADING,
+                    f"sending data node {node} its rows: {location} has not answered for {waited:.0f}s "
+                    f"({first_line(err)}); trying for up to {LOAD_UNREACHABLE_SECONDS:.0f}s",
+                )
+                if waited >= LOAD_UNREACHABLE_SECONDS:
                     raise ClusterFormationError(
                         f"data node {node} registered at {location} but has not answered there for "
                         f"{LOAD_UNREACHABLE_SECONDS:.0f}s ({first_line(err)}): the address it advertises (POD_IP, "
@@ -229,6 +240,7 @@ class Head(ReadOnlyFlight):
                 peaks_for=lambda n: [estimated_node_memory(plan, a, threads_for(n))[1] for a in assign_rows(plan, n)],
             )
             self.plan, self.assignments = plan, assignments
+            self.lifecycle.set(LOADING, f"sending {self.cfg.data_nodes} data node(s) their rows")
             for node in range(self.cfg.data_nodes):
                 self._send_load_or_explain(node)
             self._wait_for_loads(deadline)
@@ -749,12 +761,15 @@ class Head(ReadOnlyFlight):
                 self._clients.pop(previous["location"], None)
 
     def _answers_as(self, location: str, index: int) -> bool:
-        """Whether the data node at ``location`` still answers, as data node ``index``."""
+        """Whether the data node at ``location`` still answers, as data node ``index`` that stays."""
         try:
             status = self._call(location, protocol.ACTION_STATUS, timeout=REGISTER_PROBE_SECONDS)
         except Exception:  # gone, frozen or not a data node: the slot is free to take
             return False
-        return status.get("role") == "data-node" and status.get("index") == index
+        # One stopping (SIGTERM, its streams' grace) or failed (its failure grace) is on its way out:
+        # its replacement, started meanwhile, takes the slot rather than failing for good.
+        leaving = status.get("state") in (STOPPING, FAILED)
+        return status.get("role") == "data-node" and status.get("index") == index and not leaving
 
     def status(self) -> dict[str, Any]:
         nodes = []

@@ -65,6 +65,7 @@ from kubeflow_data_cache.service import (
     LOADING,
     READY,
     STOPPING,
+    WAITING,
     Lifecycle,
     Metrics,
     ReadOnlyFlight,
@@ -406,6 +407,13 @@ class DataNode(ReadOnlyFlight):
                 )
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
+                # Before it registers, the startup deadline; once registered but sent no rows, as
+                # long again without its head (gone for good, it waited for ever); once loaded,
+                # no deadline: it serves its rows and waits for a restarted head.
+                if not self._registered.is_set():
+                    gives_up: float | None = deadline
+                else:
+                    gives_up = failing_since + self.cfg.startup_timeout if self.lifecycle.state == WAITING else None
                 if (
                     now - failing_since >= REGISTER_WARN_AFTER_SECONDS
                     and now - warned_at >= REGISTER_WARN_EVERY_SECONDS
@@ -415,19 +423,23 @@ class DataNode(ReadOnlyFlight):
                         self.cfg.node_index,
                         self.cfg.head_location,
                         now - failing_since,
-                        "" if self._registered.is_set() else f"; gives up in {max(0.0, deadline - now):.0f}s",
+                        "" if gives_up is None else f"; gives up in {max(0.0, gives_up - now):.0f}s",
                         last_error,
                     )
                     warned_at = now
-                if not self._registered.is_set() and time.monotonic() > deadline:
-                    self.lifecycle.fail(
-                        str(
-                            ClusterFormationError(
-                                f"could not reach the head at {self.cfg.head_location} within "
-                                f"{self.cfg.startup_timeout:.0f}s: {last_error}"
-                            )
+                if gives_up is not None and now > gives_up:
+                    if self._registered.is_set():
+                        why = (
+                            f"the head at {self.cfg.head_location} registered this data node and then did not "
+                            f"answer for {self.cfg.startup_timeout:.0f}s without sending it rows ({last_error}): "
+                            "it stopped and did not come back; restart the cache"
                         )
-                    )
+                    else:
+                        why = (
+                            f"could not reach the head at {self.cfg.head_location} within "
+                            f"{self.cfg.startup_timeout:.0f}s: {last_error}"
+                        )
+                    self.lifecycle.fail(str(ClusterFormationError(why)))
                     return
                 delay = min(delay * 2, REGISTER_INTERVAL_SECONDS)
             self._wake_register.wait(delay)
