@@ -655,6 +655,29 @@ def test_a_data_file_the_store_fails_names_the_setting_to_check(monkeypatch, cas
     assert metadata.startswith(f"{problem}, reading METADATA_LOC 's3://b/m.metadata.json': {fix}"), metadata
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        # MinIO (Go's HTTP server) answers plain HTTP on its TLS port: 400, and a HEAD has no body.
+        "When reading information for key 'm.json' in bucket 'b': AWS Error UNKNOWN (HTTP status 400) during "
+        "HeadObject operation: No response body.",
+        # Other TLS ports reset the connection.
+        "When reading information for key 'm.json' in bucket 'b': AWS Error NETWORK_CONNECTION during HeadObject "
+        "operation: curlCode: 56, Failure when receiving data from the peer",
+    ],
+)
+def test_a_plain_http_endpoint_refused_as_a_tls_port_would_suggests_https(monkeypatch, text):
+    """It was blamed on the session token or the region, or on the host and port alone."""
+    from kubeflow_data_cache.s3_settings import store_trouble
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    trouble = store_trouble(OSError(text), "http://minio:9000")
+    assert trouble is not None and "write AWS_ENDPOINT_URL=https://minio:9000" in trouble.fix
+    # An https:// endpoint, or AWS itself, has no such advice.
+    assert "https://" not in store_trouble(OSError(text), "https://minio:9000").fix
+    assert "https://" not in store_trouble(OSError(text), None).fix
+
+
 def test_the_sdks_own_internal_failure_is_not_called_the_stores():
     """A small ranged read whose error body (a 403's) was larger than the read: the SDK fails
     to take it in and says INTERNAL_FAILURE, whatever the store answered."""

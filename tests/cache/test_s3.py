@@ -518,3 +518,53 @@ def test_moto_refuses_wrong_credentials(moto_s3):
     with pytest.raises(ClientError, match="InvalidAccessKeyId"):
         wrong.client().list_buckets()
     assert isinstance(moto_s3.client().list_buckets()["Buckets"], list)
+
+
+@pytest.mark.parametrize(
+    "variable", ["AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
+)
+def test_an_aws_setting_with_a_line_break_is_refused_naming_it_not_its_value(variable):
+    """A Secret made with --from-file keeps the file's newline: the region's read "A region must be
+    set" (of one that is), a key's the store's HTTP 500 or "access was denied", naming nothing."""
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
+    env[variable] = "s3cr3t-value\n"
+    code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
+    assert code == 2  # a setting: refused by local before it starts a node
+    assert f"{variable} has blanks or a line break around its value" in stderr
+    assert f"set {variable} to the value alone" in stderr
+    assert "s3cr3t-value" not in stderr  # keys among them: never echoed
+
+
+class _WebConsole(http.server.BaseHTTPRequestHandler):
+    """A service that answers every path with a page: MinIO's console (:9001) beside its S3 API (:9000)."""
+
+    def do_GET(self):
+        page = b"<!doctype html><html><body>Console</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(page)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_endpoint_that_answers_pages_is_named_beside_metadata_loc():
+    """It said only that METADATA_LOC is not Iceberg table metadata ('Invalid JSON ...'), sending
+    the reader to a location that was right, at a service that was not the store."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebConsole)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
+        code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 1
+    assert "is not Iceberg table metadata ('Invalid JSON" in stderr, stderr[-2000:]
+    assert f"check that AWS_ENDPOINT_URL ({endpoint}) names the store's S3 API, not another service" in stderr

@@ -204,10 +204,19 @@ def _open_error(
         )
     not_metadata = _not_table_metadata(err)
     if not_metadata is not None:
+        other_service = ""
+        if endpoint and is_remote(location) and "Invalid JSON" in not_metadata:
+            # Not JSON at all from a store: perhaps no store, but a service that answers every
+            # path with a page (MinIO's web console on :9001 beside its S3 API on :9000).
+            variable = endpoint_variable()
+            other_service = (
+                f"; or, if it does, check that {variable} ({endpoint}) names the store's S3 API, not another "
+                "service at that host (a web console answers every path with a page)"
+            )
         return TableLoadError(
             f"METADATA_LOC {metadata_location!r} is not Iceberg table metadata ({not_metadata}): point it at the "
             "table's current metadata.json, as its catalog reports it (for example "
-            ".../warehouse/db/table/metadata/00003-....metadata.json)"
+            ".../warehouse/db/table/metadata/00003-....metadata.json)" + other_service
         )
     if not is_remote(location):
         if isinstance(err, PermissionError):

@@ -74,6 +74,16 @@ def s3_properties_from_env(env: dict[str, str] | None = None, warn: bool = True)
         # The S3 client takes a lower-case scheme only: HTTP://minio:9000 resolved "HTTP" as a host.
         scheme, rest = endpoint.split("://", 1)
         props["s3.endpoint"] = f"{scheme.lower()}://{rest}"
+    for variable in TRIMMED_SETTINGS:
+        value = env.get(variable)
+        if value and value != value.strip():
+            # A Secret or ConfigMap made from a file keeps its trailing newline: the S3 client
+            # then said "A region must be set" (of a region that is set), the store's HTTP 500
+            # or "access was denied", naming no setting. Values are not echoed: keys among them.
+            raise ConfigError(
+                f"{variable} has blanks or a line break around its value (a Secret or ConfigMap made from a "
+                f"file keeps the file's last newline): set {variable} to the value alone"
+            )
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
     if not region and endpoint:
         # Without a region pyiceberg asks public AWS where the bucket lives: seconds per process
@@ -102,6 +112,16 @@ def s3_properties_from_env(env: dict[str, str] | None = None, warn: bool = True)
             props["s3.session-token"] = env["AWS_SESSION_TOKEN"]
     return props
 
+
+# AWS settings whose value is taken as it stands, so a blank or line break around it is a mistake.
+TRIMMED_SETTINGS = (
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+)
 
 # The S3 client's own settings, under the names Arrow's Rust object_store reads them by (the AWS
 # SDKs have none for them); the initializer forwards them to the cache pods as every AWS_*
@@ -350,6 +370,9 @@ def _unreachable(endpoint: str | None, err: BaseException) -> StoreTrouble:
         fix = f"check that {name} names the store's host and port, reachable from here"
         if "wrong version number" in str(err) and endpoint.lower().startswith("https://"):
             fix = f"the store answered in plain HTTP: write {name}=http://{endpoint.split('://', 1)[1]}"
+        elif "curlCode: 56" in str(err) and endpoint.lower().startswith("http://"):
+            # Connected, then the connection was reset: what a TLS-only port does to plain HTTP.
+            fix += f"; if the store serves HTTPS there, write {name}=https://{endpoint.split('://', 1)[1]}"
         return StoreTrouble(f"cannot reach the object store at {endpoint} ({name})", fix)
     return StoreTrouble(
         "cannot reach AWS S3 (no AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL is set)",
@@ -427,9 +450,16 @@ def store_trouble(err: BaseException, endpoint: str | None) -> StoreTrouble | No
         )
     # A HEAD request's 400 carries no body, so the AWS error (InvalidToken, a wrong region) is lost.
     if "HTTP status 400" in text:
-        return StoreTrouble(
-            "the request was refused as a bad request",
+        fix = (
             "on S3 that is usually an invalid or expired AWS_SESSION_TOKEN, or an AWS_REGION other than the "
-            "bucket's: check the AWS credentials and the region",
+            "bucket's: check the AWS credentials and the region"
         )
+        if endpoint and endpoint.lower().startswith("http://"):
+            # MinIO (Go's HTTP server) answers plain HTTP on its TLS port with a 400 alone.
+            name = endpoint_variable()
+            fix += (
+                f"; or, if the store serves HTTPS only (a plain-HTTP request to a TLS port is answered 400), "
+                f"write {name}=https://{endpoint.split('://', 1)[1]}"
+            )
+        return StoreTrouble("the request was refused as a bad request", fix)
     return None
