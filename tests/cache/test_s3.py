@@ -568,3 +568,26 @@ def test_an_endpoint_that_answers_pages_is_named_beside_metadata_loc():
     assert code == 1
     assert "is not Iceberg table metadata ('Invalid JSON" in stderr, stderr[-2000:]
     assert f"check that AWS_ENDPOINT_URL ({endpoint}) names the store's S3 API, not another service" in stderr
+
+
+def test_under_local_a_store_that_never_answers_the_metadata_read_is_named_by_the_head():
+    """A store that takes the connection and never answers (AWS_TIMEOUT raised for a slow one):
+    local's deadline, started a moment before the head's, fired first and said only "not ready
+    within 5s (planning the table scan ...)"; the head's own failure names the storage."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "AWS_TIMEOUT": "600s",
+            "AWS_ACCESS_KEY_ID": "a",
+            "AWS_SECRET_ACCESS_KEY": "s",
+        }
+        cache = LocalCache(
+            "s3://bucket/wh/t/metadata/00001-a.metadata.json", data_nodes=1, env=env, args=("--startup-timeout", "5")
+        )
+        stderr = cache.wait_failure(timeout=FAILURE_TIMEOUT_SECONDS)
+    finally:
+        silent.close()
+    assert cache.proc.returncode == 1
+    assert "planning the table scan did not finish within 5s" in stderr, stderr[-2000:]
+    assert "its storage does not answer; check the location's scheme" in stderr

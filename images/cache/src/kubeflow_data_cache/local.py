@@ -66,6 +66,9 @@ LOCAL_STARTUP_TIMEOUT_SECONDS = 300.0
 PROGRESS_LOG_SECONDS = 5.0
 # How long the head may refuse connections (it is starting) before its error joins the progress line.
 HEAD_UNANSWERED_DETAIL_SECONDS = 3.0
+# Past the startup deadline, how long `local` still waits for an answering head to fail by its
+# own deadline, which starts once the head has imported (a second or more after ours).
+HEAD_DEADLINE_GRACE_SECONDS = 10.0
 
 
 # Bind addresses that mean "every interface": no client can connect to them by that name.
@@ -386,7 +389,11 @@ class LocalCluster:
                 if shape != last_shape or time.monotonic() - last_logged >= PROGRESS_LOG_SECONDS:
                     log.info("cache %s: %s", status.get("state"), last_detail)
                     last_shape, last_logged = shape, time.monotonic()
-            if time.monotonic() > deadline:
+            # The head's own deadline, started a moment after ours, fails with what it knows
+            # (a store that does not answer, which call waits): worth a few seconds more where
+            # the head still answers, as ours said only what it was doing.
+            grace = HEAD_DEADLINE_GRACE_SECONDS if unanswered_since is None else 0.0
+            if time.monotonic() > deadline + grace:
                 # The head's detail names the reads waiting SLOW_READ_SECONDS or more; at the
                 # deadline the younger ones are worth naming too.
                 nodes = ((n["index"], n) for n in status.get("nodes", []))
