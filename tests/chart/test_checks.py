@@ -124,14 +124,25 @@ def test_names_yaml_reads_as_strings_are_not_refused(name, namespace):
 
 
 def test_our_own_objects_quote_names_and_namespaces_yaml_would_read_as_numbers():
-    """Without the subcharts, a numeric namespace and names render as strings everywhere."""
+    """Without the subcharts, a numeric namespace and names render as strings everywhere: the
+    initializer's ServiceAccount and the controller's priority class were written unquoted."""
     values = {
         "jobset": {"install": False},
         "nameOverride": "007",
-        "dataCache": {"enabled": True, "lws": {"install": False}, "namespaces": ["1234", "yes"]},
+        "manager": {"priorityClassName": "1000"},
+        "dataCache": {
+            "enabled": True,
+            "lws": {"install": False},
+            "namespaces": ["1234", "yes"],
+            "serviceAccount": {"name": "123"},
+        },
     }
     objects = render_chart(values, name="2024", namespace="2025")
     validate_objects(objects)
+    accounts = [obj["metadata"]["name"] for obj in objects if obj["kind"] == "ServiceAccount"]
+    assert accounts.count("123") == 2  # one per namespace
+    (manager,) = [obj for obj in objects if obj["kind"] == "Deployment"]
+    assert manager["spec"]["template"]["spec"]["priorityClassName"] == "1000"
     namespaces = {obj["metadata"].get("namespace") for obj in objects} - {None}
     assert namespaces == {"2025", "1234", "yes"}
     labels = {obj["metadata"]["labels"]["app.kubernetes.io/name"] for obj in objects if "labels" in obj["metadata"]}
