@@ -61,7 +61,8 @@ def preview_doc_flags(marker: str, flags_after: str) -> tuple[list[str], list[di
     blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if marker in b]
     assert len(blocks) == 1, f"docs/install.md should hold one bash block with {marker!r}"
     words = shlex.split(blocks[0].replace("\\\n", " "))
-    flags = words[words.index(flags_after) + 1 :]
+    # --reuse-values keeps an existing release's values on upgrade: a preview has none to keep.
+    flags = [word for word in words[words.index(flags_after) + 1 :] if word != "--reuse-values"]
     rendered = subprocess.run(
         [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "template", str(prepared_chart()), *flags],
         capture_output=True, text=True, timeout=120,
