@@ -93,18 +93,19 @@ class BatchwiseRead:
         whose columns or schema do not map one to one."""
         if not columns or not isinstance(fragment, ds.ParquetFileFragment):
             return None
-        options = fragment.format.default_fragment_scan_options
-        source, metadata = fragment.open(), fragment.metadata
-        file = pq.ParquetFile(source, metadata=metadata, pre_buffer=options.pre_buffer, buffer_size=options.buffer_size)
-        # The one-row probe reads its pages alone: pre-buffered, it fetched the row group's
-        # chunks once for itself and again for the reader after it (held side by side).
-        probe = pq.ParquetFile(source, metadata=metadata, pre_buffer=False, buffer_size=options.buffer_size)
+        metadata = fragment.metadata
         indices = leaf_indices(schema, columns)
-        total = sum(_leaves(field.type) for field in schema)
-        if indices is None or total != file.metadata.num_columns or not file.schema_arrow.equals(schema):
+        if indices is None or sum(_leaves(field.type) for field in schema) != metadata.num_columns:
             return None
         if not any(_large(metadata.row_group(i), indices) for i in range(metadata.num_row_groups)):
             return None
+        options, source = fragment.format.default_fragment_scan_options, fragment.open()
+        file = pq.ParquetFile(source, metadata=metadata, pre_buffer=options.pre_buffer, buffer_size=options.buffer_size)
+        if not file.schema_arrow.equals(schema):
+            return None
+        # The one-row probe reads its pages alone: pre-buffered, it fetched the row group's
+        # chunks once for itself and again for the reader after it (held side by side).
+        probe = pq.ParquetFile(source, metadata=metadata, pre_buffer=False, buffer_size=options.buffer_size)
         return cls(file, probe, schema, columns, indices)
 
     def to_batches(self) -> Iterator[pa.RecordBatch]:
