@@ -320,3 +320,117 @@ def test_a_frozen_head_does_not_hold_a_read_of_a_dead_node_past_the_deadline(clu
     while cluster.wait_ready()["nodes"][0]["location"] == location:
         assert time.monotonic() < deadline_at, "the head never took the restarted data node 0"
         time.sleep(0.2)
+
+
+# A training script reading in its main thread (num_workers=0), its shard on one data node (rank
+# 0 of 2), told by the test when to go on, and saying how each batch and the read ended.
+_CTRL_C_READER = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever the parent ignores
+from kubeflow_data_cache import client
+init = client.CacheClient.__init__
+def small_windows(self, *args, **kwargs):  # the node's rows stay on the node, not in our buffers
+    kwargs.setdefault("generic_options", [("grpc.http2.bdp_probe", 0)])
+    init(self, *args, **kwargs)
+client.CacheClient.__init__ = small_windows
+from kubeflow_data_cache.dataset import DataCacheDataset
+batches = iter(DataCacheDataset(endpoint=sys.argv[1], batch_size=1000, deadline_seconds=120, rank=0, world_size=2))
+next(batches)
+print("reading", flush=True)
+sys.stdin.readline()
+try:
+    for _ in batches:
+        print("batch", flush=True)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.fixture()
+def wide_cluster(table_factory, tmp_path):
+    """Tens of MB per data node: more than a socket's buffers hold, so a read still waits on its
+    node when it freezes."""
+    cluster = Cluster(table_factory(1_000_000, 4).metadata_location, tmp_path)
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        stop_groups(list(cluster.procs.values()))
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_read_waiting_on_a_frozen_node_at_once(wide_cluster):
+    """A shard on one data node was read in the caller's thread, blocked in a Flight call while the
+    node was frozen: Ctrl-C came through only when the stall watch gave up on the node (a minute
+    at this deadline), and a handler saving a checkpoint on SIGTERM waited as long."""
+    cluster = wide_cluster
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_READER, cluster.endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    frozen = cluster.procs["node-0"]
+    lines: list[str] = []
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        freeze(frozen.pid)
+        reader.stdin.write("go\n")
+        reader.stdin.flush()
+        threading.Thread(target=lambda: lines.extend(line.strip() for line in reader.stdout), daemon=True).start()
+        # The batches already here are read; then the read waits on the frozen node.
+        quiet_since, seen = time.monotonic(), 0
+        while time.monotonic() - quiet_since < 2.0:
+            time.sleep(0.1)
+            if len(lines) != seen:
+                quiet_since, seen = time.monotonic(), len(lines)
+        assert "finished" not in lines, "the whole shard was buffered before the node froze"
+        sent = time.monotonic()
+        reader.send_signal(signal.SIGINT)
+        while "interrupted" not in lines and time.monotonic() - sent < 20 and reader.poll() is None:
+            time.sleep(0.05)
+        assert "interrupted" in lines, lines[-3:]
+        assert time.monotonic() - sent < 5
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        reader.kill()
+        reader.wait(timeout=10)
+    cluster.wait_ready()
+
+
+_CTRL_C_ASKER = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from kubeflow_data_cache.dataset import DataCacheDataset
+dataset = DataCacheDataset(endpoint=sys.argv[1], batch_size=1000, deadline_seconds=120)
+print("asking", flush=True)
+try:
+    next(iter(dataset))
+    print("answered", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_read_waiting_on_a_frozen_head_at_once(cluster):
+    """The first batch asks the head where the shard lives; a frozen head held Ctrl-C until the
+    call's own timeout (30 s)."""
+    head = cluster.procs["head"]
+    freeze(head.pid)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_ASKER, cluster.endpoint], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert reader.stdout.readline().strip() == "asking"
+        time.sleep(1.0)  # asking by now
+        sent = time.monotonic()
+        reader.send_signal(signal.SIGINT)
+        out, _ = reader.communicate(timeout=40)
+        assert out.split() == ["interrupted"]
+        assert time.monotonic() - sent < 5
+    finally:
+        os.kill(head.pid, signal.SIGCONT)
+        reader.kill()
+        reader.wait(timeout=10)
+    cluster.wait_ready()

@@ -29,6 +29,7 @@ import pyarrow.flight as flight
 from kubeflow_data_cache import constants, fork_guard
 from kubeflow_data_cache.allocator import tune_glibc_malloc
 from kubeflow_data_cache.config import uri_port
+from kubeflow_data_cache.daemon_call import DaemonCall
 from kubeflow_data_cache.errors import (
     LOAD_FAILED_INFO,
     BadRequestError,
@@ -104,6 +105,8 @@ MIN_STALL_WAIT_SECONDS = 0.5
 # Batches each endpoint stream reads ahead in its own thread, so all of a shard's data nodes send
 # at once while the consumer converts (bounded memory per stream).
 STREAM_READAHEAD_BATCHES = 2
+# A thread waiting for an interruptible call waits this long at a time (a signal ends a wait at once).
+SIGNAL_POLL_SECONDS = 0.5
 
 # What Flight's gRPC transport accepts (grpc+tcp is grpc; grpc+unix a local socket).
 ENDPOINT_SCHEMES = ("grpc", "grpc+tcp", "grpc+tls", "grpc+unix")
@@ -522,14 +525,24 @@ class CacheClient:
 
     # -- calls -------------------------------------------------------------------------------
 
-    def get_flight_info(self, request: ShardRequest) -> flight.FlightInfo:
-        """Ask the head where shard ``request.shard`` of ``request.num_shards`` lives."""
+    def get_flight_info(self, request: ShardRequest, interruptible: bool = False) -> flight.FlightInfo:
+        """Ask the head where shard ``request.shard`` of ``request.num_shards`` lives
+        (``interruptible``: as read_shard's)."""
         descriptor = flight.FlightDescriptor.for_command(request.to_json())
 
-        def call(remaining: float) -> flight.FlightInfo:
+        def ask(remaining: float) -> flight.FlightInfo:
             # The connection is taken for each try: one close() let go of meanwhile is opened again.
             with self._connection(self.endpoint) as head:
                 return head.get_flight_info(descriptor, self._options(min(remaining, UNARY_TIMEOUT_SECONDS)))
+
+        def call(remaining: float) -> flight.FlightInfo:
+            if not interruptible:
+                return ask(remaining)
+            # Left behind on a signal: it ends at its own timeout.
+            asking = DaemonCall(lambda: ask(remaining), "cache-get-flight-info")
+            while not asking.wait(SIGNAL_POLL_SECONDS):
+                pass
+            return asking.result()
 
         info = self._retry(self.endpoint, "GetFlightInfo", call)
         self._forget_replaced_nodes(info)
@@ -579,6 +592,7 @@ class CacheClient:
         start: int = 0,
         check_streams: Callable[[list[int | None], int], None] | None = None,
         check_info: Callable[[flight.FlightInfo], None] | None = None,
+        interruptible: bool = False,
     ) -> Iterator[pa.RecordBatch]:
         """Every record batch of one shard, from all of its data nodes; with ``start``, all but
         the first ``start`` rows (a resumed read).
@@ -602,11 +616,17 @@ class CacheClient:
         say) and the order the nodes stream a shuffled shard in (protocol.ORDER_VERSION; 1 for a
         cache that does not say) before any stream opens; it may raise to refuse the read, as may
         ``check_info``, called with the head's FlightInfo first.
+
+        ``interruptible``: every call that can block (GetFlightInfo, a stream's next batch) runs
+        in another thread, and this one waits for it in Python, where a signal (Ctrl-C's
+        KeyboardInterrupt, a handler that saves a checkpoint) is handled at once. Blocked in a
+        Flight call instead, it is handled once the call returns: a frozen head's GetFlightInfo
+        at its 30 s timeout, a frozen data node's stream when the stall watch gives up on it.
         """
         start = _row_count(start)
         if interleave is None:
             interleave = request.shuffle
-        info = self.get_flight_info(request)
+        info = self.get_flight_info(request, interruptible)
         if check_info is not None:
             check_info(info)
         if start > info.total_records:
@@ -633,7 +653,10 @@ class CacheClient:
         streams: list[Iterator[pa.RecordBatch]] = [
             self.read_endpoint(request, e, skip, stop) for e, skip in zip(endpoints, point.skips, strict=True)
         ]
-        if len(streams) > 1:  # one stream alone has nothing to overlap with; the thread hop costs ~10%
+        # One stream alone has nothing to overlap with, and the thread hop costs ~10% of a bare
+        # DoGet's rate; read in this thread, though, a stream waiting on a frozen node holds a
+        # signal (Ctrl-C) until the stall watch gives up on it (up to a minute): ``interruptible``.
+        if len(streams) > 1 or interruptible:
             streams = [Readahead(s, STREAM_READAHEAD_BATCHES, f"cache-stream-{i}") for i, s in enumerate(streams)]
         try:
             # One stream has nothing to interleave with: its rows in order are the interleaved

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -524,6 +525,9 @@ class DataCacheDataset(IterableDataset):
                 start=skip,
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
                 check_info=self._check_columns,
+                # Signals reach the main thread only: there Ctrl-C (or a handler that saves a
+                # checkpoint) must not wait on a frozen node's Flight call (up to a minute).
+                interruptible=threading.current_thread() is threading.main_thread(),
             )
             # Closed here, not left to the garbage collector: an error raised in this loop (a
             # conversion hook that fails, say) and kept by the caller (a notebook keeps the last
