@@ -20,7 +20,7 @@ import pytest
 from kubeflow_data_cache import parquet_batches
 from kubeflow_data_cache.constants import BATCH_TARGET_BYTES, BATCHWISE_MIN_GROUP_ROWS
 from kubeflow_data_cache.iceberg_reader import task_batches, task_deletes
-from kubeflow_data_cache.parquet_batches import RESIZE_FACTOR, BatchwiseRead, leaf_indices
+from kubeflow_data_cache.parquet_batches import GROWTH, RESIZE_FACTOR, BatchwiseRead, decoded_bytes, leaf_indices
 from kubeflow_data_cache.sample import make_catalog
 from tests.cache.test_deletes import add_position_deletes, data_files, pyiceberg_ids, writable_table  # noqa: F401
 
@@ -89,10 +89,12 @@ def test_a_batchwise_read_yields_what_the_scanner_yields(tmp_path, every_group_b
     scanned = ds.Scanner.from_fragment(_fragment(path), schema=fragment.physical_schema, columns=columns).to_table()
     got = pa.Table.from_batches(batches)
     assert got.schema.equals(scanned.schema) and got.equals(scanned)
-    # Batch by batch: a one-row probe (its row not yielded again), none past 97 rows nor across
-    # a row group (600 rows).
-    assert batches[0].num_rows == 1 and max(b.num_rows for b in batches) == 97
-    assert [b.num_rows for b in batches[:9]] == [1, 96, 97, 97, 97, 97, 97, 18, 97]
+    # Batch by batch: each row group (600 rows) starts at one row and grows GROWTH times a batch
+    # to 97 (each new reader skips the rows already yielded), none past 97 nor across groups.
+    assert GROWTH < 97
+    ramp = [1, GROWTH - 1, 97 - GROWTH]
+    assert max(b.num_rows for b in batches) == 97
+    assert [b.num_rows for b in batches[:12]] == [*ramp, 97, 97, 97, 97, 97, 18, *ramp]
 
 
 def test_reads_the_scanner_serves_better_are_left_to_it(tmp_path):
@@ -144,6 +146,69 @@ def test_a_row_group_that_decodes_far_past_its_statistics_comes_in_batches_near_
         seen += batch.num_rows
     assert seen == rows
     assert max(sizes) <= RESIZE_FACTOR * BATCH_TARGET_BYTES, [size >> 20 for size in sizes]
+
+
+def _dictionary_file(path: Path, values: list[str], indices: list[int], group_rows: int, store_schema: bool) -> Path:
+    """A file of one string column written from a dictionary array (its values never repeated in
+    memory here), ``group_rows`` rows per row group."""
+    column = pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), pa.array(values))
+    pq.write_table(pa.table({"text": column}), path, row_group_size=group_rows, store_schema=store_schema)
+    return path
+
+
+def _batches_of(path: Path) -> list[pa.RecordBatch]:
+    fragment = _fragment(path)
+    read = BatchwiseRead.of(fragment, fragment.physical_schema, ["text"])
+    assert read is not None
+    return read.to_batches()
+
+
+@pytest.mark.parametrize(
+    ("values", "indices"),
+    [
+        # Short rows for a row group, then one 2 KiB value repeated: the second group's first
+        # batch was sized from the first's rows (131,072 rows, 257 MiB).
+        (["s", "y" * 2048], [0] * 270_000 + [1] * 270_000),
+        # An empty first row, then 4 KiB rows: sized from that row, the next batch held 513 MiB.
+        (["", "y" * 4096], [0] + [1] * 269_999),
+    ],
+)
+def test_batches_stay_near_the_target_when_rows_grow_past_the_first_ones(tmp_path, values, indices):
+    path = _dictionary_file(tmp_path / "growing.parquet", values, indices, 270_000, store_schema=False)
+    rows, largest = 0, 0
+    for batch in _batches_of(path):
+        rows += batch.num_rows
+        largest = max(largest, decoded_bytes(batch))
+    assert rows == len(indices)
+    assert largest <= RESIZE_FACTOR * BATCH_TARGET_BYTES, largest >> 20
+
+
+def test_a_column_stored_as_a_dictionary_is_read_in_full_batches(tmp_path):
+    """Each batch carries the row group's dictionary: counted as the batch's bytes, it made every
+    row as large as the dictionary, and 300,000 rows came 4 at a time (200x the scanner's time)."""
+    values = [f"{i:064d}" for i in range(50_000)]  # a 3 MiB dictionary
+    path = _dictionary_file(tmp_path / "stored.parquet", values, [i % 50_000 for i in range(300_000)], 300_000, True)
+    batches = list(_batches_of(path))
+    assert pa.types.is_dictionary(batches[0].schema.field("text").type)  # as the scanner reads it
+    assert sum(b.num_rows for b in batches) == 300_000 and len(batches) <= 12  # the ramp, then 131,072 a batch
+
+
+def test_a_uuid_column_reads_as_the_scanner_reads_it(tmp_path):
+    """pyarrow's file reader reads a Parquet UUID as the arrow.uuid extension type by default,
+    the scanner as fixed_size_binary(16): the schemas differed, and every read of such a file (as
+    Java and Spark writers store uuid columns) went to the scanner."""
+    import uuid
+
+    rows = BATCHWISE_MIN_GROUP_ROWS + 1
+    ids = pa.array([uuid.UUID(int=i).bytes for i in range(rows)], pa.uuid())
+    path = tmp_path / "uuids.parquet"
+    pq.write_table(pa.table({"id": ids}), path, store_schema=False)
+    fragment = _fragment(path)
+    assert fragment.physical_schema.field("id").type == pa.binary(16)
+    read = BatchwiseRead.of(fragment, fragment.physical_schema, ["id"])
+    assert read is not None
+    scanned = ds.Scanner.from_fragment(fragment, schema=fragment.physical_schema, columns=["id"]).to_table()
+    assert pa.Table.from_batches(list(read.to_batches())).equals(scanned)
 
 
 def test_positional_deletes_apply_across_batches_and_row_groups(writable_table, every_group_batchwise):  # noqa: F811
