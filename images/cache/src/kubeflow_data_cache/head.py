@@ -143,7 +143,7 @@ class Head(ReadOnlyFlight):
         tried for LOAD_UNREACHABLE_SECONDS, at its latest location: it may have crashed and come
         back elsewhere (its replacement registers again). Past that, its advertised address is the
         likelier cause."""
-        unreachable_since, delay = time.monotonic(), 0.5
+        unreachable_since, delay, warned = time.monotonic(), 0.5, False
         while True:
             location = self._location(node)
             try:
@@ -164,8 +164,9 @@ class Head(ReadOnlyFlight):
                 if self._stop.is_set():
                     raise
                 waited = time.monotonic() - unreachable_since
-                if delay == 0.5:  # the first try: said once in the log
+                if not warned:  # said once in the log
                     log.warning("data node %d at %s does not answer (%s); retrying", node, location, first_line(err))
+                    warned = True
                 # Said while it lasts (/ready, /status), as the load's own polls say it.
                 self.node_status[node] = {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
                 self.lifecycle.set(
