@@ -183,6 +183,25 @@ def test_batches_stay_near_the_target_when_rows_grow_past_the_first_ones(tmp_pat
     assert largest <= RESIZE_FACTOR * BATCH_TARGET_BYTES, largest >> 20
 
 
+def test_rows_that_grow_part_way_through_a_row_group_are_sized_from_its_stored_bytes(tmp_path, monkeypatch):
+    """5,000 rows of 100 B, then distinct 2 KiB ones, in one row group: sized from the first rows
+    alone, a batch decoded 20 times its target (721 MiB at the real one); the group's stored
+    bytes per row are a floor under what the rows seen say."""
+    import os
+
+    monkeypatch.setattr(parquet_batches, "BATCHWISE_MIN_GROUP_ROWS", 0)
+    monkeypatch.setattr(parquet_batches, "BATCH_TARGET_BYTES", 256 << 10)
+    values = [os.urandom(50).hex() for _ in range(5_000)] + [os.urandom(1024).hex() for _ in range(15_000)]
+    path = tmp_path / "growing.parquet"
+    pq.write_table(pa.table({"text": values}), path, row_group_size=len(values), use_dictionary=False)
+    rows, largest = 0, 0
+    for batch in _batches_of(path):
+        rows += batch.num_rows
+        largest = max(largest, decoded_bytes(batch))
+    assert rows == len(values)
+    assert largest <= RESIZE_FACTOR * (256 << 10), largest >> 10
+
+
 def test_a_column_stored_as_a_dictionary_is_read_in_full_batches(tmp_path):
     """Each batch carries the row group's dictionary: counted as the batch's bytes, it made every
     row as large as the dictionary, and 300,000 rows came 4 at a time (200x the scanner's time)."""

@@ -521,7 +521,15 @@ def test_moto_refuses_wrong_credentials(moto_s3):
 
 
 @pytest.mark.parametrize(
-    "variable", ["AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
+    "variable",
+    [
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+    ],
 )
 def test_an_aws_setting_with_a_line_break_is_refused_naming_it_not_its_value(variable):
     """A Secret made with --from-file keeps the file's newline: the region's read "A region must be

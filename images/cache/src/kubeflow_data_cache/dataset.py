@@ -526,8 +526,9 @@ class DataCacheDataset(IterableDataset):
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
                 check_info=self._check_columns,
                 # Signals reach the main thread only: there Ctrl-C (or a handler that saves a
-                # checkpoint) must not wait on a frozen node's Flight call (up to a minute).
-                interruptible=threading.current_thread() is threading.main_thread(),
+                # checkpoint) must not wait on a frozen node's Flight call (up to a minute). Not in
+                # a DataLoader worker, whose parent takes the Ctrl-C: the thread hop costs ~10%.
+                interruptible=slot is None and threading.current_thread() is threading.main_thread(),
             )
             # Closed here, not left to the garbage collector: an error raised in this loop (a
             # conversion hook that fails, say) and kept by the caller (a notebook keeps the last

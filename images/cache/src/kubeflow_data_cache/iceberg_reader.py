@@ -79,7 +79,13 @@ _switch_installed: bool | None = None
 class _Scanner:
     """pyarrow.dataset's Scanner, as pyiceberg's reader module sees it: a read of a whole
     fragment's columns with no filter, pulled by ``task_batches``, decodes batch by batch where
-    its row groups are large (parquet_batches.BatchwiseRead.of says where)."""
+    its row groups are large (parquet_batches.BatchwiseRead.of says where). Anything else is
+    the Scanner's own."""
+
+    def __getattr__(self, name):
+        import pyarrow.dataset as ds
+
+        return getattr(ds.Scanner, name)
 
     @staticmethod
     def from_fragment(fragment, schema=None, filter=None, columns=None, **kwargs):
@@ -99,7 +105,7 @@ class _Dataset:
     where first used, as pyiceberg does: pyarrow.dataset imports pyarrow's S3 client, which
     reads SSL_CERT_FILE once (s3_settings.trust_aws_ca_bundle sets it first)."""
 
-    Scanner = _Scanner
+    Scanner = _Scanner()
 
     def __getattr__(self, name):
         import pyarrow.dataset as ds

@@ -6,15 +6,17 @@ decoded to yield 131,072 rows at a time, and a load's memory guard, which runs b
 could stop a read only once a whole row group was in memory. pyarrow's file reader decodes
 instead the rows a batch asks for, page by page (~54 MiB for the same file, at the same speed).
 
-Batches aim at about BATCH_TARGET_BYTES decoded. A row group's statistics say little of that
-(one large value repeated in a dictionary page decodes once per row), so each row group starts
-with a one-row batch and grows GROWTH times a batch, at most to what the bytes per row seen in
-it allow; a batch that decodes past twice its target shrinks the next. A reader's batch size
-is fixed, so each size is a new reader, which skips the rows already yielded (decoding them
-again: a few thousand rows per row group). The small first readers read unbuffered; only the
-one at the full size is pre-buffered where asked (an object store's few large requests), and
-it fetches that row group's chunks alone, where one reader over the file would fetch ahead and
-hold every row group's compressed chunks.
+Batches aim at about BATCH_TARGET_BYTES decoded. A row group's statistics are a floor, not a
+measure (one large value repeated in a dictionary page decodes once per row), so each row group
+starts with a one-row batch and grows GROWTH times a batch, at most to what the larger of its
+stored bytes per row and the largest row seen in it allow; a batch that decodes past twice its
+target shrinks the next. A reader's batch size is fixed, so each size is a new reader, which
+skips the rows already yielded (decoding them again: 4,161 rows per row group for the ramp,
+and all those before a resize). The small first readers read unbuffered; the one at the full
+size is pre-buffered where asked (an object store's few large requests), and fetches that row
+group's chunks alone, where one reader over the file would fetch ahead and hold every row
+group's compressed chunks. Where the rows seen stop the ramp early (rows of hundreds of KiB),
+the rest of the row group is read unbuffered.
 """
 
 from __future__ import annotations
@@ -134,7 +136,10 @@ class BatchwiseRead:
                 arrow_extensions_enabled=False,
             )
 
-        file = reader(options.pre_buffer, options.buffer_size)
+        try:
+            file = reader(options.pre_buffer, options.buffer_size)
+        except TypeError:  # a pyarrow whose file reader lacks one of these options: the scanner reads it
+            return None
         read_schema = file.schema_arrow
         if any(not read_schema.field(name).equals(schema.field(name)) for name in columns):
             return None
@@ -146,11 +151,17 @@ class BatchwiseRead:
         for group in range(meta.num_row_groups):
             rows = meta.row_group(group).num_rows
             if rows:
-                yield from self._row_group(group, rows)
+                columns = meta.row_group(group)
+                stored = sum(columns.column(i).total_uncompressed_size for i in self._indices) / rows
+                yield from self._row_group(group, rows, stored)
 
-    def _row_group(self, group: int, rows: int) -> Iterator[pa.RecordBatch]:
+    def _row_group(self, group: int, rows: int, stored: float) -> Iterator[pa.RecordBatch]:
+        """``stored``: the row group's uncompressed bytes per row, a floor under the rows seen:
+        rows that grow part-way through a group (5,000 of 100 B, then 6 KB ones) made a batch
+        sized from the first ones decode to 721 MiB. Values repeated in a dictionary page store
+        smaller than that: there the rows seen size the batches."""
         done, resizes = 0, 0
-        size, row_bytes = 1, 0.0  # the most bytes a row of this row group decoded to so far
+        size, row_bytes = 1, stored  # the most bytes a row of this row group decoded to so far
         while done < rows:
             full = size >= _batch_rows(row_bytes)  # no growth ahead: the pre-buffered reader
             file = self._file if full else self._probe
