@@ -5,16 +5,19 @@ Every setting reaches the nodes the way it does in a pod: through the standard A
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pyarrow.compute as pc
 import pytest
 
+from kubeflow_data_cache.s3_settings import TRIMMED_SETTINGS
 from kubeflow_data_cache.sample import SampleTable, create_sample_table
 from tests.cache.conftest import S3Server, read_path_shards, run_data_cache
 from tests.conftest import LocalCache, running_cache
@@ -206,6 +209,18 @@ def plain_http_port():
     server.server_close()
 
 
+@contextlib.contextmanager
+def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on loopback answering with ``handler``: its http:// endpoint."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -248,19 +263,14 @@ class _MovedPermanently(http.server.BaseHTTPRequestHandler):
 
 def test_a_bucket_of_another_region_names_aws_region():
     """It said only "AWS Error UNKNOWN (HTTP status 301) ... No response body", naming no setting."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MovedPermanently)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with _serving(_MovedPermanently) as endpoint:
         env = {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}",
+            "AWS_ENDPOINT_URL": endpoint,
             "AWS_REGION": "us-west-2",
             "AWS_ACCESS_KEY_ID": "a",
             "AWS_SECRET_ACCESS_KEY": "s",
         }
         code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert code == 1
     assert "the bucket is in another region than the one requests were sent to" in stderr, stderr[-2000:]
     assert "set AWS_REGION to the bucket's region" in stderr
@@ -520,17 +530,7 @@ def test_moto_refuses_wrong_credentials(moto_s3):
     assert isinstance(moto_s3.client().list_buckets()["Buckets"], list)
 
 
-@pytest.mark.parametrize(
-    "variable",
-    [
-        "AWS_REGION",
-        "AWS_DEFAULT_REGION",
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-    ],
-)
+@pytest.mark.parametrize("variable", TRIMMED_SETTINGS)
 def test_an_aws_setting_with_a_line_break_is_refused_naming_it_not_its_value(variable):
     """A Secret made with --from-file keeps the file's newline: the region's read "A region must be
     set" (of one that is), a key's the store's HTTP 500 or "access was denied", naming nothing."""
@@ -564,15 +564,9 @@ class _WebConsole(http.server.BaseHTTPRequestHandler):
 def test_an_endpoint_that_answers_pages_is_named_beside_metadata_loc():
     """It said only that METADATA_LOC is not Iceberg table metadata ('Invalid JSON ...'), sending
     the reader to a location that was right, at a service that was not the store."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebConsole)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with _serving(_WebConsole) as endpoint:
         env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
         code, stderr = failed_run("s3://bucket/wh/t/metadata/00001-a.metadata.json", env)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert code == 1
     assert "is not Iceberg table metadata ('Invalid JSON" in stderr, stderr[-2000:]
     assert f"check that AWS_ENDPOINT_URL ({endpoint}) names the store's S3 API, not another service" in stderr
