@@ -322,6 +322,19 @@ def test_a_frozen_head_does_not_hold_a_read_of_a_dead_node_past_the_deadline(clu
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def _thawed_after(cluster, frozen: subprocess.Popen, reader: subprocess.Popen) -> Iterator[None]:
+    """However the block ends: ``frozen`` (SIGSTOPped in it) runs again, ``reader`` is gone, and
+    the cluster serves again for the next test."""
+    try:
+        yield
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        reader.kill()
+        reader.wait(timeout=10)
+    cluster.wait_ready()
+
+
 # A training script reading in its main thread (num_workers=0), its shard on one data node (rank
 # 0 of 2), told by the test when to go on, and saying how each batch and the read ended.
 _CTRL_C_READER = """
@@ -373,7 +386,7 @@ def test_ctrl_c_ends_a_read_waiting_on_a_frozen_node_at_once(wide_cluster):
     )
     frozen = cluster.procs["node-0"]
     lines: list[str] = []
-    try:
+    with _thawed_after(cluster, frozen, reader):
         assert reader.stdout.readline().strip() == "reading"
         freeze(frozen.pid)
         reader.stdin.write("go\n")
@@ -392,11 +405,6 @@ def test_ctrl_c_ends_a_read_waiting_on_a_frozen_node_at_once(wide_cluster):
             time.sleep(0.05)
         assert "interrupted" in lines, lines[-3:]
         assert time.monotonic() - sent < 5
-    finally:
-        os.kill(frozen.pid, signal.SIGCONT)
-        reader.kill()
-        reader.wait(timeout=10)
-    cluster.wait_ready()
 
 
 _CTRL_C_ASKER = """
@@ -421,7 +429,7 @@ def test_ctrl_c_ends_a_read_waiting_on_a_frozen_head_at_once(cluster):
     reader = subprocess.Popen(
         [sys.executable, "-c", _CTRL_C_ASKER, cluster.endpoint], stdout=subprocess.PIPE, text=True
     )
-    try:
+    with _thawed_after(cluster, head, reader):
         assert reader.stdout.readline().strip() == "asking"
         time.sleep(1.0)  # asking by now
         sent = time.monotonic()
@@ -429,8 +437,3 @@ def test_ctrl_c_ends_a_read_waiting_on_a_frozen_head_at_once(cluster):
         out, _ = reader.communicate(timeout=40)
         assert out.split() == ["interrupted"]
         assert time.monotonic() - sent < 5
-    finally:
-        os.kill(head.pid, signal.SIGCONT)
-        reader.kill()
-        reader.wait(timeout=10)
-    cluster.wait_ready()
