@@ -68,6 +68,11 @@ from kubeflow_data_cache.sharding import endpoint_rows
 log = logging.getLogger(__name__)
 
 
+def _unreachable_status(err: BaseException) -> dict[str, Any]:
+    """A data node's entry in the head's status while the head cannot reach it."""
+    return {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
+
+
 class Head(ReadOnlyFlight):
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
         self.metrics = metrics or Metrics("head", f"{cfg.schema_name}.{cfg.table_name}")
@@ -168,7 +173,7 @@ class Head(ReadOnlyFlight):
                     log.warning("data node %d at %s does not answer (%s); retrying", node, location, first_line(err))
                     warned = True
                 # Said while it lasts (/ready, /status), as the load's own polls say it.
-                self.node_status[node] = {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
+                self.node_status[node] = _unreachable_status(err)
                 self.lifecycle.set(
                     LOADING,
                     f"sending data node {node} its rows: {location} has not answered for {waited:.0f}s "
@@ -327,7 +332,7 @@ class Head(ReadOnlyFlight):
             try:
                 return node, self._call(self._location(node), protocol.ACTION_STATUS)
             except Exception as err:
-                return node, {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
+                return node, _unreachable_status(err)
 
         with ThreadPoolExecutor(max_workers=min(16, self.cfg.data_nodes)) as pool:
             for node, status in pool.map(one, range(self.cfg.data_nodes)):

@@ -22,6 +22,7 @@ import pyarrow as pa
 from kubeflow_data_cache.column_concat import copies
 from kubeflow_data_cache.constants import (
     INTERNAL_COLUMN_PREFIX,
+    MAX_BATCH_ROWS,
     READ_GROUP_MIN_BYTES,
     READ_GROUP_MIN_REMOTE_BYTES,
     READ_SCRATCH_SHARE,
@@ -62,7 +63,7 @@ READ_FIXED_BYTES = 1 << 20
 # load guard stopped such a table, whose estimate had left that out, blaming its strings.
 LOAD_ARRAY_OVERHEAD_BYTES = 1536
 # Rows per batch pyarrow's scanner yields (its default batch size): a row group of more is cut.
-SCAN_BATCH_ROWS = 131_072
+SCAN_BATCH_ROWS = MAX_BATCH_ROWS
 
 
 @dataclass(frozen=True)
