@@ -15,7 +15,8 @@ nothing for large files and holds up to the whole compressed file: a data node r
 local 200 MB files peaked ~300 MiB higher with it than without, and loaded no faster. Small
 files it reads in fewer, larger reads: the benchmarks' 2M-row table (8 files of ~10 MB) loaded
 ~13% slower without it. So local data files larger than LOCAL_PREBUFFER_MAX_BYTES are read
-without it (``task_batches``), through the one switch below.
+without it (``task_batches``), through the switches below; they also hand files with large row
+groups to parquet_batches.
 """
 
 from __future__ import annotations
