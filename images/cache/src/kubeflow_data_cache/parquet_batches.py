@@ -75,10 +75,14 @@ def leaf_indices(schema: pa.Schema, columns: list[str]) -> list[int] | None:
     return indices
 
 
+def _stored_bytes(group: pq.RowGroupMetaData, indices: list[int]) -> int:
+    """The uncompressed bytes the leaf columns ``indices`` take in this row group."""
+    return sum(group.column(i).total_uncompressed_size for i in indices)
+
+
 def _large(group: pq.RowGroupMetaData, indices: list[int]) -> bool:
     """Whether the scanner would decode this row group to more than a couple of batches at once."""
-    stored = sum(group.column(i).total_uncompressed_size for i in indices)
-    return group.num_rows > BATCHWISE_MIN_GROUP_ROWS or stored > BATCHWISE_MIN_GROUP_BYTES
+    return group.num_rows > BATCHWISE_MIN_GROUP_ROWS or _stored_bytes(group, indices) > BATCHWISE_MIN_GROUP_BYTES
 
 
 def _batch_rows(row_bytes: float) -> int:
@@ -149,11 +153,10 @@ class BatchwiseRead:
     def to_batches(self) -> Iterator[pa.RecordBatch]:
         meta = self._file.metadata
         for group in range(meta.num_row_groups):
-            rows = meta.row_group(group).num_rows
-            if rows:
-                columns = meta.row_group(group)
-                stored = sum(columns.column(i).total_uncompressed_size for i in self._indices) / rows
-                yield from self._row_group(group, rows, stored)
+            group_meta = meta.row_group(group)
+            if group_meta.num_rows:
+                stored = _stored_bytes(group_meta, self._indices) / group_meta.num_rows
+                yield from self._row_group(group, group_meta.num_rows, stored)
 
     def _row_group(self, group: int, rows: int, stored: float) -> Iterator[pa.RecordBatch]:
         """``stored``: the row group's uncompressed bytes per row, a floor under the rows seen:
@@ -161,7 +164,7 @@ class BatchwiseRead:
         sized from the first ones decode to 721 MiB. Values repeated in a dictionary page store
         smaller than that: there the rows seen size the batches."""
         done, resizes = 0, 0
-        size, row_bytes = 1, stored  # the most bytes a row of this row group decoded to so far
+        size, row_bytes = 1, stored  # then the most bytes a row of this row group decoded to, if more
         while done < rows:
             full = size >= _batch_rows(row_bytes)  # no growth ahead: the pre-buffered reader
             file = self._file if full else self._probe
