@@ -165,7 +165,12 @@ def test_the_chart_and_the_initializer_accept_the_same_placements(cache, valid):
 def test_an_unset_placement_leaves_the_runtime_env_as_the_source_has_it(cache_objects):
     pod = replicated_job(one(cache_objects, "ClusterTrainingRuntime", RUNTIME), "dataset-initializer")
     names = env_of(container(pod["template"]["spec"]["template"]["spec"], "dataset-initializer"))
-    assert not {"CACHE_IMAGE_PULL_SECRETS", "CACHE_NODE_SELECTOR", "CACHE_TOLERATIONS"} & set(names)
+    assert not {
+        "CACHE_IMAGE_PULL_POLICY",
+        "CACHE_IMAGE_PULL_SECRETS",
+        "CACHE_NODE_SELECTOR",
+        "CACHE_TOLERATIONS",
+    } & set(names)
 
 
 def _initializer_container(objects: list[dict]) -> dict:
@@ -182,6 +187,21 @@ def test_the_initializer_has_resources_and_takes_the_values_ones(cache_objects):
     mine = {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "192Mi"}}
     objects = render_chart({"dataCache": {"enabled": True, "initializer": {"resources": mine}}})
     assert _initializer_container(objects)["resources"] == mine
+
+
+def test_pull_policies_reach_the_initializer_container_and_the_cache_pods(cache_objects):
+    from kubeflow_cache_initializer.config import load_config
+
+    assert "imagePullPolicy" not in _initializer_container(cache_objects)  # Kubernetes' default, as the source
+    images = {"initializer": {"image": {"pullPolicy": "Never"}}, "cache": {"image": {"pullPolicy": "Always"}}}
+    init = _initializer_container(render_chart({"dataCache": {"enabled": True, **images}}))
+    assert init["imagePullPolicy"] == "Never"
+    env = {name: e["value"] for name, e in env_of(init).items() if "value" in e}
+    sdk = {"STORAGE_URI": "cache://s/t", "METADATA_LOC": "s3://b/m.json", "TRAIN_JOB_NAME": "job", "NAMESPACE": "ml"}
+    assert load_config({**sdk, **env}).image_pull_policy == "Always"
+    # The API server refuses any other spelling, so the schema does (at install, not at each TrainJob).
+    with pytest.raises(helm_python.HelmValuesError, match="pullPolicy"):
+        render_chart({"dataCache": {"enabled": True, "cache": {"image": {"pullPolicy": "always"}}}})
 
 
 def test_digests_pin_every_image_the_chart_names():

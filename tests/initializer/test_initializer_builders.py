@@ -43,6 +43,7 @@ FULL = {
     "AWS_SECRET_ACCESS_KEY": "never-in-a-pod-spec",
     "CACHE_ENV_FROM_SECRET": "s3-credentials",
     "CACHE_IMAGE_PULL_SECRETS": "registry-a, registry-b",
+    "CACHE_IMAGE_PULL_POLICY": "always",
     "CACHE_NODE_SELECTOR": "node.kubernetes.io/pool=cache, topology.kubernetes.io/zone=eu-west-1a",
     "CACHE_TOLERATIONS": '[{"key": "dedicated", "operator": "Equal", "value": "cache", "effect": "NoSchedule"},'
     ' {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}]',
@@ -108,6 +109,15 @@ def test_cache_pods_pull_with_the_image_pull_secrets_only_when_given():
         assert spec["imagePullSecrets"] == [{"name": "registry-a"}, {"name": "registry-b"}]
     plain = build_leader_worker_set(load_config(MINIMAL), [OWNER])
     assert "imagePullSecrets" not in plain["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+
+
+def test_cache_containers_take_the_pull_policy_only_when_given():
+    # Spelled as the API server spells it, whatever the case given: it refuses `always`.
+    lws = build_leader_worker_set(load_config(FULL), [OWNER])
+    assert [_container(lws, t)["imagePullPolicy"] for t in ("leaderTemplate", "workerTemplate")] == ["Always"] * 2
+    # Unset: the API server's default for the tag (Always for :latest), as before.
+    plain = build_leader_worker_set(load_config(MINIMAL), [OWNER])
+    assert "imagePullPolicy" not in _container(plain, "workerTemplate")
 
 
 def test_cache_pods_go_where_the_node_selector_and_tolerations_allow_only_when_given():

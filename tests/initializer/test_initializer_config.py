@@ -234,6 +234,12 @@ BAD_INPUT = [
         "",
     ),
     (
+        {"CACHE_IMAGE_PULL_POLICY": "Sometimes"},
+        "`CACHE_IMAGE_PULL_POLICY` should be Always or IfNotPresent or Never (or unset: Kubernetes' default), "
+        "got 'Sometimes'",
+        "",
+    ),
+    (
         {"CACHE_NODE_SELECTOR": "pool"},
         "`CACHE_NODE_SELECTOR` should be comma-separated key=value node labels, or a JSON object of them: "
         "'pool' is not key=value",

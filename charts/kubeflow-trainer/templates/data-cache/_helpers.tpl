@@ -40,11 +40,14 @@ becomes `_`, at most 63 characters, letters or digits at both ends.
 {{- end }}
 
 {{/*
-The initializer env that carries dataCache.cache's pull secrets and placement to the cache pods
+The initializer env that carries dataCache.cache's pull policy, pull secrets and placement to the cache pods
 it creates (YAML, name: value); a value left empty is not set, so the runtime's own stands.
 */}}
 {{- define "trainer.dataCache.cachePodEnv" -}}
 {{- with .Values.dataCache.cache }}
+{{- with .image.pullPolicy }}
+CACHE_IMAGE_PULL_POLICY: {{ . | quote }}
+{{- end }}
 {{- with .imagePullSecrets }}
 {{- $names := list }}
 {{- range . }}{{- $names = append $names .name }}{{- end }}

@@ -210,6 +210,8 @@ def _pod_template(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": c.TMP_VOLUME, "mountPath": c.TMP_MOUNT_PATH}],
     }
+    if cfg.image_pull_policy is not None:  # else the API server's default for the image's tag
+        container["imagePullPolicy"] = cfg.image_pull_policy
     volumes = [{"name": c.TMP_VOLUME, "emptyDir": {}}]
     if cfg.tls_secret is not None:
         container["volumeMounts"].append(tls_volume_mount())

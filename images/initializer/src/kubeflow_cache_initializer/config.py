@@ -51,6 +51,7 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label: may start with a digit
 # IAM names are ASCII letters, digits and +=,.@_- (a path adds /); ``\w`` took any letter.
 _IAM_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:role/[A-Za-z0-9_+=,.@/-]+$")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")  # core/v1 Container.imagePullPolicy
 _TABLE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # `{TRAIN_JOB_NAME}-cache` names the LeaderWorkerSet, whose StatefulSets (`<name>` and `<name>-0`)
 # must stay within 52 characters for their pods' controller-revision-hash label to fit in 63.
@@ -115,6 +116,7 @@ class Config:
     cache_env: tuple[tuple[str, str], ...]
     env_from_secrets: tuple[str, ...]
     image_pull_secrets: tuple[str, ...]
+    image_pull_policy: str | None  # None: Kubernetes' default (Always for :latest, else IfNotPresent)
     token_secret: str | None  # the namespace's Secret the readers' token is read from, if there
     tls_secret: str | None  # the namespace's TLS Secret the cache pods mount, if there
     s3_ca_configmap: str | None  # the namespace's ConfigMap of the store's CA the cache pods mount, if there
@@ -285,6 +287,19 @@ def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, .
     return secrets
 
 
+def _pull_policy(r: _Reader, name: str) -> str | None:
+    """One of core/v1's imagePullPolicy values, matched without regard to case (`always` is
+    plainly meant as `Always`, which the API server alone would refuse), or None when unset."""
+    raw = r.env.get(name, "").strip()
+    if not raw:
+        return None
+    for policy in PULL_POLICIES:
+        if raw.lower() == policy.lower():
+            return policy
+    r._bad(name, " or ".join(PULL_POLICIES) + " (or unset: Kubernetes' default)", raw)
+    return None
+
+
 def _optional_secret(
     r: _Reader, env: Mapping[str, str], var: str, default: str, none: str, kind: str = "Secret"
 ) -> str | None:
@@ -352,6 +367,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
     shared = r.flag("DATA_CACHE_SHARED")
     secrets = _secret_names(r, env, "CACHE_ENV_FROM_SECRET")
     pull_secrets = _secret_names(r, env, "CACHE_IMAGE_PULL_SECRETS")
+    pull_policy = _pull_policy(r, "CACHE_IMAGE_PULL_POLICY")
     token_secret = _optional_secret(r, env, "CACHE_TOKEN_SECRET", c.DEFAULT_TOKEN_SECRET, c.NO_TOKEN_SECRET)
     tls_secret = _optional_secret(r, env, "CACHE_TLS_SECRET", c.DEFAULT_TLS_SECRET, c.NO_TLS_SECRET)
     s3_ca_configmap = _optional_secret(
@@ -396,6 +412,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         cache_env=_forwarded_env(env),
         env_from_secrets=secrets,
         image_pull_secrets=pull_secrets,
+        image_pull_policy=pull_policy,
         token_secret=token_secret,
         tls_secret=tls_secret,
         s3_ca_configmap=s3_ca_configmap,
