@@ -120,7 +120,11 @@ class FakeKube:
             return [copy.deepcopy(o) for (p, ns, _), o in sorted(self.objects.items())
                     if p == plural and namespace in (None, ns)]  # fmt: skip
 
-    def delete(self, plural: str, namespace: str, name: str, preconditions: dict | None = None) -> None:
+    def delete(
+        self, plural: str, namespace: str, name: str, preconditions: dict | None = None, collect: bool = True
+    ) -> None:
+        """Delete one object; `collect=False` leaves its dependents to a `collect_garbage()` later,
+        as a real garbage collector, which runs behind the API server, does."""
         with self.cond:
             obj = self.objects.get((plural, namespace, name))
             if obj is None:
@@ -135,7 +139,8 @@ class FakeKube:
                     )
             del self.objects[(plural, namespace, name)]
             self._bump(plural, "DELETED", obj, obj)
-            self._collect_garbage()
+            if collect:
+                self._collect_garbage()
 
     def compact(self, end_watches: bool = False) -> None:
         """Forget the event history, as etcd compaction does: watches from older versions get 410 Gone."""

@@ -228,6 +228,30 @@ def test_a_shared_cache_deleted_while_a_job_joins_it_is_made_again(fake, make_si
     assert "was deleted while adopting it; creating it again" in caplog.text
 
 
+def test_a_shared_cache_made_again_after_a_join_found_it_gone_reads_its_own_key_secret(fake, make_sim, run_initializer):
+    """As above, but the garbage collector lags, as a real one does: the old cache's key Secret
+    outlives it for a while. The cache made again must not name that Secret, which the collector
+    deletes with the old cache: its pods then waited on a missing Secret at every start."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true")) == (0, "")
+    old_secret = key_secret_of(fake.get("leaderworkersets", NAMESPACE, CACHE))
+
+    fake.before[("leaderworkersets", "patch")] = [
+        lambda: fake.delete("leaderworkersets", NAMESPACE, CACHE, collect=False)
+    ]
+    assert run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true")) == (0, "")
+    assert sim.created == [CACHE, CACHE]
+    fake.collect_garbage()
+
+    cache = fake.get("leaderworkersets", NAMESPACE, CACHE)
+    assert key_secret_of(cache) != old_secret
+    secret = fake.get("secrets", NAMESPACE, key_secret_of(cache))
+    assert secret is not None
+    assert [ref["uid"] for ref in secret["metadata"]["ownerReferences"]] == [cache["metadata"]["uid"]]
+
+
 def test_a_sweeps_train_jobs_joining_one_shared_cache_at_once_all_join(fake, make_sim, api_client, tmp_path):
     """Each join is a patch guarded by the resourceVersion, so one joiner wins each round: with
     five tries in a row and no pause, 2 or 3 of 12 jobs started together failed ("kept changing")."""

@@ -140,15 +140,18 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
             with termination.released():
                 _wait_deleted(kube, resource, existing, deadline, collected=True)
             continue
+        target = desired
         if resource == LEADER_WORKER_SETS:
             # Each run draws a new key Secret name: compared as it is, it would read as drift (and,
             # adopted, restart the pods of the cache). The key the cache was made with stays, in
             # whichever form it was made with (a Secret; the value itself, or none, from older runs).
-            desired = with_cluster_key_entry(desired, cluster_key_entry(existing))
+            # Only for this adoption: a cache made again below, after this one vanished, takes the
+            # new name, not the old cache's Secret, which the garbage collector deletes with it.
+            target = with_cluster_key_entry(desired, cluster_key_entry(existing))
         try:
             if shared:
-                return _join_shared(kube, resource, desired, existing, owner)
-            return _adopt_owned(kube, resource, desired, existing, owner)
+                return _join_shared(kube, resource, target, existing, owner)
+            return _adopt_owned(kube, resource, target, existing, owner)
         except KubeApiError as err:
             # Gone between our get and patch: the garbage collector deletes a shared cache whose
             # last TrainJob went (in the background, so no deletionTimestamp was there to see).
