@@ -693,7 +693,53 @@ def test_a_sigterm_held_then_raised_leaves_nothing_pending(monkeypatch):
     with pytest.raises(TerminatedError), termination.held(SimpleNamespace(deadline=None)):
         termination.on_sigterm(signal.SIGTERM, None)
         raise RuntimeError("the call its retries were cut short for")
+    termination.start()  # as main does for each run
     with termination.released():  # a later run's wait for an earlier ServiceAccount: no SIGTERM came since
         pass
     with termination.held(SimpleNamespace(deadline=None)), termination.released():
         pass
+
+
+def test_a_sigterm_whose_raise_a_log_call_swallowed_still_ends_the_run(fake, make_sim, run_initializer):
+    """The handler raises where the main thread is; inside a log call, logging's own error
+    handling caught it, printed it and went on, and SIGTERM was ignored from then on: the run
+    waited out its deadline, and its cache stayed, holding its pods through the suspension."""
+    import logging
+    import os
+    import signal
+
+    add_train_job(fake, "job-a")
+    sim = make_sim("stuck")
+
+    class SignalledWhileEmitting(logging.Handler):
+        """Sends SIGTERM from within one emit, guarded as logging's handlers guard theirs."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent = False
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if self.sent or "cache pods ready" not in record.getMessage():
+                return
+            self.sent = True
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler runs here, in the main thread
+            except Exception:
+                self.handleError(record)
+
+    handler = SignalledWhileEmitting()
+    logger = logging.getLogger("kubeflow_cache_initializer")
+    logger.addHandler(handler)
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False  # the traceback print, not needed
+    try:
+        started = time.monotonic()
+        code, error = run_initializer(initializer_env(sim, CACHE_READY_TIMEOUT_SECONDS="60"))
+    finally:
+        logger.removeHandler(handler)
+        logging.raiseExceptions = raise_exceptions
+
+    assert handler.sent
+    assert time.monotonic() - started < 20  # one status poll (5 s) after the signal, not the 60 s deadline
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+    assert fake.items("leaderworkersets", NAMESPACE) == []

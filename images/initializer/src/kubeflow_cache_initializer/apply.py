@@ -106,6 +106,7 @@ def ensure(kube: Kube, resource: Resource, desired: dict, owner: dict, *, shared
     """Create `desired` or adopt the object already there under its name; return what the API holds."""
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     while True:
+        termination.raise_if_received()
         if time.monotonic() > deadline:
             raise CacheTimeoutError(f"gave up creating {_describe(desired)}: the deadline passed")
         try:

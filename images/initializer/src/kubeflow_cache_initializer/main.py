@@ -14,12 +14,12 @@ from pathlib import Path
 from kubernetes import client, config
 
 from kubeflow_cache_initializer import constants as c
+from kubeflow_cache_initializer import termination
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.errors import InitializerError
 from kubeflow_cache_initializer.health import describe_status
 from kubeflow_cache_initializer.initializer import run
 from kubeflow_cache_initializer.kube import Kube, with_bounded_retries
-from kubeflow_cache_initializer.termination import on_sigterm
 
 log = logging.getLogger("kubeflow_cache_initializer")
 
@@ -55,8 +55,11 @@ def main(
     # SIGTERM becomes an error raised where the run is, so that it ends as any failure does: what
     # this run made is deleted, and the reason goes to the log and the termination message. (It
     # ended the process at once, with neither, its cache pods left holding their resources.)
+    termination.start()
     previous = (
-        signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
+        signal.signal(signal.SIGTERM, termination.on_sigterm)
+        if threading.current_thread() is threading.main_thread()
+        else None
     )
     try:
         cfg = load_config(os.environ if env is None else env)

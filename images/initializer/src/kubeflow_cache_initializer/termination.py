@@ -5,6 +5,10 @@ to the log and the termination message. Raised while the LeaderWorkerSet's creat
 patch) was being answered, it left the cache the API server then made running, with no one left
 to delete it: its pods held their CPU and memory through a Kueue suspension. So that call is
 let finish (its retries cut short), and the SIGTERM is raised after it.
+
+A handler's raise can also be lost: arriving inside a log call, it is caught by logging's own
+error handling, which prints it and goes on. So the run's loops also ask `raise_if_received` at
+each turn: a SIGTERM that came is raised there, if it was not already.
 """
 
 from __future__ import annotations
@@ -25,13 +29,30 @@ MESSAGE = (
 # Set while a call is held from SIGTERM: its Kube (whose retries a SIGTERM ends), and whether one came.
 _holding: Kube | None = None
 _pending = False
+# Whether a SIGTERM came in this run.
+_received = False
+
+
+def start() -> None:
+    """A new run (main's): no SIGTERM yet. One process runs several in the tests."""
+    global _received
+    _received = False
+
+
+def raise_if_received() -> None:
+    """Raise a SIGTERM that came, again where its first raise was lost (above). Asked only
+    between calls, by the loops that make and wait, which a raised one leaves for good: the
+    cleanup after it never asks."""
+    if _received:
+        raise TerminatedError(MESSAGE)
 
 
 def on_sigterm(signum, frame) -> None:
     """The SIGTERM handler main installs."""
-    global _pending
+    global _pending, _received
     # Once: a second SIGTERM must not cut short the cleanup the first one started.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _received = True
     if _holding is None:
         raise TerminatedError(MESSAGE)
     _pending = True
@@ -64,7 +85,7 @@ def released() -> Iterator[None]:
     global _holding, _pending
     kube, _holding = _holding, None
     try:
-        if kube is not None and _pending:
+        if kube is not None and (_pending or _received):
             _pending = False
             raise TerminatedError(MESSAGE)
         yield

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from kubeflow_cache_initializer import constants as c
-from kubeflow_cache_initializer import health
+from kubeflow_cache_initializer import health, termination
 from kubeflow_cache_initializer.builders import cache_names, group_size_of, health_port_of, pods_selector
 from kubeflow_cache_initializer.config import Config
 from kubeflow_cache_initializer.errors import (
@@ -392,6 +392,7 @@ def _wait(
     which the cache is not taken as ready (until the deadline)."""
     next_status_at = 0.0
     while True:
+        termination.raise_if_received()
         # Asked first: a watcher queues its refusal before it counts as answered, so the events
         # taken next hold it, and a refused watch fails the run before readiness is judged.
         watches_answered = answered()
