@@ -63,6 +63,9 @@ READ_GROUP_MIN_REMOTE_BYTES = 32 << 20
 # most pyiceberg yielded at once before).
 BATCH_TARGET_BYTES = 16 << 20
 MAX_BATCH_ROWS = 131_072
+# ... and past how many times that target a batch decoded has the next one sized down: the most
+# one batch holds, but for its first rows.
+RESIZE_FACTOR = 2
 # A file is read batch by batch where a row group of it holds more than this many rows, or more
 # than this many uncompressed bytes of the columns read; else by the scanner. pyarrow's file
 # reader holds some MiB per column beside what it yields (a 250,000-row file of the sample table:

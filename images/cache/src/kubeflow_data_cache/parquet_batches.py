@@ -32,15 +32,15 @@ from kubeflow_data_cache.constants import (
     BATCHWISE_MIN_GROUP_BYTES,
     BATCHWISE_MIN_GROUP_ROWS,
     MAX_BATCH_ROWS,
+    RESIZE_FACTOR,
 )
 
 # Each batch of a row group is at most this many times the one before (a new reader each time):
 # 1, 64, 4,096 rows, then the full size. Growing 8 times a batch took twice as many readers, each
 # a request per column from an object store: a load from moto ~30% slower.
 GROWTH = 64
-# A batch that decodes past this many times its target has the next one sized down, at most
+# A batch that decodes past RESIZE_FACTOR times its target has the next one sized down, at most
 # MAX_RESIZES times per row group (each new reader decodes the rows it skips again).
-RESIZE_FACTOR = 2
 MAX_RESIZES = 3
 # The small first readers' reads, unbuffered: from an object store, a request each.
 PROBE_BUFFER_BYTES = 1 << 20

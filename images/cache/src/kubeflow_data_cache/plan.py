@@ -21,16 +21,20 @@ import pyarrow as pa
 
 from kubeflow_data_cache.column_concat import copies
 from kubeflow_data_cache.constants import (
+    BATCH_TARGET_BYTES,
+    BATCHWISE_MIN_GROUP_BYTES,
+    BATCHWISE_MIN_GROUP_ROWS,
     INTERNAL_COLUMN_PREFIX,
     MAX_BATCH_ROWS,
     READ_GROUP_MIN_BYTES,
     READ_GROUP_MIN_REMOTE_BYTES,
     READ_SCRATCH_SHARE,
+    RESIZE_FACTOR,
     STORE_CHUNK_VARIABLE_BYTES,
 )
 from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError, shown
 from kubeflow_data_cache.expansion import measure_expansions
-from kubeflow_data_cache.iceberg_reader import is_remote, rows_after_deletes
+from kubeflow_data_cache.iceberg_reader import is_remote, reads_prebuffered, rows_after_deletes
 from kubeflow_data_cache.s3_settings import endpoint_variable, store_trouble
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,9 @@ ARROW_OVERHEAD = 1.1
 # its size).
 READ_SCRATCH_FACTOR = 2.25
 READ_AHEAD_BYTES = 64 << 20
+# pyiceberg's read buffer per column (its buffer_size): what a file read without pre-buffering
+# holds of each column chunk at once.
+READ_BUFFER_BYTES = 8 << 20
 # Plus, per reader, what its decode threads hold whatever the file's size (page and decompression
 # buffers of the columns decoded at once; more at once on more cores): a 1.2 MB file read with 8
 # decode threads took 2.7x its bytes, 0.3 MB past the factor, where one thread took 1.2x.
@@ -75,10 +82,73 @@ class FilePlan:
     column_bytes: tuple[int, ...]  # estimated Arrow bytes of each column, in schema order
     has_deletes: bool
     row_groups: int = 1  # Parquet row groups (the manifest's split offsets): the unit a read decodes
+    # Read batch by batch (parquet_batches): what its reader holds at once (batchwise_window);
+    # 0: read by pyarrow's scanner.
+    batchwise_window: int = 0
 
     @property
     def estimated_bytes(self) -> int:
         return sum(self.column_bytes)
+
+
+def leaf_field_ids(table) -> frozenset[int]:
+    """The field ids of the table schema's primitive fields: those a manifest has sizes for."""
+    schema = table.schema()
+    return frozenset(i for i in schema.field_ids if schema.find_field(i).field_type.is_primitive)
+
+
+def reads_batchwise(data_file, leaves: frozenset[int]) -> bool:
+    """Whether a data node surely reads this file batch by batch (parquet_batches), judged from its
+    manifest entry: row groups past that reader's thresholds on average (rows; or stored bytes,
+    which the compressed file size is a floor of). Where that cannot be told (no split offsets,
+    or a column the file has no size for: it may predate the column, and then the scanner reads
+    it), the file is taken as the scanner reads it, which errs high."""
+    groups = len(data_file.split_offsets or ())
+    if not groups or not leaves <= set(data_file.column_sizes or {}):
+        return False
+    return (
+        data_file.record_count / groups > BATCHWISE_MIN_GROUP_ROWS
+        or data_file.file_size_in_bytes / groups > BATCHWISE_MIN_GROUP_BYTES
+    )
+
+
+def batchwise_window(data_file, leaves: frozenset[int], whole: int) -> int:
+    """For a file read batch by batch, what its reader holds at once beside what it has yielded,
+    in Arrow bytes before READ_SCRATCH_FACTOR: one batch (of the file's ``whole`` estimated
+    bytes), and its row group's compressed chunks, all of them pre-buffered, else each column's
+    read buffer's worth (16 columns of random floats: 128 MiB). 0 for a file the scanner reads."""
+    if not reads_batchwise(data_file, leaves):
+        return 0
+    size = data_file.file_size_in_bytes
+    compressed = size // len(data_file.split_offsets)
+    if not reads_prebuffered(data_file.file_path, size):
+        compressed = min(compressed, len(leaves) * READ_BUFFER_BYTES)
+    return min(whole, BATCH_TARGET_BYTES) + compressed
+
+
+def decode_window(f: FilePlan) -> int:
+    """The most of a file's estimated Arrow bytes one reader has in decode at once: read batch by
+    batch, its batchwise_window; else a row group, decoded whole, or the scanner's read-ahead
+    window where that is more (a piece is read through its file's start and a window ahead,
+    whatever its size), never more than the file."""
+    if f.batchwise_window:
+        return f.batchwise_window
+    return min(f.estimated_bytes, max(f.estimated_bytes // max(1, f.row_groups), READ_AHEAD_BYTES))
+
+
+def merge_chunk_bytes(f: FilePlan, rows: int) -> int:
+    """The most of one column that merging ``rows`` of ``f`` holds twice: the largest column's share
+    of one read batch, as column_concat frees each source chunk once copied. The scanner's batches
+    are slices of a row group decoded whole, whose buffers go only with the last slice: a row
+    group's share there. Counted as the whole file's largest column, a node holding a 64th of a
+    file was charged all of it, so no count of nodes fitted a table that 8 nodes held easily."""
+    if f.batchwise_window:
+        unit_rows, cap = MAX_BATCH_ROWS, RESIZE_FACTOR * BATCH_TARGET_BYTES
+    else:
+        unit_rows, cap = -(-f.rows // max(1, f.row_groups)), None
+    largest = max(f.column_bytes, default=0)
+    chunk = largest * min(rows, unit_rows) // max(1, f.rows)
+    return chunk if cap is None else min(chunk, cap)
 
 
 @dataclass(frozen=True)
@@ -547,17 +617,20 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     tasks = scan_tasks(table, metadata_location)
     expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
     written = written_fields(table, tasks)
+    leaves = leaf_field_ids(table)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
         rows = rows_after_deletes(table, task) if deletes else task.file.record_count
+        columns = estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, written.get(path))
         files.append(
             FilePlan(
                 path,
                 rows,
-                estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, written.get(path)),
+                columns,
                 bool(deletes),
                 max(1, len(task.file.split_offsets or ())),
+                batchwise_window(task.file, leaves, sum(columns)),
             )
         )
     snapshot = table.current_snapshot()
@@ -689,19 +762,21 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
     """The node's rows in memory once loaded, and the most it holds while loading. Two moments
     can make the peak, one after the other (store.NodeStore.load):
 
-    - reading: each of ``load_threads`` readers decodes one piece, a row group or a read-ahead
-      window at a time, holding compressed chunks and page buffers beside the rows it yields
-      (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES), and its decode threads' buffers
-      (READ_FIXED_BYTES). The load's DecodeBudget keeps what is in decode
+    - reading: each of ``load_threads`` readers (at most one per piece) decodes one piece, a
+      row group or a read-ahead window at a time (a batch and its row group's compressed chunks
+      for a file read batch by batch: decode_window), holding compressed chunks and page buffers
+      beside the rows it yields (READ_SCRATCH_FACTOR, READ_AHEAD_BYTES), and its decode threads'
+      buffers (READ_FIXED_BYTES). The load's DecodeBudget keeps what is in decode
       at once within READ_SCRATCH_SHARE of the node's rows, plus one column group per reader
       of at least READ_GROUP_MIN_BYTES (a row group's worth, where that is less) once that
       share is spent: whichever of the two models is smaller bounds it;
     - the read batches' arrays each hold a little beside their values until the merge
       (LOAD_ARRAY_OVERHEAD_BYTES): a load of many small files holds far more than its rows;
     - merging the read batches copies a column at a time into its merged buffers, releasing each
-      source chunk once copied (column_concat): one read batch's column exists twice, at most
-      the largest column of a file; a type column_concat does not copy (a dictionary, say) is
-      merged by pyarrow and exists twice whole (capped at 1 GiB where chunks are split).
+      source chunk once copied (column_concat): one read batch's column exists twice, a row
+      group's or a batch's share of the largest column of the rows kept (merge_chunk_bytes); a
+      type column_concat does not copy (a dictionary, say) is merged by pyarrow and exists twice
+      whole (capped at 1 GiB where chunks are split).
     """
     columns = _node_column_bytes(plan, assignment)
     by_path = plan.files_by_path
@@ -711,8 +786,8 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         # The reader decodes its file from the start and a window ahead of the rows it hands
         # out, however few of them the piece keeps: the file's size bounds it, not the piece's.
         f = by_path[p.path]
-        in_decode.append(min(f.estimated_bytes, max(f.estimated_bytes // f.row_groups, READ_AHEAD_BYTES)))
-        largest_chunk = max(largest_chunk, *f.column_bytes, 0)
+        in_decode.append(decode_window(f))
+        largest_chunk = max(largest_chunk, merge_chunk_bytes(f, p.stop - p.start))
         # A column is never split: one larger than the group limit is a group of its own.
         least = READ_GROUP_MIN_REMOTE_BYTES if is_remote(p.path) else READ_GROUP_MIN_BYTES
         largest_group = max(largest_group, min(in_decode[-1], max(least, *f.column_bytes, 0)))
@@ -722,11 +797,11 @@ def estimated_node_memory(plan: TablePlan, assignment: NodeAssignment, load_thre
         if not copies(field.type)
     ]
     in_decode.sort(reverse=True)
-    threads = max(1, load_threads)
+    readers = max(1, min(load_threads, len(in_decode)))  # a piece is one reader's
     loaded = sum(columns)
-    whole_files = sum(in_decode[:threads])
-    budgeted = READ_SCRATCH_SHARE * loaded + threads * largest_group
-    reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted)) + threads * READ_FIXED_BYTES
+    whole_files = sum(in_decode[:readers])
+    budgeted = READ_SCRATCH_SHARE * loaded + readers * largest_group
+    reading = int(READ_SCRATCH_FACTOR * min(whole_files, budgeted)) + readers * READ_FIXED_BYTES
     held = LOAD_ARRAY_OVERHEAD_BYTES * _read_arrays(plan, assignment)
     return loaded, loaded + held + max(largest_chunk, *merged_whole, reading)
 
