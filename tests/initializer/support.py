@@ -23,17 +23,17 @@ MINIMAL = {
 }
 
 
-def add_train_job(fake: FakeKube, name: str, namespace: str = NAMESPACE) -> dict:
-    """A TrainJob as the Trainer's API holds it (the fake gives it a uid)."""
+def add_train_job(fake: FakeKube, name: str, namespace: str = NAMESPACE, dataset: dict | None = None) -> dict:
+    """A TrainJob as the Trainer's API holds it (the fake gives it a uid); ``dataset``: its
+    ``spec.initializer.dataset``."""
+    spec: dict = {"runtimeRef": {"name": "torch-distributed-with-cache"}}
+    if dataset is not None:
+        spec["initializer"] = {"dataset": dataset}
     return fake.put(
         "trainjobs",
-        {
-            "apiVersion": "trainer.kubeflow.org/v1alpha1",
-            "kind": "TrainJob",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {"runtimeRef": {"name": "torch-distributed-with-cache"}},
-        },
-    )
+        {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+         "metadata": {"name": name, "namespace": namespace}, "spec": spec},
+    )  # fmt: skip
 
 
 def initializer_env(sim: CacheSim | None, train_job: str = "job-a", **overrides: str) -> dict[str, str]:

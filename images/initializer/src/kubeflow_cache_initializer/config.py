@@ -63,12 +63,12 @@ FALSE_WORDS = ("false", "0", "no", "off", "")
 # AWS_* variables that are forwarded to cache pods, except these: secrets (pass them with
 # `CACHE_ENV_FROM_SECRET`) and what EKS injects into each pod for its own identity.
 AWS_PREFIX = "AWS_"
+# Static credentials: where the initializer has these, it was given them for the cache (a
+# Secret in the TrainJob's dataset.secretRef, or its env), and it says how they get there.
+AWS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 AWS_NOT_FORWARDED = frozenset(
     {
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_SECURITY_TOKEN",
+        *AWS_CREDENTIALS,
         "AWS_ROLE_ARN",
         "AWS_ROLE_SESSION_NAME",
         "AWS_WEB_IDENTITY_TOKEN_FILE",
@@ -117,6 +117,7 @@ class Config:
     env_from_secrets: tuple[str, ...]
     image_pull_secrets: tuple[str, ...]
     image_pull_policy: str | None  # None: Kubernetes' default (Always for :latest, else IfNotPresent)
+    credentials_seen: tuple[str, ...]  # AWS credential variables of this env, which no pod spec gets
     token_secret: str | None  # the namespace's Secret the readers' token is read from, if there
     tls_secret: str | None  # the namespace's TLS Secret the cache pods mount, if there
     s3_ca_configmap: str | None  # the namespace's ConfigMap of the store's CA the cache pods mount, if there
@@ -273,7 +274,7 @@ def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     )
 
 
-def _is_secret_name(name: str) -> bool:
+def is_secret_name(name: str) -> bool:
     """A Secret's name: a DNS-1123 subdomain of at most 253 characters."""
     return bool(DNS_SUBDOMAIN.fullmatch(name)) and len(name) <= 253
 
@@ -282,7 +283,7 @@ def _secret_names(r: _Reader, env: Mapping[str, str], name: str) -> tuple[str, .
     """A comma-separated list of Secret names (DNS-1123 subdomains), each checked."""
     secrets = tuple(s.strip() for s in env.get(name, "").split(",") if s.strip())
     for secret in secrets:
-        if not _is_secret_name(secret):
+        if not is_secret_name(secret):
             r._bad(name, "comma-separated Secret names (DNS-1123 subdomains)", secret)
     return secrets
 
@@ -310,7 +311,7 @@ def _optional_secret(
     name = env.get(var, "").strip() or default
     if name == none:
         return None
-    if not _is_secret_name(name):
+    if not is_secret_name(name):
         r._bad(var, f"a {kind} name (a DNS-1123 subdomain), or {none}", name)
     return name
 
@@ -410,6 +411,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         ready_timeout_seconds=ready_timeout,
         shared=shared,
         cache_env=_forwarded_env(env),
+        credentials_seen=tuple(sorted(name for name in AWS_CREDENTIALS if env.get(name, "").strip())),
         env_from_secrets=secrets,
         image_pull_secrets=pull_secrets,
         image_pull_policy=pull_policy,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kubeflow_cache_initializer import constants as c
 from kubeflow_cache_initializer import termination
@@ -21,11 +21,12 @@ from kubeflow_cache_initializer.builders import (
     new_key_secret_name,
     owner_reference,
 )
-from kubeflow_cache_initializer.config import Config
+from kubeflow_cache_initializer.config import Config, is_secret_name
 from kubeflow_cache_initializer.errors import (
     CacheDeletedError,
     CacheFailedError,
     CacheTimeoutError,
+    ConfigError,
     ForeignObjectError,
     KubeApiError,
     TrainJobNotFoundError,
@@ -64,6 +65,32 @@ def get_train_job(kube: Kube, cfg: Config) -> dict:
                 "`TRAIN_JOB_NAME` must name the TrainJob this initializer runs for"
             ) from err
         raise
+
+
+def with_dataset_secret(cfg: Config, train_job: dict) -> Config:
+    """``cfg`` with the TrainJob's ``spec.initializer.dataset.secretRef`` among the cache pods'
+    env Secrets: the Trainer hands it to this container as envFrom, the Kubeflow way to give a
+    dataset's credentials, and the cache pods are the ones that read the store. Left out, they
+    read it with no credentials while this pod had them, and their refusal said none were set.
+    Credentials seen here and given no way to the cache pods are said in a warning."""
+    dataset = ((train_job.get("spec") or {}).get("initializer") or {}).get("dataset") or {}
+    secret = (dataset.get("secretRef") or {}).get("name")
+    if secret and not is_secret_name(secret):
+        raise ConfigError(
+            f"TrainJob {cfg.train_job_name}'s spec.initializer.dataset.secretRef.name should be a Secret name "
+            f"(a DNS-1123 subdomain), got {secret!r}"
+        )
+    if secret and secret not in cfg.env_from_secrets:
+        log.info("the cache pods read Secret %s, the TrainJob's dataset secretRef, as env", secret)
+        cfg = replace(cfg, env_from_secrets=(*cfg.env_from_secrets, secret))
+    if cfg.credentials_seen and not cfg.env_from_secrets and cfg.iam_role is None:
+        log.warning(
+            "%s set here never go into a pod spec, and nothing gives the cache pods credentials of their own: "
+            "put them in a Secret named by the TrainJob's spec.initializer.dataset.secretRef or by "
+            "CACHE_ENV_FROM_SECRET, or set IAM_ROLE; the cache reads the store with the AWS SDK's default chain",
+            ", ".join(cfg.credentials_seen),
+        )
+    return cfg
 
 
 def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
@@ -158,6 +185,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     kube.deadline = deadline
     names = cache_names(cfg)
     train_job = get_train_job(kube, cfg)
+    cfg = with_dataset_secret(cfg, train_job)
     check_no_name_clash(kube, cfg, names)
     log.info(
         "%s cache %s for TrainJob %s: table %s.%s at %s, 1 head + %d data nodes",
