@@ -295,17 +295,20 @@ def test_bad_and_stale_tickets(small_cache):
     assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
 
 
-def test_node_count_action_needs_a_filter(small_cache):
+def test_node_count_action_needs_a_filter(cluster, small_table):
     """The head's internal `count` call on a data node: a missing or empty filter is refused,
-    not read as the predicate "None"."""
-    status = json.loads(action(small_cache.endpoint, "status")[0])
-    node = status["nodes"][0]["location"]
+    not read as the predicate "None". (A cache with no cluster key: `local`'s nodes, which have
+    one, count only for a caller holding it: test_internal_actions.py.)"""
+    from tests.cache.inprocess import wait_for
+
+    head, _, node, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
     for body in (b"", b"{}", b'{"filter": ""}', b'{"filter": 3}'):
         with pytest.raises(pa.ArrowInvalid, match="count needs"):
-            action(node, "count", body)
-    counted = json.loads(action(node, "count", b'{"filter": "id >= 0"}')[0])
+            action(node.location, "count", body)
+    counted = json.loads(action(node.location, "count", b'{"filter": "id >= 0"}')[0])
     # Beside the matches, their nulls and list lengths (the readers' checks before a first batch).
-    assert counted == {"rows": status["nodes"][0]["rows"], "null_counts": {}, "list_lengths": {"embedding": [4, 4]}}
+    assert counted == {"rows": small_table.rows, "null_counts": {}, "list_lengths": {"embedding": [4, 4]}}
 
 
 def test_unknown_calls_are_unimplemented(small_cache):

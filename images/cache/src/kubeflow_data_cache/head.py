@@ -49,7 +49,7 @@ from kubeflow_data_cache.plan import (
     plan_table,
 )
 from kubeflow_data_cache.s3_settings import s3_properties_from_env
-from kubeflow_data_cache.security import TLS_SCHEME, call_options, is_tls, key_matches
+from kubeflow_data_cache.security import TLS_SCHEME, RefusalWarnings, call_options, caller, is_tls, key_matches
 from kubeflow_data_cache.service import (
     DEGRADED,
     FAILED,
@@ -66,6 +66,12 @@ from kubeflow_data_cache.service import (
 from kubeflow_data_cache.sharding import endpoint_rows
 
 log = logging.getLogger(__name__)
+
+
+# The states the head's /status gives a data node (``nodes[].state``): a node's own (its Lifecycle's,
+# which is never degraded), or the head's word for one it has not heard from. Each is a series of
+# data_cache_data_nodes, always.
+NODE_STATES = ("unregistered", "unreachable", WAITING, LOADING, READY, FAILED, STOPPING)
 
 
 def _unreachable_status(err: BaseException) -> dict[str, Any]:
@@ -85,6 +91,10 @@ class Head(ReadOnlyFlight):
         self.node_status: dict[int, dict[str, Any]] = {}
         # What the nodes hold now, as /status sums it (a node gone or reloading holds nothing).
         self.metrics.follow(self.lifecycle, lambda: self._held("rows"), lambda: self._held("bytes"))
+        self.metrics.follow_load(self._load_progress)
+        self.metrics.follow_data_nodes(self._node_states, NODE_STATES)
+        # Registrations refused for their cluster key: warned of once a spell, with the caller.
+        self._key_refusals = RefusalWarnings(log)
         self.plan: TablePlan | None = None
         self.snapshot_id: int | None = None  # the planned snapshot's, once planned
         self.assignments = []
@@ -268,6 +278,21 @@ class Head(ReadOnlyFlight):
         """Rows or bytes the data nodes hold, by their latest status (a copy: the supervising
         thread replaces entries while a scrape reads them)."""
         return sum(s.get(key, 0) for s in list(self.node_status.values()))
+
+    def _load_progress(self) -> tuple[int, int, float]:
+        """What the nodes loading read so far, summed, and the longest any of their oldest
+        reads has waited, by their latest status (as /ready's detail says it)."""
+        loading = [s["loading"] for s in list(self.node_status.values()) if s.get("loading")]
+        waits = [(p.get("oldest_read") or {}).get("seconds", 0.0) for p in loading]
+        return sum(p.get("rows", 0) for p in loading), sum(p.get("bytes", 0) for p in loading), max(waits, default=0.0)
+
+    def _node_states(self) -> list[str]:
+        """Each data node's state, as /status gives it."""
+        return [self._node_state(k) for k in range(self.cfg.data_nodes)]
+
+    def _node_state(self, node: int) -> str:
+        default = "unregistered" if node not in self.registered else WAITING
+        return self.node_status.get(node, {}).get("state", default)
 
     def _plan(self):
         table = open_table(self.cfg.metadata_loc, s3_properties_from_env())
@@ -537,7 +562,11 @@ class Head(ReadOnlyFlight):
         def count(node: int) -> dict:
             location = self._location(node)
             try:
-                body = {"filter": predicate}
+                # With the cluster key, as `load`: a node counts only for its head (node.py).
+                body = {
+                    "filter": predicate,
+                    **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
+                }
                 answer = self._call(location, protocol.ACTION_COUNT, body, COUNT_TIMEOUT_SECONDS)
                 int(answer["rows"])  # a node that answers without a count fails here, not later
                 return answer
@@ -666,18 +695,19 @@ class Head(ReadOnlyFlight):
         if action.type == protocol.ACTION_STATUS:
             return [json.dumps(self.status()).encode()]
         if action.type == protocol.ACTION_REGISTER:
-            self._register(parse_action_body(action))
+            self._register(parse_action_body(action), caller(context))
             return [b"{}"]
         raise NotImplementedError(f"action {shown(action.type)} is not implemented; try 'status'")
 
     def list_actions(self, context):
         return [(protocol.ACTION_STATUS, "JSON status of the cache: load state, rows, bytes, per-node detail")]
 
-    def _register(self, body: dict[str, Any]) -> None:
+    def _register(self, body: dict[str, Any], peer: str = "") -> None:
         if not key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
             # Who registers decides where readers are sent: only a node holding our key may.
-            log.warning(
-                "refused a data node registration without this head's cluster key (index %.40r)", body.get("index")
+            self._key_refusals.refused(
+                f"refused a data node registration without this head's cluster key (index {body.get('index')!r:.40})",
+                peer,
             )
             raise BadRequestError(
                 "register: the cluster key is missing or wrong: give the head and every data node the same "
@@ -785,7 +815,7 @@ class Head(ReadOnlyFlight):
                 {
                     "index": k,
                     "location": self.registered.get(k, {}).get("location"),
-                    "state": s.get("state", "unregistered" if k not in self.registered else "waiting"),
+                    "state": self._node_state(k),
                     "rows": s.get("rows", 0),
                     "bytes": s.get("bytes", 0),
                     "resident_bytes": s.get("resident_bytes"),

@@ -54,8 +54,10 @@ from kubeflow_data_cache.security import (
     CERTIFICATE_REFUSED,
     TLS_NAME_MISMATCH,
     TLS_SCHEME,
+    RefusalWarnings,
     TokenAuthFactory,
     call_options,
+    caller,
     key_matches,
     speaks_tls,
 )
@@ -133,7 +135,13 @@ def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
             metrics.errors.labels(method=method, action="", code="UNAUTHENTICATED").inc()
 
         kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token, on_refused=refused)}
+        metrics.count_token_refusals()
     return kwargs
+
+
+# A data node's open DoGet streams, by kind: gathering (shuffled or filtered: ServeMemoryGuard.admit
+# counts those) and in order (admit_in_order counts every stream).
+STREAM_KINDS = ("gathering", "in_order")
 
 
 class LoadSuperseded(Exception):
@@ -238,6 +246,10 @@ class DataNode(ReadOnlyFlight):
         self._progress: LoadProgress | None = None  # the latest load's
         self._gathers = GatherReclaim()
         self._serve_guard = ServeMemoryGuard(cfg.memory_limit, reclaim_gather_memory)
+        self.metrics.follow_load(self._load_progress)
+        self.metrics.follow_memory(cfg.memory_limit, self._open_streams_of, STREAM_KINDS)
+        # `load` and `count` refused for their cluster key: warned of once a spell, with the caller.
+        self._key_refusals = RefusalWarnings(log)
         self._admitting = threading.Lock()  # a stream's order claim and its admission, together
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
@@ -453,16 +465,35 @@ class DataNode(ReadOnlyFlight):
     def open_streams(self) -> int:
         return self._gathers.all_open_streams
 
+    def _open_streams_of(self, kind: str) -> int:
+        gathering = self._gathers.open_streams
+        # In order: all the others. The two counts are read apart, so a gathering stream that
+        # closed between the two reads would make this -1 for that scrape.
+        return gathering if kind == "gathering" else max(0, self._gathers.all_open_streams - gathering)
+
+    def _load_progress(self) -> tuple[int, int, float]:
+        """(rows, bytes, oldest read's wait) of the load under way, as /ready and /status say them."""
+        progress = self._progress
+        if self.lifecycle.state != LOADING or progress is None:
+            return 0, 0, 0.0
+        oldest = progress.oldest()
+        return progress.rows, progress.bytes, oldest[1] if oldest else 0.0
+
+    def _require_key(self, action: str, body: dict[str, Any], context: Any) -> None:
+        """Refuse the head's actions (``load``, ``count``) without its cluster key, where one is set."""
+        if key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
+            return
+        self._key_refusals.refused(f"refused a {action} without the cluster key", caller(context))
+        raise BadRequestError(
+            f"{action}: the cluster key is missing or wrong: this action is the head's; give the head and every "
+            "data node the same DATA_CACHE_CLUSTER_KEY"
+        )
+
     # --- loading -----------------------------------------------------------------------------
-    def _start_load(self, body: dict[str, Any]) -> None:
+    def _start_load(self, body: dict[str, Any], context: Any = None) -> None:
         # A load replaces what this node serves: only from the head (its key), and only the
         # table this node was given, so no caller can make it read (and serve) another one.
-        if not key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
-            log.warning("refused a load without the cluster key")
-            raise BadRequestError(
-                "load: the cluster key is missing or wrong: this action is the head's; give the head and every "
-                "data node the same DATA_CACHE_CLUSTER_KEY"
-            )
+        self._require_key(protocol.ACTION_LOAD, body, context)
         order = LoadOrder.parse(body)  # before touching anything: a bad body changes nothing
         if self.lifecycle.state == STOPPING:  # its rows could never be served: the process is leaving
             raise NotReadyError(f"data node {self.cfg.node_index} is stopping: it takes no load")
@@ -591,6 +622,8 @@ class DataNode(ReadOnlyFlight):
         )
 
     def status(self) -> dict[str, Any]:
+        """What the health port's /status shows, without a token: the state, what is held and
+        the load's progress, never the table's columns (``column_figures``)."""
         store = self.store
         state, progress = self.lifecycle.state, self._progress
         loading = state == LOADING and progress is not None
@@ -607,16 +640,24 @@ class DataNode(ReadOnlyFlight):
             "generation": self.generation,
             "rows": store.num_rows if store else 0,
             "bytes": store.nbytes if store else 0,
-            "column_bytes": dict(store.column_bytes) if store else {},
-            "null_counts": dict(store.null_counts) if store else {},
-            "list_lengths": {name: list(b) for name, b in store.list_lengths.items()} if store else {},
-            "inner_list_lengths": dict(store.inner_list_lengths) if store else {},
             "resident_bytes": resident_bytes(),
             "memory_pool": pa.default_memory_pool().backend_name,
             "memory_limit": self.cfg.memory_limit,
             # Streams refused so far because the node was near its memory limit.
             "refused_streams": self._serve_guard.refused,
             "load_seconds": round(self.load_seconds, 3),
+        }
+
+    def column_figures(self) -> dict[str, Any]:
+        """Per column: Arrow bytes held, nulls and list lengths, for the head's FlightInfo. Only
+        in the `status` action, which takes the token: they name every column of the table, which
+        the health port, open to anyone who reaches it, does not (docs/cache.md, Security)."""
+        store = self.store
+        return {
+            "column_bytes": dict(store.column_bytes) if store else {},
+            "null_counts": dict(store.null_counts) if store else {},
+            "list_lengths": {name: list(b) for name, b in store.list_lengths.items()} if store else {},
+            "inner_list_lengths": dict(store.inner_list_lengths) if store else {},
         }
 
     # --- Flight ------------------------------------------------------------------------------
@@ -633,12 +674,17 @@ class DataNode(ReadOnlyFlight):
 
     def do_action(self, context, action):
         if action.type == protocol.ACTION_STATUS:
-            return [json.dumps(self.status()).encode()]
+            return [json.dumps({**self.status(), **self.column_figures()}).encode()]
         if action.type == protocol.ACTION_LOAD:
-            self._start_load(parse_action_body(action, bounded=False))  # lists every file the node loads
+            self._start_load(parse_action_body(action, bounded=False), context)  # lists every file the node loads
             return [b"{}"]
         if action.type == protocol.ACTION_COUNT:
-            predicate = parse_action_body(action).get("filter")
+            body = parse_action_body(action)
+            # The head's too: it counts each new filter once for all its readers and keeps the
+            # answer; a reader asking a node directly would run predicates of its choosing there,
+            # past that, and push the filters readers use out of the node's FilterCache.
+            self._require_key(protocol.ACTION_COUNT, body, context)
+            predicate = body.get("filter")
             if not isinstance(predicate, str) or not predicate.strip():
                 raise BadRequestError('count needs {"filter": "<SQL predicate>"}')
             _, filters, _, _ = self._loaded()

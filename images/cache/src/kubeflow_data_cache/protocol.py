@@ -144,7 +144,7 @@ MAX_REQUEST_BYTES = 16 << 20
 ACTION_STATUS = "status"
 ACTION_REGISTER = "register"  # data node -> head
 ACTION_LOAD = "load"  # head -> data node
-# In register and load bodies where DATA_CACHE_CLUSTER_KEY is set (security.load_cluster_key).
+# In register, load and count bodies where DATA_CACHE_CLUSTER_KEY is set (security.load_cluster_key).
 CLUSTER_KEY_FIELD = "cluster_key"
 ACTION_COUNT = "count"  # head -> data node: rows matching a filter
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,9 +118,11 @@ def load_cluster_key(key: str | None) -> str | None:
     """``DATA_CACHE_CLUSTER_KEY``: the secret the head and its data nodes show each other.
 
     A data node's ``register`` (to the head) and the head's ``load`` (to a data node) change
-    what the cache serves, so where a key is set they carry it and are refused without it. Readers
-    never need it: the reader token (DATA_CACHE_TOKEN) alone no longer lets a trainer, or any pod
-    that can reach the port, register a data node of its own or make one load another table.
+    what the cache serves, so where a key is set they carry it and are refused without it; so
+    does the head's ``count``, which runs a reader's filter on a node once for all its readers.
+    Readers never need it: the reader token (DATA_CACHE_TOKEN) alone no longer lets a trainer, or
+    any pod that can reach the port, register a data node of its own, make one load another
+    table, or have one run predicates past the head's de-duplication.
     """
     if key is None:
         return None
@@ -151,6 +155,48 @@ def key_matches(expected: str | None, given: object) -> bool:
         return False
     # A lone surrogate (JSON allows "\ud800") cannot be encoded: a wrong key, not a server error.
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
+
+
+# A call refused for its cluster key is warned of at most this often: any holder of the reader
+# token can send `register`, `load` or `count` in a loop, and each refusal was a warning line.
+# The refusals between two warnings are counted in the second (and in data_cache_errors_total).
+REFUSAL_WARN_EVERY_SECONDS = 60.0
+UNKNOWN_PEER = "an unknown address"
+
+
+def caller(context: object) -> str:
+    """Who made a Flight call, as gRPC gives it ("ipv4:10.0.0.7:53122"): the address of the
+    connection, not anything the caller says, for a refusal's log line."""
+    peer = getattr(context, "peer", None)
+    try:
+        return str(peer()) if callable(peer) else UNKNOWN_PEER
+    except Exception:  # a context whose call has ended: the refusal is still worth its line
+        return UNKNOWN_PEER
+
+
+class RefusalWarnings:
+    """Warns of the first refusal of a spell, naming its caller; then at most once every
+    ``every`` seconds, saying how many were refused since (memory.ServeMemoryGuard warns of the
+    first refusal of a spell the same way). A refusal after a quiet ``every`` seconds starts a
+    new spell, and is warned of at once."""
+
+    def __init__(self, logger: logging.Logger, every: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self._log, self._every, self._clock = logger, every, clock
+        self._lock = threading.Lock()
+        self._warned_at: float | None = None
+        self._unsaid = 0  # refused since the last warning, not warned of
+
+    def refused(self, message: str, peer: str) -> None:
+        with self._lock:
+            now = self._clock()
+            # The setting read when refusing (None: REFUSAL_WARN_EVERY_SECONDS), so tests can lower it.
+            every = REFUSAL_WARN_EVERY_SECONDS if self._every is None else self._every
+            if self._warned_at is not None and now - self._warned_at < every:
+                self._unsaid += 1
+                return
+            unsaid, self._unsaid, self._warned_at = self._unsaid, 0, now
+        since = f"; {unsaid} more refused since the last warning" if unsaid else ""
+        self._log.warning("%s (from %s%s)", message, peer, since)
 
 
 # The longest token taken. gRPC servers refuse request metadata past 8 KiB at random (16 KiB

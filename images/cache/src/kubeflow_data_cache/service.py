@@ -112,8 +112,36 @@ disable_created_metrics()
 
 # Where Prometheus scrapes each process (the chart's PodMonitor names it too).
 METRICS_PATH = "/metrics"
-# From a cached answer (~100 us) to a head slowed by thousands of readers starting at once.
-REQUEST_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# From a cached answer (~100 us) to a head slowed by thousands of readers starting at once, and
+# on to the slowest calls the cache makes: a head's GetFlightInfo for a new filter waits up to
+# COUNT_TIMEOUT_SECONDS (25 s) for its nodes' counts, and a node's count up to
+# FILTER_TIMEOUT_SECONDS (120 s); in a 10 s top bucket those were all "+Inf".
+REQUEST_SECONDS_BUCKETS = (
+    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    *(30.0, 60.0, 120.0),
+)
+# Every state a Lifecycle takes: data_cache_state has a series for each, always.
+STATES = (WAITING, LOADING, READY, DEGRADED, FAILED, STOPPING)
+# The DoAction types the metrics name (the ``action`` label); any other is counted as "other".
+ACTION_LABELS = frozenset({ACTION_STATUS, ACTION_REGISTER, ACTION_LOAD, ACTION_COUNT})
+# The Flight calls each role serves, as (method, action). Their requests and errors exist from
+# the start, at 0: a series that first appears at 1 is no increase to Prometheus, so the first
+# error after a start never fired an increase() or rate() alert. Calls a role only refuses (DoGet
+# on the head, DoPut anywhere: always UNIMPLEMENTED) appear when first made, as before.
+ROLE_CALLS = {
+    "head": (
+        *(("GetFlightInfo", ""), ("GetSchema", ""), ("ListFlights", ""), ("ListActions", "")),
+        *(("DoAction", ACTION_STATUS), ("DoAction", ACTION_REGISTER)),
+    ),
+    "data-node": (
+        *(("DoGet", ""), ("ListActions", "")),
+        *(("DoAction", ACTION_STATUS), ("DoAction", ACTION_LOAD), ("DoAction", ACTION_COUNT)),
+    ),
+}
+# The codes flight_errors counts a served call's failure as: a bad request, not ready or busy, a
+# failure, a caller that left. A made-up action is UNIMPLEMENTED (action "other"), a call refused
+# for its token UNAUTHENTICATED (action "", where a token is set: Metrics.count_token_refusals).
+SERVED_CODES = ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "CANCELLED")
 
 
 class Metrics:
@@ -155,21 +183,83 @@ class Metrics:
         memory.set_function(resident_bytes)
         info = Gauge("data_cache_info", "Role of this process and the table it caches", ["role", "table"], registry=r)
         info.labels(role=role, table=table).set(1)
+        self.state = Gauge(
+            "data_cache_state", "1 for the state /ready goes by, 0 for every other state", ["state"], registry=r
+        )
+        # What /ready says of a load under way ("loading: 414515 rows, 23 MiB read"): the rows
+        # and bytes decoded so far, and how long the oldest read in flight has waited (a stalled
+        # storage read). A head: the sums (and the longest wait) over its nodes' last polls.
+        self.load_read_rows = Gauge("data_cache_load_read_rows", "Rows the load under way read so far", registry=r)
+        self.load_read_bytes = Gauge(
+            "data_cache_load_read_bytes", "Arrow bytes the load under way read so far", registry=r
+        )
+        self.load_oldest_read_seconds = Gauge(
+            "data_cache_load_oldest_read_seconds",
+            "Seconds the oldest read of the load under way has waited on storage (0: none in flight)",
+            registry=r,
+        )
+        self.role = role
+        for method, action in ROLE_CALLS.get(role, ()):
+            self.requests.labels(method=method, action=action)
+            for code in SERVED_CODES:
+                self.errors.labels(method=method, action=action, code=code)
+        if role in ROLE_CALLS:
+            self.requests.labels(method="DoAction", action="other")
+            self.errors.labels(method="DoAction", action="other", code="UNIMPLEMENTED")
         # The standard process_* series: process_start_time_seconds tells a restart, and CPU,
         # open files and virtual memory what a busy node spends (Linux; nothing elsewhere).
         ProcessCollector(registry=r)
 
+    def count_token_refusals(self) -> None:
+        """A token is set: the calls it refuses (before their handler, so with action "") have
+        their series from the start, for each method this role serves."""
+        for method in dict.fromkeys(method for method, _ in ROLE_CALLS.get(self.role, ())):
+            self.requests.labels(method=method, action="")
+            self.errors.labels(method=method, action="", code="UNAUTHENTICATED")
+
     def follow(self, lifecycle: Lifecycle, rows: Callable[[], int], nbytes: Callable[[], int]) -> None:
-        """Read ``ready`` and what is held when scraped, from the state /ready and /status answer
-        with: gauges set on events drifted from them (ready 1 after SIGTERM, a new assignment's
-        node still counting its old rows, a degraded head its whole table)."""
+        """Read ``ready``, the state and what is held when scraped, from the state /ready and
+        /status answer with: gauges set on events drifted from them (ready 1 after SIGTERM, a new
+        assignment's node still counting its old rows, a degraded head its whole table)."""
         self.ready.set_function(lambda: 1.0 if lifecycle.state == READY else 0.0)
+        for state in STATES:
+            self.state.labels(state=state).set_function(lambda state=state: 1.0 if lifecycle.state == state else 0.0)
         self.rows_loaded.set_function(rows)
         self.bytes_loaded.set_function(nbytes)
 
+    def follow_load(self, progress: Callable[[], tuple[int, int, float]]) -> None:
+        """Read the load under way when scraped: ``progress()`` is (rows, bytes, seconds the
+        oldest read has waited), zeros where none is under way."""
+        self.load_read_rows.set_function(lambda: progress()[0])
+        self.load_read_bytes.set_function(lambda: progress()[1])
+        self.load_oldest_read_seconds.set_function(lambda: progress()[2])
 
-# The DoAction types the metrics name (the ``action`` label); any other is counted as "other".
-ACTION_LABELS = frozenset({ACTION_STATUS, ACTION_REGISTER, ACTION_LOAD, ACTION_COUNT})
+    def follow_data_nodes(self, states: Callable[[], list[str]], known: tuple[str, ...]) -> None:
+        """A head: its data nodes by state (``states()``, one per node), a series for each of
+        ``known`` always; a state not among them is not counted (the label stays bounded)."""
+        nodes = Gauge(
+            "data_cache_data_nodes",
+            "The head's data nodes in each state, by its last look",
+            ["state"],
+            registry=self.registry,
+        )
+        for state in known:
+            nodes.labels(state=state).set_function(lambda state=state: float(states().count(state)))
+
+    def follow_memory(self, limit: int | None, open_streams: Callable[[str], int], kinds: tuple[str, ...]) -> None:
+        """A data node: the memory limit its guards enforce (no series where it has none: a ratio
+        of resident memory to it would otherwise divide by 0), and its open DoGet streams by kind,
+        which its serving guard counts when it admits or refuses a new one."""
+        if limit is not None:
+            Gauge(
+                "data_cache_memory_limit_bytes",
+                "The memory limit a data node's load and serving guards enforce",
+                registry=self.registry,
+            ).set(limit)
+        streams = Gauge("data_cache_open_streams", "DoGet streams being sent now", ["kind"], registry=self.registry)
+        for kind in kinds:
+            streams.labels(kind=kind).set_function(lambda kind=kind: float(open_streams(kind)))
+
 
 # The gRPC status each pyarrow Flight error class stands for (FlightServerError: any other).
 _FLIGHT_STATUS = (
