@@ -143,9 +143,11 @@ def package(chart: Path, destination: Path) -> str:
     # The CRDs are never committed: the sync script fetches (or copies) the pinned ones and checks
     # their sums. Run every time, not only into an empty crds/: CRDs left there by an earlier
     # appVersion would otherwise ship inside a chart that names the new one.
-    subprocess.run(
-        ["bash", str(REPO_ROOT / "hack" / "sync-crds.sh")], check=True, env={**os.environ, "CHART_DIR": str(chart)}
+    synced = subprocess.run(
+        ["bash", str(REPO_ROOT / "hack" / "sync-crds.sh")], env={**os.environ, "CHART_DIR": str(chart)}
     )
+    if synced.returncode:  # the script said why on stderr
+        raise HelmCliError(f"hack/sync-crds.sh failed (exit {synced.returncode}): the chart was not packaged")
     fill_subcharts(chart)
     destination.mkdir(parents=True, exist_ok=True)
     return _helm().package(chart, destination=destination)

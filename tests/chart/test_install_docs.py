@@ -39,6 +39,7 @@ def test_the_image_overlay_retargets_both_images_and_places_the_cache_pods():
     init = replicated_job(runtime, "dataset-initializer")["template"]["spec"]["template"]["spec"]
     step = container(init, "dataset-initializer")
     assert step["image"] == "registry.example/data-cache/initializer:v0.1.0"
+    assert step["imagePullPolicy"] == "Always"
     assert env_of(step)["CACHE_IMAGE"]["value"] == "registry.example/data-cache/cache:v0.1.0"
 
     # The placement env is what the initializer itself accepts.
@@ -50,6 +51,7 @@ def test_the_image_overlay_retargets_both_images_and_places_the_cache_pods():
     assert cfg.node_selector == (("node.kubernetes.io/pool", "cache"),)
     assert cfg.tolerations == ({"key": "dedicated", "value": "cache", "effect": "NoSchedule"},)
     assert cfg.image_pull_secrets == ("regcred",)
+    assert cfg.image_pull_policy == "Always"
 
 
 def preview_doc_flags(marker: str, flags_after: str) -> tuple[list[str], list[dict]]:

@@ -158,3 +158,16 @@ def test_package_replaces_crds_left_by_an_earlier_version(tmp_path):
         }
     pinned = shared_dir() / "crds" / "trainer-v2.1.0"
     assert crds == {name: (pinned / name).read_bytes() for name in CRD_FILES}
+
+
+def test_package_without_the_pinned_crds_offline_fails_naming_the_step_not_a_traceback(tmp_path):
+    chart = fresh_chart(tmp_path, with_subcharts=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "helm.py"), "package", str(chart), "--destination", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PY": sys.executable, "SHARED_DIR": str(tmp_path / "none"), "OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "error: hack/sync-crds.sh failed (exit 1): the chart was not packaged" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "dist").exists()
