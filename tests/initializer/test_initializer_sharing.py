@@ -126,13 +126,33 @@ def test_a_failed_shared_cache_no_other_job_uses_is_deleted(fake, make_sim, run_
     assert code != 0
     assert "AccessDenied" in error
     assert fake.get("leaderworkersets", NAMESPACE, CACHE) is None
-    assert f"deleted shared LeaderWorkerSet {CACHE}, which no other TrainJob uses" in caplog.text
+    assert f"deleted LeaderWorkerSet {CACHE} so that its pods free their resources" in caplog.text
 
 
-def test_a_job_that_joins_a_failed_shared_cache_is_told_its_settings_do_not_apply(fake, make_sim, run_initializer):
-    """Job B joins the cache job A made while A gives up on it: A's delete holds only for the cache
-    as A read it, so it is kept for B. Every later job for the table joins that failed cache: the
-    usual fix (other settings) cannot work there, so the message names the cache to delete."""
+def test_a_shared_cache_whose_maker_timed_out_is_kept_for_a_job_that_joined(fake, make_sim, run_initializer, caplog):
+    """A deadline that passed is the maker's alone: a job that joined may wait longer, and the
+    cache may yet load for it."""
+    add_train_job(fake, "job-a")
+    job_b = add_train_job(fake, "job-b")
+    owner_b = {"apiVersion": job_b["apiVersion"], "kind": "TrainJob", "name": "job-b", "uid": job_b["metadata"]["uid"]}
+    fake.before[("leaderworkersets", "delete")] = [
+        lambda: fake.update(
+            "leaderworkersets", NAMESPACE, CACHE, lambda lws: lws["metadata"]["ownerReferences"].append(owner_b)
+        )
+    ]
+    env = initializer_env(make_sim("stuck"), "job-a", DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="1")
+
+    code, error = run_initializer(env)
+
+    assert code != 0 and "was not ready within CACHE_READY_TIMEOUT_SECONDS=1" in error
+    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-a", False), ("job-b", False)]
+    assert "another TrainJob uses it now" in caplog.text
+
+
+def test_a_failed_shared_cache_is_deleted_by_its_maker_even_where_another_job_joined(fake, make_sim, run_initializer):
+    """Job B joins the cache job A made, and the cache fails for good (its load, with A's
+    settings). Kept for B, it held its pods while both TrainJobs failed, and B's retry joined it
+    again: nothing ever deleted it. A deletes it; B's retry makes it anew, with B's settings."""
     add_train_job(fake, "job-a")
     job_b = add_train_job(fake, "job-b")
     owner_b = {"apiVersion": job_b["apiVersion"], "kind": "TrainJob", "name": "job-b", "uid": job_b["metadata"]["uid"]}
@@ -144,19 +164,43 @@ def test_a_job_that_joins_a_failed_shared_cache_is_told_its_settings_do_not_appl
 
     fake.before[("leaderworkersets", "delete")] = [b_joins]
     sim = make_sim("head_load_error")
-    code, first = run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))
-    assert code != 0 and "joined shared cache" not in first  # job A made it: its own settings failed
-    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-a", False), ("job-b", False)]
+    code, error = run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))
+
+    assert code != 0 and "AccessDenied" in error and "joined shared cache" not in error
+    assert f"Shared cache {CACHE}, made with this TrainJob's settings, was deleted" in error
+    assert fake.before[("leaderworkersets", "delete")] == [], "job B joined before the delete"
+    assert fake.get("leaderworkersets", NAMESPACE, CACHE) is None
 
     code, error = run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true"))
-    assert code != 0 and "AccessDenied" in error
+    assert code != 0 and "AccessDenied" in error and "made by another TrainJob" not in error
+    assert sim.created == [CACHE, CACHE]  # made anew, by job B
+    assert fake.get("leaderworkersets", NAMESPACE, CACHE) is None  # and freed: no other job uses it
+
+
+def test_a_job_that_joins_a_failed_shared_cache_is_told_its_settings_do_not_apply(fake, make_sim, run_initializer):
+    """A cache job A made and is done with (its initializer gone) fails while job B waits on it:
+    the usual fix (other settings) cannot work there, so the message names the cache to delete,
+    and B leaves it to job A's TrainJob."""
+    add_train_job(fake, "job-a")
+    add_train_job(fake, "job-b")
+    sim = make_sim("healthy")
+    assert run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true")) == (0, "")
+
+    def oom_killed(pod: dict) -> None:
+        (status,) = pod["status"]["containerStatuses"]
+        status.update(ready=False, state={"waiting": {"reason": "CrashLoopBackOff"}},
+                      lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}})  # fmt: skip
+
+    worker = next(
+        p for p in fake.items("pods", NAMESPACE) if p["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+    )
+    fake.update("leaderworkersets", NAMESPACE, CACHE, lambda lws: lws.update(status={"conditions": []}))
+    fake.update("pods", NAMESPACE, worker["metadata"]["name"], oom_killed)
+    code, error = run_initializer(initializer_env(sim, "job-b", DATA_CACHE_SHARED="true"))
+
+    assert code != 0 and "was OOMKilled" in error
     assert f"This TrainJob joined shared cache {CACHE}, made by another TrainJob" in error
     assert f"kubectl delete leaderworkerset -n {NAMESPACE} {CACHE}" in error
-
-    # Job A's retry made the cache, with its settings: not "made by another" (it was, as soon as
-    # any other owner was there), and kept for job B.
-    code, retried = run_initializer(initializer_env(sim, "job-a", DATA_CACHE_SHARED="true"))
-    assert code != 0 and "AccessDenied" in retried and "made by another TrainJob" not in retried
     assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-a", False), ("job-b", False)]
 
 

@@ -234,11 +234,21 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
         elif not _made_by_another(cache, train_job):
+            if _hopeless(err):
+                # Made with this job's settings, which no retry cures: kept for the jobs that
+                # joined it, it held its pods while each of them failed on it, and their retries
+                # joined it again. Deleted, their waits end and their retries make it anew, with
+                # their own settings.
+                _delete_cache(kube, cfg, names.cache)
+                raise type(err)(
+                    f"{err}. Shared cache {names.cache}, made with this TrainJob's settings, was deleted (any "
+                    "TrainJob that had joined it makes it anew with its own settings when its initializer retries)"
+                ) from err
             # Made by this job, maybe joined since: freed as a dedicated one is, unless another
-            # TrainJob now uses it. Left in place, it held its pods, and every later job for the
-            # table joined it and failed the same way.
+            # TrainJob now uses it (a deadline that passed says nothing of theirs). Left in place,
+            # it held its pods, and every later job for the table joined it and failed the same way.
             _delete_shared_unless_joined(kube, cfg, names.cache, train_job)
-        elif isinstance(err, (CacheFailedError, CacheTimeoutError)) and not isinstance(err, CacheDeletedError):
+        elif _hopeless(err) or isinstance(err, CacheTimeoutError):
             # Kept for its other owners, so every later job for this table joins it too, and this
             # job's settings do not apply: the usual fix (more memory, another image) won't.
             raise type(err)(
@@ -249,6 +259,12 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
             ) from err
         raise
     return CacheReady(cache=names.cache, service=names.service, flight_url=names.flight_url, status=status)
+
+
+def _hopeless(err: Exception) -> bool:
+    """Whether the cache failed in a way no retry with its settings cures (a pod OOM-killed or
+    exiting, an image that cannot be pulled, a load error), rather than being deleted under us."""
+    return isinstance(err, CacheFailedError) and not isinstance(err, CacheDeletedError)
 
 
 def _made_by_another(cache: dict, train_job: dict) -> bool:
