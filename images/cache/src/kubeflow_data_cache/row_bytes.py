@@ -73,14 +73,23 @@ def varies(t: pa.DataType) -> bool:
 
 
 def _row_width(t: pa.DataType) -> int:
-    """The bytes every value of type ``t`` holds whatever its size: a number's width, a
-    struct's fixed-width fields, a fixed-size list's k values (0 for strings, lists, booleans)."""
+    """The bytes every value of type ``t`` holds whatever its size, in its own buffers: a
+    number's width, a boolean's bit (as a byte: a bound), a string's, binary's or list's offset
+    (its values are terms of their own), a struct's fields, a fixed-size list's k values. Left
+    out, a list of 50 one-character strings counted 50 of its 254 bytes a row, and batches of
+    such rows passed their byte cap 5 times over."""
     if pa.types.is_struct(t):
         return sum(_row_width(t.field(i).type) for i in range(t.num_fields))
     if pa.types.is_fixed_size_list(t):
         return t.list_size * _row_width(t.value_type)
     if pa.types.is_dictionary(t):
         return 0
+    if pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t):
+        return 8
+    if is_string_or_binary(t) or pa.types.is_list(t) or pa.types.is_map(t):
+        return 4
+    if pa.types.is_boolean(t):
+        return 1
     try:
         bits = t.bit_width
     except ValueError:
