@@ -91,13 +91,13 @@ class FilePlan:
         return sum(self.column_bytes)
 
 
-def leaf_field_ids(table) -> frozenset[int]:
+def _leaf_field_ids(table) -> frozenset[int]:
     """The field ids of the table schema's primitive fields: those a manifest has sizes for."""
     schema = table.schema()
     return frozenset(i for i in schema.field_ids if schema.find_field(i).field_type.is_primitive)
 
 
-def reads_batchwise(data_file, leaves: frozenset[int]) -> bool:
+def _reads_batchwise(data_file, leaves: frozenset[int]) -> bool:
     """Whether a data node surely reads this file batch by batch (parquet_batches), judged from its
     manifest entry: row groups past that reader's thresholds on average (rows; or stored bytes,
     which the compressed file size is a floor of). Where that cannot be told (no split offsets,
@@ -117,7 +117,7 @@ def batchwise_window(data_file, leaves: frozenset[int], whole: int) -> int:
     in Arrow bytes before READ_SCRATCH_FACTOR: one batch (of the file's ``whole`` estimated
     bytes), and its row group's compressed chunks, all of them pre-buffered, else each column's
     read buffer's worth (16 columns of random floats: 128 MiB). 0 for a file the scanner reads."""
-    if not reads_batchwise(data_file, leaves):
+    if not _reads_batchwise(data_file, leaves):
         return 0
     size = data_file.file_size_in_bytes
     compressed = size // len(data_file.split_offsets)
@@ -434,8 +434,7 @@ def written_fields(table, tasks: dict) -> dict[str, frozenset[int]]:
     or not, nor after the mode is switched to none."""
     from pyiceberg.manifest import ManifestContent
 
-    schema = table.schema()
-    leaves = {i for i in schema.field_ids if schema.find_field(i).field_type.is_primitive}  # what has sizes
+    leaves = _leaf_field_ids(table)  # what has sizes
     unsized = {path for path, task in tasks.items() if not leaves <= set(task.file.column_sizes or {})}
     snapshot = table.current_snapshot()
     if not unsized or snapshot is None:
@@ -617,7 +616,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     tasks = scan_tasks(table, metadata_location)
     expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
     written = written_fields(table, tasks)
-    leaves = leaf_field_ids(table)
+    leaves = _leaf_field_ids(table)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
