@@ -166,6 +166,25 @@ def _env_int(env: dict[str, str], name: str, default: int) -> int:
         raise ConfigError(f"`{name}` should be an integer, got {raw!r}") from None
 
 
+# Launchers' variables that say this process is one of several, where RANK and WORLD_SIZE say
+# nothing: Kubeflow Trainer's for torchrun (a TrainJob whose command is `python train.py` gets
+# them, and no RANK), torchrun's local group, and Open MPI's.
+LAUNCH_SIZE_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _refuse_a_launch_without_rank(env: dict[str, str]) -> None:
+    """Refuse to read as the only process where a launcher says there are several: each one read
+    every row of the table (twice the rows for two, with no error)."""
+    for name in LAUNCH_SIZE_VARIABLES:
+        raw = env.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 1:
+            raise ConfigError(
+                f"`{name}={raw}` says this is one of several processes, but `RANK` and `WORLD_SIZE` are not set, "
+                "so each process would read every row: launch with torchrun (it sets both), set them, or pass "
+                "rank= and world_size= to DataCacheDataset"
+            )
+
+
 def _data_parallel(rank: Any, world_size: Any) -> tuple[int, int] | None:
     """The dataset's own ``(rank, world_size)``, checked; None to detect them."""
     if rank is None and world_size is None:
@@ -243,6 +262,8 @@ class World:
                     f"`{given}` is set but `{missing}` is not (or is empty): set both (torchrun does), or neither "
                     "for one process"
                 )
+            if not has_rank and not has_size:
+                _refuse_a_launch_without_rank(env)
             rank, world_size = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
             if not 0 <= rank < world_size:
                 raise ConfigError(
