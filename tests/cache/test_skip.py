@@ -268,8 +268,10 @@ def test_a_stream_reopened_on_a_node_that_reloaded_other_rows_is_refused(small_c
         was = replace(now, **{field: getattr(now, field) + change[field]})
         old = flight.FlightEndpoint(was.to_json(), endpoint.locations)
         location = endpoint.locations[0].uri.decode()
-        with pytest.raises(BadRequestError, match=f"data node {now.node} .* reloaded with other rows"):
+        with pytest.raises(BadRequestError, match=f"data node {now.node} .* reloaded with other rows") as err:
             client._fresh_endpoint(request, old, location)
+        # Not only "start the epoch again": a resume from the last state keeps what was read.
+        assert "resume from the last state_dict()" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -260,6 +260,29 @@ def test_a_head_that_stops_answering_is_named_not_the_endpoint_setting(cluster):
         assert again.status()["role"] == "head"  # it answers again
 
 
+def test_a_plain_loaders_new_worker_names_a_head_that_stopped_answering(table_factory, tmp_path):
+    """A plain DataLoader starts new workers every epoch, each with a client of its own: one whose
+    head froze after an epoch read well was told to check its address (set DATA_CACHE_ENDPOINT),
+    as if the head had never answered. The dataset remembers that it did, for every worker."""
+    from torch.utils.data import DataLoader
+
+    cluster = Cluster(table_factory(ROWS, 4).metadata_location, tmp_path)  # its own: every node up
+    head = cluster.procs["head"]
+    try:
+        cluster.wait_ready()
+        ds = DataCacheDataset(cluster.endpoint, batch_size=4096, columns=["id"], deadline_seconds=2)
+        loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=60)
+        assert sum(len(batch["id"]) for batch in loader) == ROWS  # epoch 0, in a worker gone since
+        freeze(head.pid)
+        ds.set_epoch(1)
+        with pytest.raises(CacheUnavailableError, match=rf"head at {cluster.endpoint} stopped answering") as err:
+            next(iter(loader))
+        assert "DATA_CACHE_ENDPOINT" not in str(err.value)
+    finally:
+        os.kill(head.pid, signal.SIGCONT)
+        stop_groups(list(cluster.procs.values()))
+
+
 def test_a_dead_node_is_not_blamed_on_a_head_that_answered(cluster):
     """The head answers 'not ready' (degraded: this very node is down) when asked where the node
     went: that is an answer, and the error must not send the reader to check the head."""

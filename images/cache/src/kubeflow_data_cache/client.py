@@ -304,6 +304,17 @@ class CacheClient:
         self._generation: str | None = None  # the load the last FlightInfo's tickets came from
         tune_glibc_malloc()  # once per process: received batches reuse buffers (allocator.py)
 
+    @property
+    def head_answered(self) -> bool:
+        """Whether the head answered at this endpoint, so the address is right: an error then
+        says the head stopped answering, not that the endpoint may be wrong."""
+        return self._head_answered
+
+    def remember_head_answered(self) -> None:
+        """The head answered this endpoint before, in another client of the same reader (a
+        DataLoader worker of an earlier epoch)."""
+        self._head_answered = True
+
     # -- connections -------------------------------------------------------------------------
 
     def _acquire(self, location: str) -> _Connection:
@@ -890,7 +901,9 @@ class CacheClient:
                 )
             return endpoint
         raise BadRequestError(
-            f"data node {was.node} ({location}) reloaded with other rows for this shard; start the epoch again"
+            f"data node {was.node} ({location}) reloaded with other rows for this shard (the cache restarted with "
+            "another number of data nodes, or on a changed table): resume from the last state_dict(), which an "
+            "in-order read can on another node count, or start the epoch again"
         )
 
 

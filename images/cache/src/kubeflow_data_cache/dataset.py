@@ -14,7 +14,6 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from multiprocessing.context import get_spawning_popen
 from pathlib import Path
@@ -390,6 +389,10 @@ class DataCacheDataset(IterableDataset):
         # to the end, 0 before. Tells state_dict in the main process that the positions to save
         # are in the workers, not here (a plain DataLoader's workers read their own copies).
         self._worker_reads = SharedInts(WORKER_SLOTS)
+        # 1 once the head answered a reader of this dataset, in any process: a plain DataLoader's
+        # workers are new every epoch, and a head that stopped answering in a later one was
+        # reported as an address to check (set DATA_CACHE_ENDPOINT), not as the head.
+        self._head_answered = SharedInt()
         self._finished_epoch: int | None = None  # the epoch this process last read to the end
         # Set once the repeat warning was given, in any worker: said once per dataset, not per
         # worker per epoch (a plain DataLoader starts new workers every epoch).
@@ -474,11 +477,20 @@ class DataCacheDataset(IterableDataset):
         """This reader, from torch.distributed, the env or the pickling parent (__getstate__)."""
         return World.detect(parent=self.__dict__.get("_parent_world"), explicit=self._data_parallel)
 
-    def _lease(self) -> AbstractContextManager[CacheClient]:
-        """The connection kept between epochs, for one read (client.KeptClient.lease)."""
-        return self._connection.lease(
+    @contextlib.contextmanager
+    def _lease(self) -> Iterator[CacheClient]:
+        """The connection kept between epochs, for one read (client.KeptClient.lease), told
+        whether the head answered this dataset before."""
+        with self._connection.lease(
             self.endpoint, self.token, self.tls_root_certs, self.deadline_seconds, self.tls_server_name
-        )
+        ) as client:
+            if self._head_answered.value:
+                client.remember_head_answered()
+            try:
+                yield client
+            finally:
+                if client.head_answered and not self._head_answered.value:
+                    self._head_answered.value = 1
 
     def __getstate__(self) -> dict[str, Any]:
         # A spawn or forkserver DataLoader worker starts without the process group, and
