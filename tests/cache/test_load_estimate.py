@@ -2,10 +2,10 @@
 (parquet_batches): against real loads, measured by their resident memory, and as node counts grow.
 
 The estimate is what the head checks against each node's memory before it sends a load
-(memory.check_fits). Modelled on the scanner, which decodes a row group whole, it charged such
-files 2.25 row groups per reader, and every node the file's largest column for the merge: a
-table that 8 nodes held at 60 MiB each was refused at any node count, and a file of random
-floats, whose reader holds each column's read buffer, was estimated below what it took.
+(memory.check_fits). Modelled on the scanner, which decodes a row group whole, it charged every
+node the file's largest column for the merge, so more nodes never fitted a file whose column
+outgrew one. Read batch by batch, rows of one size make batches of a known size; rows of many
+sizes make batches sized by an average row, which clustered large rows overrun up to a row group.
 """
 
 from __future__ import annotations
@@ -81,25 +81,47 @@ def floats_table(tmp_path_factory) -> str:
     return _one_file_table(tmp_path_factory.mktemp("floats"), "floats", data, 300_000)
 
 
-@pytest.mark.parametrize(("table", "nodes"), [("text_table", 1), ("text_table", 8), ("floats_table", 1)])
-def test_the_estimate_covers_a_batchwise_loads_peak_without_overstating_it(request, table, nodes):
-    location = request.getfixturevalue(table)
+@pytest.fixture(scope="module")
+def clustered_table(tmp_path_factory) -> str:
+    """One row group of 100,000 short rows, then 1,000 of 256 KiB (random: they do not compress):
+    batches are sized by the row group's average row, so one batch holds every large row."""
+    rng = np.random.default_rng(2)
+    values = [rng.bytes(12) for _ in range(100_000)] + [rng.bytes(256 << 10) for _ in range(1000)]
+    data = pa.table({"id": np.arange(len(values), dtype=np.int64), "blob": pa.array(values, pa.binary())})
+    return _one_file_table(tmp_path_factory.mktemp("clustered"), "clustered", data, 200_000)
+
+
+def _estimate_and_peak(location: str, nodes: int, threads: int = 2) -> tuple[TablePlan, int, dict]:
     plan, _ = plan_table(open_table(location), location)
-    assert all(f.batchwise_window for f in plan.files)  # what this test is about
-    threads = 2
     _, estimate = estimated_node_memory(plan, assign_rows(plan, nodes)[0], threads)
-    measured = json_from_a_fresh_process(_LOAD, location, str(nodes), str(threads))
+    return plan, estimate, json_from_a_fresh_process(_LOAD, location, str(nodes), str(threads))
+
+
+def test_rows_of_one_size_read_batch_by_batch_are_estimated_at_a_batch(floats_table):
+    """A file of large row groups is read a 16 MiB batch at a time, beside its columns' read
+    buffers: charged 2.25 row groups per reader, such tables were refused at twice what they
+    took; counted as a batch alone, a file of random floats was estimated below its peak."""
+    plan, estimate, measured = _estimate_and_peak(floats_table, 1)
+    assert all(f.batchwise_window for f in plan.files)
     assert measured["peak"] > measured["rows"]
-    # Never below; and not so far above that tables which fit are refused (1.3-1.7x here; the
-    # scanner's model said 4.4x for the 8th of the text file, and 0.95x for the floats).
     assert measured["peak"] <= estimate <= 3 * measured["peak"], (measured, estimate >> 20)
 
 
+@pytest.mark.parametrize(("table", "nodes"), [("text_table", 1), ("text_table", 8), ("clustered_table", 1)])
+def test_rows_of_many_sizes_are_estimated_at_a_row_group_per_reader(request, table, nodes):
+    """Their batches are sized by the row group's average row, so rows of one size clustered
+    apart decode together: the 1,000 large rows above, as one 250 MiB batch. Counted at one
+    16 MiB batch, that load was estimated below what it took."""
+    plan, estimate, measured = _estimate_and_peak(request.getfixturevalue(table), nodes)
+    assert not any(f.batchwise_window for f in plan.files)
+    assert measured["peak"] <= estimate, (measured, estimate >> 20)
+
+
 def test_more_nodes_fit_a_file_whose_column_is_larger_than_any_node():
-    """A 512 MiB file (pyiceberg's default target) of 4M rows whose text column decodes to 2 GiB:
-    each node merges one batch's share of the column, not the column. Charged the column, every
-    node needed 2.4 GiB however many there were, and the refusal advised more memory only."""
-    schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
+    """A file of 4M rows whose embedding column holds 2 GiB: each node merges one batch's share of
+    the column, not the column. Charged the column, every node needed 2.4 GiB however many there
+    were, and the refusal advised more memory only."""
+    schema = pa.schema([("id", pa.int64()), ("embedding", pa.list_(pa.float32(), 128))])
     window = (16 << 20) + 2 * (8 << 20)  # a batch, and two columns' read buffers
     big = FilePlan("file:///t/0.parquet", 4_000_000, (32 << 20, 2 << 30), False, 4, window)
     plan = TablePlan("m", 1, schema, (big,))

@@ -315,7 +315,7 @@ def test_world_detection_from_env_and_worker():
     assert World.detect({"WORLD_SIZE": "1"}) == World.detect({"RANK": "0"}) == World(0, 1, 0, 1)
 
 
-@pytest.mark.parametrize("name", ["PET_NNODES", "PET_NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"])
+@pytest.mark.parametrize("name", ["PET_NNODES", "OMPI_COMM_WORLD_SIZE"])
 def test_a_launch_of_several_processes_without_rank_is_refused(name):
     """A TrainJob whose command is `python train.py` gets Kubeflow's PET_* and no RANK: every
     process read as the only one, and read every row (twice the table for two), with no error."""
@@ -324,7 +324,8 @@ def test_a_launch_of_several_processes_without_rank_is_refused(name):
     assert World.detect({name: "1"}) == World(0, 1, 0, 1)
     assert World.detect({name: "2", "RANK": "1", "WORLD_SIZE": "2"}) == World(1, 2, 0, 1)
     assert World.detect({name: "2"}, explicit=(0, 1)) == World(0, 1, 0, 1)  # rank= and world_size= given
-    assert World.detect({"PET_NPROC_PER_NODE": "auto"}) == World(0, 1, 0, 1)  # torchrun's to resolve
+    # One process per node that torchrun did not start: its per-node count is torchrun's to use.
+    assert World.detect({"PET_NNODES": "1", "PET_NPROC_PER_NODE": "4"}) == World(0, 1, 0, 1)
 
 
 def test_an_explicit_rank_and_world_size_shard_over_the_data_parallel_group(cache, monkeypatch):

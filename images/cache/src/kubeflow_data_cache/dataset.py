@@ -166,9 +166,10 @@ def _env_int(env: dict[str, str], name: str, default: int) -> int:
 
 
 # Launchers' variables that say this process is one of several, where RANK and WORLD_SIZE say
-# nothing: Kubeflow Trainer's for torchrun (a TrainJob whose command is `python train.py` gets
-# them, and no RANK), torchrun's local group, and Open MPI's.
-LAUNCH_SIZE_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+# nothing: Kubeflow Trainer's node count (a TrainJob of several nodes whose command is
+# `python train.py` runs it once on each, with no RANK) and Open MPI's. Not its
+# PET_NPROC_PER_NODE: that is torchrun's to use (the CPU count, for `auto`), one process without it.
+LAUNCH_SIZE_VARIABLES = ("PET_NNODES", "OMPI_COMM_WORLD_SIZE")
 
 
 def _refuse_a_launch_without_rank(env: dict[str, str]) -> None:
@@ -176,7 +177,7 @@ def _refuse_a_launch_without_rank(env: dict[str, str]) -> None:
     every row of the table (twice the rows for two, with no error)."""
     for name in LAUNCH_SIZE_VARIABLES:
         raw = env.get(name, "").strip()
-        if raw.isdigit() and int(raw) > 1:
+        if raw.isdecimal() and int(raw) > 1:
             raise ConfigError(
                 f"`{name}={raw}` says this is one of several processes, but `RANK` and `WORLD_SIZE` are not set, "
                 "so each process would read every row: launch with torchrun (it sets both), set them, or pass "
