@@ -743,3 +743,35 @@ def test_a_sigterm_whose_raise_a_log_call_swallowed_still_ends_the_run(fake, mak
     assert time.monotonic() - started < 20  # one status poll (5 s) after the signal, not the 60 s deadline
     assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
     assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_a_sigterm_swallowed_in_the_wait_turn_that_finds_the_cache_ready_still_ends_the_run(
+    fake, make_sim, run_initializer, monkeypatch
+):
+    """That turn logs its last lines, then returns ready: a SIGTERM whose raise one of them
+    swallowed was lost, and the run ended 0, its cache kept through the pod's deletion."""
+    import os
+    import signal
+
+    from kubeflow_cache_initializer import wait
+
+    sent = []
+    log_changes = wait._Progress.log_changes
+
+    def log_changes_swallowing_a_sigterm(self) -> None:
+        log_changes(self)
+        if not sent and self.ready():
+            sent.append(True)
+            try:  # as logging.Handler.handleError does with what a handler's emit raised
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+            except Exception:
+                pass
+
+    monkeypatch.setattr(wait._Progress, "log_changes", log_changes_swallowing_a_sigterm)
+    add_train_job(fake, "job-a")
+    code, error = run_initializer(initializer_env(make_sim("healthy"), CACHE_READY_TIMEOUT_SECONDS="60"))
+
+    assert sent
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+    assert fake.items("leaderworkersets", NAMESPACE) == []

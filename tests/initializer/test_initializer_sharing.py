@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -126,7 +127,7 @@ def test_a_failed_shared_cache_no_other_job_uses_is_deleted(fake, make_sim, run_
     assert code != 0
     assert "AccessDenied" in error
     assert fake.get("leaderworkersets", NAMESPACE, CACHE) is None
-    assert f"deleted LeaderWorkerSet {CACHE} so that its pods free their resources" in caplog.text
+    assert f"deleted shared LeaderWorkerSet {CACHE}, which failed with this TrainJob's settings" in caplog.text
 
 
 def test_a_shared_cache_whose_maker_timed_out_is_kept_for_a_job_that_joined(fake, make_sim, run_initializer, caplog):
@@ -322,3 +323,46 @@ def test_a_sweeps_train_jobs_joining_one_shared_cache_at_once_all_join(fake, mak
     owners = {ref["name"] for ref in fake.get("leaderworkersets", NAMESPACE, CACHE)["metadata"]["ownerReferences"]}
     assert owners == set(jobs)
     assert any(r[0] == "PATCH" and r[3] == 409 for r in fake.responses), "the joins never met: nothing was tested"
+
+
+def test_a_maker_keeps_a_cache_another_job_made_anew_under_its_name(fake, make_sim, run_initializer):
+    """Job A's cache is deleted (by hand, as a joiner's error advises) and job B makes it anew
+    while A waits; A's watch relists after an API server restart and never sees the delete. B's
+    cache then fails for good: A, which made the first one, must not delete B's by its name."""
+    add_train_job(fake, "job-a")
+    job_b = add_train_job(fake, "job-b")
+    owner_b = {"apiVersion": job_b["apiVersion"], "kind": "TrainJob", "name": "job-b", "uid": job_b["metadata"]["uid"]}
+
+    def made_anew_by_b() -> None:
+        while not (fake.get("leaderworkersets", NAMESPACE, CACHE) and len(fake.items("pods", NAMESPACE)) == 3):
+            time.sleep(0.02)
+        fake.wait_for_watches(("leaderworkersets", "pods"))
+        with fake.cond:
+            old = fake.get("leaderworkersets", NAMESPACE, CACHE)
+            worker = next(p for p in fake.items("pods", NAMESPACE) if p["metadata"]["name"].endswith("-1"))
+            fake.delete("leaderworkersets", NAMESPACE, CACHE)
+            new = copy.deepcopy(old)
+            new["metadata"] = {k: v for k, v in new["metadata"].items() if k not in ("uid", "resourceVersion")}
+            new["metadata"]["ownerReferences"] = [owner_b]
+            new = fake.put("leaderworkersets", new)
+            pod = copy.deepcopy(worker)
+            pod["metadata"] = {k: v for k, v in pod["metadata"].items() if k not in ("uid", "resourceVersion")}
+            pod["metadata"]["ownerReferences"] = [
+                {"apiVersion": new["apiVersion"], "kind": "LeaderWorkerSet", "name": CACHE,
+                 "uid": new["metadata"]["uid"], "controller": True}
+            ]  # fmt: skip
+            (status,) = pod["status"]["containerStatuses"]
+            status.update(ready=False, state={"waiting": {"reason": "CrashLoopBackOff"}},
+                          lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}})  # fmt: skip
+            fake.put("pods", pod)
+            fake.compact(end_watches=True)  # A's watches relist: they never see the delete
+
+    remake = threading.Thread(target=made_anew_by_b, daemon=True)
+    remake.start()
+    code, error = run_initializer(
+        initializer_env(make_sim("stuck"), "job-a", DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="30")
+    )
+    remake.join(30)
+
+    assert code != 0 and "was OOMKilled" in error and "was deleted" not in error
+    assert _owners(fake.get("leaderworkersets", NAMESPACE, CACHE)) == [("job-b", False)]

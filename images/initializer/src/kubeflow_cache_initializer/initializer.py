@@ -224,6 +224,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
             )
         _ensure_key_secret(kube, cfg, cache)
         status = wait_until_ready(kube, cfg, deadline)
+        termination.raise_if_received()  # one whose raise a log line of the last turn swallowed
     except Exception as err:
         # Whatever ended the wait (a hopeless pod, the deadline, an API error such as a missing
         # watch grant, something unforeseen), this run reports failure and its dedicated cache
@@ -234,15 +235,13 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         if not cfg.shared:
             _delete_cache(kube, cfg, names.cache)
         elif not _made_by_another(cache, train_job):
-            if _hopeless(err):
+            if _hopeless(err) and _delete_made(kube, cfg, names.cache, cache):
                 # Made with this job's settings, which no retry cures: kept for the jobs that
                 # joined it, it held its pods while each of them failed on it, and their retries
-                # joined it again. Deleted, their waits end and their retries make it anew, with
-                # their own settings.
-                _delete_cache(kube, cfg, names.cache)
+                # joined it again. Deleted, their waits end, and a retry may make it anew.
                 raise type(err)(
-                    f"{err}. Shared cache {names.cache}, made with this TrainJob's settings, was deleted (any "
-                    "TrainJob that had joined it makes it anew with its own settings when its initializer retries)"
+                    f"{err}. Shared cache {names.cache}, made with this TrainJob's settings, was deleted; a "
+                    "TrainJob that had joined it may make it anew, with its own settings, when it runs again"
                 ) from err
             # Made by this job, maybe joined since: freed as a dedicated one is, unless another
             # TrainJob now uses it (a deadline that passed says nothing of theirs). Left in place,
@@ -322,6 +321,20 @@ def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: 
                 log.warning("could not delete shared LeaderWorkerSet %s: %s", name, err)
                 return
     log.warning("kept shared LeaderWorkerSet %s: it kept changing while being deleted", name)
+
+
+def _delete_made(kube: Kube, cfg: Config, name: str, cache: dict) -> bool:
+    """Delete the shared cache this run made (``cache``, by its uid), whoever joined it since;
+    False where it is gone or another made one anew under its name (kept: not this job's)."""
+    kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    try:
+        kube.delete(LEADER_WORKER_SETS, cfg.namespace, name, preconditions={"uid": cache["metadata"]["uid"]})
+    except KubeApiError as err:
+        if not (err.not_found or err.conflict):
+            log.warning("could not delete shared LeaderWorkerSet %s: %s", name, err)
+        return False
+    log.info("deleted shared LeaderWorkerSet %s, which failed with this TrainJob's settings", name)
+    return True
 
 
 def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:
