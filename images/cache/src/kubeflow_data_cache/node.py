@@ -249,7 +249,9 @@ class DataNode(ReadOnlyFlight):
         self.metrics.follow_load(self._load_progress)
         self.metrics.follow_memory(cfg.memory_limit, self._open_streams_of, STREAM_KINDS)
         # `load` and `count` refused for their cluster key: warned of once a spell, with the caller.
-        self._key_refusals = RefusalWarnings(log)
+        # One per action: a flood of refused counts must not hide a refused load (a head whose
+        # key differs) for a minute, nor be counted with it.
+        self._key_refusals = {action: RefusalWarnings(log) for action in (protocol.ACTION_LOAD, protocol.ACTION_COUNT)}
         self._admitting = threading.Lock()  # a stream's order claim and its admission, together
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
@@ -483,7 +485,7 @@ class DataNode(ReadOnlyFlight):
         """Refuse the head's actions (``load``, ``count``) without its cluster key, where one is set."""
         if key_matches(self.cfg.cluster_key, body.get(protocol.CLUSTER_KEY_FIELD)):
             return
-        self._key_refusals.refused(f"refused a {action} without the cluster key", caller(context))
+        self._key_refusals[action].refused(f"refused a {action} without the cluster key", caller(context))
         raise BadRequestError(
             f"{action}: the cluster key is missing or wrong: this action is the head's; give the head and every "
             "data node the same DATA_CACHE_CLUSTER_KEY"

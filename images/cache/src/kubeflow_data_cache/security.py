@@ -121,8 +121,8 @@ def load_cluster_key(key: str | None) -> str | None:
     what the cache serves, so where a key is set they carry it and are refused without it; so
     does the head's ``count``, which runs a reader's filter on a node once for all its readers.
     Readers never need it: the reader token (DATA_CACHE_TOKEN) alone no longer lets a trainer, or
-    any pod that can reach the port, register a data node of its own, make one load another
-    table, or have one run predicates past the head's de-duplication.
+    any pod that can reach the port, register a data node of its own or make one load another
+    table. (Tickets are unsigned: a forged DoGet ticket can still make a node evaluate a filter.)
     """
     if key is None:
         return None
