@@ -271,7 +271,8 @@ def test_a_plain_loaders_new_worker_names_a_head_that_stopped_answering(table_fa
     try:
         cluster.wait_ready()
         ds = DataCacheDataset(cluster.endpoint, batch_size=4096, columns=["id"], deadline_seconds=2)
-        loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=60)
+        # forkserver: a fork of this process would carry the clients other tests left open.
+        loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="forkserver", timeout=60)
         assert sum(len(batch["id"]) for batch in loader) == ROWS  # epoch 0, in a worker gone since
         freeze(head.pid)
         ds.set_epoch(1)
