@@ -35,6 +35,7 @@ from kubeflow_data_cache.constants import (
 from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError, shown
 from kubeflow_data_cache.expansion import measure_expansions
 from kubeflow_data_cache.iceberg_reader import is_remote, reads_prebuffered, rows_after_deletes
+from kubeflow_data_cache.row_bytes import varies
 from kubeflow_data_cache.s3_settings import endpoint_variable, store_trouble
 
 log = logging.getLogger(__name__)
@@ -112,23 +113,6 @@ def _reads_batchwise(data_file, leaves: frozenset[int]) -> bool:
         data_file.record_count / groups > BATCHWISE_MIN_GROUP_ROWS
         or data_file.file_size_in_bytes / groups > BATCHWISE_MIN_GROUP_BYTES
     )
-
-
-def fixed_width(schema: pa.Schema) -> bool:
-    """Whether every row of ``schema`` is one size (numbers, temporals, fixed-size binaries and
-    lists of them, structs of those): only then is a batch of a known row count a known size."""
-
-    def fixed(t: pa.DataType) -> bool:
-        if pa.types.is_struct(t):
-            return all(fixed(t.field(i).type) for i in range(t.num_fields))
-        if pa.types.is_fixed_size_list(t):
-            return fixed(t.value_type)
-        try:
-            return t.bit_width > 0
-        except ValueError:
-            return False
-
-    return all(fixed(field.type) for field in schema)
 
 
 def batchwise_window(data_file, leaves: frozenset[int], whole: int, rows_one_size: bool) -> int:
@@ -638,7 +622,8 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     tasks = scan_tasks(table, metadata_location)
     expansions = measure_expansions(table, tasks, schema, iceberg_fields, ceiling=VARIABLE_WIDTH_EXPANSION)
     written = written_fields(table, tasks)
-    leaves, rows_one_size = _leaf_field_ids(table), fixed_width(schema)
+    # Only where every row is one size is a batch of a known row count a known size.
+    leaves, rows_one_size = _leaf_field_ids(table), not any(varies(field.type) for field in schema)
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
