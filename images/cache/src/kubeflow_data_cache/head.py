@@ -38,7 +38,7 @@ from kubeflow_data_cache.errors import (
     server_message,
     shown,
 )
-from kubeflow_data_cache.load_progress import waiting_reads
+from kubeflow_data_cache.load_progress import load_totals, waiting_reads
 from kubeflow_data_cache.memory import check_fits, local_load_threads, under_local
 from kubeflow_data_cache.node import server_kwargs
 from kubeflow_data_cache.plan import (
@@ -282,9 +282,7 @@ class Head(ReadOnlyFlight):
     def _load_progress(self) -> tuple[int, int, float]:
         """What the nodes loading read so far, summed, and the longest any of their oldest
         reads has waited, by their latest status (as /ready's detail says it)."""
-        loading = [s["loading"] for s in list(self.node_status.values()) if s.get("loading")]
-        waits = [(p.get("oldest_read") or {}).get("seconds", 0.0) for p in loading]
-        return sum(p.get("rows", 0) for p in loading), sum(p.get("bytes", 0) for p in loading), max(waits, default=0.0)
+        return load_totals(s["loading"] for s in list(self.node_status.values()) if s.get("loading"))
 
     def _node_states(self) -> list[str]:
         """Each data node's state, as /status gives it."""

@@ -116,6 +116,15 @@ def slow_read_seconds() -> float:
     return SLOW_READ_SECONDS  # read when asked, so that tests can lower it
 
 
+def load_totals(loadings: Iterable[dict[str, Any]]) -> tuple[int, int, float]:
+    """(rows, bytes, longest wait of an oldest read) over loads under way, each as
+    ``LoadProgress.status()`` gives it: a node's own, or a head's over its nodes' last polls."""
+    loadings = list(loadings)
+    waits = [(loading.get("oldest_read") or {}).get("seconds", 0.0) for loading in loadings]
+    rows = sum(loading.get("rows", 0) for loading in loadings)
+    return rows, sum(loading.get("bytes", 0) for loading in loadings), max(waits, default=0.0)
+
+
 def waiting_reads(
     nodes: Iterable[tuple[int, dict[str, Any]]], at_least: float | None = None, below: float = float("inf")
 ) -> str:

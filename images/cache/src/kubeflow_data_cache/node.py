@@ -44,7 +44,7 @@ from kubeflow_data_cache.errors import (
     shown,
 )
 from kubeflow_data_cache.filtering import FilterCache, matched_rows
-from kubeflow_data_cache.load_progress import LoadProgress
+from kubeflow_data_cache.load_progress import LoadProgress, load_totals
 from kubeflow_data_cache.memory import LoadMemoryGuard, LoadMemoryWatch, ServeMemoryGuard, resident_bytes
 from kubeflow_data_cache.offsets import has_offsets, rebaser
 from kubeflow_data_cache.plan import Piece, arrow_schema, open_table, scan_tasks
@@ -127,14 +127,7 @@ def server_kwargs(cfg: NodeConfig, metrics: Metrics) -> dict[str, Any]:
     if cfg.tls.certificates:
         kwargs["tls_certificates"] = cfg.tls.certificates
     if cfg.token:
-
-        def refused(method: str) -> None:
-            # Refused before the handler, so a DoAction's type is not known: action "". A request
-            # too, so that errors stay a subset of requests (an error rate above 1 otherwise).
-            metrics.requests.labels(method=method, action="").inc()
-            metrics.errors.labels(method=method, action="", code="UNAUTHENTICATED").inc()
-
-        kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token, on_refused=refused)}
+        kwargs["middleware"] = {"auth": TokenAuthFactory(cfg.token, on_refused=metrics.token_refused)}
         metrics.count_token_refusals()
     return kwargs
 
@@ -476,10 +469,7 @@ class DataNode(ReadOnlyFlight):
     def _load_progress(self) -> tuple[int, int, float]:
         """(rows, bytes, oldest read's wait) of the load under way, as /ready and /status say them."""
         progress = self._progress
-        if self.lifecycle.state != LOADING or progress is None:
-            return 0, 0, 0.0
-        oldest = progress.oldest()
-        return progress.rows, progress.bytes, oldest[1] if oldest else 0.0
+        return load_totals([progress.status()] if self.lifecycle.state == LOADING and progress is not None else [])
 
     def _require_key(self, action: str, body: dict[str, Any], context: Any) -> None:
         """Refuse the head's actions (``load``, ``count``) without its cluster key, where one is set."""

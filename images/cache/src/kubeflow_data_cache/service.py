@@ -211,11 +211,18 @@ class Metrics:
         ProcessCollector(registry=r)
 
     def count_token_refusals(self) -> None:
-        """A token is set: the calls it refuses (before their handler, so with action "") have
-        their series from the start, for each method this role serves."""
+        """A token is set: the calls it refuses (token_refused) have their series from the
+        start, for each method this role serves."""
         for method in dict.fromkeys(method for method, _ in ROLE_CALLS.get(self.role, ())):
             self.requests.labels(method=method, action="")
             self.errors.labels(method=method, action="", code="UNAUTHENTICATED")
+
+    def token_refused(self, method: str) -> None:
+        """Count a call the token check refused. Before the handler, so a DoAction's type is not
+        known: action "". A request too, so that errors stay a subset of requests (an error rate
+        above 1 otherwise)."""
+        self.requests.labels(method=method, action="").inc()
+        self.errors.labels(method=method, action="", code="UNAUTHENTICATED").inc()
 
     def follow(self, lifecycle: Lifecycle, rows: Callable[[], int], nbytes: Callable[[], int]) -> None:
         """Read ``ready``, the state and what is held when scraped, from the state /ready and
