@@ -85,7 +85,7 @@ def released() -> Iterator[None]:
     global _holding, _pending
     kube, _holding = _holding, None
     try:
-        if kube is not None and (_pending or _received):
+        if kube is not None and _received:  # pending (held back) or raised and lost
             _pending = False
             raise TerminatedError(MESSAGE)
         yield
