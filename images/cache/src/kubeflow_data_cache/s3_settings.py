@@ -364,15 +364,20 @@ def _timeout_now() -> str:
     return f"now {given}" if given else "3 s unless set, e.g. AWS_TIMEOUT=30s"
 
 
+def _endpoint_as(endpoint: str, scheme: str) -> str:
+    """The endpoint setting, written with ``scheme`` in place of its own: the fix to give."""
+    return f"{endpoint_variable()}={scheme}://{endpoint.split('://', 1)[1]}"
+
+
 def _unreachable(endpoint: str | None, err: BaseException) -> StoreTrouble:
     if endpoint:
         name = endpoint_variable()
         fix = f"check that {name} names the store's host and port, reachable from here"
         if "wrong version number" in str(err) and endpoint.lower().startswith("https://"):
-            fix = f"the store answered in plain HTTP: write {name}=http://{endpoint.split('://', 1)[1]}"
+            fix = f"the store answered in plain HTTP: write {_endpoint_as(endpoint, 'http')}"
         elif "curlCode: 56" in str(err) and endpoint.lower().startswith("http://"):
             # Connected, then the connection was reset: what a TLS-only port does to plain HTTP.
-            fix += f"; if the store serves HTTPS there, write {name}=https://{endpoint.split('://', 1)[1]}"
+            fix += f"; if the store serves HTTPS there, write {_endpoint_as(endpoint, 'https')}"
         return StoreTrouble(f"cannot reach the object store at {endpoint} ({name})", fix)
     return StoreTrouble(
         "cannot reach AWS S3 (no AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL is set)",
@@ -456,10 +461,9 @@ def store_trouble(err: BaseException, endpoint: str | None) -> StoreTrouble | No
         )
         if endpoint and endpoint.lower().startswith("http://"):
             # MinIO (Go's HTTP server) answers plain HTTP on its TLS port with a 400 alone.
-            name = endpoint_variable()
             fix += (
                 f"; or, if the store serves HTTPS only (a plain-HTTP request to a TLS port is answered 400), "
-                f"write {name}=https://{endpoint.split('://', 1)[1]}"
+                f"write {_endpoint_as(endpoint, 'https')}"
             )
         return StoreTrouble("the request was refused as a bad request", fix)
     return None
