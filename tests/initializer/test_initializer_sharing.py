@@ -334,7 +334,9 @@ def test_a_maker_keeps_a_cache_another_job_made_anew_under_its_name(fake, make_s
     owner_b = {"apiVersion": job_b["apiVersion"], "kind": "TrainJob", "name": "job-b", "uid": job_b["metadata"]["uid"]}
 
     def made_anew_by_b() -> None:
+        deadline = time.monotonic() + 30
         while not (fake.get("leaderworkersets", NAMESPACE, CACHE) and len(fake.items("pods", NAMESPACE)) == 3):
+            assert time.monotonic() < deadline, "job A made no cache"
             time.sleep(0.02)
         fake.wait_for_watches(("leaderworkersets", "pods"))
         with fake.cond:
