@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import queue
 import re
+import signal
 import socket
 import threading
 import time
@@ -700,49 +703,99 @@ def test_a_sigterm_held_then_raised_leaves_nothing_pending(monkeypatch):
         pass
 
 
-def test_a_sigterm_whose_raise_a_log_call_swallowed_still_ends_the_run(fake, make_sim, run_initializer):
-    """The handler raises where the main thread is; inside a log call, logging's own error
-    handling caught it, printed it and went on, and SIGTERM was ignored from then on: the run
-    waited out its deadline, and its cache stayed, holding its pods through the suspension."""
-    import logging
-    import os
-    import signal
+class _SignalledWhileEmitting(logging.Handler):
+    """Sends SIGTERM from within the emit of the first record that says ``said``, guarded as
+    logging's handlers guard theirs: the handler's raise is caught, printed and forgotten."""
 
-    add_train_job(fake, "job-a")
-    sim = make_sim("stuck")
+    def __init__(self, said: str) -> None:
+        super().__init__()
+        self.said, self.sent = said, False
 
-    class SignalledWhileEmitting(logging.Handler):
-        """Sends SIGTERM from within one emit, guarded as logging's handlers guard theirs."""
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.sent or self.said not in record.getMessage():
+            return
+        self.sent = True
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, in the main thread
+        except Exception:
+            self.handleError(record)
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.sent = False
 
-        def emit(self, record: logging.LogRecord) -> None:
-            if self.sent or "cache pods ready" not in record.getMessage():
-                return
-            self.sent = True
-            try:
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.05)  # the handler runs here, in the main thread
-            except Exception:
-                self.handleError(record)
-
-    handler = SignalledWhileEmitting()
+@contextlib.contextmanager
+def _sigterm_swallowed_when_logged(said: str):
+    handler = _SignalledWhileEmitting(said)
     logger = logging.getLogger("kubeflow_cache_initializer")
     logger.addHandler(handler)
     raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False  # the traceback print, not needed
     try:
-        started = time.monotonic()
-        code, error = run_initializer(initializer_env(sim, CACHE_READY_TIMEOUT_SECONDS="60"))
+        yield handler
     finally:
         logger.removeHandler(handler)
         logging.raiseExceptions = raise_exceptions
+
+
+def test_a_sigterm_whose_raise_a_log_call_swallowed_still_ends_the_run(fake, make_sim, run_initializer):
+    """The handler raises where the main thread is; inside a log call, logging's own error
+    handling caught it, printed it and went on, and SIGTERM was ignored from then on: the run
+    waited out its deadline, and its cache stayed, holding its pods through the suspension."""
+    add_train_job(fake, "job-a")
+    sim = make_sim("stuck")
+    with _sigterm_swallowed_when_logged("cache pods ready") as handler:
+        started = time.monotonic()
+        code, error = run_initializer(initializer_env(sim, CACHE_READY_TIMEOUT_SECONDS="60"))
 
     assert handler.sent
     assert time.monotonic() - started < 20  # one status poll (5 s) after the signal, not the 60 s deadline
     assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
     assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_a_sigterm_swallowed_in_an_api_retry_warning_ends_the_retries(fake, make_sim, run_initializer):
+    """The API retry loop logs each retry: a SIGTERM lost there was retried through to the
+    run's deadline, which then failed as an API outage (exit 1), not a SIGTERM (143)."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("trainjobs", "get")] = [503] * 100
+    with _sigterm_swallowed_when_logged("trying again in") as handler:
+        started = time.monotonic()
+        code, error = run_initializer(initializer_env(make_sim("healthy"), CACHE_READY_TIMEOUT_SECONDS="30"))
+
+    assert handler.sent
+    assert time.monotonic() - started < 10
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+    assert len(fake.fail_next[("trainjobs", "get")]) >= 98  # no retry after the one that logged the signal
+
+
+def test_the_cleanup_after_a_sigterm_still_retries_its_delete(fake, make_sim, run_initializer):
+    """The cleanup a SIGTERM starts retries a delete the API fails for a moment: the SIGTERM
+    that ended the run's retries must not end the cleanup's, or the cache holds its pods."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("leaderworkersets", "delete")] = [503, 503]
+    with _sigterm_swallowed_when_logged("cache pods ready") as handler:
+        code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="60"))
+
+    assert handler.sent
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+    assert fake.fail_next[("leaderworkersets", "delete")] == []
+    assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_a_sigterm_swallowed_while_waiting_for_a_cache_to_go_ends_the_wait(fake, run_initializer):
+    """The wait for a shared cache being deleted logs before it watches: a SIGTERM lost there
+    was watched through to the run's deadline, then failed as a timeout (exit 1)."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(None, DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="20")
+    dying = build_leader_worker_set(load_config(env), [], "some-secret")
+    dying["metadata"].pop("ownerReferences")
+    dying["metadata"] |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "finalizers": ["example.com/slow"]}
+    fake.put("leaderworkersets", dying)
+    with _sigterm_swallowed_when_logged("waiting for it to go") as handler:
+        started = time.monotonic()
+        code, error = run_initializer(env)
+
+    assert handler.sent
+    assert time.monotonic() - started < 10
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
 
 
 def test_a_sigterm_swallowed_in_the_wait_turn_that_finds_the_cache_ready_still_ends_the_run(

@@ -299,6 +299,7 @@ def _wait_deleted(kube: Kube, resource: Resource, existing: dict, deadline: floa
         log.info("%s is being deleted; waiting for it to go before creating it again", _describe(existing))
     version = existing["metadata"]["resourceVersion"]
     while True:
+        termination.raise_if_received()  # one whose raise the last turn's log line swallowed
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             why = (

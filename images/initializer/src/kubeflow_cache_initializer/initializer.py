@@ -183,6 +183,8 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     deadline = time.monotonic() + cfg.ready_timeout_seconds
     # An API server or webhook restarting (no answer, 429, 5xx) is waited out, up to this run's deadline.
     kube.deadline = deadline
+    # A SIGTERM whose raise a retry's warning swallowed ends the retries (it waited out the deadline).
+    kube.before_retry = termination.raise_if_received
     names = cache_names(cfg)
     train_job = get_train_job(kube, cfg)
     cfg = with_dataset_secret(cfg, train_job)
@@ -260,6 +262,14 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     return CacheReady(cache=names.cache, service=names.service, flight_url=names.flight_url, status=status)
 
 
+def _start_cleanup(kube: Kube) -> None:
+    """Give a cleanup's calls their own CLEANUP_SECONDS of retries (the run's deadline has usually
+    passed by then, and an API outage may be what ended it), and let a SIGTERM no longer end
+    them: the SIGTERM may be what this cleanup is for."""
+    kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    kube.before_retry = None
+
+
 def _hopeless(err: Exception) -> bool:
     """Whether the cache failed in a way no retry with its settings cures (a pod OOM-killed or
     exiting, an image that cannot be pulled, a load error), rather than being deleted under us."""
@@ -298,7 +308,7 @@ def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: 
     """Delete a shared cache whose only owner is this TrainJob. The delete holds only for the
     LeaderWorkerSet as read (its resourceVersion): a TrainJob joining in between changes it, the
     API answers 409, and the cache is read again and kept for that job."""
-    kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    _start_cleanup(kube)
     for _ in range(c.PATCH_CONFLICT_RETRIES):
         try:
             current = kube.get(LEADER_WORKER_SETS, cfg.namespace, name)
@@ -326,7 +336,7 @@ def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: 
 def _delete_made(kube: Kube, cfg: Config, name: str, cache: dict) -> bool:
     """Delete the shared cache this run made (``cache``, by its uid), whoever joined it since;
     False where it is gone or another made one anew under its name (kept: not this job's)."""
-    kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    _start_cleanup(kube)
     try:
         kube.delete(LEADER_WORKER_SETS, cfg.namespace, name, preconditions={"uid": cache["metadata"]["uid"]})
     except KubeApiError as err:
@@ -343,7 +353,7 @@ def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:
     The run's deadline has usually passed by now, and an API outage may be what ended it: the
     delete gets its own CLEANUP_SECONDS of retries.
     """
-    kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    _start_cleanup(kube)
     try:
         kube.delete(LEADER_WORKER_SETS, cfg.namespace, name)
         log.info("deleted LeaderWorkerSet %s so that its pods free their resources", name)

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -136,6 +136,9 @@ class Kube:
         self.api_client = api_client
         self.request_timeout = request_timeout
         self.deadline = deadline  # time.monotonic() until which passing failures are retried; None: never
+        # Asked before each retry in the main thread; may raise to end the retries (a SIGTERM
+        # whose raise the retry's own warning swallowed: see termination). None: nothing to ask.
+        self.before_retry: Callable[[], None] | None = None
         # "verb what" -> (monotonic time it began failing, its latest error), while it is retried.
         self.troubles: dict[str, tuple[float, str]] = {}
 
@@ -172,6 +175,8 @@ class Kube:
                     failing_since = time.monotonic()
                 self.troubles[key] = (failing_since, str(err))
                 log.warning("%s; trying again in %.1fs", err, pause)
+                if self.before_retry is not None and threading.current_thread() is threading.main_thread():
+                    self.before_retry()
                 if stop is not None:
                     if stop.wait(pause):  # stopped while waiting: no further request
                         self.troubles.pop(key, None)

@@ -8,7 +8,9 @@ let finish (its retries cut short), and the SIGTERM is raised after it.
 
 A handler's raise can also be lost: arriving inside a log call, it is caught by logging's own
 error handling, which prints it and goes on. So the run's loops also ask `raise_if_received` at
-each turn: a SIGTERM that came is raised there, if it was not already.
+each turn: a SIGTERM that came is raised there, if it was not already. The API calls' retry
+loop asks it too, after the warning each retry logs (`Kube.before_retry`), until the cleanup
+starts: the cleanup a SIGTERM began must still retry its deletes.
 """
 
 from __future__ import annotations
