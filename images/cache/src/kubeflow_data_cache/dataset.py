@@ -49,6 +49,7 @@ from kubeflow_data_cache.protocol import (
     ShardRequest,
     info_inner_list_lengths,
     info_list_lengths,
+    info_matching_rows,
     info_null_counts,
 )
 from kubeflow_data_cache.row_bytes import varies as varies_in_size
@@ -202,6 +203,11 @@ def _data_parallel(rank: Any, world_size: Any) -> tuple[int, int] | None:
 
 class RepeatedEpochWarning(UserWarning):
     """A shuffled epoch read again without ``set_epoch``: the same order as the last read."""
+
+
+class EmptyEpochWarning(UserWarning):
+    """An epoch in which no reader yields a batch, though the table (or filter) has rows: ``even``
+    or ``drop_last`` leaves every shard nothing to yield."""
 
 
 @dataclass(frozen=True)
@@ -398,6 +404,7 @@ class DataCacheDataset(IterableDataset):
         # Set once the repeat warning was given, in any worker: said once per dataset, not per
         # worker per epoch (a plain DataLoader starts new workers every epoch).
         self._repeat_warned = SharedInt()
+        self._empty_warned = SharedInt()  # the same, for EmptyEpochWarning
         # One connection to the cache, kept from epoch to epoch (client.KeptClient).
         self._connection = KeptClient()
         self._progress: _Progress | None = None
@@ -558,7 +565,7 @@ class DataCacheDataset(IterableDataset):
                 interleave=request.shuffle,
                 start=skip,
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
-                check_info=self._check_columns,
+                check_info=lambda info: self._check_info(info, request),
                 # Signals reach the main thread only: there Ctrl-C (or a handler that saves a
                 # checkpoint) must not wait on a frozen node's Flight call (up to a minute). Not in
                 # a DataLoader worker, whose parent takes the Ctrl-C: the thread hop costs ~10%.
@@ -687,6 +694,35 @@ class DataCacheDataset(IterableDataset):
         for start in range(0, rows, size):
             stop = min(start + size, rows)
             yield _slice(converted, start, stop), stop - start
+
+    def _check_info(self, info: flight.FlightInfo, request: ShardRequest) -> None:
+        self._check_columns(info)
+        self._warn_if_no_shard_yields(info, request)
+
+    def _warn_if_no_shard_yields(self, info: flight.FlightInfo, request: ShardRequest) -> None:
+        """Say, once per dataset, when ``even`` or ``drop_last`` leaves this epoch no batch on any
+        reader while the table has rows: the loop trained zero steps each epoch, without a word.
+        Under ``even`` every shard has this one's size, so all readers are in the same case."""
+        matching = info_matching_rows(info.app_metadata)
+        rows = info.total_records
+        if self.even is None or matching is None or self._empty_warned.value:
+            return
+        if rows and not (self.drop_last and rows < self.batch_size):
+            return
+        self._empty_warned.value = 1
+        holder = "the filter's matching rows" if self._request.filter else "the table's rows"
+        if rows:
+            why = f"leave {rows} rows in each, fewer than batch_size={self.batch_size} with drop_last=True"
+            fix = "a smaller batch_size, drop_last=False, or fewer ranks or DataLoader workers"
+        else:
+            why = 'leave no row in any under even="drop"'
+            fix = 'even="pad" (repeats a few rows), or fewer ranks or DataLoader workers'
+        warnings.warn(
+            f"DataCacheDataset yields no batch on any reader this epoch: {holder} ({matching}) split into "
+            f"{request.num_shards} shards (ranks x DataLoader workers) {why}. Use {fix}.",
+            EmptyEpochWarning,
+            stacklevel=2,
+        )
 
     def _check_columns(self, info: flight.FlightInfo) -> None:
         """Refuse, before the first batch, a column the default conversion cannot take because

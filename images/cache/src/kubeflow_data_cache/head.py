@@ -614,6 +614,7 @@ class Head(ReadOnlyFlight):
             protocol.INFO_NULL_COUNTS: self._null_counts(schema, statuses),
             protocol.INFO_LIST_LENGTHS: self._ragged_lists(schema, statuses),
             protocol.INFO_INNER_LIST_LENGTHS: self._ragged_inner_lists(schema, statuses),
+            protocol.INFO_MATCHING_ROWS: total,
         }
         figures = {key: value for key, value in figures.items() if value}
         metadata = json.dumps(figures).encode() if figures else b""

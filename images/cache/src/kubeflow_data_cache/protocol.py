@@ -40,6 +40,10 @@ ORDER_VERSION = 2
 INFO_NULL_COUNTS = "null_counts"
 INFO_LIST_LENGTHS = "list_lengths"
 INFO_INNER_LIST_LENGTHS = "inner_list_lengths"
+# Also, with or without a filter: "matching_rows", the rows all shards share out (the table's,
+# or the filter's matches) before ``even`` drops or pads, where there are any. A reader whose
+# shard got none of them under ``even`` knows that no shard did (they are all one size).
+INFO_MATCHING_ROWS = "matching_rows"
 
 
 def info_null_counts(app_metadata: bytes) -> dict[str, int]:
@@ -57,6 +61,16 @@ def info_inner_list_lengths(app_metadata: bytes) -> dict[str, list[tuple[int, in
     """The lists-of-lists columns whose inner lists differ in length, each level's ``(fewest,
     most)`` values or None, as a FlightInfo's app_metadata carries them ({} where it sends none)."""
     return _info_figures(app_metadata, INFO_INNER_LIST_LENGTHS, _level_bounds)
+
+
+def info_matching_rows(app_metadata: bytes) -> int | None:
+    """The rows all shards share out, as a FlightInfo's app_metadata carries them (None where it
+    does not: a cache from before the figure, or no rows)."""
+    try:
+        value = json.loads(app_metadata or b"{}").get(INFO_MATCHING_ROWS)
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _level_bounds(value: Any) -> list[tuple[int, int] | None]:
