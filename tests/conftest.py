@@ -20,6 +20,7 @@ import pytest
 
 from kubeflow_data_cache.processes import stop_processes
 from kubeflow_data_cache.sample import SampleTable, create_sample_table
+from kubeflow_data_cache.security import CLUSTER_KEY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_SECONDS = 120.0
@@ -62,6 +63,11 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}-{first + span - 1}")
 
 
+# The key a LocalCache's head and nodes share (`local` makes one up where none is set): known,
+# so that a test can sign a ticket it changed, and reach the node's checks behind the signature.
+TEST_CLUSTER_KEY = "test-cluster-key"
+
+
 class LocalCache:
     """`data-cache local` as a subprocess: waits for its READY line, stops it on exit."""
 
@@ -73,13 +79,19 @@ class LocalCache:
         args: tuple = (),
         options: tuple = (),
         preexec: Callable[[], None] | None = None,
+        cluster_key: str | None = TEST_CLUSTER_KEY,
     ):
         """``args`` go after `local`, ``options`` (such as --log-level) before it; ``preexec``
-        runs in the child before `data-cache` starts (its streams are set up by then)."""
+        runs in the child before `data-cache` starts (its streams are set up by then).
+        ``cluster_key`` None: none set, so `local` draws its own (``env`` may set one too)."""
         self.port = free_port()
         self.endpoint = f"grpc://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kubeflow_data_cache", *options, "local", "--metadata-loc", metadata_loc]
         cmd += ["--data-nodes", str(data_nodes), "--port", str(self.port), *args]
+        key = (env or {}).get(CLUSTER_KEY_ENV, cluster_key)  # one in ``env`` wins
+        child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != CLUSTER_KEY_ENV}
+        if key is not None:
+            child_env[CLUSTER_KEY_ENV] = key
         # stderr goes to a file: a chatty failure could fill a pipe nobody reads and block the nodes.
         self._stderr_file = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the cache)
         self.proc = subprocess.Popen(
@@ -87,7 +99,7 @@ class LocalCache:
             stdout=subprocess.PIPE,
             stderr=self._stderr_file,
             text=True,
-            env={**os.environ, **(env or {})},
+            env=child_env,
             start_new_session=True,
             preexec_fn=preexec,
         )

@@ -16,9 +16,10 @@ from kubeflow_data_cache.dataset import DataCacheDataset
 from kubeflow_data_cache.errors import ConfigError
 from kubeflow_data_cache.head import Head
 from kubeflow_data_cache.node import DataNode
+from kubeflow_data_cache.protocol import TICKET_SIGNATURE_FIELD, ShardRequest, ticket_signature, with_skip
 from tests.cache.conftest import run_data_cache
 from tests.cache.inprocess import FLAGS, wait_for
-from tests.conftest import LocalCache
+from tests.conftest import LocalCache, running_cache
 
 KEY = "k3y-of-the-cluster-7Qx"
 ROWS, OTHER_ROWS = 1200, 777
@@ -146,11 +147,68 @@ def test_the_cli_exits_2_on_an_empty_cluster_key(tmp_path):
     assert "DATA_CACHE_CLUSTER_KEY is set but empty" in done.stderr
 
 
-def test_local_gives_its_nodes_a_key_of_its_own(small_cache):
-    """No DATA_CACHE_CLUSTER_KEY in its env: `local` draws one, so its head refuses a stranger."""
+def test_local_gives_its_nodes_a_key_of_its_own(small_table):
+    """No DATA_CACHE_CLUSTER_KEY in its env: `local` draws one, so its head refuses a stranger,
+    and signs its tickets with it."""
     body = {"index": 0, "location": "grpc://127.0.0.1:9", "load_threads": 1}
-    with pytest.raises(pa.ArrowInvalid, match="register: the cluster key is missing or wrong"):
-        action(small_cache.endpoint, "register", body)
+    with running_cache(small_table.metadata_location, data_nodes=1, cluster_key=None) as cache:
+        with pytest.raises(pa.ArrowInvalid, match="register: the cluster key is missing or wrong"):
+            action(cache.endpoint, "register", body)
+        (endpoint,) = _flight_info(cache.endpoint).endpoints
+        assert TICKET_SIGNATURE_FIELD in json.loads(endpoint.ticket.ticket)
+        with pytest.raises(pa.ArrowInvalid, match="the ticket is not signed by this cache's head"):
+            _read(endpoint, _resigned(endpoint, "a-guess"))
+
+
+def _flight_info(endpoint: str, request: ShardRequest | None = None) -> flight.FlightInfo:
+    with flight.connect(endpoint) as client:
+        descriptor = flight.FlightDescriptor.for_command((request or ShardRequest()).to_json())
+        return client.get_flight_info(descriptor)
+
+
+def _read(endpoint: flight.FlightEndpoint, ticket: bytes) -> pa.Table:
+    with flight.connect(endpoint.locations[0].uri.decode()) as node:
+        return node.do_get(flight.Ticket(ticket), flight.FlightCallOptions(timeout=30)).read_all()
+
+
+def _resigned(endpoint: flight.FlightEndpoint, key: str | None, **change) -> bytes:
+    """The endpoint's ticket with ``change`` made, signed with ``key`` (None: unsigned)."""
+    body = {k: v for k, v in json.loads(endpoint.ticket.ticket).items() if k != TICKET_SIGNATURE_FIELD}
+    body |= change
+    if key is not None:
+        body[TICKET_SIGNATURE_FIELD] = ticket_signature(body, key)
+    return json.dumps(body).encode()
+
+
+def test_a_data_node_serves_only_the_tickets_its_head_signed(keyed_cache):
+    """A reader (the token is all it holds) cannot make a ticket up: a node evaluated any
+    predicate a forged ticket carried, one the head never checked, for any row numbers."""
+    request = ShardRequest(filter="id < 600", columns=("id",))
+    endpoints = _flight_info(keyed_cache.endpoint, request).endpoints
+    assert sum(_read(e, e.ticket.ticket).num_rows for e in endpoints) == 600
+    endpoint = endpoints[0]
+    head_body = json.loads(endpoint.ticket.ticket)
+    for forged in (
+        _resigned(endpoint, None),  # the signature left out
+        _resigned(endpoint, "a-guess"),  # signed with another key
+        # The head's signature kept, with another predicate, or other row numbers.
+        json.dumps({**head_body, "request": {**head_body["request"], "filter": "id >= 0"}}).encode(),
+        json.dumps({**head_body, "offset": head_body["offset"] + 1}).encode(),
+    ):
+        with pytest.raises(pa.ArrowInvalid, match="the ticket is not signed by this cache's head") as refused:
+            _read(endpoint, forged)
+        assert "Traceback" not in str(refused.value)
+    # What a client may change, its skip (a resume), is outside the signature.
+    assert _read(endpoint, with_skip(endpoint.ticket.ticket, 7)).num_rows == endpoint_rows(endpoint) - 7
+    # Said in the node's log, with the caller, once for the spell (not once per call).
+    refusals = [
+        line for line in keyed_cache.read_stderr().splitlines() if "refused a ticket its head did not sign" in line
+    ]
+    assert len(refusals) == 1 and "from ipv4:127.0.0.1:" in refusals[0], refusals
+
+
+def endpoint_rows(endpoint: flight.FlightEndpoint) -> int:
+    return json.loads(endpoint.ticket.ticket)["rows"]
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from pyiceberg.table import StaticTable
 
 from kubeflow_data_cache.errors import server_message
-from kubeflow_data_cache.protocol import ShardRequest, Ticket
+from kubeflow_data_cache.protocol import TICKET_SIGNATURE_FIELD, ShardRequest, Ticket, ticket_signature
 from kubeflow_data_cache.sample import sample_batch
 from tests.cache.conftest import read_descriptor
-from tests.conftest import running_cache
+from tests.conftest import TEST_CLUSTER_KEY, running_cache
 
 
 def read_path_shard(endpoint: str, index: int, total: int) -> tuple[flight.FlightInfo, pa.Table]:
@@ -251,6 +251,11 @@ def test_a_request_past_16_mib_is_refused_before_it_is_parsed(small_cache):
     assert read_path_shard(small_cache.endpoint, 0, 1)[1].num_rows == 10_000
 
 
+def _signed(body: dict) -> bytes:
+    """A ticket's JSON object, signed as the head of a LocalCache signs it."""
+    return json.dumps({**body, TICKET_SIGNATURE_FIELD: ticket_signature(body, TEST_CLUSTER_KEY)}).encode()
+
+
 def test_bad_and_stale_tickets(small_cache):
     info, _ = read_path_shard(small_cache.endpoint, 0, 1)
     node = flight.FlightClient(info.endpoints[0].locations[0].uri.decode())
@@ -258,18 +263,19 @@ def test_bad_and_stale_tickets(small_cache):
         node.do_get(flight.Ticket(b"garbage")).read_all()
     assert_no_server_traceback(malformed.value)
     ticket = Ticket.from_json(info.endpoints[0].ticket.ticket)
+    # Signed with the cluster key, as the head signs them: the node's checks behind the signature.
     stale = Ticket("other-load", ticket.node, ticket.offset, ticket.node_rows, ticket.total, ticket.request)
     with pytest.raises(pa.ArrowInvalid, match="stale ticket: issued for data node"):
-        node.do_get(flight.Ticket(stale.to_json())).read_all()
+        node.do_get(flight.Ticket(stale.to_json(TEST_CLUSTER_KEY))).read_all()
     # Another node's ticket: with nodes of equal size this node would serve its own rows under
     # the other's offset, other rows than the head counted, without a word.
     other = Ticket(ticket.generation, 1 - ticket.node, ticket.offset, ticket.node_rows, ticket.total, ticket.request)
     with pytest.raises(pa.ArrowInvalid, match=f"stale ticket: issued for data node {1 - ticket.node} "):
-        node.do_get(flight.Ticket(other.to_json())).read_all()
+        node.do_get(flight.Ticket(other.to_json(TEST_CLUSTER_KEY))).read_all()
     # A ticket expecting other rows on this node than it holds (a reload with another share).
     moved = Ticket(ticket.generation, ticket.node, ticket.offset, ticket.node_rows + 1, ticket.total, ticket.request)
     with pytest.raises(pa.ArrowInvalid, match=f"stale ticket: it expects {ticket.node_rows + 1} rows on this node"):
-        node.do_get(flight.Ticket(moved.to_json())).read_all()
+        node.do_get(flight.Ticket(moved.to_json(TEST_CLUSTER_KEY))).read_all()
     # Forged numbers and versions are refused as bad requests, not failed inside the stream.
     body = json.loads(info.endpoints[0].ticket.ticket)
     for change, refusal in (
@@ -288,7 +294,7 @@ def test_bad_and_stale_tickets(small_cache):
         ({"total": 2**63, "node_rows": 0}, "'total' should be <= 9223372036854775807"),
     ):
         with pytest.raises(pa.ArrowInvalid) as refused:
-            node.do_get(flight.Ticket(json.dumps({**body, **change}).encode())).read_all()
+            node.do_get(flight.Ticket(_signed({**body, **change}))).read_all()
         assert refusal in str(refused.value)
         assert_no_server_traceback(refused.value)
     # The server survives all of it.

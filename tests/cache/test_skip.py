@@ -29,6 +29,7 @@ from kubeflow_data_cache.protocol import (
     with_skip,
 )
 from tests.cache.inprocess import get, wait_for
+from tests.conftest import TEST_CLUSTER_KEY
 
 
 def served(port: int) -> float:
@@ -310,6 +311,6 @@ def test_a_ticket_whose_rows_were_changed_is_refused_not_served_short_or_long(
     skip = ticket.rows + skip_past if skip_past is not None else 0
     changed = replace(ticket, rows=ticket.rows + more_rows, skip=skip)
     with pytest.raises(pa.ArrowInvalid, match=f"this stream holds {ticket.rows}: tickets come from the head"):
-        node.do_get(flight.Ticket(changed.to_json())).read_all()
+        node.do_get(flight.Ticket(changed.to_json(TEST_CLUSTER_KEY))).read_all()
     assert node.do_get(endpoint.ticket).read_all().num_rows == ticket.rows  # the head's ticket still serves
     node.close()

@@ -32,6 +32,10 @@ class BadRequestError(DataCacheError, ValueError):
     too, as every other bad argument of the client is)."""
 
 
+class UnsignedTicketError(BadRequestError):
+    """A ticket its data node's head did not sign (protocol.check_ticket_signature)."""
+
+
 class NotReadyError(DataCacheError):
     """The cache has not finished loading (or its load failed)."""
 

@@ -606,7 +606,7 @@ class Head(ReadOnlyFlight):
                 ticket = protocol.Ticket(
                     self.generation, node, offsets[node], counts[node], total, req, rows=streamed, order=order
                 )
-                endpoints.append(flight.FlightEndpoint(ticket.to_json(), [self._location(node)]))
+                endpoints.append(flight.FlightEndpoint(ticket.to_json(self.cfg.cluster_key), [self._location(node)]))
         rows = sum(per_node)
         # What readers that stack columns into tensors must refuse before their first batch.
         statuses = list(self.node_status.values()) if req.filter is None else self._filter_answers(req.filter)

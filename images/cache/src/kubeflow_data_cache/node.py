@@ -40,6 +40,7 @@ from kubeflow_data_cache.errors import (
     NotReadyError,
     StaleTicketError,
     TableLoadError,
+    UnsignedTicketError,
     first_line,
     shown,
 )
@@ -244,7 +245,9 @@ class DataNode(ReadOnlyFlight):
         # `load` and `count` refused for their cluster key: warned of once a spell, with the caller.
         # One per action: a flood of refused counts must not hide a refused load (a head whose
         # key differs) for a minute, nor be counted with it.
-        self._key_refusals = {action: RefusalWarnings(log) for action in (protocol.ACTION_LOAD, protocol.ACTION_COUNT)}
+        self._key_refusals = {
+            what: RefusalWarnings(log) for what in (protocol.ACTION_LOAD, protocol.ACTION_COUNT, "ticket")
+        }
         self._admitting = threading.Lock()  # a stream's order claim and its admission, together
         self._load_lock = threading.Lock()
         self._load_thread: threading.Thread | None = None
@@ -698,7 +701,11 @@ class DataNode(ReadOnlyFlight):
         raise NotImplementedError("GetSchema goes to the head (the cache's endpoint), not to a data node")
 
     def do_get(self, context, ticket):
-        t = protocol.Ticket.from_json(ticket.ticket)
+        try:
+            t = protocol.Ticket.from_json(ticket.ticket, self.cfg.cluster_key)
+        except UnsignedTicketError:
+            self._key_refusals["ticket"].refused("refused a ticket its head did not sign", caller(context))
+            raise
         store, filters, table_rows, generation = self._loaded()
         if t.generation != generation or t.node != self.cfg.node_index:
             raise StaleTicketError(

@@ -11,6 +11,8 @@ docs/protocol.md for the prose version.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import operator
 import re
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kubeflow_data_cache.errors import BadRequestError, first_line, shown
+from kubeflow_data_cache.errors import BadRequestError, UnsignedTicketError, first_line, shown
 
 PROTOCOL_VERSION = 1
 # Tickets that carry a skip say so in their version: a node from before skipping (which accepts
@@ -417,8 +419,9 @@ class Ticket:
         else:
             _require(self.skip == 0, "'skip' needs 'rows': this ticket's head does not serve skips")
 
-    def to_json(self) -> bytes:
-        body = {
+    def to_json(self, key: str | None = None) -> bytes:
+        """The ticket's JSON; signed (``sig``) with ``key``, the cluster key, where one is given."""
+        body: dict[str, Any] = {
             "v": SKIP_VERSION if self.skip else PROTOCOL_VERSION,
             "generation": self.generation,
             "node": self.node,
@@ -431,12 +434,16 @@ class Ticket:
             body.update(rows=self.rows, skip=self.skip)
         if self.order is not None:
             body["order"] = self.order
+        if key is not None:
+            body[TICKET_SIGNATURE_FIELD] = ticket_signature(body, key)
         return json.dumps(body, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Ticket:
+    def from_json(cls, raw: bytes, key: str | None = None) -> Ticket:
+        """Parse a ticket; with ``key`` (the node's cluster key), only one its head signed."""
         data = _loads(raw, "ticket")
         _require(isinstance(data, dict), "a ticket should be a JSON object")
+        check_ticket_signature(data, key)
         version = data.get("v")
         _require(
             type(version) is int and version in (PROTOCOL_VERSION, SKIP_VERSION),  # not 1.0 or true
@@ -459,6 +466,38 @@ class Ticket:
             )
         except KeyError as missing:
             raise BadRequestError(f"malformed ticket: missing field {missing}") from None
+
+
+# A ticket's signature: HMAC-SHA256, under the cluster key (DATA_CACHE_CLUSTER_KEY), of every
+# field but the ones a client may change (its skip, and the version that says it skips), which
+# the node checks against its own counts. Where head and nodes have a key, a node serves only
+# the tickets its head wrote: a reader cannot make one up, to have a node evaluate a predicate
+# the head never checked, or stream rows under numbers the head never gave.
+TICKET_SIGNATURE_FIELD = "sig"
+_UNSIGNED_TICKET_FIELDS = frozenset({"v", "skip", TICKET_SIGNATURE_FIELD})
+_TICKET_SIGNATURE_CONTEXT = b"kubeflow-data-cache ticket\n"
+
+
+def ticket_signature(body: dict[str, Any], key: str) -> str:
+    """The signature of a ticket's JSON object ``body`` (parsed, or as the head builds it)."""
+    signed = {name: value for name, value in body.items() if name not in _UNSIGNED_TICKET_FIELDS}
+    message = json.dumps(signed, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key.encode(), _TICKET_SIGNATURE_CONTEXT + message, hashlib.sha256).hexdigest()
+
+
+def check_ticket_signature(body: dict[str, Any], key: str | None) -> None:
+    """Refuse a ticket whose signature is missing or wrong, where the node has a key."""
+    if key is None:
+        return
+    given = body.get(TICKET_SIGNATURE_FIELD)
+    if not isinstance(given, str) or not hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), ticket_signature(body, key).encode()
+    ):
+        raise UnsignedTicketError(
+            "the ticket is not signed by this cache's head: tickets come from the head's GetFlightInfo, "
+            "unchanged but for their skip (a head and data nodes of different versions, or with different "
+            "DATA_CACHE_CLUSTER_KEY values, also give this)"
+        )
 
 
 def _ticket_count(raw: bytes, name: str) -> int | None:

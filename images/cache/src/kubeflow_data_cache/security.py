@@ -122,7 +122,8 @@ def load_cluster_key(key: str | None) -> str | None:
     does the head's ``count``, which runs a reader's filter on a node once for all its readers.
     Readers never need it: the reader token (DATA_CACHE_TOKEN) alone no longer lets a trainer, or
     any pod that can reach the port, register a data node of its own or make one load another
-    table. (Tickets are unsigned: a forged DoGet ticket can still make a node evaluate a filter.)
+    table. The head also signs its tickets with it, and data nodes serve no other
+    (protocol.check_ticket_signature).
     """
     if key is None:
         return None
