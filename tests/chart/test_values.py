@@ -72,6 +72,13 @@ SPREAD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfia
             {"manager": {"topologySpreadConstraints": [{**SPREAD, "labelselector": {}}]}},
             r"'labelselector' not allowed",
         ),
+        # The API server refuses both: the controller's Deployment failed after the schema passed it.
+        (
+            {"manager": {"topologySpreadConstraints": [{**SPREAD, "minDomains": 2}]}},
+            r"/manager/topologySpreadConstraints/0/whenUnsatisfiable",
+        ),
+        ({"manager": {"nodeSelector": {"pool": "gpu nodes"}}}, r"/manager/nodeSelector/pool"),
+        ({"manager": {"nodeSelector": {"bad key": "x"}}}, r"invalid propertyName 'bad key'"),
         ({"dataCache": {"lws": {"allowCrdRemoval": "yes"}}}, r"/dataCache/lws/allowCrdRemoval"),
         # A misspelt affinity kind or rule list: helm template went on, and the pod had no affinity.
         ({"manager": {"affinity": {"nodeAfinity": {}}}}, r"'nodeAfinity' not allowed"),
@@ -129,6 +136,7 @@ def test_schema_allows_the_default_values():
 def test_a_pod_topology_spread_constraint_keeps_every_field_of_the_pod_spec():
     spread = {
         **SPREAD,
+        "whenUnsatisfiable": "DoNotSchedule",  # minDomains is only taken with it
         "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "manager"}},
         "matchLabelKeys": ["pod-template-hash"],
         "minDomains": 2,
@@ -176,3 +184,14 @@ def test_standard_and_fully_qualified_resource_names_are_accepted():
     resources = {"requests": names, "limits": names}
     render_chart({"manager": {"resources": resources}, "lws": {"resources": resources}})
     render_chart({"dataCache": {"enabled": True, "initializer": {"resources": resources}}})
+
+
+@pytest.mark.parametrize("key", ["on", "yes", "null", "0x10", "true"])
+def test_a_common_label_key_yaml_reads_as_another_type_stays_the_string_given(key):
+    """Written bare, ``on`` parsed as the label ``true`` (YAML 1.1), ``null`` failed the install."""
+    labelled = [
+        o for o in render_chart({"commonLabels": {key: "x"}}) if "helm.sh/chart" in o["metadata"].get("labels", {})
+    ]
+    assert labelled
+    for obj in labelled:
+        assert obj["metadata"]["labels"].get(key) == "x", (obj["kind"], obj["metadata"]["name"])

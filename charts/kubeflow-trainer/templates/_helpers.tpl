@@ -37,7 +37,7 @@ own (the data cache): (list $ "<label value>").
 {{- $labels := dict "helm.sh/chart" (include "trainer.chart" $root) "app.kubernetes.io/version" (index . 1) "app.kubernetes.io/managed-by" $root.Release.Service "app.kubernetes.io/part-of" "kubeflow" }}
 {{- /* commonLabels win over the chart's non-selector labels (part-of, version...): one key, one value. */}}
 {{- range $key, $value := merge (deepCopy ($root.Values.commonLabels | default dict)) $labels }}
-{{ $key }}: {{ $value | quote }}
+{{ $key | quote }}: {{ $value | quote }}
 {{- end }}
 {{- end }}
 
