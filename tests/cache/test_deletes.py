@@ -31,7 +31,7 @@ from pyiceberg.table.snapshots import Operation
 from pyiceberg.table.update.snapshot import _FastAppendFiles
 from pyiceberg.typedef import Record
 
-from kubeflow_data_cache.errors import UnsupportedTableError
+from kubeflow_data_cache.errors import TableLoadError, UnsupportedTableError
 from kubeflow_data_cache.plan import open_table, plan_table
 from kubeflow_data_cache.sample import create_sample_table, make_catalog, sample_batch
 from tests.cache.conftest import read_path_shards
@@ -235,6 +235,21 @@ def test_the_head_counts_live_rows_from_the_delete_files_alone(writable_table):
     rows = {f.path: f.rows for f in plan.files}
     assert {path: rows[path] for path in expected} == expected
     assert plan.rows == live
+
+
+def test_a_missing_positional_delete_file_is_named_with_the_fix(writable_table):
+    """Read while planning, outside the handling a data file's read has: a bare
+    FileNotFoundError, without the advice a missing data file gets."""
+    _, middle, _ = data_files(writable_table)
+    table = add_position_deletes(writable_table, {middle: [0, 5]}, scoped_to_file=True)
+    (delete_file,) = [p for p in Path(urlparse(table.location()).path, "data").iterdir() if "pos-deletes" in p.name]
+    delete_file.unlink()
+    with pytest.raises(TableLoadError) as failed:
+        plan_table(open_table(table.metadata_location), table.metadata_location)
+    message = str(failed.value)
+    assert message.startswith(f"cannot read the positional delete file(s) {table.location()}/data/{delete_file.name}")
+    assert f"of data file {middle}: it is gone, though the table's metadata names it" in message
+    assert "point METADATA_LOC at the current metadata.json" in message
 
 
 def test_a_delete_position_past_its_files_end_deletes_nothing(writable_table):

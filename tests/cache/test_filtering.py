@@ -833,3 +833,108 @@ def test_filters_work_past_the_first_slice_of_fixed_size_lists_of_structs_and_nu
     store = NodeStore(table.schema, table.to_batches(max_chunksize=10))
     monkeypatch.setattr(filtering, "FILTER_SLICE_ROWS", 4)
     assert matching_rows(store, predicate).tolist() == [i for i, v in enumerate(values) if keep(i, v)]
+
+
+def _rows_of_structs(rows: int) -> pa.StructArray:
+    """One struct per row, null in odd rows, its required field 7 everywhere: under the null
+    structs too, as a Parquet reader leaves it (a placeholder the struct's nulls hide)."""
+    return pa.StructArray.from_arrays(
+        [pa.array([7] * rows, pa.int32())],
+        fields=[pa.field("z", pa.int32(), nullable=False)],
+        mask=pa.array([i % 2 == 1 for i in range(rows)]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("holder", "field"),
+    [
+        ("list", "c[1]"),
+        ("large list", "c[1]"),
+        ("fixed-size list", "c[1]"),
+        ("map", "c['k']"),
+        ("list in a struct", "c['l'][1]"),
+        ("list of lists", "c[1][1]"),
+    ],
+)
+@pytest.mark.parametrize("slice_rows", [4, 1 << 16])
+def test_a_null_struct_inside_a_list_or_map_reads_as_null_in_every_field(monkeypatch, holder, field, slice_rows):
+    """Only top-level structs had their nulls passed down to their fields: inside a list or a
+    map, a filter read the placeholder under a null struct, and `c[1]['z'] = 7` matched rows
+    whose struct is null (which `c[1] IS NULL` also matched)."""
+    from kubeflow_data_cache import filtering
+
+    rows = 23
+    structs = _rows_of_structs(rows)
+    one_each = pa.array(range(rows + 1), pa.int32())
+    column = {
+        "list": lambda: pa.ListArray.from_arrays(one_each, structs),
+        "large list": lambda: pa.LargeListArray.from_arrays(pa.array(range(rows + 1), pa.int64()), structs),
+        "fixed-size list": lambda: pa.FixedSizeListArray.from_arrays(structs, 1),
+        "map": lambda: pa.MapArray.from_arrays(one_each, pa.array(["k"] * rows), structs),
+        "list in a struct": lambda: pa.StructArray.from_arrays([pa.ListArray.from_arrays(one_each, structs)], ["l"]),
+        "list of lists": lambda: pa.ListArray.from_arrays(one_each, pa.ListArray.from_arrays(one_each, structs)),
+    }[holder]()
+    table = pa.table({"id": pa.array(range(rows), pa.int64()), "c": column})
+    store = NodeStore(table.schema, table.to_batches(max_chunksize=10))
+    monkeypatch.setattr(filtering, "FILTER_SLICE_ROWS", slice_rows)
+
+    held = list(range(0, rows, 2))
+    assert matching_rows(store, f"{field}['z'] = 7").tolist() == held
+    assert matching_rows(store, f"{field}['z'] IS NULL").tolist() == list(range(1, rows, 2))
+    assert matching_rows(store, f"{field}['z'] = 7 AND {field} IS NULL").tolist() == []
+    # What is served keeps the column as stored: only the filter's copy is rebuilt.
+    assert store.batches[0].column(1).equals(column.slice(0, 10))
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [
+        # '1.104' became 1.10 at the column's scale: each matched row 2, which holds 1.10.
+        ("price = '1.104'", []),
+        ("price >= '1.104'", [0]),
+        ("price <> '1.104'", [0, 1, 2, 4]),
+        ("price BETWEEN '1.104' AND '1.2'", []),
+        ("price IN ('1.104', '0.30')", [4]),
+        ("nullif(price, '1.104') IS NULL", [3]),
+    ],
+)
+def test_a_decimal_compared_with_a_string_of_more_digits_than_its_scale_is_refused(decimal_store, predicate, rows):
+    """SQL casts the string to the decimal's own type, rounding it: pyiceberg refuses such a
+    literal ("scales differ"), and the cache matched rows that are not equal to it."""
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(decimal_store, predicate)
+    message = str(refused.value)
+    suggested = "CAST('1.104' AS DECIMAL(19, 3))"
+    assert "compares a decimal128(18, 2) value with the string '1.104'" in message and message.endswith(suggested)
+    assert matching_rows(decimal_store, predicate.replace("'1.104'", suggested)).tolist() == rows
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [("price = '1.10'", [2]), ("price = '1.1'", [2]), ("price = '1.100'", [2]), ("price < '-0'", [1])],
+)
+def test_a_string_the_decimals_scale_holds_exactly_is_taken(decimal_store, predicate, rows):
+    assert matching_rows(decimal_store, predicate).tolist() == rows
+
+
+@pytest.mark.parametrize(
+    ("predicate", "written", "suggested"),
+    [
+        ("price = CAST(1.1 AS DECIMAL(38, 20))", "CAST(1.1 AS DECIMAL(38, 20))", "CAST('1.1' AS DECIMAL(38, 20))"),
+        ("price = 1.1::decimal(38,20)", "1.1::decimal(38,20)", "CAST('1.1' AS DECIMAL(38, 20))"),
+        (
+            "price = TRY_CAST(-1.1 AS DECIMAL(30, 10))",
+            "TRY_CAST(-1.1 AS DECIMAL(30, 10))",
+            "CAST('-1.1' AS DECIMAL(30, 10))",
+        ),
+    ],
+)
+def test_a_number_with_a_point_cast_to_a_decimal_is_refused(decimal_store, predicate, written, suggested):
+    """The cast converts the number through binary floating point: CAST(1.1 AS DECIMAL(38, 20))
+    is 1.10000000000000008192, and matched no row holding 1.10."""
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(decimal_store, predicate)
+    message = str(refused.value)
+    assert "through binary floating point" in message and message.endswith(suggested), message
+    expected = [] if suggested.startswith("CAST('-") else [2]
+    assert matching_rows(decimal_store, predicate.replace(written, suggested)).tolist() == expected

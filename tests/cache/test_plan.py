@@ -643,12 +643,12 @@ S3_ERRORS = {
 def test_a_data_file_the_store_fails_names_the_setting_to_check(monkeypatch, case, problem, fix):
     """A data file's read named the file and the S3 client's text only: the endpoint and its
     variable, the region, the certificate went unsaid (the metadata read named some of them)."""
-    from kubeflow_data_cache.store import _read_error
+    from kubeflow_data_cache.plan import file_read_error
 
     for name in ("AWS_ENDPOINT_URL_S3", "SSL_CERT_FILE"):
         monkeypatch.delenv(name, raising=False)
     err = OSError(S3_ERRORS[case])
-    message = _read_error("s3://b/d.parquet", err, "http://minio:9000")
+    message = file_read_error("s3://b/d.parquet", err, "http://minio:9000")
     assert message.startswith(f"cannot read data file s3://b/d.parquet: {problem}: {fix}"), message
     assert message.endswith(f"({S3_ERRORS[case]})")  # the client's own words are kept, after the fix
     metadata = str(_open_error("s3://b/m.metadata.json", "s3://b/m.metadata.json", err, "http://minio:9000"))
@@ -693,13 +693,13 @@ def test_the_sdks_own_internal_failure_is_not_called_the_stores():
 def test_a_data_file_gone_between_planning_and_its_read_is_named_as_gone():
     """Found by the planning's HEAD, gone by the GET: the S3 client's NO_SUCH_KEY, which came
     through raw, without the "it is gone" of a file found missing at once."""
-    from kubeflow_data_cache.store import _read_error
+    from kubeflow_data_cache.plan import file_read_error
 
     err = OSError(
         "Could not open Parquet input source '<Buffer>': AWS Error NO_SUCH_KEY during GetObject operation: "
         "The specified key does not exist."
     )
-    message = _read_error("s3://b/d.parquet", err, "http://minio:9000")
+    message = file_read_error("s3://b/d.parquet", err, "http://minio:9000")
     assert message.startswith("cannot read data file s3://b/d.parquet: it is gone, though the table's metadata names")
     assert message.endswith("point METADATA_LOC at the current metadata.json")
 

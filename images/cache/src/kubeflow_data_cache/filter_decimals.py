@@ -10,13 +10,18 @@ no row, where pyiceberg, Spark and Trino match it (49 of 60 such equalities miss
 compared with a decimal(18, 2) column is, it becomes 1.23 and matches rows it should not).
 DataFusion's option to read such numbers as decimals is no cure: a float column compared with
 one is then cast to a decimal, which fails on NaN.
+
+Two more forms round on the way: a string with more digits after the point than the decimal's
+scale (`price = '1.234'` on a decimal(18, 2) column is `price = 1.23`; pyiceberg refuses such a
+literal), and a number with a point cast to a decimal (`CAST(1.1 AS DECIMAL(38, 20))` converts
+the double 1.1 and is 1.10000000000000008192). Both are refused, naming the exact form.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from decimal import Decimal
+from decimal import Context, Decimal, InvalidOperation
 
 import pyarrow as pa
 
@@ -32,6 +37,10 @@ COMPARING_FUNCTIONS = frozenset({"nullif", "least", "greatest", "coalesce", "nvl
 # then compared 0.2 + 0.1 with 0.3 in binary and missed the row holding 0.20.
 ARITHMETIC_OPERATORS = frozenset({"+", "-", "*", "/", "%"})
 MIXING_OPERATORS = COMPARING_OPERATORS | ARITHMETIC_OPERATORS
+# Casts, whose operand is converted to their type (a number with a point, through floating point).
+CASTS = frozenset({"Cast", "TryCast"})
+# Enough digits for any decimal128 and any string compared with one, for exact checks.
+_EXACT = Context(prec=100)
 # Wrappers a number passes through unchanged in value (its sign aside).
 NUMBER_WRAPPERS = frozenset({"Negative", "Cast", "TryCast", "Alias"})
 
@@ -39,7 +48,8 @@ NUMBER_WRAPPERS = frozenset({"Negative", "Cast", "TryCast", "Alias"})
 def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType], predicate: str) -> None:
     """Refuse (BadRequestError) a comparison of a decimal value with a floating-point number
     (a literal with a point or an exponent, or any expression of such numbers without a column),
-    or arithmetic of the two.
+    or arithmetic of the two; the same with a string of more digits than the decimal's scale;
+    and a cast of a floating-point number to a decimal.
 
     ``type_of(expr)``: the type ``expr`` has over the table. Call this only for tables with a
     decimal column (has_decimal): it plans an expression for each operand it types (once each)."""
@@ -53,6 +63,12 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
         return kind if kind is not None and test(kind) else None
 
     for expr, form, operands in operations(condition):
+        if form in CASTS:
+            (operand,) = operands[:1]
+            kind = typed(expr, pa.types.is_decimal)
+            if kind is not None and is_constant(operand) and typed(operand, pa.types.is_floating):
+                raise BadRequestError(_cast_refusal(predicate, kind, _number(operand)))
+            continue
         if form in COMPARING_LISTS:
             pairs = [(operands[0], other) for other in operands[1:]]
         elif form == "BinaryExpr" and expr.rex_call_operator() in MIXING_OPERATORS and len(operands) == 2:
@@ -62,16 +78,23 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
         else:
             continue
         numbers = [o for o in operands if is_constant(o) and typed(o, pa.types.is_floating)]
-        if not numbers:
+        texts = {id(o): text for o in operands if (text := _text(o)) is not None}
+        if not numbers and not texts:
             continue
+        arithmetic = form == "BinaryExpr" and expr.rex_call_operator() in ARITHMETIC_OPERATORS
+        verb = "computes" if arithmetic else "compares"
         for a, b in pairs:
-            for value, number in ((a, b), (b, a)):
-                if any(number is n for n in numbers) and not is_constant(value):
+            for value, other in ((a, b), (b, a)):
+                if is_constant(value):
+                    continue
+                if any(other is n for n in numbers):
                     kind = typed(value, pa.types.is_decimal)
                     if kind is not None:
-                        arithmetic = form == "BinaryExpr" and expr.rex_call_operator() in ARITHMETIC_OPERATORS
-                        verb = "computes" if arithmetic else "compares"
-                        raise BadRequestError(_refusal(predicate, kind, _number(number), verb))
+                        raise BadRequestError(_refusal(predicate, kind, _number(other), verb))
+                elif id(other) in texts:
+                    kind = typed(value, pa.types.is_decimal)
+                    if kind is not None and _rounds(texts[id(other)], kind):
+                        raise BadRequestError(_text_refusal(predicate, kind, texts[id(other)], verb))
 
 
 def has_decimal(schema: pa.Schema) -> bool:
@@ -97,16 +120,63 @@ def _refusal(predicate: str, kind: pa.DataType, number: float | None, verb: str)
     )
 
 
+def _cast_refusal(predicate: str, kind: pa.DataType, number: float | None) -> str:
+    shown_number = repr(number) if number is not None else "a floating-point number"
+    digits = _decimal_text(number) if number is not None else "<number>"
+    return (
+        f"invalid filter {shown(predicate)}: it casts {shown_number} to {kind} through binary floating point "
+        "(SQL reads a number with a point or an exponent as a double), which rounds it, so rows equal to it may "
+        f"not match; write the number as a string: CAST('{digits}' AS DECIMAL({kind.precision}, {kind.scale}))"
+    )
+
+
+def _text_refusal(predicate: str, kind: pa.DataType, text: str, verb: str) -> str:
+    value = _EXACT.create_decimal(text.strip())
+    fitting = _fitting(kind, value)
+    fix = (
+        f"CAST('{format(value, 'f')}' AS DECIMAL({fitting}))"
+        if fitting is not None
+        else f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
+    )
+    return (
+        f"invalid filter {shown(predicate)}: it {verb} a {kind} value with the string {shown(text)}, which SQL "
+        f"rounds to the value's {kind.scale} digits after the point, so rows not equal to it match; write the "
+        f"number as a decimal that holds its digits: {fix}"
+    )
+
+
+def _text(expr) -> str | None:
+    """The text of a string literal (through aliases), else None."""
+    while expr.variant_name() == "Alias":
+        (expr,) = expr.rex_call_operands()[:1]
+    if expr.variant_name() != "Literal":
+        return None
+    value = expr.python_value()
+    return value.as_py() if pa.types.is_string(value.type) or pa.types.is_large_string(value.type) else None
+
+
+def _rounds(text: str, kind: pa.DataType) -> bool:
+    """Whether ``text``, a number, has digits past ``kind``'s scale, which a cast to it rounds
+    away (False for what is not a number: the cast's own error names it)."""
+    try:
+        value = _EXACT.create_decimal(text.strip())
+    except InvalidOperation:
+        return False
+    if not value.is_finite():
+        return False
+    return value != value.quantize(Decimal(1).scaleb(-kind.scale), context=_EXACT)
+
+
 def _decimal_text(number: float) -> str:
     """``number`` as plain decimal digits, as Python writes it shortest (1e-05 as 0.00001)."""
     return format(Decimal(repr(number)), "f")
 
 
-def _fitting(kind: pa.DataType, number: float) -> str | None:
+def _fitting(kind: pa.DataType, number: float | Decimal) -> str | None:
     """A decimal's precision and scale that hold both ``kind``'s values and ``number`` exactly (a
     cast to the column's own scale would round 1.234 to 1.23, and match rows it should not);
     None past the 38 digits a decimal128 holds."""
-    value = Decimal(repr(number))
+    value = number if isinstance(number, Decimal) else Decimal(repr(number))
     scale = max(kind.scale, -min(0, value.as_tuple().exponent))
     whole = max(kind.precision - kind.scale, value.adjusted() + 1, 1)
     return f"{whole + scale}, {scale}" if whole + scale <= 38 else None

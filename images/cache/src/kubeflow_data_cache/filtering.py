@@ -141,18 +141,31 @@ def _table_of(slices: list[pa.RecordBatch]):
 
 
 def _holds_struct(t: pa.DataType) -> bool:
-    """A struct, or fixed-size lists of structs: what a slice passes its offset down to."""
-    while pa.types.is_fixed_size_list(t):
-        t = t.value_type
-    return pa.types.is_struct(t) and t.num_fields > 0
+    """A struct (with fields) at any depth inside ``t``: in a struct, a list of any kind or a
+    map's items, what _struct_offset_in_children rebuilds."""
+    if pa.types.is_struct(t):
+        return t.num_fields > 0
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _holds_struct(t.value_type)
+    if pa.types.is_map(t):
+        return _holds_struct(t.item_type)
+    return False
 
 
 def _struct_offset_in_children(column: pa.Array) -> pa.Array:
-    """The same values, rebuilt with offset 0 at every struct and fixed-size list level (the
-    slice's offset moved into the leaf columns, still zero-copy; only the validity bitmaps are
-    new). DataFusion (arrow-rs 59) panics on a sliced struct whose child is a struct, or a sliced
-    fixed-size list of structs ("assertion failed: end <= self.len()"): every filter on such a
-    table failed past its first slice."""
+    """The same values, rebuilt so that DataFusion reads them as Arrow means them:
+
+    - each struct with its nulls passed down to its fields (``flatten``): under a null struct a
+      field holds a placeholder (a Parquet reader's 0, or a value of a required field), which
+      DataFusion reads as the field's value. Top-level structs only, this left a struct inside a
+      list or map matching `l[1]['c'] = 0` where the struct was null;
+    - with offset 0 at every struct and fixed-size list level (the slice's offset moved into the
+      leaf columns, and a list's offsets rebased onto the values it spans). DataFusion (arrow-rs
+      59) panics on a sliced struct whose child is a struct, or a sliced fixed-size list of
+      structs ("assertion failed: end <= self.len()"): every filter on such a table failed
+      past its first slice.
+
+    Zero-copy for the values; only validity bitmaps, and a list's offsets, are new."""
     t = column.type
     if not _holds_struct(t):
         return column
@@ -160,9 +173,20 @@ def _struct_offset_in_children(column: pa.Array) -> pa.Array:
     if pa.types.is_struct(t):
         children = [_struct_offset_in_children(child) for child in column.flatten()]
         return pa.StructArray.from_arrays(children, fields=list(t), mask=mask)
-    size = t.list_size  # a fixed-size list of structs (_holds_struct)
-    values = column.values.slice(column.offset * size, len(column) * size)
-    return pa.FixedSizeListArray.from_arrays(_struct_offset_in_children(values), type=t, mask=mask)
+    if pa.types.is_fixed_size_list(t):
+        size = t.list_size
+        values = column.values.slice(column.offset * size, len(column) * size)
+        return pa.FixedSizeListArray.from_arrays(_struct_offset_in_children(values), type=t, mask=mask)
+    offsets = column.offsets  # this slice's, into values that may span more rows
+    first = offsets[0].as_py()
+    spanned = offsets[-1].as_py() - first
+    rebased = pc.subtract(offsets, pa.scalar(first, offsets.type)) if first else offsets
+    if pa.types.is_map(t):
+        keys = column.keys.slice(first, spanned)
+        items = _struct_offset_in_children(column.items.slice(first, spanned))
+        return pa.MapArray.from_arrays(rebased, keys, items, type=t, mask=mask)
+    values = _struct_offset_in_children(column.values.slice(first, spanned))
+    return type(column).from_arrays(rebased, values, type=t, mask=mask)
 
 
 def matching_rows(

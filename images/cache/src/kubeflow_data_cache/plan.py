@@ -614,6 +614,39 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
     return {task.file.file_path: task for task in planned}
 
 
+def file_read_error(path: str, err: Exception, endpoint: str | None, described: str | None = None) -> str:
+    """Why a table's file (``described``, by default "data file <path>") could not be read, and
+    what to fix where that is known."""
+    described = described or f"data file {path}"
+    trouble = store_trouble(err, endpoint) if is_remote(path) else None
+    if trouble is not None:
+        return f"cannot read {described}: {trouble.problem}: {trouble.fix} ({err})"
+    # A file found at planning (HEAD) but gone by its GET is the S3 client's NO_SUCH_KEY, no
+    # FileNotFoundError: the same cause.
+    if isinstance(err, FileNotFoundError) or "NO_SUCH_KEY" in str(err):
+        # The metadata was read moments ago and names it: the file went after the table was
+        # written (an expired snapshot's files, an orphan-file cleanup), or METADATA_LOC is old.
+        return (
+            f"cannot read {described}: it is gone, though the table's metadata names it ({err}): a "
+            "snapshot expiry or orphan-file cleanup may have removed it, or METADATA_LOC names an older "
+            "metadata.json than the table's current one: point METADATA_LOC at the current metadata.json"
+        )
+    return f"cannot read {described}: {err}"
+
+
+def _rows_after_deletes(table, task) -> int:
+    """``rows_after_deletes``, a failure named as the delete files' (it was a bare
+    FileNotFoundError, without the fix a missing data file's message gives)."""
+    try:
+        return rows_after_deletes(table, task)
+    except Exception as err:
+        deletes = sorted(d.file_path for d in task.delete_files)
+        described = f"the positional delete file(s) {', '.join(deletes)} of data file {task.file.file_path}"
+        raise TableLoadError(
+            file_read_error(deletes[0], err, table.io.properties.get("s3.endpoint"), described)
+        ) from err
+
+
 def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]]:
     """Plan the current snapshot: exact rows per file (after positional deletes) and their
     estimated Arrow size. Returns the plan and the scan tasks by file path."""
@@ -627,7 +660,7 @@ def plan_table(table, metadata_location: str) -> tuple[TablePlan, dict[str, Any]
     files: list[FilePlan] = []
     for path, task in tasks.items():
         deletes = task.delete_files or set()
-        rows = rows_after_deletes(table, task) if deletes else task.file.record_count
+        rows = _rows_after_deletes(table, task) if deletes else task.file.record_count
         columns = estimate_column_bytes(task.file, schema, iceberg_fields, rows, expansions, written.get(path))
         files.append(
             FilePlan(

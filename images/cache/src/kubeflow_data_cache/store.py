@@ -31,9 +31,8 @@ from kubeflow_data_cache.errors import BadRequestError, DataCacheError, TableLoa
 from kubeflow_data_cache.iceberg_reader import is_remote, task_batches, task_deletes
 from kubeflow_data_cache.load_progress import LoadProgress
 from kubeflow_data_cache.offsets import has_offsets, rebased_nbytes, value_offsets
-from kubeflow_data_cache.plan import Piece, estimate_column_bytes
+from kubeflow_data_cache.plan import Piece, estimate_column_bytes, file_read_error
 from kubeflow_data_cache.protocol import widen
-from kubeflow_data_cache.s3_settings import store_trouble
 
 log = logging.getLogger(__name__)
 
@@ -211,24 +210,6 @@ def column_groups(
     return [(tuple(ids), size / total if total else 1 / len(groups)) for ids, size in groups]
 
 
-def _read_error(path: str, err: Exception, endpoint: str | None) -> str:
-    """Why a data file could not be read, and what to fix where that is known."""
-    trouble = store_trouble(err, endpoint) if is_remote(path) else None
-    if trouble is not None:
-        return f"cannot read data file {path}: {trouble.problem}: {trouble.fix} ({err})"
-    # A file found at planning (HEAD) but gone by its GET is the S3 client's NO_SUCH_KEY, no
-    # FileNotFoundError: the same cause.
-    if isinstance(err, FileNotFoundError) or "NO_SUCH_KEY" in str(err):
-        # The metadata was read moments ago and names it: the file went after the table was
-        # written (an expired snapshot's files, an orphan-file cleanup), or METADATA_LOC is old.
-        return (
-            f"cannot read data file {path}: it is gone, though the table's metadata names it ({err}): a "
-            "snapshot expiry or orphan-file cleanup may have removed it, or METADATA_LOC names an older "
-            "metadata.json than the table's current one: point METADATA_LOC at the current metadata.json"
-        )
-    return f"cannot read data file {path}: {err}"
-
-
 def read_piece(
     table,
     task,
@@ -278,7 +259,7 @@ def read_piece(
     except DataCacheError:
         raise  # the guard's own refusal, already saying what to fix
     except Exception as err:
-        raise TableLoadError(_read_error(piece.path, err, table.io.properties.get("s3.endpoint"))) from err
+        raise TableLoadError(file_read_error(piece.path, err, table.io.properties.get("s3.endpoint"))) from err
     if reported < piece.stop - piece.start:
         on_batch(piece.stop - piece.start - reported, 0)
         if on_settled is not None and len(groups) == 1:
