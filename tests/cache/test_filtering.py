@@ -938,3 +938,37 @@ def test_a_number_with_a_point_cast_to_a_decimal_is_refused(decimal_store, predi
     assert "through binary floating point" in message and message.endswith(suggested), message
     expected = [] if suggested.startswith("CAST('-") else [2]
     assert matching_rows(decimal_store, predicate.replace(written, suggested)).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("predicate", "what"),
+    [
+        ("name ~ ('^' || name)", "~"),
+        ("name !~* name", "!~*"),
+        ("NOT (name ~* lower(name))", "~*"),
+        ("regexp_like(name, name)", "regexp_like()"),
+        ("regexp_like(name, 'r', name)", "regexp_like()"),  # the flags
+        ("regexp_count(name, concat_ws('', name)) > 0", None),  # refused for concat_ws itself
+        ("regexp_count(name, '^' || name) > 0", "regexp_count()"),
+        ("regexp_instr(name, 'r', 1, 1, name) > 0", "regexp_instr()"),
+    ],
+)
+def test_a_regular_expression_whose_pattern_names_a_column_is_refused(store, predicate, what):
+    """DataFusion compiles such a pattern for every row and keeps each: `text ~ ('\\w{20}' ||
+    text)` took every data node past 4 GB on one slice, and killed it."""
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(store, predicate)
+    if what is not None:
+        assert f"the pattern of {what} names a column" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("predicate", "rows"),
+    [
+        ("name ~ ('^r' || '[0-2]')", [0, 1, 2]),  # built of constants: compiled once
+        ("regexp_count(name, 'r', id + 1) > 0", [0]),  # a start from a column is no pattern
+        ("name LIKE name", list(range(10))),  # LIKE takes a pattern from a column without that cost
+    ],
+)
+def test_a_constant_pattern_and_a_varying_start_are_taken(store, predicate, rows):
+    assert matching_rows(store, predicate).tolist() == rows
