@@ -82,3 +82,49 @@ def small_table_labels(small_table) -> list[int]:
     from kubeflow_data_cache.plan import open_table
 
     return open_table(small_table.metadata_location).scan(selected_fields=("label",)).to_arrow().column(0).to_pylist()
+
+
+def test_the_head_keeps_a_filters_figures_summed_over_its_nodes_not_each_nodes_answer():
+    """The head kept every node's answer whole, each column's figures once per node, for up to
+    256 filters: 300 filters over 2,000 columns with nulls took a head of two nodes from 137 to
+    264 MiB (about 1 GB, projected, with 16 nodes). What it needs is one sum per column."""
+    import tracemalloc
+
+    from kubeflow_data_cache.head import FilterCount
+
+    columns = [f"c{i:04d}" for i in range(2000)]
+
+    def answer(node: int) -> dict:
+        return {
+            "rows": 100 + node,
+            "null_counts": {c: 1 + node % 2 for c in columns},
+            "list_lengths": {"same": [4, 4], "ragged": [1, 2 + node]},
+            "inner_list_lengths": {"nested": [[2, 2], None]},
+        }
+
+    answers = [answer(node) for node in range(16)]
+    tracemalloc.start()
+    try:
+        kept = FilterCount.of(answers)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept.rows == tuple(100 + node for node in range(16))
+    assert kept.figures["null_counts"] == dict.fromkeys(columns, 24)
+    assert kept.figures["list_lengths"] == {"ragged": [1, 17]}  # lengths that never differ say nothing
+    assert kept.figures["inner_list_lengths"] == {}
+    del answers  # the nodes' answers go; what is kept holds one figure per column
+    assert held < 400_000, held  # the 16 answers: about 2.4 MB
+
+
+def test_a_filtered_flight_info_is_answered_from_the_kept_count(cluster, small_table):  # noqa: F811
+    from kubeflow_data_cache.head import FilterCount
+
+    head, _, _, _ = cluster(small_table.metadata_location)
+    wait_for(lambda: head.lifecycle.state == "ready")
+    descriptor = flight.FlightDescriptor.for_command(ShardRequest(filter="label <> 6").to_json())
+    first = flight.FlightClient(head.location).get_flight_info(descriptor)
+    kept = head._filter_counts["label <> 6"]
+    assert isinstance(kept, FilterCount) and sum(kept.rows) == first.total_records
+    again = flight.FlightClient(head.location).get_flight_info(descriptor)
+    assert (again.total_records, again.app_metadata) == (first.total_records, first.app_metadata)

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from kubeflow_data_cache.client import CacheClient
-from kubeflow_data_cache.head import Head
+from kubeflow_data_cache.head import Head, summed_figures
 from kubeflow_data_cache.protocol import ShardRequest
 from kubeflow_data_cache.sample import make_catalog
 from kubeflow_data_cache.store import NodeStore
@@ -62,11 +62,10 @@ def test_the_heads_per_column_figures_read_the_schemas_names_once_not_per_column
     nulls = {name: 1 for name in schema.names}
     lengths = {name: [1, 2] for name in schema.names}
     head.node_status = {0: {"null_counts": nulls, "list_lengths": lengths}, 1: {"null_counts": nulls}}
-    counting = CountingSchema(schema)
-    statuses = list(head.node_status.values())
-    assert head._null_counts(counting, statuses) == {name: 2 for name in schema.names}
-    assert head._ragged_lists(counting, statuses) == lengths
-    assert head.plan.schema.names_read + counting.names_read <= 4
+    summed = summed_figures(head.node_status.values())
+    assert summed["null_counts"] == {name: 2 for name in schema.names}
+    assert summed["list_lengths"] == lengths
+    assert head.plan.schema.names_read <= 2
 
 
 @pytest.fixture(scope="module")
