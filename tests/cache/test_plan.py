@@ -355,6 +355,42 @@ def test_a_directory_is_not_called_missing(tmp_path):
             open_table(location)
 
 
+# Built by pyiceberg as a table's FileIO only if the table's own properties are handed to it.
+CONSTRUCTED_FROM_TABLE_PROPERTIES: list[dict] = []
+
+
+class RecordingFileIO:
+    def __init__(self, properties: dict) -> None:
+        CONSTRUCTED_FROM_TABLE_PROPERTIES.append(dict(properties))
+
+
+def test_the_tables_own_properties_do_not_set_how_its_files_are_read(tmp_path, caplog):
+    """pyiceberg overlays a static table's metadata properties on the FileIO's: a metadata.json
+    could send the cache's signed reads to another endpoint, or name a class to construct with
+    the properties (`subprocess.Popen` ran a command, `logging.warning` logged the secret key)."""
+    import json
+
+    table = create_sample_table(str(tmp_path / "wh"), 100, 1)
+    metadata = json.loads(Path(table.metadata_location.removeprefix("file://")).read_text())
+    metadata["properties"] |= {
+        "py-io-impl": f"{__name__}.RecordingFileIO",
+        "s3.endpoint": "http://127.0.0.1:9",
+        "s3.secret-access-key": "from-the-table",
+        "write.format.default": "parquet",  # not a FileIO setting: not named
+    }
+    forged = Path(table.metadata_location.removeprefix("file://")).with_name("00099-forged.metadata.json")
+    forged.write_text(json.dumps(metadata))
+
+    opened = open_table(str(forged), {"s3.endpoint": "http://127.0.0.1:5000"})
+
+    assert CONSTRUCTED_FROM_TABLE_PROPERTIES == []
+    assert opened.io.properties == {"s3.endpoint": "http://127.0.0.1:5000"}
+    assert opened.scan().to_arrow().num_rows == 100
+    (warning,) = [r.getMessage() for r in caplog.records if "the cache ignores" in r.getMessage()]
+    assert "set 'py-io-impl, s3.endpoint, s3.secret-access-key', which the cache ignores" in warning
+    assert "from-the-table" not in caplog.text and "write.format" not in warning
+
+
 def test_a_file_that_is_not_a_metadata_json_is_named(tmp_path):
     """pyiceberg takes any other name for a table folder and fails on its version-hint.text."""
     other = tmp_path / "table.json"

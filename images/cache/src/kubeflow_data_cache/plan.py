@@ -226,12 +226,50 @@ def open_table(metadata_location: str, properties: dict[str, str] | None = None)
     if not location.endswith(".metadata.json") and os.path.isfile(location.removeprefix("file://")):
         raise _not_a_metadata_file(metadata_location)
     try:
-        return StaticTable.from_metadata(location, properties or {})
+        if not location.endswith(".metadata.json"):  # a table folder: its version hint names the file
+            location = StaticTable._metadata_location_from_version_hint(location, properties or {})
+        return _static_table(location, properties or {})
     except Exception as err:  # pyiceberg/pyarrow raise many types for unreadable or malformed metadata
         known = _open_error(metadata_location, location, err, (properties or {}).get("s3.endpoint"))
         if known is not None:
             raise known from None
         raise TableLoadError(f"cannot read table metadata at {metadata_location!r}: {err}") from err
+
+
+# Table properties pyiceberg would hand its FileIO: how and where to read, with what credentials.
+_FILE_IO_PROPERTY_PREFIXES = ("s3.", "gcs.", "adls.", "hdfs.", "oss.", "client.", "py-io-impl")
+
+
+def _static_table(location: str, properties: dict[str, str]):
+    """``StaticTable.from_metadata``, but reading the table's files with ``properties`` alone.
+
+    pyiceberg builds a static table's FileIO from the caller's properties overlaid with the
+    table's own, from its metadata.json: whoever could write that file could point the cache's
+    reads, signed with its credentials, at another endpoint (``s3.endpoint``), swap its
+    credentials, or name any installed class to run as the FileIO (``py-io-impl``;
+    ``subprocess.Popen`` ran a command made of the table's properties, ``logging.warning``
+    logged the secret key). The cache's settings come from its environment (s3_settings.py)."""
+    from pyiceberg.catalog.noop import NoopCatalog
+    from pyiceberg.io import load_file_io
+    from pyiceberg.serializers import FromInputFile
+    from pyiceberg.table import StaticTable
+
+    io = load_file_io(properties=properties, location=location)
+    metadata = FromInputFile.table_metadata(io.new_input(location))
+    ignored = sorted(key for key in metadata.properties if key.startswith(_FILE_IO_PROPERTY_PREFIXES))
+    if ignored:
+        log.warning(
+            "the table's properties set %s, which the cache ignores: it reads the table's files with the "
+            "settings of its environment (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, ...)",
+            shown(", ".join(ignored)),
+        )
+    return StaticTable(
+        identifier=("static-table", location),
+        metadata_location=location,
+        metadata=metadata,
+        io=io,
+        catalog=NoopCatalog("static-table"),
+    )
 
 
 def _not_a_metadata_file(metadata_location: str) -> TableLoadError:
