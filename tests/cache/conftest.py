@@ -115,6 +115,7 @@ class S3Server:
     secret_key: str
     region: str = MOTO_REGION
     metadata_only: tuple[str, str] | None = None  # a key denied the tables' data files
+    no_manifests: tuple[str, str] | None = None  # a key denied the tables' manifests
 
     def env(self) -> dict[str, str]:
         """The standard AWS settings a cache pod would get."""
@@ -159,16 +160,18 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path) -> None:
 
 
 # The only IAM calls moto lets through unauthenticated: three per user that _bootstrap_iam makes.
-BOOTSTRAP_IAM_CALLS = 6
+BOOTSTRAP_IAM_CALLS = 9
 ALLOW_S3 = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
 # A reader whose policy reaches tables' metadata but not their data files (a policy scoped to
 # the wrong prefix): what the cache sees when one data file's GetObject is refused.
 DENY_DATA_FILES = {"Effect": "Deny", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::*/data/*"}
+# One that reaches the metadata.json but not the manifests (Avro files) it names.
+DENY_MANIFESTS = {"Effect": "Deny", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::*.avro"}
 
 
 def _bootstrap_iam(endpoint: str) -> dict[str, tuple[str, str]]:
-    """Create the IAM users whose keys S3 accepts: `data-cache` (all of S3) and `metadata-only`
-    (denied the data files); their (access key, secret key)."""
+    """Create the IAM users whose keys S3 accepts: `data-cache` (all of S3), `metadata-only`
+    (denied the data files) and `no-manifests` (denied the manifests); their (access key, secret key)."""
     import boto3
 
     iam = boto3.client(
@@ -179,7 +182,12 @@ def _bootstrap_iam(endpoint: str) -> dict[str, tuple[str, str]]:
         aws_secret_access_key="bootstrap",
     )
     keys = {}
-    for user, statements in (("data-cache", [ALLOW_S3]), ("metadata-only", [ALLOW_S3, DENY_DATA_FILES])):
+    users = (
+        ("data-cache", [ALLOW_S3]),
+        ("metadata-only", [ALLOW_S3, DENY_DATA_FILES]),
+        ("no-manifests", [ALLOW_S3, DENY_MANIFESTS]),
+    )
+    for user, statements in users:
         iam.create_user(UserName=user)
         key = iam.create_access_key(UserName=user)["AccessKey"]
         policy = {"Version": "2012-10-17", "Statement": statements}
@@ -206,7 +214,9 @@ def moto_s3(tmp_path_factory) -> Iterator[S3Server]:
         _wait_listening(port, proc, log)
         endpoint = f"http://127.0.0.1:{port}"
         keys = _bootstrap_iam(endpoint)
-        yield S3Server(endpoint, *keys["data-cache"], metadata_only=keys["metadata-only"])
+        yield S3Server(
+            endpoint, *keys["data-cache"], metadata_only=keys["metadata-only"], no_manifests=keys["no-manifests"]
+        )
     finally:
         stop_moto(proc)
 

@@ -426,6 +426,19 @@ def test_a_denied_data_file_read_names_the_file_and_the_credentials(moto_s3, s3_
     assert secret not in stderr
 
 
+@pytest.mark.slow
+def test_a_denied_manifest_read_names_the_credentials(moto_s3, s3_tables):
+    """The manifests are read between the metadata and the data files, from the same store:
+    their failures were passed on raw (ACCESS_DENIED during HeadObject), with no fix named."""
+    access, secret = moto_s3.no_manifests
+    env = {**moto_s3.env(), "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
+    code, stderr = failed_run(s3_tables["events"].metadata_location, env)
+    assert code != 0
+    assert "reading its manifests, access was denied: check the AWS credentials" in stderr, stderr[-3000:]
+    assert "signed with the access key in AWS_ACCESS_KEY_ID; check that key's secret and its policy" in stderr
+    assert secret not in stderr
+
+
 def test_a_profile_is_named_and_one_no_shared_file_defines_is_said_to_be_skipped(tmp_path):
     """The SDK skips a profile it cannot find and goes on down its chain, or sends requests
     unsigned: the 403 then blamed "the profile 'nosuch'" as if it existed without permission."""

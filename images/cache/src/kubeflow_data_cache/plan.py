@@ -631,6 +631,14 @@ def scan_tasks(table, metadata_location: str) -> dict[str, Any]:
                 "snapshot expiry or orphan-file cleanup may have removed it, or METADATA_LOC names an older "
                 "metadata.json than the table's current one: point METADATA_LOC at the current metadata.json"
             ) from err
+        # The manifest list and manifests are read from the store the metadata and data files are:
+        # its troubles (throttling, denied access, a stall) are named as for those.
+        trouble = store_trouble(err, table.io.properties.get("s3.endpoint")) if is_remote(metadata_location) else None
+        if trouble is not None:
+            raise TableLoadError(
+                f"cannot plan a scan of {metadata_location!r}: reading its manifests, {trouble.problem}: "
+                f"{trouble.fix} ({err})"
+            ) from err
         raise TableLoadError(f"cannot plan a scan of {metadata_location!r}: {err}") from err
     listed = Counter(task.file.file_path for task in planned)
     if twice := sorted(path for path, n in listed.items() if n > 1):
