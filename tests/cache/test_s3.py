@@ -504,6 +504,8 @@ def test_a_profile_no_shared_file_defines_is_logged_when_the_cache_starts(moto_s
             "signed with the access key in AWS_ACCESS_KEY_ID;",
         ),
         ({"AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SESSION_TOKEN": "t"}, "AWS_ACCESS_KEY_ID with AWS_SESSION_TOKEN"),
+        # A temporary key without its token: the store refuses it as it refuses a wrong secret.
+        ({"AWS_ACCESS_KEY_ID": "ASIA1", "AWS_SECRET_ACCESS_KEY": "s"}, "a temporary key (ASIA...), which needs"),
         (
             {"AWS_ROLE_ARN": "arn:aws:iam::1:role/reader", "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"},
             "web identity (IRSA) for role arn:aws:iam::1:role/reader",

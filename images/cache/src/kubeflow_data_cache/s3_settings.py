@@ -303,7 +303,11 @@ def credential_source(env: dict[str, str] | None = None) -> str:
     env = dict(os.environ if env is None else env)
     if env.get("AWS_ACCESS_KEY_ID"):
         with_token = " with AWS_SESSION_TOKEN" if env.get("AWS_SESSION_TOKEN") else ""
-        return f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
+        said = f"signed with the access key in AWS_ACCESS_KEY_ID{with_token}; check that key's secret and its policy"
+        if not with_token and env["AWS_ACCESS_KEY_ID"].startswith("ASIA"):
+            # AWS's prefix for temporary keys (STS), which are refused without their session token.
+            said += "; it is a temporary key (ASIA...), which needs its AWS_SESSION_TOKEN too"
+        return said
     if env.get("AWS_PROFILE"):
         return missing_profile(env["AWS_PROFILE"], env) or (
             f"credentials from the profile {env['AWS_PROFILE']!r} of the shared AWS files"
