@@ -85,15 +85,32 @@ def test_what_the_message_suggests_reads_the_rest(null_cache):
     )
 
 
-def test_a_conversion_of_ones_own_gets_the_nulls(null_cache):
+def _fill(dataset: DataCacheDataset, batch):
+    out = DataCacheDataset.from_arrow_rb_to_tensor(dataset, batch.drop_columns(["x"]))
+    out["x"] = batch["x"].fill_null(-1).to_numpy()
+    return out
+
+
+@pytest.mark.parametrize("given_as", ["subclass", "function set on the dataset", "method bound to it"])
+def test_a_conversion_of_ones_own_gets_the_nulls(null_cache, given_as):
+    """However the hook is given: set on the instance, it ran, but the default conversion's
+    refusal of nulls still applied, naming as the fix what the user had done."""
+    import types
+
     class Filled(DataCacheDataset):
         def from_arrow_rb_to_tensor(self, batch):
-            out = super().from_arrow_rb_to_tensor(batch.drop_columns(["x"]))
-            out["x"] = batch["x"].fill_null(-1).to_numpy()
-            return out
+            return _fill(self, batch)
 
-    filled = Filled(null_cache.endpoint, batch_size=100, columns=["id", "x", "f", "s"])
-    filled = [x for batch in filled for x in batch["x"].tolist()]
+    columns = ["id", "x", "f", "s"]
+    if given_as == "subclass":
+        dataset = Filled(null_cache.endpoint, batch_size=100, columns=columns)
+    else:
+        dataset = DataCacheDataset(null_cache.endpoint, batch_size=100, columns=columns)
+        if given_as == "function set on the dataset":
+            dataset.from_arrow_rb_to_tensor = lambda batch: _fill(dataset, batch)
+        else:
+            dataset.from_arrow_rb_to_tensor = types.MethodType(_fill, dataset)
+    filled = [x for batch in dataset for x in batch["x"].tolist()]
     assert len(filled) == ROWS and filled.count(-1) == 1
 
 

@@ -749,7 +749,11 @@ class DataCacheDataset(IterableDataset):
                 raise ValueError(f"{refusal} ({holder} them; refused before the first batch)")
 
     def _default_conversion(self) -> bool:
-        return type(self).from_arrow_rb_to_tensor is DataCacheDataset.from_arrow_rb_to_tensor
+        """Whether batches go through the default from_arrow_rb_to_tensor: not a subclass's, nor a
+        function set on the instance (``ds.from_arrow_rb_to_tensor = pad``), whose nulls and
+        ragged lists the default's checks refused, naming as the fix what the user had done."""
+        hook = self.from_arrow_rb_to_tensor
+        return getattr(hook, "__func__", None) is DataCacheDataset.from_arrow_rb_to_tensor
 
     def from_arrow_rb_to_tensor(self, batch: pa.RecordBatch) -> Any:
         """Convert a record batch (many training batches long) to a row-aligned structure.
