@@ -414,27 +414,22 @@ def test_denied_read_names_the_credentials(moto_s3, s3_tables, bad):
 
 
 @pytest.mark.slow
-def test_a_denied_data_file_read_names_the_file_and_the_credentials(moto_s3, s3_tables):
-    """A key whose policy reaches the metadata but not the data files (a prefix scoped wrong):
-    the load fails naming the data file and the credentials the request was signed with."""
-    access, secret = moto_s3.metadata_only
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        # A policy that reaches the metadata but not the data files (a prefix scoped wrong).
+        ("metadata_only", "cannot read data file s3://bucket/wh/demo/events/data/"),
+        # The manifests are read between the metadata and the data files, from the same store:
+        # their failures were passed on raw (ACCESS_DENIED during HeadObject), with no fix named.
+        ("no_manifests", "reading its manifests, access was denied: check the AWS credentials"),
+    ],
+)
+def test_a_denied_read_past_the_metadata_names_what_and_the_credentials(moto_s3, s3_tables, key, said):
+    access, secret = getattr(moto_s3, key)
     env = {**moto_s3.env(), "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
     code, stderr = failed_run(s3_tables["events"].metadata_location, env)
     assert code != 0
-    assert "cannot read data file s3://bucket/wh/demo/events/data/" in stderr, stderr[-3000:]
-    assert "signed with the access key in AWS_ACCESS_KEY_ID; check that key's secret and its policy" in stderr
-    assert secret not in stderr
-
-
-@pytest.mark.slow
-def test_a_denied_manifest_read_names_the_credentials(moto_s3, s3_tables):
-    """The manifests are read between the metadata and the data files, from the same store:
-    their failures were passed on raw (ACCESS_DENIED during HeadObject), with no fix named."""
-    access, secret = moto_s3.no_manifests
-    env = {**moto_s3.env(), "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
-    code, stderr = failed_run(s3_tables["events"].metadata_location, env)
-    assert code != 0
-    assert "reading its manifests, access was denied: check the AWS credentials" in stderr, stderr[-3000:]
+    assert said in stderr, stderr[-3000:]
     assert "signed with the access key in AWS_ACCESS_KEY_ID; check that key's secret and its policy" in stderr
     assert secret not in stderr
 

@@ -141,9 +141,6 @@ def test_a_foreign_leader_worker_set_is_refused_and_left_as_it_is(fake, make_sim
 def test_sigterm_as_the_cache_is_created_still_deletes_it(fake, run_initializer):
     """A SIGTERM that came while the LeaderWorkerSet's create was answered: the run said its cache
     was deleted, and the cache pods ran on (through a Kueue suspension, holding their quota)."""
-    import os
-    import signal
-
     add_train_job(fake, "job-a")
     fake.before[("leaderworkersets", "create")] = [lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2))]
 
@@ -155,19 +152,23 @@ def test_sigterm_as_the_cache_is_created_still_deletes_it(fake, run_initializer)
     assert fake.items("leaderworkersets", NAMESPACE) == []
 
 
-def test_sigterm_while_an_earlier_cache_is_deleted_ends_the_run_at_once(fake, run_initializer):
-    """Held while the cache was made, a SIGTERM was held through the wait for an earlier cache's
-    deletion too: the run went on to its deadline (600 s by default), and the kubelet's 30 s grace
-    ended it with a SIGKILL and no message."""
-    import os
-    import signal
-
+def _a_shared_cache_being_deleted(fake) -> dict[str, str]:
+    """TrainJob job-a, and its shared cache terminating (a finalizer holds it): the env of a
+    run that joins it, and so waits for it to go, for at most 20 s."""
     add_train_job(fake, "job-a")
     env = initializer_env(None, DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="20")
     dying = build_leader_worker_set(load_config(env), [], "some-secret")
     dying["metadata"].pop("ownerReferences")
     dying["metadata"] |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "finalizers": ["example.com/slow"]}
     fake.put("leaderworkersets", dying)
+    return env
+
+
+def test_sigterm_while_an_earlier_cache_is_deleted_ends_the_run_at_once(fake, run_initializer):
+    """Held while the cache was made, a SIGTERM was held through the wait for an earlier cache's
+    deletion too: the run went on to its deadline (600 s by default), and the kubelet's 30 s grace
+    ended it with a SIGKILL and no message."""
+    env = _a_shared_cache_being_deleted(fake)
 
     def terminate() -> None:
         fake.wait_for_watches(("leaderworkersets",))
@@ -627,8 +628,6 @@ def test_sigterm_while_waiting_deletes_the_cache_and_says_why(fake, make_sim, tm
     """A pod deleted or evicted, or a TrainJob suspended (Kueue's preemption): the process ended
     at once with neither a message nor a termination message, its cache pods left holding their
     CPU and memory while the quota counted them freed."""
-    import os
-    import signal
     import subprocess
     import sys
 
@@ -686,7 +685,6 @@ def test_a_head_status_with_node_entries_of_another_shape_does_not_fail_the_run(
 def test_a_sigterm_held_then_raised_leaves_nothing_pending(monkeypatch):
     """A SIGTERM during a held call that then failed was raised, and stayed pending: a later run
     in the same process (a test's) was stopped by a SIGTERM no one sent."""
-    import signal
     from types import SimpleNamespace
 
     from kubeflow_cache_initializer import termination
@@ -783,12 +781,7 @@ def test_the_cleanup_after_a_sigterm_still_retries_its_delete(fake, make_sim, ru
 def test_a_sigterm_swallowed_while_waiting_for_a_cache_to_go_ends_the_wait(fake, run_initializer):
     """The wait for a shared cache being deleted logs before it watches: a SIGTERM lost there
     was watched through to the run's deadline, then failed as a timeout (exit 1)."""
-    add_train_job(fake, "job-a")
-    env = initializer_env(None, DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="20")
-    dying = build_leader_worker_set(load_config(env), [], "some-secret")
-    dying["metadata"].pop("ownerReferences")
-    dying["metadata"] |= {"deletionTimestamp": "2026-01-01T00:00:00Z", "finalizers": ["example.com/slow"]}
-    fake.put("leaderworkersets", dying)
+    env = _a_shared_cache_being_deleted(fake)
     with _sigterm_swallowed_when_logged("waiting for it to go") as handler:
         started = time.monotonic()
         code, error = run_initializer(env)
@@ -803,9 +796,6 @@ def test_a_sigterm_swallowed_in_the_wait_turn_that_finds_the_cache_ready_still_e
 ):
     """That turn logs its last lines, then returns ready: a SIGTERM whose raise one of them
     swallowed was lost, and the run ended 0, its cache kept through the pod's deletion."""
-    import os
-    import signal
-
     from kubeflow_cache_initializer import wait
 
     sent = []
