@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -199,6 +200,19 @@ def _data_parallel(rank: Any, world_size: Any) -> tuple[int, int] | None:
     if r is None or not 0 <= r < w:
         raise ValueError(f"rank should be an integer from 0 to world_size - 1 ({w - 1}), got {rank!r}")
     return r, w
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` that points a warning given here at the first frame outside this
+    package: the training loop that asked for the batch (or torch's DataLoader code in a
+    worker), however deep in a read the warning is found."""
+    level, frame = 1, sys._getframe(1)  # the frame that calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class RepeatedEpochWarning(UserWarning):
@@ -600,7 +614,7 @@ class DataCacheDataset(IterableDataset):
             "DistributedSampler). To repeat an order on purpose, filter kubeflow_data_cache.dataset."
             "RepeatedEpochWarning.",
             RepeatedEpochWarning,
-            stacklevel=4,
+            stacklevel=_caller_outside_package(),
         )
 
     def _rebatch(self, record_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[Any, int]]:
@@ -721,7 +735,7 @@ class DataCacheDataset(IterableDataset):
             f"DataCacheDataset yields no batch on any reader this epoch: {holder} ({matching}) split into "
             f"{request.num_shards} shards (ranks x DataLoader workers) {why}. Use {fix}.",
             EmptyEpochWarning,
-            stacklevel=2,
+            stacklevel=_caller_outside_package(),
         )
 
     def _check_columns(self, info: flight.FlightInfo) -> None:
