@@ -26,6 +26,7 @@ from kubeflow_cache_initializer.kube import PODS, RETRY_INITIAL_SECONDS, TRAINJO
 from kubeflow_cache_initializer.wait import _Watcher
 from tests.conftest import free_port
 
+from .fake_k8s_rules import ApiFailure
 from .support import MINIMAL, NAMESPACE, add_train_job, initializer_env
 
 
@@ -774,6 +775,59 @@ def test_the_cleanup_after_a_sigterm_still_retries_its_delete(fake, make_sim, ru
 
     assert handler.sent
     assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+    assert fake.fail_next[("leaderworkersets", "delete")] == []
+    assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_a_sigterm_in_the_held_creates_retry_warning_still_deletes_the_cache_the_api_stored(
+    fake, make_sim, run_initializer
+):
+    """The create of the LeaderWorkerSet is held from SIGTERM: its answer lost (a proxy's 504
+    after the API server stored it), its one more try finds it (409) and the cleanup deletes it.
+    Raised at the retry's warning, the SIGTERM left that cache, unknown to the run, in place."""
+    add_train_job(fake, "job-a")
+    stored: list[dict] = []
+
+    def store_then_lose_the_answer(obj: dict) -> None:
+        if not stored:
+            stored.append(obj)
+            raise ApiFailure(504, "Timeout", "the request was stored but its answer timed out")
+
+    fake.on_create.setdefault("leaderworkersets", []).append(store_then_lose_the_answer)
+    with _sigterm_swallowed_when_logged("create leaderworkersets") as handler:
+        code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="60"))
+
+    assert handler.sent and stored
+    assert code == 143 and "stopped by SIGTERM before the cache was ready" in error
+    assert fake.items("leaderworkersets", NAMESPACE) == []
+
+
+def test_a_first_sigterm_during_a_cleanup_does_not_cut_its_delete_short(fake, make_sim, run_initializer):
+    """A run that failed (here, its deadline) deletes its cache, retrying through an API outage;
+    a SIGTERM then (the pod deleted, the job suspended) ended those retries, and the cache stayed."""
+
+    class SignalledAfterEmitting(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent = False
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if not self.sent and "delete leaderworkersets" in record.getMessage():
+                self.sent = True  # lands in the retry's pause, not in this log call
+                threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    add_train_job(fake, "job-a")
+    fake.fail_next[("leaderworkersets", "delete")] = [503, 503]
+    handler = SignalledAfterEmitting()
+    logger = logging.getLogger("kubeflow_cache_initializer")
+    logger.addHandler(handler)
+    try:
+        code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="3"))
+    finally:
+        logger.removeHandler(handler)
+
+    assert handler.sent
+    assert code == 1 and "not ready within CACHE_READY_TIMEOUT_SECONDS=3" in error  # the run's own failure
     assert fake.fail_next[("leaderworkersets", "delete")] == []
     assert fake.items("leaderworkersets", NAMESPACE) == []
 

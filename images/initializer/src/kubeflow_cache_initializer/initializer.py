@@ -184,7 +184,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     # An API server or webhook restarting (no answer, 429, 5xx) is waited out, up to this run's deadline.
     kube.deadline = deadline
     # A SIGTERM whose raise a retry's warning swallowed ends the retries (it waited out the deadline).
-    kube.before_retry = termination.raise_if_received
+    kube.before_retry = termination.raise_if_lost
     names = cache_names(cfg)
     train_job = get_train_job(kube, cfg)
     cfg = with_dataset_secret(cfg, train_job)
@@ -264,8 +264,9 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
 
 def _start_cleanup(kube: Kube) -> None:
     """Give a cleanup's calls their own CLEANUP_SECONDS of retries (the run's deadline has usually
-    passed by then, and an API outage may be what ended it), and let a SIGTERM no longer end
-    them: the SIGTERM may be what this cleanup is for."""
+    passed by then, and an API outage may be what ended it), and let no SIGTERM end them, one
+    that came (it may be what this cleanup is for) or one to come (termination.cleaning_up)."""
+    termination.cleaning_up()
     kube.deadline = time.monotonic() + CLEANUP_SECONDS
     kube.before_retry = None
 

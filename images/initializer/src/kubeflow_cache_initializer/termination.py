@@ -9,14 +9,19 @@ let finish (its retries cut short), and the SIGTERM is raised after it.
 A handler's raise can also be lost: arriving inside a log call, it is caught by logging's own
 error handling, which prints it and goes on. So the run's loops also ask `raise_if_received` at
 each turn: a SIGTERM that came is raised there, if it was not already. The API calls' retry
-loop asks it too, after the warning each retry logs (`Kube.before_retry`), until the cleanup
-starts: the cleanup a SIGTERM began must still retry its deletes.
+loop asks `raise_if_lost` after the warning each retry logs (`Kube.before_retry`), until the
+cleanup starts: the cleanup a SIGTERM began must still retry its deletes.
+
+Once a cleanup starts (`cleaning_up`), SIGTERM is ignored: raised into a cleanup's retries (an
+API outage that the delete waits out), it ended them, and the cache it was deleting held its
+pods through the suspension the SIGTERM came for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -47,6 +52,21 @@ def raise_if_received() -> None:
     cleanup after it never asks."""
     if _received:
         raise TerminatedError(MESSAGE)
+
+
+def raise_if_lost() -> None:
+    """``raise_if_received``, except within ``held``: there a SIGTERM is held back, not lost (its
+    call gets its last try, and the SIGTERM is raised after it), and raised at once it left a
+    LeaderWorkerSet the API server had stored, its answer lost, with no one to delete it."""
+    if _holding is None:
+        raise_if_received()
+
+
+def cleaning_up() -> None:
+    """A cleanup starts: a SIGTERM from now on is ignored (see above). In the main thread only,
+    where handlers are set (a test's run in another thread has none)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def on_sigterm(signum, frame) -> None:
