@@ -193,11 +193,16 @@ def test_a_data_node_serves_only_the_tickets_its_head_signed(keyed_cache):
         _resigned(endpoint, "a-guess"),  # signed with another key
         # The head's signature kept, with another predicate, or other row numbers.
         json.dumps({**head_body, "request": {**head_body["request"], "filter": "id >= 0"}}).encode(),
-        json.dumps({**head_body, "offset": head_body["offset"] + 1}).encode(),
+        json.dumps({**head_body, "rows": head_body["rows"] - 1}).encode(),
     ):
         with pytest.raises(pa.ArrowInvalid, match="the ticket is not signed by this cache's head") as refused:
             _read(endpoint, forged)
         assert "Traceback" not in str(refused.value)
+    # A stale ticket (another load's, as of an earlier cache here with another key) is stale
+    # first: its reader asks the head again, where refused as unsigned its read failed.
+    stale = _resigned(endpoint, "an-earlier-caches-key", generation="an-earlier-load")
+    with pytest.raises(pa.ArrowInvalid, match="stale ticket: issued for data node"):
+        _read(endpoint, stale)
     # What a client may change, its skip (a resume), is outside the signature.
     assert _read(endpoint, with_skip(endpoint.ticket.ticket, 7)).num_rows == endpoint_rows(endpoint) - 7
     # Said in the node's log, with the caller, once for the spell (not once per call).

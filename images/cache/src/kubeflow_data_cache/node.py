@@ -701,17 +701,20 @@ class DataNode(ReadOnlyFlight):
         raise NotImplementedError("GetSchema goes to the head (the cache's endpoint), not to a data node")
 
     def do_get(self, context, ticket):
-        try:
-            t = protocol.Ticket.from_json(ticket.ticket, self.cfg.cluster_key)
-        except UnsignedTicketError:
-            self._key_refusals["ticket"].refused("refused a ticket its head did not sign", caller(context))
-            raise
+        t = protocol.Ticket.from_json(ticket.ticket)
         store, filters, table_rows, generation = self._loaded()
         if t.generation != generation or t.node != self.cfg.node_index:
+            # Before the signature: a ticket of an earlier cache here (another key) is stale, and its
+            # reader asks the head again; refused as unsigned, the read failed. Nothing is served.
             raise StaleTicketError(
                 f"stale ticket: issued for data node {t.node} load {t.generation}, this is data node {self.cfg.node_index} "
                 f"load {generation}: ask the head for a new FlightInfo"
             )
+        try:
+            protocol.check_ticket_signature(ticket.ticket, self.cfg.cluster_key)
+        except UnsignedTicketError:
+            self._key_refusals["ticket"].refused("refused a ticket its head did not sign", caller(context))
+            raise
         if table_rows is not None and t.total > table_rows:
             # Heads place a ticket in the table's (or its filter's) rows; the row space sizes
             # the shuffle order built below, before any memory guard: hundreds of MiB at will.

@@ -439,11 +439,10 @@ class Ticket:
         return json.dumps(body, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, key: str | None = None) -> Ticket:
-        """Parse a ticket; with ``key`` (the node's cluster key), only one its head signed."""
+    def from_json(cls, raw: bytes) -> Ticket:
+        """Parse a ticket (its signature is check_ticket_signature's to check)."""
         data = _loads(raw, "ticket")
         _require(isinstance(data, dict), "a ticket should be a JSON object")
-        check_ticket_signature(data, key)
         version = data.get("v")
         _require(
             type(version) is int and version in (PROTOCOL_VERSION, SKIP_VERSION),  # not 1.0 or true
@@ -485,10 +484,12 @@ def ticket_signature(body: dict[str, Any], key: str) -> str:
     return hmac.new(key.encode(), _TICKET_SIGNATURE_CONTEXT + message, hashlib.sha256).hexdigest()
 
 
-def check_ticket_signature(body: dict[str, Any], key: str | None) -> None:
-    """Refuse a ticket whose signature is missing or wrong, where the node has a key."""
+def check_ticket_signature(raw: bytes, key: str | None) -> None:
+    """Refuse a ticket (``raw``, one Ticket.from_json parsed) whose signature is missing or
+    wrong, where the node has a key."""
     if key is None:
         return
+    body = json.loads(raw)
     given = body.get(TICKET_SIGNATURE_FIELD)
     if not isinstance(given, str) or not hmac.compare_digest(
         given.encode("utf-8", "surrogatepass"), ticket_signature(body, key).encode()
