@@ -972,3 +972,39 @@ def test_a_regular_expression_whose_pattern_names_a_column_is_refused(store, pre
 )
 def test_a_constant_pattern_and_a_varying_start_are_taken(store, predicate, rows):
     assert matching_rows(store, predicate).tolist() == rows
+
+
+def test_a_string_past_any_decimals_digits_is_left_to_the_casts_own_refusal(decimal_store):
+    """Its rounding check gave up on it with a bare `[<class 'decimal.InvalidOperation'>]`."""
+    with pytest.raises(BadRequestError) as refused:
+        matching_rows(decimal_store, "price = '1e1000'")
+    message = str(refused.value)
+    assert "InvalidOperation" not in message and "1e1000" in message, message
+
+
+def test_a_string_cast_to_a_string_is_checked_as_the_string(decimal_store):
+    with pytest.raises(BadRequestError, match="with the string '1.104'"):
+        matching_rows(decimal_store, "price = CAST('1.104' AS VARCHAR)")
+
+
+@pytest.mark.parametrize(
+    ("predicate", "exact", "rows"),
+    [
+        # Matched id 1: the string became 1.00.
+        ("CAST(id AS DECIMAL(10, 2)) = '1.004'", "CAST(id AS DECIMAL(10, 2)) = CAST('1.004' AS DECIMAL(11, 3))", []),
+        (
+            "CAST(id AS DECIMAL(38, 20)) = CAST(1.1 AS DECIMAL(38, 20))",
+            "CAST(id AS DECIMAL(38, 20)) = CAST('1.1' AS DECIMAL(38, 20))",
+            [],
+        ),
+        (
+            "CAST(id AS NUMERIC(10, 2)) >= 1.5",
+            "CAST(id AS NUMERIC(10, 2)) >= CAST('1.5' AS DECIMAL(10, 1))",
+            list(range(2, 10)),
+        ),
+    ],
+)
+def test_a_filter_that_makes_its_own_decimals_is_checked_on_a_table_without_any(store, predicate, exact, rows):
+    with pytest.raises(BadRequestError, match="invalid filter"):
+        matching_rows(store, predicate)
+    assert matching_rows(store, exact).tolist() == rows

@@ -20,6 +20,7 @@ the double 1.1 and is 1.10000000000000008192). Both are refused, naming the exac
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from decimal import Context, Decimal, InvalidOperation
 
@@ -51,8 +52,8 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
     or arithmetic of the two; the same with a string of more digits than the decimal's scale;
     and a cast of a floating-point number to a decimal.
 
-    ``type_of(expr)``: the type ``expr`` has over the table. Call this only for tables with a
-    decimal column (has_decimal): it plans an expression for each operand it types (once each)."""
+    ``type_of(expr)``: the type ``expr`` has over the table. Call this only where
+    may_compute_decimals: it plans an expression for each operand it types (once each)."""
     types: dict[str, pa.DataType | None] = {}  # by the operand's canonical name: typed once
 
     def typed(expr, test: Callable[[pa.DataType], bool]) -> pa.DataType | None:
@@ -78,7 +79,7 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
         else:
             continue
         numbers = [o for o in operands if is_constant(o) and typed(o, pa.types.is_floating)]
-        texts = {id(o): text for o in operands if (text := _text(o)) is not None}
+        texts = {id(o): text for o in operands if (text := _text(o, typed)) is not None}
         if not numbers and not texts:
             continue
         arithmetic = form == "BinaryExpr" and expr.rex_call_operator() in ARITHMETIC_OPERATORS
@@ -95,6 +96,14 @@ def check_decimal_comparisons(condition, type_of: Callable[[object], pa.DataType
                     kind = typed(value, pa.types.is_decimal)
                     if kind is not None and _rounds(texts[id(other)], kind):
                         raise BadRequestError(_text_refusal(predicate, kind, texts[id(other)], verb))
+
+
+def may_compute_decimals(schema: pa.Schema, predicate: str) -> bool:
+    """Whether a filter over ``schema`` may hold a decimal value: the table has a decimal column,
+    or the filter names the type (a cast to DECIMAL or NUMERIC, an arrow_cast to Decimal128), as
+    `CAST(i AS DECIMAL(10, 2)) = '1.004'` on a table of integers does. Others skip the check,
+    which plans an expression per operand it types."""
+    return has_decimal(schema) or re.search(r"decimal|numeric", predicate, re.IGNORECASE) is not None
 
 
 def has_decimal(schema: pa.Schema) -> bool:
@@ -125,8 +134,8 @@ def _cast_refusal(predicate: str, kind: pa.DataType, number: float | None) -> st
     digits = _decimal_text(number) if number is not None else "<number>"
     return (
         f"invalid filter {shown(predicate)}: it casts {shown_number} to {kind} through binary floating point "
-        "(SQL reads a number with a point or an exponent as a double), which rounds it, so rows equal to it may "
-        f"not match; write the number as a string: CAST('{digits}' AS DECIMAL({kind.precision}, {kind.scale}))"
+        "(SQL reads a number with a point or an exponent as a double), which may round it, so rows equal to it "
+        f"may not match; write the number as a string: CAST('{digits}' AS DECIMAL({kind.precision}, {kind.scale}))"
     )
 
 
@@ -145,14 +154,20 @@ def _text_refusal(predicate: str, kind: pa.DataType, text: str, verb: str) -> st
     )
 
 
-def _text(expr) -> str | None:
-    """The text of a string literal (through aliases), else None."""
-    while expr.variant_name() == "Alias":
+def _text(expr, typed: Callable) -> str | None:
+    """The text of a string literal, also cast to a string (`CAST('1.234' AS VARCHAR)`), else None."""
+    if not typed(expr, _is_string):
+        return None
+    while expr.variant_name() in ("Alias", "Cast", "TryCast"):
         (expr,) = expr.rex_call_operands()[:1]
     if expr.variant_name() != "Literal":
         return None
     value = expr.python_value()
-    return value.as_py() if pa.types.is_string(value.type) or pa.types.is_large_string(value.type) else None
+    return value.as_py() if _is_string(value.type) else None
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 def _rounds(text: str, kind: pa.DataType) -> bool:
@@ -160,11 +175,9 @@ def _rounds(text: str, kind: pa.DataType) -> bool:
     away (False for what is not a number: the cast's own error names it)."""
     try:
         value = _EXACT.create_decimal(text.strip())
-    except InvalidOperation:
+        return value.is_finite() and value != value.quantize(Decimal(1).scaleb(-kind.scale), context=_EXACT)
+    except InvalidOperation:  # '1e1000': past any decimal's digits; the cast's own error names it
         return False
-    if not value.is_finite():
-        return False
-    return value != value.quantize(Decimal(1).scaleb(-kind.scale), context=_EXACT)
 
 
 def _decimal_text(number: float) -> str:

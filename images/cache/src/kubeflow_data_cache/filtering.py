@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from kubeflow_data_cache.constants import FILTER_CACHE_MIN_BYTES, FILTER_CACHE_SHARE, INTERNAL_COLUMN_PREFIX
 from kubeflow_data_cache.errors import BadRequestError, server_message, shown
 from kubeflow_data_cache.filter_calls import check_calls
-from kubeflow_data_cache.filter_decimals import check_decimal_comparisons, has_decimal
+from kubeflow_data_cache.filter_decimals import check_decimal_comparisons, may_compute_decimals
 from kubeflow_data_cache.filter_overflow import overflow_checks
 from kubeflow_data_cache.filter_overflow import refusal as overflow_refusal
 from kubeflow_data_cache.protocol import check_filter
@@ -217,7 +217,7 @@ def matching_rows(
         def type_of(expr) -> pa.DataType:
             return columns.select(expr).schema().field(0).type
 
-        if has_decimal(store.schema):
+        if may_compute_decimals(store.schema, predicate):
             check_decimal_comparisons(condition, type_of, predicate)
         overflows = overflow_checks(condition, type_of)
         # Planned as a filter, which checks that the predicate is a boolean and what it becomes.
