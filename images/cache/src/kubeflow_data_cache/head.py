@@ -192,7 +192,7 @@ class Head(ReadOnlyFlight):
                 "pieces": [p.to_dict() for p in a.pieces],
                 # JSON keys are strings: the field ids as text.
                 "expansions": {str(k): v for k, v in self.plan.expansions.items()},
-                **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
+                **protocol.cluster_key_field(self.cfg.cluster_key),
             },
         )
 
@@ -606,7 +606,7 @@ class Head(ReadOnlyFlight):
                 # With the cluster key, as `load`: a node counts only for its head (node.py).
                 body = {
                     "filter": predicate,
-                    **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
+                    **protocol.cluster_key_field(self.cfg.cluster_key),
                 }
                 answer = self._call(location, protocol.ACTION_COUNT, body, COUNT_TIMEOUT_SECONDS)
                 int(answer["rows"])  # a node that answers without a count fails here, not later

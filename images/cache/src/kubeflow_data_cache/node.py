@@ -242,9 +242,9 @@ class DataNode(ReadOnlyFlight):
         self._serve_guard = ServeMemoryGuard(cfg.memory_limit, reclaim_gather_memory)
         self.metrics.follow_load(self._load_progress)
         self.metrics.follow_memory(cfg.memory_limit, self._open_streams_of, STREAM_KINDS)
-        # `load` and `count` refused for their cluster key: warned of once a spell, with the caller.
-        # One per action: a flood of refused counts must not hide a refused load (a head whose
-        # key differs) for a minute, nor be counted with it.
+        # `load` and `count` refused for their cluster key, and tickets for their signature: warned
+        # of once a spell, with the caller. One per kind: a flood of refused counts must not hide a
+        # refused load (a head whose key differs) for a minute, nor be counted with it.
         self._key_refusals = {
             what: RefusalWarnings(log) for what in (protocol.ACTION_LOAD, protocol.ACTION_COUNT, "ticket")
         }
@@ -369,7 +369,7 @@ class DataNode(ReadOnlyFlight):
                 "memory_limit": self.cfg.memory_limit,
                 "load_threads": self.cfg.load_threads,
                 "generation": self.generation,
-                **({protocol.CLUSTER_KEY_FIELD: self.cfg.cluster_key} if self.cfg.cluster_key else {}),
+                **protocol.cluster_key_field(self.cfg.cluster_key),
             }
             try:
                 action = flight.Action(protocol.ACTION_REGISTER, json.dumps(body).encode())

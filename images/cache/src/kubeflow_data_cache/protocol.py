@@ -165,6 +165,11 @@ CLUSTER_KEY_FIELD = "cluster_key"
 ACTION_COUNT = "count"  # head -> data node: rows matching a filter
 
 
+def cluster_key_field(key: str | None) -> dict[str, str]:
+    """What an internal action's body carries of the cluster key: the key, where one is set."""
+    return {CLUSTER_KEY_FIELD: key} if key else {}
+
+
 def check_request_size(size: int, what: str) -> None:
     _require(
         size <= MAX_REQUEST_BYTES,

@@ -158,8 +158,9 @@ def key_matches(expected: str | None, given: object) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
 
 
-# A call refused for its cluster key is warned of at most this often: any holder of the reader
-# token can send `register`, `load` or `count` in a loop, and each refusal was a warning line.
+# A call refused for its cluster key (or a ticket for its signature) is warned of at most this
+# often: any holder of the reader token can send `register`, `load`, `count` or a forged ticket in
+# a loop, and each refusal was a warning line.
 # The refusals between two warnings are counted in the second (and in data_cache_errors_total).
 REFUSAL_WARN_EVERY_SECONDS = 60.0
 UNKNOWN_PEER = "an unknown address"
