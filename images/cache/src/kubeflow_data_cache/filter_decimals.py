@@ -117,10 +117,17 @@ def has_decimal(schema: pa.Schema) -> bool:
     return False
 
 
+def _exact_form(kind: pa.DataType, value: Decimal | None) -> str:
+    """``value`` written as a decimal that holds its digits beside ``kind``'s (_fitting); a
+    placeholder where it is not known, or no decimal128 holds both."""
+    fitting = _fitting(kind, value) if value is not None else None
+    if fitting is None:
+        return f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
+    return f"CAST('{format(value, 'f')}' AS DECIMAL({fitting}))"
+
+
 def _refusal(predicate: str, kind: pa.DataType, number: float | None, verb: str) -> str:
-    fitting = _fitting(kind, number) if number is not None else None
-    written = f"CAST('{_decimal_text(number)}' AS DECIMAL({fitting}))" if fitting is not None else None
-    fix = written or f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
+    fix = _exact_form(kind, Decimal(repr(number)) if number is not None else None)
     shown_number = repr(number) if number is not None else "a floating-point number"
     return (
         f"invalid filter {shown(predicate)}: it {verb} a {kind} value with {shown_number}, which SQL reads as "
@@ -140,13 +147,7 @@ def _cast_refusal(predicate: str, kind: pa.DataType, number: float | None) -> st
 
 
 def _text_refusal(predicate: str, kind: pa.DataType, text: str, verb: str) -> str:
-    value = _EXACT.create_decimal(text.strip())
-    fitting = _fitting(kind, value)
-    fix = (
-        f"CAST('{format(value, 'f')}' AS DECIMAL({fitting}))"
-        if fitting is not None
-        else f"CAST('<number>' AS DECIMAL({kind.precision}, {kind.scale}))"
-    )
+    fix = _exact_form(kind, _EXACT.create_decimal(text.strip()))
     return (
         f"invalid filter {shown(predicate)}: it {verb} a {kind} value with the string {shown(text)}, which SQL "
         f"rounds to the value's {kind.scale} digits after the point, so rows not equal to it match; write the "
@@ -155,15 +156,15 @@ def _text_refusal(predicate: str, kind: pa.DataType, text: str, verb: str) -> st
 
 
 def _text(expr, typed: Callable) -> str | None:
-    """The text of a string literal, also cast to a string (`CAST('1.234' AS VARCHAR)`), else None."""
-    if not typed(expr, _is_string):
+    """The text of a string literal, also cast to a string (`CAST('1.234' AS VARCHAR)`), else None.
+    The expression is typed only where a string literal is inside: planning every operand of a
+    comparison (its columns too) would be work done for none."""
+    inner = expr
+    while inner.variant_name() in ("Alias", "Cast", "TryCast"):
+        (inner,) = inner.rex_call_operands()[:1]
+    if inner.variant_name() != "Literal" or not _is_string(inner.python_value().type):
         return None
-    while expr.variant_name() in ("Alias", "Cast", "TryCast"):
-        (expr,) = expr.rex_call_operands()[:1]
-    if expr.variant_name() != "Literal":
-        return None
-    value = expr.python_value()
-    return value.as_py() if _is_string(value.type) else None
+    return inner.python_value().as_py() if typed(expr, _is_string) else None
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -185,11 +186,10 @@ def _decimal_text(number: float) -> str:
     return format(Decimal(repr(number)), "f")
 
 
-def _fitting(kind: pa.DataType, number: float | Decimal) -> str | None:
-    """A decimal's precision and scale that hold both ``kind``'s values and ``number`` exactly (a
+def _fitting(kind: pa.DataType, value: Decimal) -> str | None:
+    """A decimal's precision and scale that hold both ``kind``'s values and ``value`` exactly (a
     cast to the column's own scale would round 1.234 to 1.23, and match rows it should not);
     None past the 38 digits a decimal128 holds."""
-    value = number if isinstance(number, Decimal) else Decimal(repr(number))
     scale = max(kind.scale, -min(0, value.as_tuple().exponent))
     whole = max(kind.precision - kind.scale, value.adjusted() + 1, 1)
     return f"{whole + scale}, {scale}" if whole + scale <= 38 else None
