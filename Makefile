@@ -133,7 +133,7 @@ package: $(STAMP) ## Package the Helm chart (CRDs and subcharts filled first) in
 
 .PHONY: test-e2e
 test-e2e: $(STAMP) ## Kind end-to-end suite (needs Docker, helm and git; kind and kubectl are fetched); KEEP_CLUSTER=1 keeps it
-	E2E_REQUIRE=1 $(PY) -m pytest tests/e2e -m e2e -p no:cacheprovider -rs
+	E2E_REQUIRE=1 $(PY) -m pytest tests/e2e -m e2e -p no:cacheprovider -ra
 
 .PHONY: clean
 clean: ## Remove the venv and build outputs

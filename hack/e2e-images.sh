@@ -73,7 +73,9 @@ load() {
     if [[ $api =~ ^1\.([0-9]+)$ ]] && (( 10#${BASH_REMATCH[1]} < 48 )); then
       platform=()
     fi
-    if ! { "$DOCKER" image save "${platform[@]}" --output "$archive" "$image" &&
+    # ${a[@]+"${a[@]}"}: an empty array under `set -u` is an unbound variable to bash before 4.4
+    # (macOS's /bin/bash is 3.2).
+    if ! { "$DOCKER" image save ${platform[@]+"${platform[@]}"} --output "$archive" "$image" &&
       "$KIND" load image-archive "${where[@]}" "$archive"; }; then
       rm -f "$archive"
       echo "error: loading $image into kind cluster $CLUSTER failed" >&2

@@ -531,6 +531,9 @@ def test_workflows_call_the_makefile_and_pin_their_tools() -> None:
     assert e2e["env"]["E2E_REQUIRE"] == "1"
     uses = [s["uses"] for wf in (ci, e2e) for job in wf["jobs"].values() for s in job["steps"] if "uses" in s]
     assert all(re.search(r"@v\d+(\.\d+)*$", u) for u in uses), uses
+    # The dumps of a run hung until the job's limit, which GitHub cancels rather than fails.
+    uploads = [s for job in e2e["jobs"].values() for s in job["steps"] if "upload-artifact" in s.get("uses", "")]
+    assert len(uploads) == 1 and "cancelled()" in uploads[0]["if"] and "failure()" in uploads[0]["if"]
 
 
 @pytest.mark.parametrize(
