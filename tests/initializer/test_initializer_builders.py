@@ -234,6 +234,8 @@ def test_the_service_points_flight_and_health_at_the_head_only():
     selector = service["spec"]["selector"].items()
     assert all(labels["leaderTemplate"].get(k) == v for k, v in selector)
     assert not all(labels["workerTemplate"].get(k) == v for k, v in selector)
+    # A degraded head answers its readers why (a node down) rather than vanish from the Service.
+    assert service["spec"]["publishNotReadyAddresses"] is True
 
 
 def test_shared_names_depend_on_the_table_only():

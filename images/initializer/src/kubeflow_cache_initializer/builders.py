@@ -119,6 +119,12 @@ def build_service(cfg: Config, owners: list[dict]) -> dict:
         "spec": {
             "type": "ClusterIP",
             "selector": head_selector(cfg),
+            # The head stays behind its Service while not ready. Degraded (a data node down or
+            # reloading), it answers readers UNAVAILABLE naming the node, and they retry; dropped
+            # from the endpoints, their new connections were refused, blaming the head or the
+            # endpoint. Trainers start only once the LeaderWorkerSet is available (the wait), so
+            # nothing reads a cache still loading through it but a retry.
+            "publishNotReadyAddresses": True,
             "ports": [
                 {
                     "name": c.FLIGHT_PORT_NAME,
