@@ -339,6 +339,7 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
     monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
     monkeypatch.setattr(node_module, "REGISTER_INTERVAL_SECONDS", 0.1)
     caplog.set_level("ERROR", logger="kubeflow_data_cache.node")
+    caplog.set_level("WARNING", logger="kubeflow_data_cache.head")
     flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 3}
     head = head_module.Head(build_config("head", flags, env={}))
     nodes = []
@@ -375,6 +376,11 @@ def test_a_reload_that_never_finishes_fails_the_head_at_the_startup_deadline(
                 assert other.lifecycle.detail.startswith("refused the head's assignment: "), other.lifecycle.detail
             refusals = [r for r in caplog.records if r.getMessage().startswith("refused the head's assignment")]
             assert len(refusals) == 1, [r.getMessage() for r in refusals]
+            # The head, trying again each poll (0.2 s here), says each once too: it logged both
+            # lines every poll until the deadline.
+            said = [r.getMessage() for r in caplog.records if r.name == "kubeflow_data_cache.head"]
+            assert sum(m.startswith("data node 0 restarted; sending") for m in said) == 1, said
+            assert sum(m.startswith("could not reload data node 0: load: this data") for m in said) == 1, said
         wait_for(lambda: head.lifecycle.state == "failed", timeout=15)
         error = head.lifecycle.error
         assert "data node 0 (grpc://127.0.0.1:" in error

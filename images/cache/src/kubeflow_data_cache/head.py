@@ -440,7 +440,10 @@ class Head(ReadOnlyFlight):
             if s.get("state") not in ("unreachable", FAILED) and s.get("generation") != self.generation
         ]
         for node in lost:
-            log.warning("data node %d restarted; sending its assignment again", node)
+            # Said once per restart, and a refusal once until it changes: the head tries again
+            # every poll (5 s) until the reload deadline, which logged both lines each time.
+            if node not in self._reloads:
+                log.warning("data node %d restarted; sending its assignment again", node)
             # From the first try: a node that refuses its rows every time is as stuck as one
             # whose reload hangs.
             self._reloads.setdefault(node, time.monotonic())
@@ -448,8 +451,9 @@ class Head(ReadOnlyFlight):
                 self._send_load(node)
                 self._reload_errors.pop(node, None)
             except Exception as err:
+                if self._reload_errors.get(node) != first_line(err):
+                    log.warning("could not reload data node %d: %s", node, err)
                 self._reload_errors[node] = first_line(err)
-                log.warning("could not reload data node %d: %s", node, err)
 
     def _describe_nodes(self, which: Callable[[dict[str, Any]], bool]) -> str:
         """'data node 1 (grpc://...) unreachable: <why>; ...' for each node whose last status ``which`` picks."""
