@@ -429,6 +429,33 @@ def test_a_reload_that_fails_fails_the_head_at_once_with_the_nodes_reason(small_
         head.stop()
 
 
+def test_a_node_that_stays_unreachable_fails_the_head_at_the_startup_deadline(small_table, monkeypatch):
+    """A data node gone once serving, and not back (its process frozen, its Flight calls hung
+    while its /live answers; a pod that stays Pending): the head stayed degraded for good, with
+    nothing in Kubernetes to restart the group. It now gets the startup deadline, as a reload
+    does; then the head fails, naming the node, and exits for the group to be recreated."""
+    monkeypatch.setattr(head_module, "SUPERVISE_POLL_SECONDS", 0.2)
+    flags = {**FLAGS, "metadata_loc": small_table.metadata_location, "data_nodes": 1, "startup_timeout": 2}
+    head = head_module.Head(build_config("head", flags, env={}))
+    node = DataNode(build_config("worker", {**FLAGS, "index": 0, "head": head.location}, env={}))
+    head.start()
+    try:
+        node.start_registering()
+        wait_for(lambda: head.lifecycle.state == "ready", timeout=30)
+        lost_at = node.location
+        node.stop()
+        wait_for(lambda: head.lifecycle.state == "degraded", timeout=15)
+        time.sleep(1)
+        assert head.lifecycle.state == "degraded"  # not before the deadline
+        wait_for(lambda: head.lifecycle.state == "failed", timeout=15)
+        error = head.lifecycle.error
+        assert f"data node 0 ({lost_at}) has not served its rows for 2s (unreachable: " in error
+        assert "the head exits so that the group is recreated" in error
+    finally:
+        node.stop()
+        head.stop()
+
+
 def test_a_node_gone_between_registering_and_its_assignment_is_followed_to_its_replacement(small_table):
     """A data node that registered and then died before the head sent its rows failed the whole
     load 3 s later, blamed on a wrong advertised address; its replacement, registering elsewhere a

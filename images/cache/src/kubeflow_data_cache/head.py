@@ -158,6 +158,9 @@ class Head(ReadOnlyFlight):
         # gets the startup deadline, as the first load does.
         self._reloads: dict[int, float] = {}
         self._reload_errors: dict[int, str] = {}  # why the last send of its rows failed
+        # Since when each node has not held its rows, once serving, with no reload under way
+        # (unreachable, frozen, stopping): the startup deadline again, then the head fails.
+        self._lost_since: dict[int, float] = {}
         meter_calls(self, self.metrics)
 
     # --- internal calls to data nodes --------------------------------------------------------
@@ -481,15 +484,17 @@ class Head(ReadOnlyFlight):
             try:
                 self._poll_nodes()
                 self._reload_restarted()
-                late = self._late_reload()  # first: it forgets the send errors of reloaded nodes
+                late = self._late_reload() or self._lost_too_long()  # first: it forgets reloaded nodes' errors
                 self._update_health()
             except Exception:  # one bad round must not end supervision, leaving READY unwatched
                 log.exception("supervising the data nodes failed; trying again in %gs", SUPERVISE_POLL_SECONDS)
                 continue
             if late:
                 # Serving again needs every node's rows; a reload stuck past the deadline (storage
-                # that stopped answering) would keep the cache degraded for good. Failing exits the
-                # head, so the LeaderWorkerSet recreates the group and it loads afresh.
+                # that stopped answering), or a node that stays unreachable (its process frozen,
+                # its Flight calls hung while /live still answers), would keep the cache degraded
+                # for good. Failing exits the head, so the LeaderWorkerSet recreates the group and
+                # it loads afresh.
                 self.lifecycle.fail(late)
                 return
 
@@ -519,6 +524,24 @@ class Head(ReadOnlyFlight):
                             waiting_reads([(node, status)], at_least=0),
                         ],
                     )
+                )
+        return ""
+
+    def _lost_too_long(self) -> str:
+        """Why the cache failed, where a data node has not held its rows for longer than the
+        startup deadline while no reload of it is under way (a reload has its own deadline,
+        `_late_reload`); '' otherwise."""
+        now = time.monotonic()
+        for node, status in sorted(self.node_status.items()):
+            if node in self._reloads or (status.get("state") == READY and status.get("generation") == self.generation):
+                self._lost_since.pop(node, None)
+                continue
+            if now - self._lost_since.setdefault(node, now) > self.cfg.startup_timeout:
+                state = status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
+                return (
+                    f"data node {node} ({self._location(node)}) has not served its rows for "
+                    f"{self.cfg.startup_timeout:.0f}s ({state}); the head exits so that the group is "
+                    "recreated and loads afresh"
                 )
         return ""
 
