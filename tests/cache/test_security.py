@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -18,6 +19,8 @@ from kubeflow_data_cache.errors import CacheUnavailableError
 from kubeflow_data_cache.security import MAX_TOKEN_CHARS, TokenAuthFactory
 from tests.cache.conftest import Certificate, make_cert, read_path_shards, run_data_cache
 from tests.conftest import LocalCache, running_cache
+
+DO_GET = SimpleNamespace(method=flight.FlightMethod.DO_GET)  # what a middleware is told of a call
 
 TOKEN = "s3cr3t-T0ken-5f2b9c"
 ROWS, FILES = 3000, 3
@@ -284,15 +287,26 @@ def test_root_certificates_that_are_not_pem_are_refused_at_construction(self_sig
 def test_the_auth_scheme_is_case_insensitive_and_the_token_exact(header, accepted):
     factory = TokenAuthFactory(TOKEN)
     if accepted:
-        assert factory.start_call(None, {"authorization": [header]}) is None
+        assert factory.start_call(DO_GET, {"authorization": [header]}) is None
     else:
         with pytest.raises(flight.FlightUnauthenticatedError):
-            factory.start_call(None, {"authorization": [header]})
+            factory.start_call(DO_GET, {"authorization": [header]})
 
 
-def test_calls_refused_for_the_token_are_counted(small_table):
+@pytest.mark.parametrize(
+    ("headers", "said"), [({}, "no bearer token"), ({"authorization": ["Bearer x"]}, "a wrong bearer token")]
+)
+def test_a_refused_token_is_said_missing_or_wrong_never_shown(headers, said, caplog):
+    """Which tells a client not given the token from one holding an old one (a rotation)."""
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        TokenAuthFactory(TOKEN).start_call(DO_GET, headers)
+    assert [r.getMessage() for r in caplog.records] == [f"refused a DoGet call with {said}"]
+
+
+def test_calls_refused_for_the_token_are_counted_and_logged_at_most_once_a_minute(small_table, caplog):
     """A refusal never reaches the handlers that count errors; the auth check counts it instead,
-    so a misconfigured token or a probe shows on /metrics."""
+    so a misconfigured token or a probe shows on /metrics. And says so in the log (trainers
+    refused after a rotated token left it silent), without the token, at most once a minute."""
     from kubeflow_data_cache.config import build_config
     from kubeflow_data_cache.head import Head
     from tests.cache.inprocess import FLAGS
@@ -315,6 +329,9 @@ def test_calls_refused_for_the_token_are_counted(small_table):
         assert sample("data_cache_requests_total", {"method": "GetFlightInfo", "action": ""}) == 3
         assert sample("data_cache_requests_total", {"method": "DoAction", "action": ""}) == 1
         client.close()
+        said = [r.getMessage() for r in caplog.records if r.name == "kubeflow_data_cache.security"]
+        assert said == ["refused a GetFlightInfo call with a wrong bearer token"]
+        assert all(r.levelname == "WARNING" for r in caplog.records if r.name == "kubeflow_data_cache.security")
     finally:
         head.stop()
 

@@ -18,6 +18,8 @@ import pyarrow.flight as flight
 
 from kubeflow_data_cache.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 AUTH_HEADER = "authorization"
 CLUSTER_KEY_ENV = "DATA_CACHE_CLUSTER_KEY"
 # A folder where a kubernetes.io/tls Secret may be mounted (an optional Secret volume: its files
@@ -188,7 +190,8 @@ class RefusalWarnings:
         self._warned_at: float | None = None
         self._unsaid = 0  # refused since the last warning, not warned of
 
-    def refused(self, message: str, peer: str) -> None:
+    def refused(self, message: str, peer: str | None) -> None:
+        """``peer``: the caller, where the refusing code knows it (None: not said)."""
         with self._lock:
             now = self._clock()
             # The setting read when refusing (None: REFUSAL_WARN_EVERY_SECONDS), so tests can lower it.
@@ -197,8 +200,12 @@ class RefusalWarnings:
                 self._unsaid += 1
                 return
             unsaid, self._unsaid, self._warned_at = self._unsaid, 0, now
-        since = f"; {unsaid} more refused since the last warning" if unsaid else ""
-        self._log.warning("%s (from %s%s)", message, peer, since)
+        said = [f"from {peer}"] if peer else []
+        said += [f"{unsaid} more refused since the last warning"] if unsaid else []
+        if said:
+            self._log.warning("%s (%s)", message, "; ".join(said))
+        else:
+            self._log.warning("%s", message)
 
 
 # The longest token taken. gRPC servers refuse request metadata past 8 KiB at random (16 KiB
@@ -249,6 +256,9 @@ class TokenAuthFactory(flight.ServerMiddlewareFactory):
         self._expected = token.encode()
         # Refused calls never reach the handlers that count errors: told here, by method name.
         self._on_refused = on_refused
+        # And logged, at most once a minute: trainers refused after a token's rotation left the
+        # cache's logs silent. A middleware is not told the caller's address.
+        self._warnings = RefusalWarnings(log)
 
     def start_call(self, info, headers):
         values = headers.get(AUTH_HEADER) or headers.get(AUTH_HEADER.title()) or []
@@ -257,9 +267,13 @@ class TokenAuthFactory(flight.ServerMiddlewareFactory):
         # The scheme name is case-insensitive (RFC 7235): "bearer x" is as good as "Bearer x".
         scheme, _, credentials = given.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials, self._expected):
+            # FlightMethod.GET_FLIGHT_INFO -> "GetFlightInfo", as the handlers name themselves.
+            method = "".join(part.title() for part in info.method.name.split("_"))
             if self._on_refused is not None:
-                # FlightMethod.GET_FLIGHT_INFO -> "GetFlightInfo", as the handlers name themselves.
-                self._on_refused("".join(part.title() for part in info.method.name.split("_")))
+                self._on_refused(method)
+            # Which of the two, never the value: a client not given the token, or an old one.
+            what = "a wrong bearer token" if given else "no bearer token"
+            self._warnings.refused(f"refused a {method} call with {what}", None)
             raise flight.FlightUnauthenticatedError(
                 "missing or wrong bearer token: pass the cache's token (DATA_CACHE_TOKEN or DATA_CACHE_TOKEN_FILE)"
             )
