@@ -31,6 +31,17 @@ def test_missing_metadata_location_fails_fast(tmp_path):
     assert "METADATA_LOC" in stderr and "does not exist" in stderr
 
 
+def test_a_failed_head_logs_its_reason_once_and_exits_after_the_grace(tmp_path):
+    """Lifecycle.fail logs the reason; the exit that follows had logged it again in full."""
+    missing = str(tmp_path / "nope" / "v1.metadata.json")
+    done = data_cache("head", "--metadata-loc", missing, "--data-nodes", "1", "--port", "0", "--health-port", "0",
+                      "--host", "127.0.0.1", "--failure-grace", "0.5")  # fmt: skip
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "does not exist" in errors[0], done.stderr
+    assert "exiting in 0.5s; /ready and /status give the reason meanwhile" in done.stderr
+
+
 def test_not_a_metadata_file(tmp_path):
     bogus = tmp_path / "v1.metadata.json"
     bogus.write_text("{not json")

@@ -108,7 +108,8 @@ def run_node(cfg: NodeConfig) -> NoReturn:
         if server.lifecycle.failed_event.wait(STOP_POLL_SECONDS):
             error = server.lifecycle.error or "unknown error"
             _write_termination_log(cfg.termination_log, error)
-            log.error("exiting in %.0fs: %s", cfg.failure_grace, error)
+            # The reason itself was logged once, when it failed (Lifecycle.fail).
+            log.info("exiting in %gs; /ready and /status give the reason meanwhile", cfg.failure_grace)
             stop_wait(cfg.failure_grace)  # keep /ready and /status answering with the reason meanwhile
             code = 1
             break
