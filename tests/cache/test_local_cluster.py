@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,6 +126,26 @@ def test_port_0_picks_a_free_port_and_names_it(table_factory):
         assert read_path_shards(location).num_rows == 2000
     finally:
         cache.stop()
+
+
+def test_the_head_and_each_node_say_once_what_they_load_as_the_load_starts(table_factory):
+    """A pod's log showed "registered", then nothing until ready or failed: on a long S3 load,
+    nothing said what was under way."""
+    table = table_factory(3000, 3)
+    cache = LocalCache(table.metadata_location, 2)
+    try:
+        cache.wait_ready(timeout=DEADLINE)
+        log = cache.read_stderr()
+    finally:
+        cache.stop()
+    started = [line for line in log.splitlines() if ": loading snapshot " in line]
+    assert len(started) == 1 and " head INFO " in started[0], log[-3000:]
+    assert re.search(
+        r"loading snapshot \d+: 3000 rows in 3 data file\(s\), about [\d.]+ MiB in memory, on 2", started[0]
+    )
+    for node, rows in ((0, "0-1500"), (1, "1500-3000")):
+        said = [line for line in log.splitlines() if f"data node {node} loading rows " in line]
+        assert len(said) == 1 and f"loading rows {rows} (1500 rows) from " in said[0], log[-3000:]
 
 
 def test_the_table_names_given_to_local_reach_every_process(table_factory):

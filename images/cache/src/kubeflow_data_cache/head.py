@@ -302,6 +302,15 @@ class Head(ReadOnlyFlight):
                 peaks_for=lambda n: [estimated_node_memory(plan, a, threads_for(n))[1] for a in assign_rows(plan, n)],
             )
             self.plan, self.assignments = plan, assignments
+            # Said once, as the load starts: a pod's log showed nothing more until ready or failed.
+            log.info(
+                "loading snapshot %s: %d rows in %d data file(s), about %.1f MiB in memory, on %d data node(s)",
+                plan.snapshot_id,
+                plan.rows,
+                len(plan.files),
+                plan.estimated_bytes / 2**20,
+                self.cfg.data_nodes,
+            )
             self.lifecycle.set(LOADING, f"sending {self.cfg.data_nodes} data node(s) their rows")
             for node in range(self.cfg.data_nodes):
                 self._send_load_or_explain(node)

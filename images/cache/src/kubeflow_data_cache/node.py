@@ -524,6 +524,15 @@ class DataNode(ReadOnlyFlight):
             # the old load's reads: one stuck on storage is what this load waits for.
             thread = threading.Thread(target=self._load, args=(order, previous), name="load", daemon=True)
             self._load_thread = thread
+        # Said once, as it starts: the log showed "registered" and then nothing until ready or failed.
+        log.info(
+            "data node %d loading rows %d-%d (%d rows) from %d data file(s)",
+            self.cfg.node_index,
+            order.global_start,
+            order.global_stop,
+            order.global_stop - order.global_start,
+            len({p.path for p in order.pieces}),
+        )
         thread.start()
 
     def _current(self, order: LoadOrder) -> bool:
