@@ -60,6 +60,10 @@ def test_each_served_call_has_its_request_and_error_series_at_zero_from_the_star
         assert value(samples, "data_cache_errors_total", method="DoAction", action="other", code="UNIMPLEMENTED") == 0
     assert value(on_head, "data_cache_requests_total", method="GetFlightInfo", action="") == 0
     assert value(on_node, "data_cache_requests_total", method="DoGet", action="") == 0
+    # The handlers' time too: rate() over its _count and _bucket missed the first call as well.
+    for samples, method in ((on_head, "GetFlightInfo"), (on_node, "DoGet")):
+        assert value(samples, "data_cache_request_seconds_count", method=method, action="") == 0, method
+        assert value(samples, "data_cache_request_seconds_bucket", method=method, action="", le="+Inf") == 0, method
     # Only the calls each role serves, and no token refusals where no token is set: bounded.
     assert value(on_head, "data_cache_requests_total", method="DoGet", action="") is None
     assert value(on_node, "data_cache_requests_total", method="GetFlightInfo", action="") is None

@@ -201,6 +201,7 @@ class Metrics:
         self.role = role
         for method, action in ROLE_CALLS.get(role, ()):
             self.requests.labels(method=method, action=action)
+            self.request_seconds.labels(method=method, action=action)  # its _count and _bucket too
             for code in SERVED_CODES:
                 self.errors.labels(method=method, action=action, code=code)
         if role in ROLE_CALLS:
