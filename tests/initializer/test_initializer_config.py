@@ -86,6 +86,18 @@ def test_aws_settings_are_forwarded_and_aws_secrets_are_not():
     assert cfg.image_pull_secrets == ()
 
 
+def test_aws_variables_whose_names_say_they_hold_secrets_are_not_forwarded_but_named():
+    """Copied as plain values, they were in the LeaderWorkerSet's spec, which `view` reads."""
+    secrets = {"AWS_SECRET_KEY": "s", "AWS_ACCESS_KEY": "AKIA", "AWS_BEARER_TOKEN_BEDROCK": "t", "AWS_KEY": "k"}
+    settings = {"AWS_REGION": "eu-west-1", "AWS_CA_BUNDLE": "/ca.pem", "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_KEYSPACES_ENDPOINT": "x"}  # fmt: skip
+    cfg = load_config({**MINIMAL, **secrets, **settings, "AWS_SESSION_TOKEN": "t",
+                       "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"})  # fmt: skip
+    assert dict(cfg.cache_env) == settings
+    # Named (never their values) in the warning given where nothing else brings the pods credentials.
+    assert cfg.credentials_seen == tuple(sorted([*secrets, "AWS_SESSION_TOKEN"]))
+
+
 def test_node_selector_and_tolerations_take_the_forms_admins_write():
     cfg = load_config(
         {

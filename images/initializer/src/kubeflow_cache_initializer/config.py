@@ -82,6 +82,20 @@ AWS_NOT_FORWARDED = frozenset(
     }
 )
 
+# Any other AWS_* whose name says it holds a secret (AWS_SECRET_KEY, AWS_ACCESS_KEY, a service's
+# AWS_BEARER_TOKEN_...): copied as a plain value, it was in the LeaderWorkerSet's spec, which the
+# namespace's `view` role reads. Not forwarded, and named with the credentials.
+SECRET_LIKE_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY(_|$)")
+
+
+def _secret_like(name: str) -> bool:
+    """An AWS_* credential, or another AWS_* whose name says it holds a secret (not what EKS or
+    a profile injects per pod: that is identity, not given for the cache)."""
+    return name.startswith(AWS_PREFIX) and (
+        name in AWS_CREDENTIALS
+        or (name not in AWS_NOT_FORWARDED and bool(SECRET_LIKE_NAME.search(name.removeprefix(AWS_PREFIX))))
+    )
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -117,7 +131,7 @@ class Config:
     env_from_secrets: tuple[str, ...]
     image_pull_secrets: tuple[str, ...]
     image_pull_policy: str | None  # None: Kubernetes' default (Always for :latest, else IfNotPresent)
-    credentials_seen: tuple[str, ...]  # AWS credential variables of this env, which no pod spec gets
+    credentials_seen: tuple[str, ...]  # AWS credentials (and secret-like AWS_*) of this env, which no pod spec gets
     token_secret: str | None  # the namespace's Secret the readers' token is read from, if there
     tls_secret: str | None  # the namespace's TLS Secret the cache pods mount, if there
     s3_ca_configmap: str | None  # the namespace's ConfigMap of the store's CA the cache pods mount, if there
@@ -269,7 +283,7 @@ def _forwarded_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
         sorted(
             (name, value)
             for name, value in env.items()
-            if name.startswith(AWS_PREFIX) and name not in AWS_NOT_FORWARDED and value
+            if name.startswith(AWS_PREFIX) and name not in AWS_NOT_FORWARDED and not _secret_like(name) and value
         )
     )
 
@@ -411,7 +425,7 @@ def load_config(env: Mapping[str, str], namespace_file: Path = Path(c.NAMESPACE_
         ready_timeout_seconds=ready_timeout,
         shared=shared,
         cache_env=_forwarded_env(env),
-        credentials_seen=tuple(sorted(name for name in AWS_CREDENTIALS if env.get(name, "").strip())),
+        credentials_seen=tuple(sorted(name for name, value in env.items() if _secret_like(name) and value.strip())),
         env_from_secrets=secrets,
         image_pull_secrets=pull_secrets,
         image_pull_policy=pull_policy,
