@@ -152,6 +152,9 @@ def test_cache_pods_get_the_table_their_address_their_memory_and_s3_settings_but
         assert (env["FLIGHT_PORT"], env["HEALTH_PORT"]) == ("50051", "8080")
         assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert env["MEMORY_LIMIT"] == {"resourceFieldRef": {"containerName": "cache", "resource": "limits.memory"}}
+        # Whole CPUs, rounded up: where cgroup v1 shows no quota the cache counted the machine's.
+        limit = {"containerName": "cache", "resource": "limits.cpu", "divisor": "1"}
+        assert env["LOAD_THREADS"] == {"resourceFieldRef": limit}
         assert env["AWS_REGION"] == "eu-west-1"
         assert "AWS_SECRET_ACCESS_KEY" not in env
         assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
@@ -166,7 +169,8 @@ def test_the_cache_pods_accept_the_env_they_are_given(timeout, tmp_path):
     from kubeflow_data_cache.config import build_config
 
     lws = build_leader_worker_set(load_config({**FULL, "CACHE_READY_TIMEOUT_SECONDS": timeout}), [OWNER])
-    filled = {"POD_IP": "10.0.0.7", "MEMORY_LIMIT": str(16 << 30), "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache"}
+    filled = {"POD_IP": "10.0.0.7", "MEMORY_LIMIT": str(16 << 30), "LWS_LEADER_ADDRESS": "job-a-cache-0.job-a-cache",
+              "LOAD_THREADS": "3"}  # fmt: skip
     for template, role, lws_env in [
         ("leaderTemplate", "head", {"LWS_GROUP_SIZE": "5"}),
         ("workerTemplate", "worker", {"LWS_WORKER_INDEX": "3"}),
@@ -177,6 +181,7 @@ def test_the_cache_pods_accept_the_env_they_are_given(timeout, tmp_path):
         assert cfg.scheme == "grpc"
         assert (cfg.metadata_loc, cfg.flight_port, cfg.memory_limit) == (MINIMAL["METADATA_LOC"], 50051, 16 << 30)
         assert cfg.data_nodes == 4 if role == "head" else cfg.node_index == 2
+        assert cfg.load_threads == 3
 
 
 def test_cache_pods_run_restricted():

@@ -157,6 +157,15 @@ def _cache_env(cfg: Config, key_secret: str | None) -> list[dict]:
             "name": "MEMORY_LIMIT",
             "valueFrom": {"resourceFieldRef": {"containerName": c.CACHE_CONTAINER, "resource": "limits.memory"}},
         },
+        # The container's CPUs (rounded up to whole ones), which size a node's parallel reads and
+        # so the head's memory estimate: a cgroup v1 node shows the pod no quota, and the cache
+        # counted every CPU of the machine (96 readers for a 2-CPU pod).
+        {
+            "name": "LOAD_THREADS",
+            "valueFrom": {
+                "resourceFieldRef": {"containerName": c.CACHE_CONTAINER, "resource": "limits.cpu", "divisor": "1"}
+            },
+        },
     ]
     if key_secret is not None:
         env.append(cluster_key_env(key_secret))
