@@ -20,7 +20,7 @@ from kubernetes import client
 from kubeflow_cache_initializer import main as main_module
 from kubeflow_cache_initializer.builders import build_leader_worker_set, build_service, cache_names
 from kubeflow_cache_initializer.config import load_config
-from kubeflow_cache_initializer.errors import ConfigError, KubeApiError
+from kubeflow_cache_initializer.errors import CacheTimeoutError, ConfigError, KubeApiError
 from kubeflow_cache_initializer.health import describe_status, fetch_head_status, not_ready_reason, status_failure
 from kubeflow_cache_initializer.kube import PODS, RETRY_INITIAL_SECONDS, TRAINJOBS, Kube
 from kubeflow_cache_initializer.wait import _Watcher
@@ -424,6 +424,42 @@ def test_the_failed_run_deletes_its_cache_even_through_an_api_outage(fake, make_
     assert code == 1
     assert fake.fail_next[("leaderworkersets", "delete")] == []
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
+def test_a_cache_the_cleanup_could_not_delete_is_named_with_the_command(fake, make_sim, run_initializer):
+    """A delete refused (a Role without it, as upstream's) or failing through the cleanup's own
+    deadline: the termination message said nothing of the cache left holding its pods."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("leaderworkersets", "delete")] = [403]
+
+    code, error = run_initializer(initializer_env(make_sim("stuck"), CACHE_READY_TIMEOUT_SECONDS="2"))
+
+    assert code == 1 and error.startswith("the cache was not ready within CACHE_READY_TIMEOUT_SECONDS=2: "), error
+    assert error.endswith(
+        "; LeaderWorkerSet job-a-cache could not be deleted (HTTP 403 ServiceUnavailable) and holds its pods' "
+        f"resources: `kubectl delete leaderworkerset -n {NAMESPACE} job-a-cache`"
+    ), error
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is not None
+
+
+def test_the_cleanup_deletes_only_the_cache_its_run_made(fake, run_initializer, monkeypatch):
+    """A TrainJob deleted and made again under its name has a new initializer and a new cache;
+    the old run's delete, retried through an outage, removed that one by its name."""
+    from kubeflow_cache_initializer import initializer
+
+    def replaced(kube, cfg, deadline):
+        mine = fake.get("leaderworkersets", NAMESPACE, "job-a-cache")
+        fake.delete("leaderworkersets", NAMESPACE, "job-a-cache")
+        fake.put("leaderworkersets", {**mine, "metadata": {**mine["metadata"], "uid": "the-new-runs"}})
+        raise CacheTimeoutError("cache job-a-cache not ready within 1s")
+
+    add_train_job(fake, "job-a")
+    monkeypatch.setattr(initializer, "wait_until_ready", replaced)
+
+    code, error = run_initializer(initializer_env(None))
+
+    assert code == 1 and error == "cache job-a-cache not ready within 1s"
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache")["metadata"]["uid"] == "the-new-runs"
 
 
 def test_an_unforeseen_failure_while_waiting_still_deletes_the_cache(fake, run_initializer, monkeypatch):

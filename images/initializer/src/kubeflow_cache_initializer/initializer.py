@@ -235,7 +235,9 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         if cache is None:
             raise  # none made: refused (another's under its name), or the API failed us
         if not cfg.shared:
-            _delete_cache(kube, cfg, names.cache)
+            left = _delete_cache(kube, cfg, names.cache, cache["metadata"]["uid"])
+            if left:
+                err.add_note(left)  # in the log and the termination message, after the reason
         elif not _made_by_another(cache, train_job):
             if _hopeless(err) and _delete_made(kube, cfg, names.cache, cache):
                 # Made with this job's settings, which no retry cures: kept for the jobs that
@@ -348,16 +350,26 @@ def _delete_made(kube: Kube, cfg: Config, name: str, cache: dict) -> bool:
     return True
 
 
-def _delete_cache(kube: Kube, cfg: Config, name: str) -> None:
+def _delete_cache(kube: Kube, cfg: Config, name: str, uid: str) -> str | None:
     """Free a dedicated cache's pods once it can no longer serve: the TrainJob fails, its cache goes.
+    What is left for someone to do where the delete failed (None: nothing).
 
     The run's deadline has usually passed by now, and an API outage may be what ended it: the
-    delete gets its own CLEANUP_SECONDS of retries.
+    delete gets its own CLEANUP_SECONDS of retries. Only the cache this run made (its uid): a
+    TrainJob deleted and made again under its name has a new initializer, whose cache an old
+    one's delete, retried through an outage, removed.
     """
     _start_cleanup(kube)
     try:
-        kube.delete(LEADER_WORKER_SETS, cfg.namespace, name)
+        kube.delete(LEADER_WORKER_SETS, cfg.namespace, name, preconditions={"uid": uid})
         log.info("deleted LeaderWorkerSet %s so that its pods free their resources", name)
     except KubeApiError as err:
-        if not err.not_found:
+        if err.conflict:
+            log.info("kept LeaderWorkerSet %s: it is another run's, made anew under its name since", name)
+        elif not err.not_found:
             log.warning("could not delete LeaderWorkerSet %s: %s", name, err)
+            return (
+                f"LeaderWorkerSet {name} could not be deleted (HTTP {err.status} {err.reason}) and holds its "
+                f"pods' resources: `kubectl delete leaderworkerset -n {cfg.namespace} {name}`"
+            )
+    return None

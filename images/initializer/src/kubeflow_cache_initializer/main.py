@@ -45,6 +45,11 @@ def _write_termination_message(path: Path, message: str) -> None:
         log.debug("could not write the termination message to %s", path)
 
 
+def _said(err: BaseException) -> str:
+    """The error and its notes (what its cleanup left undone), on one line."""
+    return "; ".join([str(err), *getattr(err, "__notes__", ())])
+
+
 def main(
     *,
     env: Mapping[str, str] | None = None,
@@ -65,12 +70,14 @@ def main(
         cfg = load_config(os.environ if env is None else env)
         ready = run(Kube(api_client or _api_client()), cfg)
     except InitializerError as err:
-        log.error("%s", err)
-        _write_termination_message(termination_log, str(err))
+        log.error("%s", _said(err))
+        _write_termination_message(termination_log, _said(err))
         return err.exit_code
     except Exception as err:  # a bug, or a failure no one foresaw: still one line
         log.exception("the initializer failed unexpectedly")
-        _write_termination_message(termination_log, f"the initializer failed unexpectedly: {type(err).__name__}: {err}")
+        _write_termination_message(
+            termination_log, f"the initializer failed unexpectedly: {type(err).__name__}: {_said(err)}"
+        )
         return 1
     finally:
         if previous is not None:
