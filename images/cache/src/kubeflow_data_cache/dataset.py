@@ -47,11 +47,14 @@ from kubeflow_data_cache.protocol import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_BLOCK_SIZE,
     EVEN_MODES,
+    INFO_MATCHING_ROWS,
+    INFO_SNAPSHOT_ID,
     ShardRequest,
     info_inner_list_lengths,
     info_list_lengths,
     info_matching_rows,
     info_null_counts,
+    info_table,
 )
 from kubeflow_data_cache.row_bytes import varies as varies_in_size
 from kubeflow_data_cache.security import (
@@ -311,6 +314,10 @@ class _Progress:
     # The order the nodes stream a shuffled shard in (protocol.ORDER_VERSION), which a row count
     # means as much as the lengths. None until the head has answered, or unshuffled.
     order: int | None = None
+    # The snapshot and matching rows the head said the rows are counted in (protocol.info_table):
+    # a position means other rows in another snapshot, even where this shard's size is the same.
+    # None until the head has answered, or from a cache that does not say.
+    table: dict[str, Any] | None = None
     # The read ran to its end (the iterator raised StopIteration), not only handed out its rows.
     done: bool = False
 
@@ -543,7 +550,7 @@ class DataCacheDataset(IterableDataset):
         one epoch recorded as another's was a state naming rows that were not read."""
         epoch = self.epoch
         request = self.shard_request(world, epoch)
-        skip, streams, order = self._take_resume(world, epoch)
+        skip, streams, order, table = self._take_resume(world, epoch)
         slot = None
         if get_worker_info() is not None:
             slot = world.worker_id % WORKER_SLOTS
@@ -555,7 +562,7 @@ class DataCacheDataset(IterableDataset):
             self._worker_reads.clear()
         if read_before and self.shuffle and not skip:
             self._warn_repeated_epoch()
-        progress = _Progress(epoch, world.shard, world.num_shards, skip, streams, order)
+        progress = _Progress(epoch, world.shard, world.num_shards, skip, streams, order, table)
         current = self._progress
         # The saved position is that of the iterator that last handed out a batch (_stream): a
         # second iterator made beside a reading one (a probe) takes over only when it yields,
@@ -579,7 +586,7 @@ class DataCacheDataset(IterableDataset):
                 interleave=request.shuffle,
                 start=skip,
                 check_streams=lambda lengths, order: _check_streams(request, progress, skip, lengths, order),
-                check_info=lambda info: self._check_info(info, request),
+                check_info=lambda info: self._check_info(info, request, progress, skip),
                 # Signals reach the main thread only: there Ctrl-C (or a handler that saves a
                 # checkpoint) must not wait on a frozen node's Flight call (up to a minute). Not in
                 # a DataLoader worker, whose parent takes the Ctrl-C: the thread hop costs ~10%.
@@ -709,7 +716,8 @@ class DataCacheDataset(IterableDataset):
             stop = min(start + size, rows)
             yield _slice(converted, start, stop), stop - start
 
-    def _check_info(self, info: flight.FlightInfo, request: ShardRequest) -> None:
+    def _check_info(self, info: flight.FlightInfo, request: ShardRequest, progress: _Progress, skip: int) -> None:
+        _check_table(progress, skip, info_table(info.app_metadata))
         self._check_columns(info)
         self._warn_if_no_shard_yields(info, request)
 
@@ -719,7 +727,20 @@ class DataCacheDataset(IterableDataset):
         Under ``even`` every shard has this one's size, so all readers are in the same case."""
         matching = info_matching_rows(info.app_metadata)
         rows = info.total_records
-        if self.even is None or matching is None or self._empty_warned.value:
+        if matching == 0 and not self._empty_warned.value:
+            # Whatever ``even``: a filter that matches nothing (a typo in a value) trained zero
+            # steps each epoch without a word.
+            self._empty_warned.value = 1
+            what = (
+                f"the filter {self._request.filter!r} matches no row" if self._request.filter else "the table is empty"
+            )
+            warnings.warn(
+                f"DataCacheDataset yields no batch on any reader this epoch: {what} in the cached table",
+                EmptyEpochWarning,
+                stacklevel=_caller_outside_package(),
+            )
+            return
+        if self.even is None or not matching or self._empty_warned.value:
             return
         if rows and not (self.drop_last and rows < self.batch_size):
             return
@@ -835,6 +856,7 @@ class DataCacheDataset(IterableDataset):
             "rows": progress.rows,
             "streams": progress.streams,
             "order": progress.order,
+            "table": progress.table,
             **self._fingerprint(),
         }
 
@@ -891,12 +913,12 @@ class DataCacheDataset(IterableDataset):
             return None
         return self._resume
 
-    def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None]:
-        """Rows to leave out of this reader's read of ``epoch``, and the stream lengths and
-        shuffled order they were counted in (None where the state does not say)."""
+    def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None, dict[str, Any] | None]:
+        """Rows to leave out of this reader's read of ``epoch``, and the stream lengths, shuffled
+        order and snapshot they were counted in (None where the state does not say)."""
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
-            return 0, None, None
+            return 0, None, None, None
         # Which split's reader took it (its shard count), where a worker did: a reader of another
         # split reads whole (the position was used). A reader of the same split checks it whether
         # or not it was taken: a loaded position is one reader's, and the others of its split have
@@ -904,19 +926,20 @@ class DataCacheDataset(IterableDataset):
         # which of two workers started first).
         taken_by = self._resume_taken.value if self._resume_loaded_here else 0
         if taken_by and taken_by != world.num_shards:
-            return 0, None, None
+            return 0, None, None, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
             raise ValueError(
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
                 f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
             )
         if taken_by:
-            return 0, None, None  # used by this shard's worker of an earlier pass
+            return 0, None, None, None  # used by this shard's worker of an earlier pass
         if self._resume_loaded_here:
             self._resume_taken.value = world.num_shards
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
         order = state.get("order")  # absent in states saved before orders were versioned
-        return int(state["rows"]), (list(streams) if streams is not None else None), order
+        table = state.get("table")  # absent in states saved before snapshots were kept
+        return int(state["rows"]), (list(streams) if streams is not None else None), order, table
 
 
 def _epoch_changed_error(reading: int, selected: int, worker: int) -> RuntimeError:
@@ -990,6 +1013,24 @@ def _check_streams(
         else:
             _refuse_resume(skip, f"streams of {saved} rows", f"streams of {now} rows")
     progress.streams = now  # only once accepted: a state saved after a refusal keeps the old split
+
+
+def _check_table(progress: _Progress, skip: int, now: dict[str, Any] | None) -> None:
+    """Keep the snapshot and matching rows a read's rows are counted in, and refuse to resume a
+    position counted in others: new data files sort among the old ones (their names are random),
+    and a compaction rewrites the same rows in another order, so a saved count means other rows
+    even where this shard's size (which _check_streams compares) is unchanged."""
+    saved = progress.table
+    if skip and saved is not None and now is not None and saved != now:
+        _refuse_resume(
+            skip,
+            f"snapshot {saved.get(INFO_SNAPSHOT_ID)} ({saved.get(INFO_MATCHING_ROWS)} matching rows)",
+            f"snapshot {now[INFO_SNAPSHOT_ID]} ({now[INFO_MATCHING_ROWS]} matching rows)",
+            "the cache now holds another snapshot of the table: the rows after the saved count are not the "
+            "rest of the saved epoch",
+        )
+    if now is not None:
+        progress.table = now
 
 
 def _same_setting(name: str, saved: Any, now: Any) -> bool:

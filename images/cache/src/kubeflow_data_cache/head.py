@@ -696,9 +696,11 @@ class Head(ReadOnlyFlight):
             key: {name: value for name, value in by_column.items() if name in names}
             for key, by_column in summed.items()
         }
-        figures[protocol.INFO_MATCHING_ROWS] = total
         figures = {key: value for key, value in figures.items() if value}
-        metadata = json.dumps(figures).encode() if figures else b""
+        # Always, 0 included: no matching row is what a reader most needs to be told.
+        figures[protocol.INFO_MATCHING_ROWS] = total
+        figures[protocol.INFO_SNAPSHOT_ID] = self.snapshot_id
+        metadata = json.dumps(figures).encode()
         return flight.FlightInfo(
             schema, descriptor, endpoints, rows, round(rows * self._row_bytes(schema)), app_metadata=metadata
         )

@@ -43,9 +43,12 @@ INFO_NULL_COUNTS = "null_counts"
 INFO_LIST_LENGTHS = "list_lengths"
 INFO_INNER_LIST_LENGTHS = "inner_list_lengths"
 # Also, with or without a filter: "matching_rows", the rows all shards share out (the table's,
-# or the filter's matches) before ``even`` drops or pads, where there are any. A reader whose
-# shard got none of them under ``even`` knows that no shard did (they are all one size).
+# or the filter's matches) before ``even`` drops or pads, 0 included. A reader whose shard got
+# none of them under ``even`` knows that no shard did (they are all one size). And
+# "snapshot_id", the Iceberg snapshot the cache holds (null for a table without one): with the
+# matching rows, what a saved position was counted in (a resumed reader refuses other rows).
 INFO_MATCHING_ROWS = "matching_rows"
+INFO_SNAPSHOT_ID = "snapshot_id"
 
 
 def info_null_counts(app_metadata: bytes) -> dict[str, int]:
@@ -67,12 +70,27 @@ def info_inner_list_lengths(app_metadata: bytes) -> dict[str, list[tuple[int, in
 
 def info_matching_rows(app_metadata: bytes) -> int | None:
     """The rows all shards share out, as a FlightInfo's app_metadata carries them (None where it
-    does not: a cache from before the figure, or no rows)."""
-    try:
-        value = json.loads(app_metadata or b"{}").get(INFO_MATCHING_ROWS)
-    except (ValueError, AttributeError):
+    does not: a cache from before the figure; older caches also left it out when 0)."""
+    value = _info_field(app_metadata, INFO_MATCHING_ROWS)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def info_table(app_metadata: bytes) -> dict[str, Any] | None:
+    """What a reader's rows are counted in: the snapshot the cache holds and the rows all shards
+    share out (None from a cache that does not say both)."""
+    rows = info_matching_rows(app_metadata)
+    snapshot = _info_field(app_metadata, INFO_SNAPSHOT_ID, default=False)  # null: a table without one
+    if rows is None or not (snapshot is None or (isinstance(snapshot, int) and not isinstance(snapshot, bool))):
         return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return {INFO_SNAPSHOT_ID: snapshot, INFO_MATCHING_ROWS: rows}
+
+
+def _info_field(app_metadata: bytes, key: str, default: Any = None) -> Any:
+    try:
+        figures = json.loads(app_metadata or b"{}")
+    except ValueError:
+        return default
+    return figures.get(key, default) if isinstance(figures, dict) else default
 
 
 def _level_bounds(value: Any) -> list[tuple[int, int] | None]:
