@@ -99,6 +99,14 @@ def test_resume_rejects_other_settings_or_shards(cache):
     moved.set_epoch(1)
     assert moved.state_dict()["rows"] == 0
     assert len(ids_of(moved._iter_world(World(0, 2, 0, 1)))) == ROWS // 2
+    # But not to an epoch before the saved one: the loop then read that epoch, and the saved one
+    # again after it, counting one behind (a resume's start epoch off by one).
+    later = make(cache)
+    later.load_state_dict({**state, "epoch": 3})
+    with pytest.raises(ValueError, match=r"set_epoch\(2\): the loaded state is a position in epoch 3, which comes"):
+        later.set_epoch(2)
+    later.set_epoch(3)
+    assert later.state_dict()["rows"] == state["rows"]
 
 
 @pytest.mark.parametrize(

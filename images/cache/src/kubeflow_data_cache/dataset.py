@@ -455,8 +455,16 @@ class DataCacheDataset(IterableDataset):
         if number is None or not 0 <= number < MAX_EPOCH:
             raise ValueError(f"epoch should be an integer in [0, {MAX_EPOCH}), got {epoch!r}")
         epoch = number
+        if self._resume is not None and self._resume["epoch"] > epoch:
+            # Dropped, as for an earlier epoch, the loop went on to read this epoch (and the saved
+            # one again after it), counting epochs one behind: a resume's start epoch off by one.
+            saved = self._resume["epoch"]
+            raise ValueError(
+                f"set_epoch({epoch}): the loaded state is a position in epoch {saved}, which comes after it; "
+                f"call set_epoch({saved}) to resume there, or do not load the state to read epoch {epoch} whole"
+            )
         if self._resume is not None and self._resume["epoch"] != epoch:
-            self._resume = None  # a saved position belongs to its own epoch only
+            self._resume = None  # a saved position belongs to its own epoch only: that one is over
         self._epoch.value = epoch
 
     def close(self) -> None:
