@@ -635,6 +635,16 @@ def test_a_position_loaded_here_is_refused_by_every_other_shards_worker_however_
             ids_of(workers)
 
 
+def test_one_ranks_state_loaded_on_another_rank_names_the_checkpoint_per_rank():
+    """A checkpoint saved on rank 0 only and loaded on every rank was told to "resume with the
+    same ranks", which it had."""
+    ds = DataCacheDataset("grpc://127.0.0.1:1", batch_size=100)  # refused before any call
+    ds.load_state_dict({**ds.state_dict(), "shard": 0, "num_shards": 2, "rows": 100})  # rank 0's, 100 rows in
+    with pytest.raises(ValueError, match=r"shard 0 of 2, but this reader is shard 1 of 2: each reader resumes its own "
+                                         r"position: save every rank's state_dict\(\) and load it back on that rank"):  # fmt: skip
+        next(ds._iter_world(World(1, 2, 0, 1)))
+
+
 def test_a_position_used_by_one_split_is_gone_for_a_later_pass_of_another(cache):
     """Used by a 1-worker pass (shard 0 of 1), then the epoch read again by 2 workers: they
     refused it as the position of another split, though it had been used."""

@@ -936,9 +936,18 @@ class DataCacheDataset(IterableDataset):
         if taken_by and taken_by != world.num_shards:
             return 0, None, None, None
         if (state["shard"], state["num_shards"]) != (world.shard, world.num_shards):
+            # The same split, another shard: one rank's state loaded on every rank (a checkpoint
+            # saved on rank 0 only), not a change of ranks.
+            fix = (
+                "each reader resumes its own position: save every rank's state_dict() and load it back on that "
+                "rank (a checkpoint per rank, not rank 0's on all), and with DataLoader workers use "
+                "StatefulDataLoader, which keeps each worker's"
+                if state["num_shards"] == world.num_shards
+                else "resume with the same ranks and DataLoader workers"
+            )
             raise ValueError(
                 f"the saved state is for shard {state['shard']} of {state['num_shards']}, but this reader is "
-                f"shard {world.shard} of {world.num_shards}: resume with the same ranks and DataLoader workers"
+                f"shard {world.shard} of {world.num_shards}: {fix}"
             )
         if taken_by:
             return 0, None, None, None  # used by this shard's worker of an earlier pass
