@@ -220,6 +220,16 @@ def test_null_lists_without_a_tensor_form_are_refused_for_their_type_not_their_n
     assert null_refusal("tags", pa.list_(pa.string()), 3) is None
 
 
+def test_a_column_without_a_tensor_form_is_refused_on_a_rank_whose_shard_is_empty(nested_cache):
+    """Refused at the first batch, a rank whose shard held no row (a small or filtered table)
+    never refused it, and went on to its next collective while its peers failed."""
+    dataset = DataCacheDataset(
+        nested_cache.endpoint, batch_size=1024, columns=["id", "tags"], filter="id < 1", rank=1, world_size=2
+    )
+    with pytest.raises(TypeError, match=r"'tags' holds lists of string, which have no .*refused before the first batch"):
+        next(iter(dataset))
+
+
 def test_a_chunked_column_is_converted_as_one():
     """`table.column(name)` in an overridden hook is a ChunkedArray: to_numpy(writable=...) failed."""
     chunked = pa.chunked_array([[1, 2], [3]], pa.int64())

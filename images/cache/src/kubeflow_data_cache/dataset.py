@@ -768,8 +768,9 @@ class DataCacheDataset(IterableDataset):
         )
 
     def _check_columns(self, info: flight.FlightInfo) -> None:
-        """Refuse, before the first batch, a column the default conversion cannot take because
-        the table holds nulls in it, or lists of different lengths: found at the batch that holds
+        """Refuse, before the first batch, a column the default conversion cannot take: of a type
+        it has no tensor for, or because the table holds nulls in it, or lists of different
+        lengths: found at the batch that holds
         one, that could be hours into an epoch (and one rank failing alone leaves its DDP peers
         waiting). The head counts them in the table, or in a filter's matches; an overridden
         from_arrow_rb_to_tensor may fill nulls or pad lists itself."""
@@ -779,6 +780,11 @@ class DataCacheDataset(IterableDataset):
         lengths = info_list_lengths(info.app_metadata)
         inner = info_inner_list_lengths(info.app_metadata)
         for field in info.schema:
+            # Its type first, from the schema: refused at the first batch, a rank whose shard
+            # was empty (a small or filtered table) never refused it, and went on to its next
+            # collective while its peers failed.
+            if (refusal := type_refusal(field.name, field.type)) is not None:
+                raise TypeError(f"{refusal} (refused before the first batch)")
             refusal = null_refusal(field.name, field.type, counts.get(field.name, 0))
             if refusal is None and field.name in lengths and _has_tensor_form(field.type):
                 refusal = ragged_refusal(field.name, *lengths[field.name])
@@ -1201,13 +1207,10 @@ def column_to_tensor(
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return col.to_pylist()
+    # Checked first: padding lists of strings, or leaving their nulls out, would not help.
+    if (refusal := type_refusal(name, t)) is not None:
+        raise TypeError(refusal)
     if _is_list_type(t):
-        # Checked first: padding lists of strings, or leaving their nulls out, would not help.
-        if not _has_tensor_form(t):
-            raise TypeError(
-                f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
-                "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"
-            )
         if col.null_count:
             raise ValueError(null_refusal(name, t, col.null_count))
         width = t.list_size if pa.types.is_fixed_size_list(t) else _uniform_length(name, col, _depth)
@@ -1227,7 +1230,19 @@ def column_to_tensor(
             return torch.from_dlpack(col)  # a view of the Arrow buffer; it keeps the buffer alive
         # writable=True copies once: the tensor must not alias Arrow's immutable buffers.
         return torch.from_numpy(col.to_numpy(zero_copy_only=False, writable=True))
-    raise TypeError(
+    raise TypeError(type_refusal(name, t))
+
+
+def type_refusal(name: str, t: pa.DataType) -> str | None:
+    """Why the default conversion takes no column of type ``t`` (None: it takes it)."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or _has_tensor_form(t):
+        return None
+    if _is_list_type(t):
+        return (
+            f"column {name!r} holds lists of {t.value_type}, which have no tensor form; leave it out with "
+            "columns=[...] or override from_arrow_rb_to_tensor (to tokenize it, say)"
+        )
+    return (
         f"column {name!r} has type {t}, which has no default tensor conversion; leave it out with "
         "columns=[...] or override from_arrow_rb_to_tensor"
     )
