@@ -45,6 +45,10 @@ _PATH = re.compile(
     r"^/(?:api/(?P<cv>v1)|apis/(?P<g>[^/]+)/(?P<v>[^/]+))/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$"
 )
 MAX_WATCH_SECONDS = 60
+# The one cluster-scoped call: what the caller may do in a namespace (any authenticated user may
+# ask). Answered from ``allowed``, one rule per grant (everything where ``allowed`` is None).
+RULES_REVIEW_PATH = "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews"
+RULES_REVIEW = ("authorization.k8s.io", "selfsubjectrulesreviews", "create")
 
 
 class FakeKube:
@@ -65,6 +69,7 @@ class FakeKube:
         self.compacted = 0
         self._rv = 100
         self.calls: list[tuple[str, str, str]] = []
+        self.rules_incomplete = False  # a SelfSubjectRulesReview's answer, as from a webhook authorizer
         self.responses: list[tuple[str, str, str, int]] = []  # verb, plural, name, status
         self.rejected: list[str] = []
         self.on_create: dict[str, list[Callable[[dict], None]]] = {}
@@ -319,6 +324,8 @@ class FakeKube:
 
     def answer(self, method: str, path: str, query: dict, headers, body: bytes) -> tuple[int, dict | None, dict]:
         """Route one request: (status, JSON body or None for a watch, watch parameters)."""
+        if path == RULES_REVIEW_PATH and method == "POST":
+            return 201, self._review_rules(json.loads(body or b"{}")), {}
         match = _PATH.match(path)
         if not match:
             raise ApiFailure(404, "NotFound", "the server could not find the requested resource")
@@ -378,6 +385,18 @@ class FakeKube:
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}, {}
         raise ApiFailure(405, "MethodNotAllowed", f"the fake does not implement {method}")
 
+    def _review_rules(self, review: dict) -> dict:
+        """A SelfSubjectRulesReview, answered from ``allowed``."""
+        self.calls.append(RULES_REVIEW)
+        if self.fail_next.get(RULES_REVIEW[1:]):
+            raise ApiFailure(self.fail_next[RULES_REVIEW[1:]].pop(0), "Forbidden", "injected failure")
+        if not (review.get("spec") or {}).get("namespace"):
+            raise ApiFailure(422, "Invalid", "spec.namespace: Required value")
+        grants = sorted(self.allowed) if self.allowed is not None else [("*", "*", "*")]
+        rules = [{"verbs": [verb], "apiGroups": [group], "resources": [plural]} for group, plural, verb in grants]
+        status = {"resourceRules": rules, "nonResourceRules": [], "incomplete": self.rules_incomplete}
+        return {**review, "status": status}
+
 
 def _handler(fake: FakeKube):
     class Handler(BaseHTTPRequestHandler):
@@ -412,7 +431,8 @@ def _handler(fake: FakeKube):
                 fake.responses.append((self.command, url.path, name, err.code))
                 self._send(err.code, err.status())
                 return
-            fake.responses.append((self.command, url.path, name, code))
+            if url.path != RULES_REVIEW_PATH:  # a question, not a write: the tests' writes are the objects'
+                fake.responses.append((self.command, url.path, name, code))
             if answer is not None:
                 self._send(code, answer)
                 return

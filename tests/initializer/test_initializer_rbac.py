@@ -13,6 +13,7 @@ import pytest
 
 from kubeflow_cache_initializer.rbac import ADMISSION_PERMISSIONS, REQUIRED_PERMISSIONS, forbidden_hint
 
+from .fake_k8s import RULES_REVIEW
 from .support import NAMESPACE, add_train_job, initializer_env
 
 
@@ -36,7 +37,8 @@ def test_the_initializer_calls_exactly_the_required_permissions(fake, make_sim, 
     assert run_initializer(initializer_env(sim, "job-a"))[0] != 0  # hopeless: delete
 
     assert fake.rejected == []
-    assert sorted(set(fake.calls)) == sorted(REQUIRED_PERMISSIONS)
+    # And the review of its own grants, which every authenticated user may ask (system:basic-user).
+    assert sorted(set(fake.calls)) == sorted([*REQUIRED_PERMISSIONS, RULES_REVIEW])
 
 
 def test_where_owners_are_enforced_the_admission_grants_are_needed_and_enough(fake, make_sim, run_initializer):

@@ -9,6 +9,7 @@ import pytest
 
 from kubeflow_cache_initializer.constants import COMPONENT_HEAD, LABEL_COMPONENT
 
+from .fake_k8s import RULES_REVIEW
 from .fake_k8s_rules import ApiFailure
 from .support import NAMESPACE, add_train_job, initializer_env
 
@@ -187,12 +188,41 @@ def test_a_missing_train_job_is_named(fake, run_initializer):
 
     assert code != 0
     assert error.startswith(f"TrainJob nope not found in namespace {NAMESPACE}")
-    assert fake.calls == [("trainer.kubeflow.org", "trainjobs", "get")]
+    assert fake.calls == [RULES_REVIEW, ("trainer.kubeflow.org", "trainjobs", "get")]
 
 
-def test_a_role_without_a_needed_grant_fails_with_the_api_message(fake, make_sim, run_initializer):
+def test_a_role_without_needed_grants_is_refused_naming_them_all_before_anything_is_made(fake, run_initializer):
+    """Upstream Trainer's role of the same name grants no Secrets, pods, nor the cache's patch and
+    delete: found at the calls that needed them, the Service and the cache were made by then, and
+    the failed delete left the cache's pods holding their requests."""
+    add_train_job(fake, "job-a")
+    fake.allowed = {
+        ("trainer.kubeflow.org", "trainjobs", "get"),
+        *(("leaderworkerset.x-k8s.io", "leaderworkersets", verb) for verb in ("create", "get", "list", "watch")),
+        *(("", plural, verb) for plural in ("services", "serviceaccounts") for verb in ("create", "get")),
+    }
+
+    code, error = run_initializer(initializer_env(None))
+
+    assert code == 1
+    assert error.startswith(
+        "the initializer's ServiceAccount may not `patch` leaderworkersets.leaderworkerset.x-k8s.io, `delete` "
+        "leaderworkersets.leaderworkerset.x-k8s.io, `patch` serviceaccounts, `create` secrets, `list` pods, "
+        f"`watch` pods in namespace {NAMESPACE}, which it needs; nothing was made: bind it to the cache-initializer"
+    ), error
+    assert fake.calls == [RULES_REVIEW]
+
+
+@pytest.mark.parametrize("review", ["refused", "incomplete"])
+def test_where_the_grants_cannot_be_listed_the_calls_say_what_is_missing(fake, make_sim, run_initializer, review):
+    """An authorizer that refuses the review, or lists its rules incompletely (a webhook's): the
+    run goes on, and the call that lacks its grant fails with the API's words."""
     add_train_job(fake, "job-a")
     fake.allowed.discard(("", "pods", "watch"))
+    if review == "refused":
+        fake.fail_next[RULES_REVIEW[1:]] = [403]
+    else:
+        fake.rules_incomplete = True
 
     code, error = run_initializer(initializer_env(make_sim("stuck")))
 

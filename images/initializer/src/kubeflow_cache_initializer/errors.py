@@ -75,6 +75,10 @@ class KubeApiError(InitializerError):
         return self.status == 410
 
 
+class MissingGrantsError(InitializerError):
+    """The initializer's ServiceAccount lacks calls it makes (found before it makes anything)."""
+
+
 class TrainJobNotFoundError(InitializerError):
     """`TRAIN_JOB_NAME` names no TrainJob in the pod's namespace, or the cluster does not serve
     the TrainJob API at all."""

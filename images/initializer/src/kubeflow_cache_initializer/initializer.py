@@ -29,9 +29,19 @@ from kubeflow_cache_initializer.errors import (
     ConfigError,
     ForeignObjectError,
     KubeApiError,
+    MissingGrantsError,
     TrainJobNotFoundError,
 )
-from kubeflow_cache_initializer.kube import LEADER_WORKER_SETS, SECRETS, SERVICE_ACCOUNTS, SERVICES, TRAINJOBS, Kube
+from kubeflow_cache_initializer.kube import (
+    LEADER_WORKER_SETS,
+    SECRETS,
+    SELF_SUBJECT_RULES_REVIEWS,
+    SERVICE_ACCOUNTS,
+    SERVICES,
+    TRAINJOBS,
+    Kube,
+)
+from kubeflow_cache_initializer.rbac import bind_hint, missing_grants
 from kubeflow_cache_initializer.wait import wait_until_ready
 
 log = logging.getLogger(__name__)
@@ -91,6 +101,44 @@ def with_dataset_secret(cfg: Config, train_job: dict) -> Config:
             ", ".join(cfg.credentials_seen),
         )
     return cfg
+
+
+def check_grants(kube: Kube, cfg: Config) -> None:
+    """Refuse to start where the ServiceAccount lacks a grant the run needs, naming all of them,
+    before anything is made. Found at the call that needs it, the run had made the Service and
+    the cache by then, and with `delete` missing too (upstream Trainer's role of the same name
+    grants neither Secrets nor that) its cleanup failed: the cache pods held their requests until
+    the TrainJob was deleted.
+
+    Where the API does not answer the review (an authorizer that refuses it), or says its rules
+    are incomplete (a webhook authorizer's are not listed), the calls themselves say what is missing.
+    """
+    body = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SelfSubjectRulesReview",
+        "spec": {"namespace": cfg.namespace},
+    }
+    try:
+        review = kube.create(SELF_SUBJECT_RULES_REVIEWS, cfg.namespace, body)
+    except KubeApiError as err:
+        if err.status == 0 or err.status >= 500:
+            raise  # the API is down: so would every call after this be
+        log.info("could not list this ServiceAccount's grants up front (%s); the calls will say", err)
+        return
+    status = review.get("status") or {}
+    missing = missing_grants(status.get("resourceRules") or [])
+    if not missing:
+        return
+    if status.get("incomplete"):
+        log.info("the API lists this ServiceAccount's grants incompletely; the calls will say what is missing")
+        return
+    listed = ", ".join(
+        f"`{verb}` {plural}.{group}" if group else f"`{verb}` {plural}" for group, plural, verb in missing
+    )
+    raise MissingGrantsError(
+        f"the initializer's ServiceAccount may not {listed} in namespace {cfg.namespace}, which it needs; "
+        f"nothing was made: {bind_hint(cfg.namespace)}"
+    )
 
 
 def check_no_name_clash(kube: Kube, cfg: Config, names: CacheNames) -> None:
@@ -186,6 +234,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
     # A SIGTERM whose raise a retry's warning swallowed ends the retries (it waited out the deadline).
     kube.before_retry = termination.raise_if_lost
     names = cache_names(cfg)
+    check_grants(kube, cfg)
     train_job = get_train_job(kube, cfg)
     cfg = with_dataset_secret(cfg, train_job)
     check_no_name_clash(kube, cfg, names)

@@ -56,12 +56,13 @@ def with_bounded_retries(configuration: client.Configuration) -> client.Configur
 
 @dataclass(frozen=True)
 class Resource:
-    """A namespaced API resource: its group, version, plural and kind."""
+    """An API resource: its group, version, plural and kind; namespaced unless told otherwise."""
 
     group: str
     version: str
     plural: str
     kind: str
+    namespaced: bool = True
 
     @property
     def api_version(self) -> str:
@@ -70,11 +71,13 @@ class Resource:
     def describe(self, namespace: str, name: str | None = None) -> str:
         """`leaderworkersets.leaderworkerset.x-k8s.io job-a-cache in namespace team-a`, for messages."""
         group = f".{self.group}" if self.group else ""
-        return f"{self.plural}{group}" + (f" {name}" if name else "") + f" in namespace {namespace}"
+        where = f" in namespace {namespace}" if self.namespaced else ""
+        return f"{self.plural}{group}" + (f" {name}" if name else "") + where
 
     def path(self, namespace: str, name: str | None = None) -> str:
         base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        path = f"{base}/namespaces/{quote(namespace, safe='')}/{self.plural}"
+        scope = f"/namespaces/{quote(namespace, safe='')}" if self.namespaced else ""
+        path = f"{base}{scope}/{self.plural}"
         return f"{path}/{quote(name, safe='')}" if name else path
 
 
@@ -84,6 +87,10 @@ SERVICES = Resource("", "v1", "services", "Service")
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts", "ServiceAccount")
 PODS = Resource("", "v1", "pods", "Pod")
 SECRETS = Resource("", "v1", "secrets", "Secret")
+# What the caller may do in a namespace: created (never stored) by any authenticated user.
+SELF_SUBJECT_RULES_REVIEWS = Resource(
+    "authorization.k8s.io", "v1", "selfsubjectrulesreviews", "SelfSubjectRulesReview", namespaced=False
+)
 
 
 class WatchStream:

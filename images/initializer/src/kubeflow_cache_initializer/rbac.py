@@ -68,10 +68,28 @@ def forbidden_hint(group: str, plural: str, verb: str, namespace: str, message: 
         return None
     if (group, plural, verb) not in REQUIRED_PERMISSIONS:
         return None  # not a call of ours; no advice beats wrong advice
+    return f"the initializer's ServiceAccount may not `{verb}` {what} in namespace {namespace}: {bind_hint(namespace)}"
+
+
+def bind_hint(namespace: str) -> str:
+    """How to give the initializer's ServiceAccount its grants in ``namespace``."""
     return (
-        f"the initializer's ServiceAccount may not `{verb}` {what} in namespace {namespace}: bind it to the "
-        "cache-initializer ClusterRole there (Helm: list the namespace in `dataCache.namespaces`; kustomize: "
-        f"`kubectl apply --server-side -k manifests/overlays/data-cache/namespace-rbac -n {namespace}`); "
-        "where it is bound already, that ClusterRole is older than this initializer: upgrade the chart, "
-        "or apply the manifests again"
+        "bind it to the cache-initializer ClusterRole there (Helm: list the namespace in `dataCache.namespaces`; "
+        f"kustomize: `kubectl apply --server-side -k manifests/overlays/data-cache/namespace-rbac -n {namespace}`); "
+        "where it is bound already, that ClusterRole is older than this initializer (or another project's of the "
+        "same name): upgrade the chart, or apply the manifests again"
     )
+
+
+def missing_grants(rules: list[dict]) -> list[tuple[str, str, str]]:
+    """The REQUIRED_PERMISSIONS no rule of a SelfSubjectRulesReview's ``resourceRules`` grants.
+    A rule limited to some objects (resourceNames) counts as granting: a role written that way
+    is someone's choice, and the call itself says whether it is enough."""
+
+    def grants(rule: dict, group: str, plural: str, verb: str) -> bool:
+        return all(
+            "*" in (rule.get(key) or ()) or want in (rule.get(key) or ())
+            for key, want in (("apiGroups", group), ("resources", plural), ("verbs", verb))
+        )
+
+    return [needed for needed in REQUIRED_PERMISSIONS if not any(grants(r, *needed) for r in rules)]
