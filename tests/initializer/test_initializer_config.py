@@ -182,6 +182,9 @@ BAD_INPUT = [
     ({"HEAD_CPU": "2Gi"}, "`HEAD_CPU` should be a CPU amount in cores or millicores", "'2Gi'"),
     ({"HEAD_CPU": "0"}, "`HEAD_CPU` should be at least 1m (a thousandth of a core) and at most 1024 cores", "'0'"),
     ({"WORKER_CPU": "2000"}, "`WORKER_CPU` should be at least 1m", "at most 1024 cores, got '2000'"),
+    # Past any node: the pods stayed unschedulable until the grace ran out.
+    ({"WORKER_MEM": "10000Ti"}, "`WORKER_MEM` should be at most 64Ti per pod (more than any node holds)", "'10000Ti'"),
+    ({"HEAD_MEM": "1e20"}, "`HEAD_MEM` should be at most 64Ti per pod", "'1e20'"),
     ({"STORAGE_URI": "cache://a\n/b"}, "`STORAGE_URI` should be cache://<schema>/<table>", ""),
     ({"HEAD_MEM": "lots"}, "`HEAD_MEM` should be a Kubernetes quantity such as 512Mi, 4Gi or 8G, got 'lots'", ""),
     ({"WORKER_CPU": "-1"}, "`WORKER_CPU` should be a Kubernetes quantity", "'-1'"),

@@ -35,6 +35,9 @@ _QUANTITY = re.compile(_NUMBER + r"([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?")
 # A cache pod's interpreter (pyarrow, pyiceberg, gRPC) takes about 130-200 MiB before any row,
 # and a data node's own memory check keeps 400 MiB aside for it: less is a typo ("500m", "512").
 MIN_MEMORY_BYTES = 400 << 20
+# Per pod, past any node's memory (the largest cloud machines have 24-32 TiB): "2000Gi" meant for
+# "2000Mi", or "1e20", left the pods unschedulable until the unschedulable grace ran out.
+MAX_MEMORY_BYTES = 64 << 40
 # A CPU amount is cores or millicores: other suffixes are valid quantities but not meant ("500M",
 # 500 million cores, for "500m"; "2Gi"), and left the cache pods unschedulable for minutes.
 _CPU = re.compile(_NUMBER + "m?")
@@ -226,6 +229,8 @@ def _check_memory(r: _Reader, name: str, value: str) -> None:
         return
     if parse_quantity(value) < MIN_MEMORY_BYTES:
         r._bad(name, f"at least {MIN_MEMORY_BYTES >> 20}Mi (a cache pod's interpreter alone needs about that)", value)
+    elif parse_quantity(value) > MAX_MEMORY_BYTES:
+        r._bad(name, f"at most {MAX_MEMORY_BYTES >> 40}Ti per pod (more than any node holds)", value)
 
 
 def _check_cpu(r: _Reader, name: str, value: str) -> None:
