@@ -442,6 +442,23 @@ def test_a_cache_the_cleanup_could_not_delete_is_named_with_the_command(fake, ma
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is not None
 
 
+def test_a_cleanup_after_a_sigterm_fits_the_initializer_pods_grace():
+    """The watchers joined one after the other (5 s each), then 30 s of retries whose last request
+    could wait 30 s more, in the default 30 s grace: the kubelet killed the cleanup before its
+    last delete and before the termination message was written."""
+    from pathlib import Path
+
+    import yaml
+
+    from kubeflow_cache_initializer import initializer, wait
+
+    runtime = yaml.safe_load((Path(__file__).parents[2] / "runtimes" / "torch-distributed-with-cache.yaml").read_text())
+    (step,) = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "dataset-initializer"]
+    grace = step["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    worst = wait.STOP_JOIN_SECONDS + initializer.CLEANUP_SECONDS + initializer.CLEANUP_REQUEST_TIMEOUT_SECONDS
+    assert worst + 5 <= grace, (worst, grace)  # and a few seconds to write the message and exit
+
+
 def test_the_cleanup_deletes_only_the_cache_its_run_made(fake, run_initializer, monkeypatch):
     """A TrainJob deleted and made again under its name has a new initializer and a new cache;
     the old run's delete, retried through an outage, removed that one by its name."""

@@ -47,6 +47,10 @@ from kubeflow_cache_initializer.wait import wait_until_ready
 log = logging.getLogger(__name__)
 # How long the delete of a failed run's dedicated cache may be retried through an API outage.
 CLEANUP_SECONDS = 30.0
+# Each cleanup request's own limit (30 s otherwise): a delete sent into a hung API, at the end of
+# CLEANUP_SECONDS, still ends within the initializer pod's grace after a SIGTERM (the runtime's
+# terminationGracePeriodSeconds, 60: the watchers' 2 s, then 30 s of retries and a last 10 s try).
+CLEANUP_REQUEST_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,7 @@ def _start_cleanup(kube: Kube) -> None:
     that came (it may be what this cleanup is for) or one to come (termination.cleaning_up)."""
     termination.cleaning_up()
     kube.deadline = time.monotonic() + CLEANUP_SECONDS
+    kube.request_timeout = min(kube.request_timeout, CLEANUP_REQUEST_TIMEOUT_SECONDS)
     kube.before_retry = None
 
 
