@@ -442,6 +442,37 @@ def test_a_cache_the_cleanup_could_not_delete_is_named_with_the_command(fake, ma
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is not None
 
 
+def test_an_admission_webhook_that_does_not_answer_gets_its_own_budget_and_a_fix(fake, run_initializer, monkeypatch):
+    """The LeaderWorkerSet webhook down (its controller gone, its Service without endpoints): the
+    create was retried to the run's deadline, 10 minutes (twice with the Job's retry), and the
+    message named no fix."""
+    from kubeflow_cache_initializer import kube as kube_module
+
+    def webhook_down():
+        raise ApiFailure(
+            500,
+            "InternalError",
+            'Internal error occurred: failed calling webhook "mleaderworkerset.kb.io": failed to call webhook: Post '
+            '"https://lws-webhook-service.lws-system.svc:443/mutate": no endpoints available for service',
+        )
+
+    monkeypatch.setattr(kube_module, "WEBHOOK_RETRY_SECONDS", 1.0)
+    add_train_job(fake, "job-a")
+    fake.before[("leaderworkersets", "create")] = [webhook_down] * 50
+
+    started = time.monotonic()
+    code, error = run_initializer(initializer_env(None, CACHE_READY_TIMEOUT_SECONDS="600"))
+
+    assert code == 1 and time.monotonic() - started < 30
+    assert 'failed calling webhook "mleaderworkerset.kb.io"' in error
+    assert error.endswith(
+        "the LeaderWorkerSet admission webhook does not answer: check the LeaderWorkerSet controller's pods "
+        "(`kubectl get pods -n lws-system`) and its webhook Service's endpoints"
+    ), error
+    assert 2 <= 50 - len(fake.before[("leaderworkersets", "create")]) < 10  # retried, a few times
+    assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None
+
+
 def test_a_cleanup_after_a_sigterm_fits_the_initializer_pods_grace():
     """The watchers joined one after the other (5 s each), then 30 s of retries whose last request
     could wait 30 s more, in the default 30 s grace: the kubelet killed the cleanup before its

@@ -36,6 +36,11 @@ MERGE_PATCH = "application/merge-patch+json"
 # Statuses that pass: 0 (no answer, refused, reset), the API server's rate limit and its own or
 # a webhook's troubles. 403, 404, 409, 422... are answers no retry changes.
 TRANSIENT_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
+# An admission webhook that does not answer (its controller down, or its Service without
+# endpoints): the API server's 500 "failed calling webhook". Retried, as it may be restarting, but
+# for this long, not to the run's deadline: 10 minutes, twice with the Job's retry, and a message
+# that named no fix.
+WEBHOOK_RETRY_SECONDS = 120.0
 RETRY_INITIAL_SECONDS = 0.5
 RETRY_MAX_SECONDS = 10.0
 # urllib3 by default sends a GET whose answer never came three more times: against a hung API
@@ -171,6 +176,9 @@ class Kube:
             except KubeApiError as err:
                 key = trouble_key(err.verb, err.what)
                 pause = self._retry_pause(err, delay)
+                since = failing_since if failing_since is not None else time.monotonic()
+                if webhook_down(err) and time.monotonic() - since >= WEBHOOK_RETRY_SECONDS:
+                    pause = None  # its own budget, not the run's deadline
                 if pause is None or (stop is not None and stop.is_set()):
                     if failing_since is not None:
                         err.retried_seconds = time.monotonic() - failing_since
@@ -258,6 +266,8 @@ class Kube:
                 retry_after=_retry_after(response.headers.get("Retry-After")),
                 hint=forbidden_hint(resource.group, resource.plural, verb, namespace, message)
                 if response.status == 403
+                else webhook_hint(resource, message)
+                if response.status == 500
                 else None,
                 details=status.get("details") if isinstance(status.get("details"), dict) else None,
             )
@@ -309,6 +319,22 @@ class Kube:
         if preconditions:
             body["preconditions"] = preconditions
         self._call("delete", "DELETE", resource, namespace, name, body=body)
+
+
+def webhook_down(err: KubeApiError) -> bool:
+    return err.status == 500 and "failed calling webhook" in err.message
+
+
+def webhook_hint(resource: Resource, message: str) -> str | None:
+    """What to check where an admission webhook did not answer the API server (None otherwise)."""
+    if "failed calling webhook" not in message:
+        return None
+    if resource.group == "leaderworkerset.x-k8s.io":
+        return (
+            "the LeaderWorkerSet admission webhook does not answer: check the LeaderWorkerSet controller's pods "
+            "(`kubectl get pods -n lws-system`) and its webhook Service's endpoints"
+        )
+    return "an admission webhook does not answer (the message names it): check the pods of the controller serving it"
 
 
 def trouble_key(verb: str, what: str) -> str:
