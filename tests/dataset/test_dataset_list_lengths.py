@@ -226,7 +226,9 @@ def test_a_column_without_a_tensor_form_is_refused_on_a_rank_whose_shard_is_empt
     dataset = DataCacheDataset(
         nested_cache.endpoint, batch_size=1024, columns=["id", "tags"], filter="id < 1", rank=1, world_size=2
     )
-    with pytest.raises(TypeError, match=r"'tags' holds lists of string, which have no .*refused before the first batch"):
+    with pytest.raises(
+        TypeError, match=r"'tags' holds lists of string, which have no .*refused before the first batch"
+    ):
         next(iter(dataset))
 
 

@@ -401,7 +401,9 @@ def test_an_in_order_resume_follows_the_table_whatever_the_split_but_not_another
     assert head + ids_of(resumed._iter_world(world)) == full
     other = in_order(cache_factory(ROWS + 2_000, 3))
     other.load_state_dict(state)
-    with pytest.raises(ValueError, match=r"\(10000 matching rows\), but the cache now serves it as snapshot \d+ \(12000"):
+    with pytest.raises(
+        ValueError, match=r"\(10000 matching rows\), but the cache now serves it as snapshot \d+ \(12000"
+    ):
         next(other._iter_world(world))
     # Another snapshot of the same size (here another table of as many rows; an append that keeps
     # this shard's size, or a compaction that rewrites the rows in another order): accepted, it
