@@ -208,6 +208,22 @@ def test_a_service_whose_spec_drifted_is_refused_naming_it_not_patched(fake, mak
     assert fake.rejected == []
 
 
+def test_a_service_an_earlier_version_made_is_kept_where_only_its_newer_fields_differ(
+    fake, make_sim, run_initializer, caplog
+):
+    """A TrainJob suspended across an upgrade runs the new initializer against the Service the old
+    one made, without publishNotReadyAddresses: refused as drifted, every attempt failed."""
+    add_train_job(fake, "job-a")
+    env = initializer_env(make_sim("healthy"))
+    assert run_initializer(env)[0] == 0
+    fake.update("services", NAMESPACE, "job-a-cache-service", lambda s: s["spec"].pop("publishNotReadyAddresses"))
+
+    assert run_initializer(env)[0] == 0
+
+    assert "job-a-cache-service; its .spec.publishNotReadyAddresses differ from this run's, kept" in caplog.text
+    assert "publishNotReadyAddresses" not in fake.get("services", NAMESPACE, "job-a-cache-service")["spec"]
+
+
 def test_an_object_owned_by_another_train_job_is_refused_and_left_alone(fake, make_sim, run_initializer):
     add_train_job(fake, "job-a")
     other = add_train_job(fake, "job-old")

@@ -73,6 +73,10 @@ EXACT_MAPS = {"Service": (("spec", "selector"),)}
 # ours that drifted is rare (edited by hand between two attempts of one initializer) and is
 # refused naming the object to delete, or, where only labels or annotations differ, kept.
 NOT_PATCHED = {"Service"}
+# Fields of such a kind that an earlier version of the initializer did not set, kept as they are
+# where they differ: refused, every attempt of a TrainJob resumed after an upgrade (Trainer builds
+# its JobSet again from the runtime, new image included) failed on the Service it still owned.
+KEPT_FROM_EARLIER_VERSIONS = frozenset({".spec.publishNotReadyAddresses"})
 
 
 def _exact_map_extras(desired: dict, existing: dict) -> dict[tuple[str, ...], list[str]]:
@@ -214,7 +218,7 @@ def _adopt_owned(kube: Kube, resource: Resource, desired: dict, existing: dict, 
 
 
 def _adopt_unpatched(existing: dict, drift: list[str]) -> dict:
-    body = [path for path in drift if not path.startswith(".metadata")]
+    body = [path for path in drift if not path.startswith(".metadata") and path not in KEPT_FROM_EARLIER_VERSIONS]
     if body:
         meta = existing["metadata"]
         raise InitializerError(
