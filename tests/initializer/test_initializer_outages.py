@@ -466,8 +466,8 @@ def test_an_admission_webhook_that_does_not_answer_gets_its_own_budget_and_a_fix
     assert code == 1 and time.monotonic() - started < 30
     assert 'failed calling webhook "mleaderworkerset.kb.io"' in error
     assert error.endswith(
-        "the LeaderWorkerSet admission webhook does not answer: check the LeaderWorkerSet controller's pods "
-        "(`kubectl get pods -n lws-system`) and its webhook Service's endpoints"
+        "the LeaderWorkerSet admission webhook does not answer: check the LeaderWorkerSet controller's pods, "
+        "`kubectl get pods,endpoints -n lws-system` (its Service lws-webhook-service)"
     ), error
     assert 2 <= 50 - len(fake.before[("leaderworkersets", "create")]) < 10  # retried, a few times
     assert fake.get("leaderworkersets", NAMESPACE, "job-a-cache") is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -329,12 +330,13 @@ def webhook_hint(resource: Resource, message: str) -> str | None:
     """What to check where an admission webhook did not answer the API server (None otherwise)."""
     if "failed calling webhook" not in message:
         return None
+    # The webhook's Service, from the URL the API server called (https://<service>.<namespace>.svc):
+    # the chart installs LeaderWorkerSet in its own release's namespace, kustomize in lws-system.
+    where = re.search(r"https://([a-z0-9-]+)\.([a-z0-9-]+)\.svc", message)
+    pods = f"`kubectl get pods,endpoints -n {where[2]}` (its Service {where[1]})" if where else "its namespace"
     if resource.group == "leaderworkerset.x-k8s.io":
-        return (
-            "the LeaderWorkerSet admission webhook does not answer: check the LeaderWorkerSet controller's pods "
-            "(`kubectl get pods -n lws-system`) and its webhook Service's endpoints"
-        )
-    return "an admission webhook does not answer (the message names it): check the pods of the controller serving it"
+        return f"the LeaderWorkerSet admission webhook does not answer: check the LeaderWorkerSet controller's pods, {pods}"
+    return f"an admission webhook does not answer (the message names it): check the pods of the controller serving it, {pods}"
 
 
 def trouble_key(verb: str, what: str) -> str:
