@@ -481,12 +481,20 @@ def test_a_cleanup_after_a_sigterm_fits_the_initializer_pods_grace():
 
     import yaml
 
-    from kubeflow_cache_initializer import initializer, wait
+    from kubeflow_cache_initializer import initializer, kube, wait
 
     runtime = yaml.safe_load((Path(__file__).parents[2] / "runtimes" / "torch-distributed-with-cache.yaml").read_text())
     (step,) = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "dataset-initializer"]
     grace = step["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    worst = wait.STOP_JOIN_SECONDS + initializer.CLEANUP_SECONDS + initializer.CLEANUP_REQUEST_TIMEOUT_SECONDS
+    # The last call of the cleanup, as urllib3 sends it (kube.API_RETRIES): where it cannot connect,
+    # once and again for each connect retry, with its backoff between; where the answer never
+    # comes, once more.
+    retries, timeout = kube.API_RETRIES, initializer.CLEANUP_REQUEST_TIMEOUT_SECONDS
+    backoff = sum(
+        min(retries.backoff_factor * 2 ** (n - 1), retries.DEFAULT_BACKOFF_MAX) for n in range(2, retries.connect + 2)
+    )
+    last_call = max((retries.connect + 1) * timeout + backoff, (retries.read + 1) * timeout)
+    worst = wait.STOP_JOIN_SECONDS + initializer.CLEANUP_SECONDS + last_call
     assert worst + 5 <= grace, (worst, grace)  # and a few seconds to write the message and exit
 
 

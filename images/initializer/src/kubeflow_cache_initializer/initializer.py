@@ -47,10 +47,11 @@ from kubeflow_cache_initializer.wait import wait_until_ready
 log = logging.getLogger(__name__)
 # How long the delete of a failed run's dedicated cache may be retried through an API outage.
 CLEANUP_SECONDS = 30.0
-# Each cleanup request's own limit (30 s otherwise): a delete sent into a hung API, at the end of
-# CLEANUP_SECONDS, still ends within the initializer pod's grace after a SIGTERM (the runtime's
-# terminationGracePeriodSeconds, 60: the watchers' 2 s, then 30 s of retries and a last 10 s try).
-CLEANUP_REQUEST_TIMEOUT_SECONDS = 10.0
+# Each cleanup request's own limit (30 s otherwise): a delete sent into a hung API at the end of
+# CLEANUP_SECONDS still ends within the initializer pod's grace after a SIGTERM (the runtime's
+# terminationGracePeriodSeconds, 90: the watchers' 2 s, 30 s of retries, and a last call, which
+# urllib3 may send 4 times where it cannot connect, kube.API_RETRIES: about 23 s).
+CLEANUP_REQUEST_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
