@@ -90,7 +90,8 @@ def test_aws_variables_whose_names_say_they_hold_secrets_are_not_forwarded_but_n
     """Copied as plain values, they were in the LeaderWorkerSet's spec, which `view` reads."""
     secrets = {"AWS_SECRET_KEY": "s", "AWS_ACCESS_KEY": "AKIA", "AWS_BEARER_TOKEN_BEDROCK": "t", "AWS_KEY": "k"}
     settings = {"AWS_REGION": "eu-west-1", "AWS_CA_BUNDLE": "/ca.pem", "AWS_EC2_METADATA_DISABLED": "true",
-                "AWS_KEYSPACES_ENDPOINT": "x"}  # fmt: skip
+                "AWS_KEYSPACES_ENDPOINT": "x", "AWS_KMS_KEY_ID": "alias/k", "AWS_KMS_KEY_ARN": "arn:aws:kms:x",
+                "AWS_ENDPOINT_URL_SECRETS_MANAGER": "http://sm", "AWS_CREDENTIAL_PROFILES_FILE": "/f"}  # fmt: skip
     cfg = load_config({**MINIMAL, **secrets, **settings, "AWS_SESSION_TOKEN": "t",
                        "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/token"})  # fmt: skip
     assert dict(cfg.cache_env) == settings

@@ -91,13 +91,21 @@ AWS_NOT_FORWARDED = frozenset(
 SECRET_LIKE_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY(_|$)")
 
 
+# Names the pattern would catch that hold no secret: ids, ARNs, files and endpoints
+# (AWS_KMS_KEY_ID, AWS_KMS_KEY_ARN, AWS_CREDENTIAL_PROFILES_FILE, AWS_ENDPOINT_URL_SECRETS_MANAGER).
+NOT_SECRET_ENDINGS = ("_ID", "_ARN", "_FILE")
+
+
 def _secret_like(name: str) -> bool:
     """An AWS_* credential, or another AWS_* whose name says it holds a secret (not what EKS or
     a profile injects per pod: that is identity, not given for the cache)."""
-    return name.startswith(AWS_PREFIX) and (
-        name in AWS_CREDENTIALS
-        or (name not in AWS_NOT_FORWARDED and bool(SECRET_LIKE_NAME.search(name.removeprefix(AWS_PREFIX))))
-    )
+    if not name.startswith(AWS_PREFIX):
+        return False
+    if name in AWS_CREDENTIALS:
+        return True
+    if name in AWS_NOT_FORWARDED or name.endswith(NOT_SECRET_ENDINGS) or name.startswith("AWS_ENDPOINT_URL"):
+        return False  # per-pod identity (EKS, a profile), or an id, ARN, file or endpoint
+    return bool(SECRET_LIKE_NAME.search(name.removeprefix(AWS_PREFIX)))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from kubeflow_cache_initializer.kube import Kube
 
 MESSAGE = (
     "stopped by SIGTERM before the cache was ready (the pod was deleted or evicted, or its TrainJob "
-    "suspended); a cache no other TrainJob uses is deleted, so that its pods free their resources"
+    "suspended); the run deletes a cache no other TrainJob uses, so that its pods free their resources "
+    "(a delete that failed is named after this)"
 )
 
 # Set while a call is held from SIGTERM: its Kube (whose retries a SIGTERM ends), and whether one came.
