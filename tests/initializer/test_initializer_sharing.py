@@ -6,6 +6,8 @@ import copy
 import threading
 import time
 
+import pytest
+
 from kubeflow_cache_initializer.builders import build_leader_worker_set, key_secret_of, shared_cache_name
 from kubeflow_cache_initializer.config import load_config
 from kubeflow_cache_initializer.main import main
@@ -128,6 +130,26 @@ def test_a_failed_shared_cache_no_other_job_uses_is_deleted(fake, make_sim, run_
     assert "AccessDenied" in error
     assert fake.get("leaderworkersets", NAMESPACE, CACHE) is None
     assert f"deleted shared LeaderWorkerSet {CACHE}, which failed with this TrainJob's settings" in caplog.text
+
+
+@pytest.mark.parametrize("scenario", ["head_load_error", "stuck"])
+def test_a_shared_cache_its_maker_could_not_delete_is_named_with_the_command(fake, make_sim, run_initializer, scenario):
+    """A hopeless failure (deleted as made) or a timeout (deleted unless joined), the delete
+    refused: the warning in the log was all, and the cache held its pods."""
+    add_train_job(fake, "job-a")
+    fake.fail_next[("leaderworkersets", "delete")] = [403] * 3
+
+    code, error = run_initializer(
+        initializer_env(make_sim(scenario), "job-a", DATA_CACHE_SHARED="true", CACHE_READY_TIMEOUT_SECONDS="2")
+    )
+
+    assert code == 1
+    note = (
+        f"; LeaderWorkerSet {CACHE} could not be deleted (HTTP 403 ServiceUnavailable) and holds its pods' "
+        f"resources: `kubectl delete leaderworkerset -n {NAMESPACE} {CACHE}`"
+    )
+    assert error.endswith(note) and error.count(note) == 1, error
+    assert fake.get("leaderworkersets", NAMESPACE, CACHE) is not None
 
 
 def test_a_shared_cache_whose_maker_timed_out_is_kept_for_a_job_that_joined(fake, make_sim, run_initializer, caplog):

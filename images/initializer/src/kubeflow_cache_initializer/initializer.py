@@ -289,11 +289,9 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
         if cache is None:
             raise  # none made: refused (another's under its name), or the API failed us
         if not cfg.shared:
-            left = _delete_cache(kube, cfg, names.cache, cache["metadata"]["uid"])
-            if left:
-                err.add_note(left)  # in the log and the termination message, after the reason
+            _delete_cache(kube, cfg, names.cache, cache["metadata"]["uid"], err)
         elif not _made_by_another(cache, train_job):
-            if _hopeless(err) and _delete_made(kube, cfg, names.cache, cache):
+            if _hopeless(err) and _delete_made(kube, cfg, names.cache, cache, err):
                 # Made with this job's settings, which no retry cures: kept for the jobs that
                 # joined it, it held its pods while each of them failed on it, and their retries
                 # joined it again. Deleted, their waits end, and a retry may make it anew.
@@ -304,7 +302,7 @@ def run(kube: Kube, cfg: Config) -> CacheReady:
             # Made by this job, maybe joined since: freed as a dedicated one is, unless another
             # TrainJob now uses it (a deadline that passed says nothing of theirs). Left in place,
             # it held its pods, and every later job for the table joined it and failed the same way.
-            _delete_shared_unless_joined(kube, cfg, names.cache, train_job)
+            _delete_shared_unless_joined(kube, cfg, names.cache, train_job, err)
         elif _hopeless(err) or isinstance(err, CacheTimeoutError):
             # Kept for its other owners, so every later job for this table joins it too, and this
             # job's settings do not apply: the usual fix (more memory, another image) won't.
@@ -362,7 +360,7 @@ def _ensure_key_secret(kube: Kube, cfg: Config, cache: dict) -> None:
         create_or_keep(kube, SECRETS, build_cluster_key_secret(cfg, name, cache, new_cluster_key()))
 
 
-def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: dict) -> None:
+def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: dict, failure: Exception) -> None:
     """Delete a shared cache whose only owner is this TrainJob. The delete holds only for the
     LeaderWorkerSet as read (its resourceVersion): a TrainJob joining in between changes it, the
     API answers 409, and the cache is read again and kept for that job."""
@@ -386,12 +384,12 @@ def _delete_shared_unless_joined(kube: Kube, cfg: Config, name: str, train_job: 
             if err.not_found:
                 return
             if not err.conflict:
-                log.warning("could not delete shared LeaderWorkerSet %s: %s", name, err)
+                _left_undeleted(failure, cfg, name, err)
                 return
     log.warning("kept shared LeaderWorkerSet %s: it kept changing while being deleted", name)
 
 
-def _delete_made(kube: Kube, cfg: Config, name: str, cache: dict) -> bool:
+def _delete_made(kube: Kube, cfg: Config, name: str, cache: dict, failure: Exception) -> bool:
     """Delete the shared cache this run made (``cache``, by its uid), whoever joined it since;
     False where it is gone or another made one anew under its name (kept: not this job's)."""
     _start_cleanup(kube)
@@ -399,15 +397,14 @@ def _delete_made(kube: Kube, cfg: Config, name: str, cache: dict) -> bool:
         kube.delete(LEADER_WORKER_SETS, cfg.namespace, name, preconditions={"uid": cache["metadata"]["uid"]})
     except KubeApiError as err:
         if not (err.not_found or err.conflict):
-            log.warning("could not delete shared LeaderWorkerSet %s: %s", name, err)
+            _left_undeleted(failure, cfg, name, err)
         return False
     log.info("deleted shared LeaderWorkerSet %s, which failed with this TrainJob's settings", name)
     return True
 
 
-def _delete_cache(kube: Kube, cfg: Config, name: str, uid: str) -> str | None:
+def _delete_cache(kube: Kube, cfg: Config, name: str, uid: str, failure: Exception) -> None:
     """Free a dedicated cache's pods once it can no longer serve: the TrainJob fails, its cache goes.
-    What is left for someone to do where the delete failed (None: nothing).
 
     The run's deadline has usually passed by now, and an API outage may be what ended it: the
     delete gets its own CLEANUP_SECONDS of retries. Only the cache this run made (its uid): a
@@ -422,9 +419,17 @@ def _delete_cache(kube: Kube, cfg: Config, name: str, uid: str) -> str | None:
         if err.conflict:
             log.info("kept LeaderWorkerSet %s: it is another run's, made anew under its name since", name)
         elif not err.not_found:
-            log.warning("could not delete LeaderWorkerSet %s: %s", name, err)
-            return (
-                f"LeaderWorkerSet {name} could not be deleted (HTTP {err.status} {err.reason}) and holds its "
-                f"pods' resources: `kubectl delete leaderworkerset -n {cfg.namespace} {name}`"
-            )
-    return None
+            _left_undeleted(failure, cfg, name, err)
+
+
+def _left_undeleted(failure: Exception, cfg: Config, name: str, err: KubeApiError) -> None:
+    """Say that the cleanup's delete of LeaderWorkerSet ``name`` failed: in the log, and as a
+    note of the run's ``failure`` (after its reason, in the termination message), with the
+    command that frees the pods. Once: a shared cache's cleanup may try twice."""
+    log.warning("could not delete LeaderWorkerSet %s: %s", name, err)
+    note = (
+        f"LeaderWorkerSet {name} could not be deleted (HTTP {err.status} {err.reason}) and holds its "
+        f"pods' resources: `kubectl delete leaderworkerset -n {cfg.namespace} {name}`"
+    )
+    if note not in getattr(failure, "__notes__", ()):
+        failure.add_note(note)
