@@ -61,6 +61,10 @@ SAMPLE_STEP_ROWS = 64
 SAMPLE_BUFFER_BYTES = 1 << 20
 # Compressed bytes the sampled rows of a column must span to say anything (see above).
 MIN_SAMPLE_BYTES = 16 << 10
+# Columns decoded by one reader: each holds its read buffer, its dictionary page and a page of
+# its own (1.6-2.5 MiB a column), so one reader over a table's 1,000 string columns took the head
+# to 2.6 GB while planning. In groups of this many, one group at a time.
+SAMPLE_COLUMNS_AT_ONCE = 32
 # A decoded string column is not smaller than its compressed pages.
 MIN_EXPANSION = 1.0
 # How long planning waits for the sample: a file whose read stalls must hold the cache's
@@ -150,26 +154,14 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
         chunks = {group.column(j).path_in_schema: group.column(j) for j in range(group.num_columns)}
         present = {name for name in by_id.values() if name in chunks}
         by_sizes = {name for name in present if _large_dictionary(chunks[name])}
-        names = sorted(present - by_sizes)
-        decoded, sampled_rows = {name: 0 for name in names}, 0
-        if names:
-            # All the sampled columns together, by the larger of their compressed and uncompressed
-            # sizes: values that compress well decode far past their bytes on disk.
-            row_bytes = sum(_chunk_bytes(chunks[name]) for name in names) / group.num_rows
-            rows = max(1, min(SAMPLE_ROWS, int(SAMPLE_MAX_BYTES / max(row_bytes, 1e-9))))
-            # The first row, decoded alone, bounds the rows by bytes decoded before a step of
-            # SAMPLE_STEP_ROWS decodes them: one 16 MiB value in every row took 64 at once, 1 GiB.
-            first = next(parquet.iter_batches(batch_size=1, row_groups=[0], columns=names, use_threads=False))
-            rows = max(1, min(rows, SAMPLE_MAX_BYTES // max(first.nbytes, 1)))
-            steps = parquet.iter_batches(
-                batch_size=min(rows, SAMPLE_STEP_ROWS), row_groups=[0], columns=names, use_threads=False
-            )
-            for part in steps:
-                sampled_rows += part.num_rows
-                for name in names:
-                    decoded[name] += part.column(name).nbytes
-                if sampled_rows >= rows or sum(decoded.values()) >= SAMPLE_MAX_BYTES:
-                    break
+        names = _worth_sampling(sorted(present - by_sizes), chunks, group.num_rows)
+        decoded: dict[str, int] = {}
+        sampled_rows: dict[str, int] = {}
+        for start in range(0, len(names), SAMPLE_COLUMNS_AT_ONCE):
+            part = names[start : start + SAMPLE_COLUMNS_AT_ONCE]
+            rows, sizes = _sample_columns(parquet, part, chunks, group.num_rows)
+            decoded |= sizes
+            sampled_rows |= dict.fromkeys(part, rows)
     ratios = {}
     for field_id, name in by_id.items():
         chunk = chunks.get(name)
@@ -180,10 +172,51 @@ def _measure_file(table, path: str, wanted: dict[int, str]) -> dict[int, float]:
                 MIN_EXPANSION, (chunk.total_uncompressed_size + 4 * group.num_rows) / chunk.total_compressed_size
             )
             continue
-        on_disk = chunk.total_compressed_size * sampled_rows / group.num_rows if chunk is not None else 0
+        rows = sampled_rows.get(name, 0)
+        on_disk = chunk.total_compressed_size * rows / group.num_rows if chunk is not None else 0
         if on_disk >= MIN_SAMPLE_BYTES:
             ratios[field_id] = max(MIN_EXPANSION, decoded[name] / on_disk)
     return ratios
+
+
+def _sample_rows(names: list[str], chunks: dict, group_rows: int) -> int:
+    """Rows to decode of ``names`` together: SAMPLE_ROWS, or fewer where they take more than
+    SAMPLE_MAX_BYTES by the larger of their compressed and uncompressed sizes (values that
+    compress well decode far past their bytes on disk)."""
+    row_bytes = sum(_chunk_bytes(chunks[name]) for name in names) / group_rows
+    return max(1, min(SAMPLE_ROWS, group_rows, int(SAMPLE_MAX_BYTES / max(row_bytes, 1e-9))))
+
+
+def _worth_sampling(names: list[str], chunks: dict, group_rows: int) -> list[str]:
+    """The columns whose sampled rows could span MIN_SAMPLE_BYTES on disk, sampled alone (the
+    most rows they can get), decided before decoding any: a column that cannot measures nothing,
+    and its reader's buffers were the head's memory for nothing."""
+    return [
+        name
+        for name in names
+        if chunks[name].total_compressed_size * _sample_rows([name], chunks, group_rows) / group_rows
+        >= MIN_SAMPLE_BYTES
+    ]
+
+
+def _sample_columns(parquet, names: list[str], chunks: dict, group_rows: int) -> tuple[int, dict[str, int]]:
+    """Rows decoded of ``names`` from the first row group, and each column's decoded bytes."""
+    rows = _sample_rows(names, chunks, group_rows)
+    # The first row, decoded alone, bounds the rows by bytes decoded before a step of
+    # SAMPLE_STEP_ROWS decodes them: one 16 MiB value in every row took 64 at once, 1 GiB.
+    first = next(parquet.iter_batches(batch_size=1, row_groups=[0], columns=names, use_threads=False))
+    rows = max(1, min(rows, SAMPLE_MAX_BYTES // max(first.nbytes, 1)))
+    decoded, sampled_rows = dict.fromkeys(names, 0), 0
+    steps = parquet.iter_batches(
+        batch_size=min(rows, SAMPLE_STEP_ROWS), row_groups=[0], columns=names, use_threads=False
+    )
+    for part in steps:
+        sampled_rows += part.num_rows
+        for name in names:
+            decoded[name] += part.column(name).nbytes
+        if sampled_rows >= rows or sum(decoded.values()) >= SAMPLE_MAX_BYTES:
+            break
+    return sampled_rows, decoded
 
 
 def _chunk_bytes(chunk) -> int:
