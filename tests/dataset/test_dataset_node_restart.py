@@ -461,3 +461,30 @@ def test_ctrl_c_ends_a_read_waiting_on_a_frozen_head_at_once(cluster):
         out, _ = reader.communicate(timeout=40)
         assert out.split() == ["interrupted"]
         assert time.monotonic() - sent < 5
+
+
+def test_a_read_across_a_cache_restarted_on_another_snapshot_is_refused_not_continued(table_factory, tmp_path):
+    """A cache restarted on a METADATA_LOC naming the table's folder plans its newest snapshot:
+    one of as many rows (a compaction) placed its nodes' rows as before, and a read under way went
+    on by row count into other rows. Here the group restarts on another table of as many rows."""
+    from kubeflow_data_cache.errors import BadRequestError
+
+    first = Cluster(table_factory(ROWS, 4).metadata_location, tmp_path)
+    try:
+        first.wait_ready()
+        client = CacheClient(first.endpoint, deadline_seconds=60, generic_options=[("grpc.http2.bdp_probe", 0)])
+        batches = client.read_shard(ShardRequest(columns=("id",), batch_size=1000), interleave=False)
+        [next(batches) for _ in range(5)]
+        for name in [n for n in first.procs if not n.startswith("dead-")]:
+            first.kill(name)
+        # The whole group again, at the head's address (its Service), on the other snapshot.
+        first.head_cmd[first.head_cmd.index("--metadata-loc") + 1] = table_factory(ROWS, 3).metadata_location
+        first.spawn("head", first.head_cmd)
+        for k in range(2):
+            first.start_node(k)
+        first.wait_ready()
+        with pytest.raises(BadRequestError, match=r"came back holding snapshot \d+ of the table, not \d+"):
+            for _ in batches:
+                pass
+    finally:
+        stop_groups(list(first.procs.values()))

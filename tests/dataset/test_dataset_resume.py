@@ -78,6 +78,22 @@ def test_the_state_is_the_position_of_the_iterator_that_last_handed_out_a_batch(
     reading.close(), probe.close()
 
 
+def test_a_position_saved_and_loaded_through_torch_distributed_checkpoint_resumes(cache, tmp_path):
+    """DCP flattens nested dicts into keys and loads into the state of a fresh dataset: a state
+    holding a dict (the snapshot) failed with "Missing key in checkpoint state_dict"."""
+    import torch.distributed.checkpoint as dcp
+
+    saving = make(cache)
+    reading = iter(saving)
+    ids_of(next(reading) for _ in range(3))
+    dcp.save({"data": saving}, checkpoint_id=str(tmp_path / "ckpt"))
+    rest = ids_of(reading)
+    resumed = make(cache)
+    dcp.load({"data": resumed}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert resumed.state_dict()["rows"] == 300
+    assert ids_of(resumed) == rest
+
+
 def test_resume_rejects_other_settings_or_shards(cache):
     ds = make(cache)
     it = ds._iter_world(World(0, 2, 0, 1))

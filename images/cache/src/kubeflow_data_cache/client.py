@@ -48,6 +48,7 @@ from kubeflow_data_cache.protocol import (
     ACTION_STATUS,
     ShardRequest,
     Ticket,
+    info_table,
     int_arg,
     ticket_order,
     ticket_rows,
@@ -646,6 +647,7 @@ class CacheClient:
                 "is from another table or other settings"
             )
         endpoints = list(info.endpoints)
+        table = info_table(info.app_metadata)  # what the rows are counted in, for a node's new ticket
         lengths = [ticket_rows(e.ticket.ticket) for e in endpoints]
         if check_streams is not None:
             check_streams(lengths, max((ticket_order(e.ticket.ticket) for e in endpoints), default=1))
@@ -662,7 +664,8 @@ class CacheClient:
         # client its owner had closed.
         stop = threading.Event()
         streams: list[Iterator[pa.RecordBatch]] = [
-            self.read_endpoint(request, e, skip, stop) for e, skip in zip(endpoints, point.skips, strict=True)
+            self.read_endpoint(request, e, skip, stop, table=table)
+            for e, skip in zip(endpoints, point.skips, strict=True)
         ]
         # One stream alone has nothing to overlap with, and the thread hop costs ~10% of a bare
         # DoGet's rate; read in this thread, though, a stream waiting on a frozen node holds a
@@ -688,9 +691,12 @@ class CacheClient:
         endpoint: flight.FlightEndpoint,
         start: int = 0,
         stop: threading.Event | None = None,
+        table: dict | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """One endpoint of ``get_flight_info(request)``, read in this thread: its batches (all
         but the first ``start`` rows); a broken stream is reopened after the rows already seen.
+        ``table``: the snapshot and matching rows that FlightInfo said (protocol.info_table), which
+        a new ticket for the node must come with.
 
         The same ticket yields the same rows in the same order, so the node is asked to leave
         out the rows received (an older cache sends them and they are dropped here): nothing is
@@ -756,7 +762,7 @@ class CacheClient:
                 notice.failed(failing_since, failing_since + self.deadline_seconds, "DoGet", location, reason)
                 # A restarted data node may listen elsewhere now; the head knows where. Asked once,
                 # within what is left of the deadline: a frozen head must not hold the read past it.
-                fresh, lookup = self._lookup_while_retrying(request, endpoint, location, failing_since)
+                fresh, lookup = self._lookup_while_retrying(request, endpoint, location, failing_since, table)
                 endpoint, head_trouble = fresh or endpoint, _head_trouble(lookup)
             except pa.ArrowInvalid as err:
                 if not _is_stale(err) or replans >= MAX_REPLANS:
@@ -766,10 +772,10 @@ class CacheClient:
                     "the ticket for %s is stale (%s); asking the head for a new one", location, server_message(err)
                 )
                 if failing_since is None:
-                    endpoint = self._fresh_endpoint(request, endpoint, location)
+                    endpoint = self._fresh_endpoint(request, endpoint, location, table=table)
                     continue
                 # Already retrying: the lookup gets what is left of that deadline, not one of its own.
-                fresh, lookup = self._lookup_while_retrying(request, endpoint, location, failing_since)
+                fresh, lookup = self._lookup_while_retrying(request, endpoint, location, failing_since, table)
                 if fresh is not None:
                     endpoint = fresh
                     continue
@@ -794,7 +800,12 @@ class CacheClient:
             delay = min(delay * 2, BACKOFF_MAX_SECONDS)
 
     def _lookup_while_retrying(
-        self, request: ShardRequest, endpoint: flight.FlightEndpoint, location: str, failing_since: float
+        self,
+        request: ShardRequest,
+        endpoint: flight.FlightEndpoint,
+        location: str,
+        failing_since: float,
+        table: dict | None = None,
     ) -> tuple[flight.FlightEndpoint | None, flight.FlightError | None]:
         """The head's current endpoint for a node being retried (it may have moved or reloaded),
         asked once within what is left of the retry's deadline (a frozen head must not hold the
@@ -803,7 +814,7 @@ class CacheClient:
         the head's, not retried to the deadline nor passed on as a raw pyarrow error."""
         within = failing_since + self.deadline_seconds - time.monotonic()
         try:
-            return self._fresh_endpoint(request, endpoint, location, within=within), None
+            return self._fresh_endpoint(request, endpoint, location, within=within, table=table), None
         except (*_AUTH, pa.ArrowInvalid, pa.ArrowNotImplementedError) as lookup:
             raise self._translate(lookup, self.endpoint, "GetFlightInfo") from lookup
         except flight.FlightError as lookup:
@@ -869,7 +880,12 @@ class CacheClient:
             self._stall_watch.disarm(reader)
 
     def _fresh_endpoint(
-        self, request: ShardRequest, old: flight.FlightEndpoint, location: str, within: float | None = None
+        self,
+        request: ShardRequest,
+        old: flight.FlightEndpoint,
+        location: str,
+        within: float | None = None,
+        table: dict | None = None,
     ) -> flight.FlightEndpoint:
         """The head's current endpoint for the same data node (it may have moved or reloaded).
 
@@ -886,6 +902,16 @@ class CacheClient:
             timeout = min(UNARY_TIMEOUT_SECONDS, max(MIN_CALL_SECONDS, within))
             with self._connection(self.endpoint) as head:
                 info = head.get_flight_info(descriptor, self._options(timeout))
+        now_table = info_table(info.app_metadata)
+        if table is not None and now_table is not None and now_table != table:
+            # A cache restarted on a METADATA_LOC that names the table's folder plans its newest
+            # snapshot: one of as many rows (a compaction) placed the same, and the read went on
+            # by row count into other rows.
+            raise BadRequestError(
+                f"data node {was.node} ({location}) came back holding snapshot {now_table['snapshot_id']} of the "
+                f"table, not {table['snapshot_id']} (the cache restarted on a changed table): the rows after those "
+                "read are not the rest of this epoch; start the epoch again"
+            )
         for endpoint in info.endpoints:
             now = Ticket.from_json(endpoint.ticket.ticket)
             if now.node != was.node:

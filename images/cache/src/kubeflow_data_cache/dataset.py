@@ -870,7 +870,15 @@ class DataCacheDataset(IterableDataset):
             "rows": progress.rows,
             "streams": progress.streams,
             "order": progress.order,
-            "table": progress.table,
+            # Where the head said it: a list, which torch.distributed.checkpoint keeps whole (a
+            # dict it flattens into keys that a fresh dataset's state, its template, lacks:
+            # "Missing key"); left out otherwise, so that the template of a fresh dataset, and
+            # states saved before the field, load as they did (checked by sizes alone).
+            **(
+                {"table": [progress.table[INFO_SNAPSHOT_ID], progress.table[INFO_MATCHING_ROWS]]}
+                if progress.table
+                else {}
+            ),
             **self._fingerprint(),
         }
 
@@ -961,7 +969,7 @@ class DataCacheDataset(IterableDataset):
             self._resume_taken.value = world.num_shards
         streams = state.get("streams")  # absent in states saved before stream lengths were kept
         order = state.get("order")  # absent in states saved before orders were versioned
-        table = state.get("table")  # absent in states saved before snapshots were kept
+        table = _saved_table(state.get("table"))  # absent where the head did not say, or before the field
         return int(state["rows"]), (list(streams) if streams is not None else None), order, table
 
 
@@ -1036,6 +1044,13 @@ def _check_streams(
         else:
             _refuse_resume(skip, f"streams of {saved} rows", f"streams of {now} rows")
     progress.streams = now  # only once accepted: a state saved after a refusal keeps the old split
+
+
+def _saved_table(saved: Any) -> dict[str, Any] | None:
+    """A state's ``table`` ([snapshot_id, matching_rows]) as protocol.info_table gives it."""
+    if isinstance(saved, (list, tuple)) and len(saved) == 2:
+        return {INFO_SNAPSHOT_ID: saved[0], INFO_MATCHING_ROWS: saved[1]}
+    return None
 
 
 def _check_table(progress: _Progress, skip: int, now: dict[str, Any] | None) -> None:
