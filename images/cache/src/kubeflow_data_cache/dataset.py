@@ -954,8 +954,9 @@ class DataCacheDataset(IterableDataset):
             # saved on rank 0 only), not a change of ranks.
             fix = (
                 "each reader resumes its own position: save every rank's state_dict() and load it back on that "
-                "rank (a checkpoint per rank, not rank 0's on all), and with DataLoader workers use "
-                "StatefulDataLoader, which keeps each worker's"
+                "rank (a checkpoint per rank, not rank 0's on all), with DataLoader workers through "
+                "StatefulDataLoader, which keeps each worker's; and resume with the same ranks and workers "
+                "(another layout of as many shards splits the rows otherwise)"
                 if state["num_shards"] == world.num_shards
                 else "resume with the same ranks and DataLoader workers"
             )
