@@ -534,6 +534,10 @@ def test_workflows_call_the_makefile_and_pin_their_tools() -> None:
     # The dumps of a run hung until the job's limit, which GitHub cancels rather than fails.
     uploads = [s for job in e2e["jobs"].values() for s in job["steps"] if "upload-artifact" in s.get("uses", "")]
     assert len(uploads) == 1 and "cancelled()" in uploads[0]["if"] and "failure()" in uploads[0]["if"]
+    # And the suite's step stops before the job's limit, leaving the upload time to run.
+    (job,) = e2e["jobs"].values()
+    (suite,) = [s for s in job["steps"] if s.get("run") == "make test-e2e"]
+    assert suite["timeout-minutes"] + 5 <= job["timeout-minutes"]
 
 
 @pytest.mark.parametrize(
