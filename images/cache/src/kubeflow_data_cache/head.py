@@ -80,6 +80,11 @@ def _unreachable_status(err: BaseException) -> dict[str, Any]:
     return {"state": "unreachable", "error": first_line(err), "rows": 0, "bytes": 0}
 
 
+def _state_and_error(status: dict[str, Any]) -> str:
+    """'loading', or 'unreachable: <why>': a node's last status, for a message."""
+    return status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
+
+
 def summed_figures(statuses: Iterable[dict]) -> dict[str, dict[str, Any]]:
     """The data nodes' per-column figures (their status: the table's; their ``count`` answers: a
     filter's matches') as one, by FlightInfo's app_metadata keys: the nulls of each column that
@@ -513,7 +518,7 @@ class Head(ReadOnlyFlight):
         now = time.monotonic()
         for node, sent in sorted(self._reloads.items()):
             status = self.node_status.get(node, {})
-            if status.get("state") == READY and status.get("generation") == self.generation:
+            if self._holds_rows(status):
                 del self._reloads[node]
                 self._reload_errors.pop(node, None)
             elif status.get("state") == FAILED:
@@ -521,7 +526,7 @@ class Head(ReadOnlyFlight):
                 # the deadline ended in "unreachable: Connection refused", the cause lost.
                 return f"data node {node} ({self._location(node)}) failed to load its rows again: {status.get('error')}"
             elif now - sent > self.cfg.startup_timeout:
-                state = status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
+                state = _state_and_error(status)
                 refused = self._reload_errors.get(node)
                 return "; ".join(
                     filter(
@@ -536,17 +541,21 @@ class Head(ReadOnlyFlight):
                 )
         return ""
 
+    def _holds_rows(self, status: dict[str, Any]) -> bool:
+        """Whether a node's last status says it serves this load's rows."""
+        return status.get("state") == READY and status.get("generation") == self.generation
+
     def _lost_too_long(self) -> str:
         """Why the cache failed, where a data node has not held its rows for longer than the
         startup deadline while no reload of it is under way (a reload has its own deadline,
         `_late_reload`); '' otherwise."""
         now = time.monotonic()
         for node, status in sorted(self.node_status.items()):
-            if node in self._reloads or (status.get("state") == READY and status.get("generation") == self.generation):
+            if node in self._reloads or (self._holds_rows(status)):
                 self._lost_since.pop(node, None)
                 continue
             if now - self._lost_since.setdefault(node, now) > self.cfg.startup_timeout:
-                state = status.get("state", "unknown") + (f": {status['error']}" if status.get("error") else "")
+                state = _state_and_error(status)
                 return (
                     f"data node {node} ({self._location(node)}) has not served its rows for "
                     f"{self.cfg.startup_timeout:.0f}s ({state}); the head exits so that the group is "
@@ -555,7 +564,7 @@ class Head(ReadOnlyFlight):
         return ""
 
     def _update_health(self) -> None:
-        why = self._describe_nodes(lambda s: s.get("state") != READY or s.get("generation") != self.generation)
+        why = self._describe_nodes(lambda s: not self._holds_rows(s))
         # A node that refuses its rows (started with another METADATA_LOC) reads as "waiting":
         # what it answered is the reason, and /ready showed it nowhere until the reload deadline.
         unsent = "; ".join(
