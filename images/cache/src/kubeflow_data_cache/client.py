@@ -47,6 +47,7 @@ from kubeflow_data_cache.interleave import interleave as interleave_streams
 from kubeflow_data_cache.protocol import (
     ACTION_STATUS,
     ShardRequest,
+    SnapshotRows,
     Ticket,
     info_table,
     int_arg,
@@ -691,7 +692,7 @@ class CacheClient:
         endpoint: flight.FlightEndpoint,
         start: int = 0,
         stop: threading.Event | None = None,
-        table: dict | None = None,
+        table: SnapshotRows | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """One endpoint of ``get_flight_info(request)``, read in this thread: its batches (all
         but the first ``start`` rows); a broken stream is reopened after the rows already seen.
@@ -805,7 +806,7 @@ class CacheClient:
         endpoint: flight.FlightEndpoint,
         location: str,
         failing_since: float,
-        table: dict | None = None,
+        table: SnapshotRows | None = None,
     ) -> tuple[flight.FlightEndpoint | None, flight.FlightError | None]:
         """The head's current endpoint for a node being retried (it may have moved or reloaded),
         asked once within what is left of the retry's deadline (a frozen head must not hold the
@@ -885,7 +886,7 @@ class CacheClient:
         old: flight.FlightEndpoint,
         location: str,
         within: float | None = None,
-        table: dict | None = None,
+        table: SnapshotRows | None = None,
     ) -> flight.FlightEndpoint:
         """The head's current endpoint for the same data node (it may have moved or reloaded).
 
@@ -908,8 +909,8 @@ class CacheClient:
             # snapshot: one of as many rows (a compaction) placed the same, and the read went on
             # by row count into other rows.
             raise BadRequestError(
-                f"data node {was.node} ({location}) came back holding snapshot {now_table['snapshot_id']} of the "
-                f"table, not {table['snapshot_id']} (the cache restarted on a changed table): the rows after those "
+                f"data node {was.node} ({location}) came back holding snapshot {now_table.snapshot_id} of the "
+                f"table, not {table.snapshot_id} (the cache restarted on a changed table): the rows after those "
                 "read are not the rest of this epoch; start the epoch again"
             )
         for endpoint in info.endpoints:

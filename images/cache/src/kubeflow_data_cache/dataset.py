@@ -47,9 +47,8 @@ from kubeflow_data_cache.protocol import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_BLOCK_SIZE,
     EVEN_MODES,
-    INFO_MATCHING_ROWS,
-    INFO_SNAPSHOT_ID,
     ShardRequest,
+    SnapshotRows,
     info_inner_list_lengths,
     info_list_lengths,
     info_matching_rows,
@@ -317,7 +316,7 @@ class _Progress:
     # The snapshot and matching rows the head said the rows are counted in (protocol.info_table):
     # a position means other rows in another snapshot, even where this shard's size is the same.
     # None until the head has answered, or from a cache that does not say.
-    table: dict[str, Any] | None = None
+    table: SnapshotRows | None = None
     # The read ran to its end (the iterator raised StopIteration), not only handed out its rows.
     done: bool = False
 
@@ -874,11 +873,7 @@ class DataCacheDataset(IterableDataset):
             # dict it flattens into keys that a fresh dataset's state, its template, lacks:
             # "Missing key"); left out otherwise, so that the template of a fresh dataset, and
             # states saved before the field, load as they did (checked by sizes alone).
-            **(
-                {"table": [progress.table[INFO_SNAPSHOT_ID], progress.table[INFO_MATCHING_ROWS]]}
-                if progress.table
-                else {}
-            ),
+            **({"table": list(progress.table)} if progress.table is not None else {}),
             **self._fingerprint(),
         }
 
@@ -935,7 +930,7 @@ class DataCacheDataset(IterableDataset):
             return None
         return self._resume
 
-    def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None, dict[str, Any] | None]:
+    def _take_resume(self, world: World, epoch: int) -> tuple[int, list[int] | None, int | None, SnapshotRows | None]:
         """Rows to leave out of this reader's read of ``epoch``, and the stream lengths, shuffled
         order and snapshot they were counted in (None where the state does not say)."""
         state, self._resume = self._resume, None
@@ -1047,14 +1042,12 @@ def _check_streams(
     progress.streams = now  # only once accepted: a state saved after a refusal keeps the old split
 
 
-def _saved_table(saved: Any) -> dict[str, Any] | None:
+def _saved_table(saved: Any) -> SnapshotRows | None:
     """A state's ``table`` ([snapshot_id, matching_rows]) as protocol.info_table gives it."""
-    if isinstance(saved, (list, tuple)) and len(saved) == 2:
-        return {INFO_SNAPSHOT_ID: saved[0], INFO_MATCHING_ROWS: saved[1]}
-    return None
+    return SnapshotRows(*saved) if isinstance(saved, (list, tuple)) and len(saved) == 2 else None
 
 
-def _check_table(progress: _Progress, skip: int, now: dict[str, Any] | None) -> None:
+def _check_table(progress: _Progress, skip: int, now: SnapshotRows | None) -> None:
     """Keep the snapshot and matching rows a read's rows are counted in, and refuse to resume a
     position counted in others: new data files sort among the old ones (their names are random),
     and a compaction rewrites the same rows in another order, so a saved count means other rows
@@ -1063,8 +1056,8 @@ def _check_table(progress: _Progress, skip: int, now: dict[str, Any] | None) -> 
     if skip and saved is not None and now is not None and saved != now:
         _refuse_resume(
             skip,
-            f"snapshot {saved.get(INFO_SNAPSHOT_ID)} ({saved.get(INFO_MATCHING_ROWS)} matching rows)",
-            f"snapshot {now[INFO_SNAPSHOT_ID]} ({now[INFO_MATCHING_ROWS]} matching rows)",
+            f"snapshot {saved.snapshot_id} ({saved.matching_rows} matching rows)",
+            f"snapshot {now.snapshot_id} ({now.matching_rows} matching rows)",
             "the cache now holds another snapshot of the table: the rows after the saved count are not the "
             "rest of the saved epoch",
         )
@@ -1239,14 +1232,13 @@ def column_to_tensor(
             )
         inner = column_to_tensor(name, values, copy, _depth + 1)
         return inner.reshape(len(col), width, *inner.shape[1:])
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        if col.null_count and not pa.types.is_floating(t):
-            raise ValueError(null_refusal(name, t, col.null_count))
-        if not copy and col.null_count == 0 and not pa.types.is_boolean(t):
-            return torch.from_dlpack(col)  # a view of the Arrow buffer; it keeps the buffer alive
-        # writable=True copies once: the tensor must not alias Arrow's immutable buffers.
-        return torch.from_numpy(col.to_numpy(zero_copy_only=False, writable=True))
-    raise TypeError(type_refusal(name, t))
+    # An integer, floating or boolean column: type_refusal let no other through.
+    if col.null_count and not pa.types.is_floating(t):
+        raise ValueError(null_refusal(name, t, col.null_count))
+    if not copy and col.null_count == 0 and not pa.types.is_boolean(t):
+        return torch.from_dlpack(col)  # a view of the Arrow buffer; it keeps the buffer alive
+    # writable=True copies once: the tensor must not alias Arrow's immutable buffers.
+    return torch.from_numpy(col.to_numpy(zero_copy_only=False, writable=True))
 
 
 def type_refusal(name: str, t: pa.DataType) -> str | None:

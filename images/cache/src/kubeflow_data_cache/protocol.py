@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubeflow_data_cache.errors import BadRequestError, UnsignedTicketError, first_line, shown
 
@@ -75,14 +75,22 @@ def info_matching_rows(app_metadata: bytes) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def info_table(app_metadata: bytes) -> dict[str, Any] | None:
-    """What a reader's rows are counted in: the snapshot the cache holds and the rows all shards
-    share out (None from a cache that does not say both)."""
+class SnapshotRows(NamedTuple):
+    """What a reader's rows are counted in: the snapshot the cache holds (None: a table without
+    one) and the rows all shards share out."""
+
+    snapshot_id: int | None
+    matching_rows: int
+
+
+def info_table(app_metadata: bytes) -> SnapshotRows | None:
+    """The snapshot and matching rows a FlightInfo's app_metadata carries (None from a cache that
+    does not say both)."""
     rows = info_matching_rows(app_metadata)
     snapshot = _info_field(app_metadata, INFO_SNAPSHOT_ID, default=False)  # null: a table without one
     if rows is None or not (snapshot is None or (isinstance(snapshot, int) and not isinstance(snapshot, bool))):
         return None
-    return {INFO_SNAPSHOT_ID: snapshot, INFO_MATCHING_ROWS: rows}
+    return SnapshotRows(snapshot, rows)
 
 
 def _info_field(app_metadata: bytes, key: str, default: Any = None) -> Any:
