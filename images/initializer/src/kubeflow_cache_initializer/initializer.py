@@ -41,7 +41,7 @@ from kubeflow_cache_initializer.kube import (
     TRAINJOBS,
     Kube,
 )
-from kubeflow_cache_initializer.rbac import bind_hint, missing_grants
+from kubeflow_cache_initializer.rbac import bind_hint, missing_grants, qualified
 from kubeflow_cache_initializer.wait import wait_until_ready
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,7 @@ def check_grants(kube: Kube, cfg: Config) -> None:
     if status.get("incomplete"):
         log.info("the API lists this ServiceAccount's grants incompletely; the calls will say what is missing")
         return
-    listed = ", ".join(
-        f"`{verb}` {plural}.{group}" if group else f"`{verb}` {plural}" for group, plural, verb in missing
-    )
+    listed = ", ".join(f"`{verb}` {qualified(group, plural)}" for group, plural, verb in missing)
     raise MissingGrantsError(
         f"the initializer's ServiceAccount may not {listed} in namespace {cfg.namespace}, which it needs; "
         f"nothing was made: {bind_hint(cfg.namespace)}"

@@ -55,7 +55,7 @@ def forbidden_hint(group: str, plural: str, verb: str, namespace: str, message: 
     """What to do about a 403 on ``verb`` of ``plural`` in ``namespace``, from the API's message:
     a missing grant (RBAC), the owner-reference admission check, or a ResourceQuota; None for
     anything else (an admission webhook's denial speaks for itself)."""
-    what = f"{plural}.{group}" if group else plural
+    what = qualified(group, plural)
     if "exceeded quota" in message:
         return f"the ResourceQuota of namespace {namespace} does not admit it: raise the quota, or free what it counts"
     if "ownerRef" in message or "blockOwnerDeletion" in message:
@@ -69,6 +69,11 @@ def forbidden_hint(group: str, plural: str, verb: str, namespace: str, message: 
     if (group, plural, verb) not in REQUIRED_PERMISSIONS:
         return None  # not a call of ours; no advice beats wrong advice
     return f"the initializer's ServiceAccount may not `{verb}` {what} in namespace {namespace}: {bind_hint(namespace)}"
+
+
+def qualified(group: str, plural: str) -> str:
+    """`leaderworkersets.leaderworkerset.x-k8s.io`, or `pods` for the core group, as kubectl names them."""
+    return f"{plural}.{group}" if group else plural
 
 
 def bind_hint(namespace: str) -> str:
