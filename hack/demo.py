@@ -9,8 +9,9 @@
 
 Every process runs in its own process group and is stopped on the way out, also on Ctrl-C or a
 failure; a cache that exits while training runs fails the demo at once, with its log. The exit
-code is the training job's (non-zero when the exactly-once check fails); 1 when the cache failed;
-128 + the signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP.
+code is the training job's (non-zero when the exactly-once check fails; 128 + the signal's number
+when torchrun was killed); 1 when the cache failed; 128 + the signal's number when the demo was
+stopped by Ctrl-C, SIGTERM or SIGHUP. Each rank ends with torchrun, however torchrun ends.
 """
 
 from __future__ import annotations
@@ -175,9 +176,13 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) 
         )
         return 1
     if code != 0:
-        print(f"training failed (exit code {code}); its log:\n{train_log.read_text()[-4000:]}", file=sys.stderr)
-    step("demo passed" if code == 0 else f"training failed (exit code {code})", started)
-    return code
+        # torchrun ended by a signal: "exit code -9" said nothing, and sys.exit(-9) exited 247.
+        how = f"torchrun {exit_status(code)}"
+        print(f"training failed ({how}); its log:\n{train_log.read_text()[-4000:]}", file=sys.stderr)
+        step(f"training failed ({how})", started)
+        return code if code > 0 else 128 - code  # as a shell says a signal's end: 137 for SIGKILL
+    step("demo passed", started)
+    return 0
 
 
 def watch(train: subprocess.Popen, cache: subprocess.Popen, timeout: float) -> int | None:

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from kubeflow_data_cache.dataset import DataCacheDataset
+from kubeflow_data_cache.processes import end_with_parent
 
 COLUMNS = ["id", "feature_a", "feature_b", "label"]
 NUM_CLASSES = 10  # sample.py: label = id % 10
@@ -125,6 +126,9 @@ def epoch_verdict(counts: torch.Tensor, rows: int, shards: int, even: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    # End with torchrun, however it ends: SIGKILLed, or interrupted again while it stops us (the
+    # demo's death sends it a SIGTERM per thread the demo had), it leaves its ranks running.
+    end_with_parent()
     args = parse_args(argv)
     if not args.endpoint:
         print("demo_train: pass --endpoint or set DATA_CACHE_ENDPOINT", file=sys.stderr)

@@ -216,6 +216,37 @@ def test_die_with_parent_stops_the_child_when_its_parent_is_sigkilled():
         stop_processes([parent], grace=1, kill_group=True)  # sweeps the child if it outlived the parent
 
 
+# A parent that starts a sleeping child without a preexec_fn (as torchrun starts its ranks): the
+# child asks for the signal itself, says so, then sleeps.
+PARENT_OF_A_CHILD_THAT_ASKS = """
+import subprocess, sys, time
+child = "from kubeflow_data_cache.processes import end_with_parent; import time; "
+child += "print(end_with_parent(), flush=True); time.sleep(600)"
+proc = subprocess.Popen([sys.executable, "-c", child])
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_end_with_parent_stops_a_process_whose_parent_is_sigkilled():
+    """A torchrun rank: started by a program that sets no death signal, and left running when it
+    dies before stopping its ranks."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_OF_A_CHILD_THAT_ASKS], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "True"  # the child's own line: it is set
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        stop_processes([parent], grace=1, kill_group=True)
+
+
 @pytest.mark.parametrize(
     ("code", "said"),
     [

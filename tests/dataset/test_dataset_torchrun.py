@@ -105,7 +105,10 @@ def demo_in_training(rows: int = 200_000) -> Iterator[tuple[subprocess.Popen, li
 
     cmd = [sys.executable, str(REPO_ROOT / "hack" / "demo.py"), "--rows", str(rows), "--files", "2"]
     cmd += ["--epochs", "50"]
-    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A demo killed outright leaves its folder (table, logs: 4.5 MB) where it was: in ours.
+    tmp = tempfile.TemporaryDirectory(prefix="demo-in-training-")
+    env = {**os.environ, "TMPDIR": tmp.name}
+    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
@@ -123,6 +126,8 @@ def demo_in_training(rows: int = 200_000) -> Iterator[tuple[subprocess.Popen, li
         if demo.poll() is None:
             demo.kill()
         demo.stdout.close()
+        demo.wait()
+        tmp.cleanup()
 
 
 def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
@@ -134,6 +139,24 @@ def test_a_demo_killed_outright_takes_its_cache_and_training_job_with_it():
         demo.kill()
         demo.wait(timeout=10)
         _, alive = psutil.wait_procs(descendants, timeout=60)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+
+
+def test_a_torchrun_killed_outright_takes_its_ranks_with_it():
+    """torchrun stops its ranks only if it lives through its own shutdown: SIGKILLed, or given
+    another SIGTERM meanwhile (a dying demo sends one per thread it had), it left them training
+    on, out of the demo's reach. Each rank ends with it now (end_with_parent)."""
+    import psutil
+
+    with demo_in_training() as (demo, descendants):
+        (torchrun,) = [p for p in descendants if p.cmdline()[1:3] == ["-m", "torch.distributed.run"]]
+        ranks = [p for p in descendants if p.cmdline()[2].endswith("demo_train.py")]
+        assert len(ranks) == 2, [p.cmdline() for p in descendants]
+        torchrun.kill()
+        rest = demo.communicate(timeout=60)[0]
+        assert demo.returncode == 128 + 9, rest  # as a shell says SIGKILL's end (it exited 247)
+        assert "training failed (torchrun was killed by SIGKILL)" in rest, rest
+        _, alive = psutil.wait_procs(ranks, timeout=30)
         assert not alive, f"left running: {[p.cmdline() for p in alive]}"
 
 

@@ -1,8 +1,8 @@
 """Stopping child processes: SIGTERM, one shared deadline, then SIGKILL; never an endless wait.
 
 Used by ``data-cache local`` for its nodes, and by the demo, the benchmarks and the tests for the
-clusters and jobs they start. ``die_with_parent`` covers the case where nobody is left to stop
-them: the parent was SIGKILLed.
+clusters and jobs they start. ``die_with_parent`` and ``end_with_parent`` cover the case where
+nobody is left to stop them: the parent was SIGKILLed.
 """
 
 from __future__ import annotations
@@ -78,22 +78,49 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     process dies, however it dies (Linux ``prctl(PR_SET_PDEATHSIG)``); None where unsupported.
 
     The signal follows the *thread* that starts the child: start children from the main thread.
+    It may come more than once: a parent with several threads hands the child from each dying
+    thread to the next, and the kernel signals it at each hand-over (pyarrow's pools alone make
+    several). A child must take the repeats: torchrun's agent, interrupted again while it stops
+    its ranks, leaves them running (hence ``end_with_parent``, in the ranks themselves).
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in the forked child
-    except (OSError, AttributeError):
+    prctl = _prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        # The parent died between the fork and the prctl: nobody would send the signal then.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
+        _set_parent_death_signal(prctl, sig, parent)
 
     return preexec
+
+
+def end_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have this process receive ``sig`` when its parent dies, as ``die_with_parent`` has it for a
+    child we start: for a process started by another program, which cannot be asked (a torchrun
+    rank, whose agent may die before it stops its ranks). Call it first thing: a parent that dies
+    before the call goes unseen. Whether it is set (False where unsupported).
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    _set_parent_death_signal(prctl, sig, os.getppid())
+    return True
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in a forked child
+    except (OSError, AttributeError):
+        return None
+
+
+def _set_parent_death_signal(prctl: Callable[..., int], sig: int, parent: int) -> None:
+    prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    # The parent died before the prctl: nobody would send the signal then.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def exit_now(code: int) -> NoReturn:
