@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import threading
-import time
 
 import pytest
 
@@ -466,9 +465,14 @@ def test_a_train_job_made_again_under_its_name_waits_for_the_old_ones_objects_to
     old_uid = _left_by_an_earlier_job_a(fake, env, left)
     new_uid = add_train_job(fake, "job-a")["metadata"]["uid"]
 
+    # The run's second read of its ServiceAccount: it has seen the old one and waits for it to go.
+    # (A 1.5 s sleep here lost the race on a loaded machine: the run read it only once it was gone.)
+    read_again = threading.Event()
+    fake.before[("serviceaccounts", "get")] = [lambda: None, read_again.set]
+
     def collect_garbage() -> None:
         if "serviceaccounts" in left:
-            time.sleep(1.5)  # the run reads its ServiceAccount again meanwhile
+            read_again.wait(30)
         else:
             fake.wait_for_watches(("leaderworkersets",))
         fake.collect_garbage()
