@@ -202,20 +202,6 @@ time.sleep(600)
 """
 
 
-def test_die_with_parent_stops_the_child_when_its_parent_is_sigkilled():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        child = int(parent.stdout.readline())
-        parent.kill()
-        parent.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(child)
-    finally:
-        stop_processes([parent], grace=1, kill_group=True)  # sweeps the child if it outlived the parent
-
-
 # A parent that starts a sleeping child without a preexec_fn (as torchrun starts its ranks): the
 # child asks for the signal itself, says so, then sleeps.
 PARENT_OF_A_CHILD_THAT_ASKS = """
@@ -228,15 +214,24 @@ time.sleep(600)
 """
 
 
-def test_end_with_parent_stops_a_process_whose_parent_is_sigkilled():
-    """A torchrun rank: started by a program that sets no death signal, and left running when it
-    dies before stopping its ranks."""
+@pytest.mark.parametrize(
+    ("parent_script", "child_says"),
+    [
+        (PARENT, None),
+        # A torchrun rank: started by a program that sets no death signal, and left running when
+        # that program dies before stopping its ranks.
+        (PARENT_OF_A_CHILD_THAT_ASKS, "True"),
+    ],
+    ids=["die_with_parent", "end_with_parent"],
+)
+def test_the_child_stops_when_its_parent_is_sigkilled(parent_script, child_says):
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT_OF_A_CHILD_THAT_ASKS], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", parent_script], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         child = int(parent.stdout.readline())
-        assert parent.stdout.readline().strip() == "True"  # the child's own line: it is set
+        if child_says is not None:
+            assert parent.stdout.readline().strip() == child_says  # the child's own line: it is set
         parent.kill()
         parent.wait(timeout=10)
         deadline = time.monotonic() + 10
@@ -244,7 +239,7 @@ def test_end_with_parent_stops_a_process_whose_parent_is_sigkilled():
             time.sleep(0.05)
         assert not alive(child)
     finally:
-        stop_processes([parent], grace=1, kill_group=True)
+        stop_processes([parent], grace=1, kill_group=True)  # sweeps the child if it outlived the parent
 
 
 @pytest.mark.parametrize(
